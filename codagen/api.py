@@ -1,0 +1,97 @@
+"""The Python API behind the CLI: find specs, load and validate them, plan and write generated files."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .emit.kernel import render_kernel
+from .emit.package import render_package
+from .errors import SpecError, ValidationFailed
+from .loader import parse_kernel, read_spec
+from .model import Kernel, Location, ValueType
+from .validate import check_kernel
+from .writer import Diff, Plan, diff, write
+
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
+
+
+@dataclass(frozen=True)
+class Checked:
+    kernel: Kernel
+    types: dict[str, ValueType]
+
+
+def find_specs(paths: list[str | Path]) -> list[tuple[Path, str]]:
+    """Spec files under the given files and folders, with the path each is shown by, sorted."""
+    found: dict[str, Path] = {}
+    for given in paths:
+        p = Path(given)
+        if p.is_dir():
+            files = [f for f in p.rglob("*") if f.suffix in (".yaml", ".yml") and f.is_file()]
+        elif p.is_file():
+            files = [p]
+        else:
+            raise FileNotFoundError(f"{given}: no such file or folder")
+        for f in files:
+            found.setdefault(display_path(f), f)
+    return sorted((f, shown) for shown, f in found.items())
+
+
+def display_path(p: Path) -> str:
+    """Relative to the working directory when inside it, so that generated headers are the same on every
+    machine; otherwise the path as given."""
+    try:
+        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+def load(paths: list[str | Path]) -> list[Checked]:
+    """Load and validate every spec; raises ValidationFailed with all the errors of all the files."""
+    errors: list[SpecError] = []
+    checked: list[Checked] = []
+    for path, shown in find_specs(paths):
+        if not _SAFE_PATH.fullmatch(shown):
+            errors.append(SpecError(Location(shown.encode("unicode_escape").decode(), 1, 1),
+                                    "spec paths may hold only letters, digits and '_./-'; rename the file"))
+            continue
+        try:
+            root, shown, sha = read_spec(path, shown)
+            kernel = parse_kernel(root, shown, sha)
+            checked.append(Checked(kernel, check_kernel(kernel)))
+        except ValidationFailed as e:
+            errors += e.errors
+    first: dict[str, Kernel] = {}
+    for c in checked:
+        k = c.kernel
+        if k.name in first:
+            errors.append(SpecError(k.loc, f"kernel '{k.name}' is already defined in {first[k.name].source}; "
+                                           "kernel names are unique across specs"))
+        first.setdefault(k.name, k)
+    if errors:
+        raise ValidationFailed(errors)
+    return checked
+
+
+def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
+    checked = load(paths)
+    shown_paths = " ".join(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths)
+    regenerate = f"codagen build {shown_paths}" + ("" if Path(out) == Path("generated") else f" --out {out}")
+    result = Plan()
+    kernels = sorted((c for c in checked), key=lambda c: c.kernel.name)
+    for c in kernels:
+        result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate))
+    for rel, content in render_package([c.kernel for c in kernels], regenerate).items():
+        result.add(rel, content)
+    return result
+
+
+def build(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
+    """Generate into `out`; returns the files that changed. Validation and rendering finish before any
+    file is touched, so a failed build leaves `out` as it was."""
+    return write(plan(paths, out), Path(out))
+
+
+def check(paths: list[str | Path], out: str | Path = "generated") -> Diff:
+    return diff(plan(paths, out), Path(out))

@@ -1,0 +1,1 @@
+"""Emitters: checked specs -> Python and Triton source."""

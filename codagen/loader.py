@@ -1,0 +1,290 @@
+"""Located YAML nodes -> the typed kernel model. Structure only: each mapping's known keys are taken out and
+whatever is left is an error. Rules across steps live in validate.py."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from . import ops
+from .errors import ErrorSink, SpecError, ValidationFailed
+from .model import ACC, BLayout, Dim, DType, Gemm, Input, InputRole, Kernel, Literal, Location, Output, Step
+from .names import name_problem
+from .yamlnodes import Node, load
+
+MAX_STEPS = 512
+_DIMS = {d.value: d for d in Dim}
+_DTYPES = {d.value: d for d in DType}
+
+
+def read_spec(path: Path, display: str | None = None) -> tuple[Node, str, str]:
+    """(root node, display path, sha256 of the bytes) of one spec file."""
+    display = display or str(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValidationFailed([SpecError(Location(display, 1, 1), f"spec is not UTF-8 text ({e.reason})")])
+    try:
+        root = load(text, display)
+    except SpecError as e:
+        raise ValidationFailed([e]) from None
+    return root, display, hashlib.sha256(data).hexdigest()
+
+
+class _Mapping:
+    """Takes known keys out of a mapping node; `finish` reports the keys nobody asked for."""
+
+    def __init__(self, node: Node, what: str, sink: ErrorSink):
+        self.node, self.what, self.sink = node, what, sink
+        self.left = dict(node.value)
+
+    def take(self, key: str, required: bool = True) -> Node | None:
+        if key in self.left:
+            return self.left.pop(key)
+        if required:
+            self.sink.add(self.node.loc, f"{self.what} is missing '{key}'")
+        return None
+
+    def finish(self, allowed: list[str]) -> None:
+        for key in self.left:
+            self.sink.add(self.node.key_locs[key],
+                          f"unknown key '{_short(key)}' in {self.what}; expected one of: {', '.join(allowed)}")
+
+
+def _short(s: str) -> str:
+    s = s.encode("unicode_escape").decode("ascii")
+    return s if len(s) <= 40 else s[:40] + "..."
+
+
+def _is_mapping(node: Node, what: str, sink: ErrorSink) -> bool:
+    if not isinstance(node.value, dict):
+        sink.add(node.loc, f"{what} must be a mapping, got {node.type_name}")
+        return False
+    return True
+
+
+def _name(node: Node, what: str, sink: ErrorSink) -> str | None:
+    problem = name_problem(node.value)
+    if problem:
+        sink.add(node.loc, f"{what}: {problem}" if isinstance(node.value, str) else f"{what}: expected a name, got {node.type_name}")
+        return None
+    return node.value
+
+
+def _ref(node: Node, what: str, sink: ErrorSink, number: bool) -> str | Literal | None:
+    """A reference to a value (or `acc`), or a number literal where allowed."""
+    v = node.value
+    if number and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return Literal(float(v))
+    if v == ACC:
+        return ACC
+    if isinstance(v, str):
+        return _name(node, what, sink)
+    expected = "a value name or a number" if number else "a value name"
+    sink.add(node.loc, f"{what} must be {expected}, got {node.type_name}")
+    return None
+
+
+def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
+    sink = ErrorSink()
+    if not _is_mapping(root, "a spec", sink):
+        sink.raise_if_any()
+    top = _Mapping(root, "the kernel spec", sink)
+    keys = ["kernel", "doc", "gemm", "inputs", "outputs", "epilogue"]
+    name_node = top.take("kernel")
+    name = _name(name_node, "kernel", sink) if name_node else None
+    doc_node = top.take("doc")
+    doc = ""
+    if doc_node is not None:
+        if isinstance(doc_node.value, str) and doc_node.value.strip():
+            doc = " ".join(doc_node.value.split())
+        else:
+            sink.add(doc_node.loc, f"doc must be a sentence saying what the kernel computes, got {doc_node.type_name}")
+    gemm_node = top.take("gemm", required=False)
+    inputs_node = top.take("inputs")
+    outputs_node = top.take("outputs")
+    steps_node = top.take("epilogue")
+    top.finish(keys)
+
+    gemm = _gemm(gemm_node, sink) if gemm_node else None
+    inputs = _inputs(inputs_node, gemm, sink) if inputs_node else ()
+    outputs = _outputs(outputs_node, sink) if outputs_node else ()
+    steps = _steps(steps_node, sink) if steps_node else ()
+    sink.raise_if_any()
+    return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc)
+
+
+def _gemm(node: Node, sink: ErrorSink) -> Gemm | None:
+    if not _is_mapping(node, "gemm", sink):
+        return None
+    m = _Mapping(node, "gemm", sink)
+    a, b, layout = m.take("a"), m.take("b"), m.take("b_layout", required=False)
+    m.finish(["a", "b", "b_layout"])
+    b_layout = BLayout.NK
+    if layout is not None:
+        try:
+            b_layout = BLayout(layout.value)
+        except ValueError:
+            sink.add(layout.loc, f"gemm.b_layout must be 'nk' (b is [N, K], acc = a @ b^T) or 'kn' "
+                                 f"(b is [K, N]), got {layout.type_name}")
+    an = _name(a, "gemm.a", sink) if a else None
+    bn = _name(b, "gemm.b", sink) if b else None
+    if an and bn:
+        return Gemm(an, bn, b_layout, node.loc)
+    return None
+
+
+def _dims(node: Node, what: str, sink: ErrorSink, allow_tiles: bool) -> tuple[Dim, ...] | None:
+    if not isinstance(node.value, list):
+        sink.add(node.loc, f"{what} must be a list of dimensions such as [M, N], got {node.type_name}")
+        return None
+    dims = []
+    for d in node.value:
+        dim = _DIMS.get(d.value) if isinstance(d.value, str) else None
+        if dim is None or (not allow_tiles and dim in (Dim.TILES_M, Dim.TILES_N)):
+            allowed = [x.value for x in Dim if allow_tiles or x not in (Dim.TILES_M, Dim.TILES_N)]
+            sink.add(d.loc, f"{what}: unknown dimension {d.type_name}; expected one of: {', '.join(allowed)}")
+            return None
+        dims.append(dim)
+    if len(dims) > 2:
+        sink.add(node.loc, f"{what} has {len(dims)} dimensions; tensors have at most 2")
+        return None
+    return tuple(dims)
+
+
+def _dtype(node: Node, what: str, sink: ErrorSink) -> DType | None:
+    dt = _DTYPES.get(node.value) if isinstance(node.value, str) else None
+    if dt is None:
+        sink.add(node.loc, f"{what} must be one of: {', '.join(_DTYPES)}, got {node.type_name}")
+    return dt
+
+
+def _tensor_decl(node: Node, what: str, sink: ErrorSink, allow_tiles: bool, extra: tuple[str, ...] = ()):
+    """[dims] or {shape: [dims], dtype: ..., <extra>: ...} -> (dims, dtype or None, {extra: node})."""
+    if isinstance(node.value, list):
+        return _dims(node, f"{what} shape", sink, allow_tiles), None, {}
+    if not isinstance(node.value, dict):
+        sink.add(node.loc, f"{what} must be a shape such as [M, N] or a mapping with 'shape' and 'dtype', "
+                           f"got {node.type_name}")
+        return None, None, {}
+    m = _Mapping(node, what, sink)
+    shape, dtype = m.take("shape"), m.take("dtype", required=False)
+    extras = {k: m.take(k, required=False) for k in extra}
+    m.finish(["shape", "dtype", *extra])
+    dims = _dims(shape, f"{what} shape", sink, allow_tiles) if shape else None
+    dt = _dtype(dtype, f"{what} dtype", sink) if dtype else None
+    return dims, dt, {k: v for k, v in extras.items() if v is not None}
+
+
+def _inputs(node: Node, gemm: Gemm | None, sink: ErrorSink) -> tuple[Input, ...]:
+    if not _is_mapping(node, "inputs", sink):
+        return ()
+    out = []
+    for key, value in node.value.items():
+        loc = node.key_locs[key]
+        name = _name(Node(key, loc), "input name", sink)
+        if name is None:
+            continue
+        if value.value == "scalar":
+            out.append(Input(name, (), DType.FLOAT32, InputRole.HOST_SCALAR, loc))
+            continue
+        dims, dtype, _ = _tensor_decl(value, f"input '{name}'", sink, allow_tiles=False)
+        if dims is None:
+            continue
+        role = InputRole.TENSOR
+        if Dim.K in dims:
+            role = InputRole.GEMM_A if gemm and name == gemm.a else InputRole.GEMM_B
+        out.append(Input(name, dims, dtype or DType.T, role, loc))
+    return tuple(out)
+
+
+def _outputs(node: Node, sink: ErrorSink) -> tuple[Output, ...]:
+    if not _is_mapping(node, "outputs", sink):
+        return ()
+    out = []
+    for key, value in node.value.items():
+        loc = node.key_locs[key]
+        name = _name(Node(key, loc), "output name", sink)
+        if name is None:
+            continue
+        dims, dtype, extras = _tensor_decl(value, f"output '{name}'", sink, allow_tiles=True, extra=("inplace",))
+        if dims is None:
+            continue
+        inplace = False
+        if "inplace" in extras:
+            if isinstance(extras["inplace"].value, bool):
+                inplace = extras["inplace"].value
+            else:
+                sink.add(extras["inplace"].loc, f"output '{name}' inplace must be true or false, "
+                                                f"got {extras['inplace'].type_name}")
+        if dtype is None:
+            dtype = DType.FLOAT32 if (Dim.TILES_M in dims or Dim.TILES_N in dims) else DType.T
+        out.append(Output(name, dims, dtype, inplace, loc))
+    return tuple(out)
+
+
+def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
+    if not isinstance(node.value, list) or not node.value:
+        sink.add(node.loc, f"epilogue must be a non-empty list of steps, got {node.type_name}")
+        return ()
+    if len(node.value) > MAX_STEPS:
+        sink.add(node.loc, f"epilogue has {len(node.value)} steps; at most {MAX_STEPS} are allowed")
+        return ()
+    steps = []
+    for item in node.value:
+        if not isinstance(item.value, dict) or len(item.value) != 1:
+            sink.add(item.loc, "each epilogue step is a mapping with exactly one key, the primitive, "
+                               "such as '- add: {x: acc, y: x, out: x1}'")
+            continue
+        (op, body), = item.value.items()
+        if op not in ops.SIGNATURES:
+            sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}'; expected one of: "
+                                        f"{', '.join(sorted(ops.SIGNATURES))}")
+            continue
+        step = _step(op, body, item.key_locs[op], sink)
+        if step:
+            steps.append(step)
+    return tuple(steps)
+
+
+def _step(op: str, body: Node, loc: Location, sink: ErrorSink) -> Step | None:
+    if not _is_mapping(body, f"{op}", sink):
+        return None
+    signature = ops.SIGNATURES[op]
+    m = _Mapping(body, op, sink)
+    args, arg_locs, out, target, ok = {}, {}, None, None, True
+    for arg in signature:
+        n = m.take(arg.name, required=arg.default is None)
+        if n is None:
+            if arg.default is None:
+                ok = False
+            else:
+                args[arg.name] = arg.default
+            continue
+        arg_locs[arg.name] = n.loc
+        what = f"{op}.{arg.name}"
+        if arg.kind == "enum":
+            if n.value not in arg.choices:
+                sink.add(n.loc, f"{what} must be {_one_of(arg.choices)}, got {n.type_name}")
+                ok = False
+            args[arg.name] = n.value
+        elif arg.kind == "value":
+            ref = _ref(n, what, sink, arg.number)
+            ok &= ref is not None
+            args[arg.name] = ref
+        else:  # index input, defined value, or written output: all plain names
+            name = _name(n, what, sink)
+            ok &= name is not None
+            if arg.kind == "out":
+                out = name
+            elif arg.kind == "target":
+                target = name
+            else:
+                args[arg.name] = name
+    m.finish([a.name for a in signature])
+    return Step(op, args, out, target, loc, arg_locs) if ok else None
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    quoted = [f"'{c}'" for c in choices]
+    return " or ".join(quoted) if len(quoted) == 2 else "one of " + ", ".join(quoted)

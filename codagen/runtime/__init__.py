@@ -1,0 +1,44 @@
+"""What generated modules import at run time: argument checks, tile configurations, device helpers.
+
+Importing this before Triton's JIT decorates a kernel is what lets generated kernels run on a machine with no
+GPU: there, Triton's interpreter is switched on (unless TRITON_INTERPRET is already set either way)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+import contextlib  # noqa: E402
+
+from .checks import Decl, bind, check_tiles  # noqa: E402
+from .configs import Config, pick_config  # noqa: E402
+
+__all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
+           "on_device"]
+
+
+def dot_settings(dtype: torch.dtype) -> dict:
+    """Mainloop constexprs for operand dtype: fp32 operands multiply in full fp32 (as torch does by default,
+    not tf32); under the CPU interpreter every dot runs on fp32 operands, since its bf16 dot is wrong."""
+    return {
+        "UPCAST_DOT": INTERPRETED,
+        "DOT_PRECISION": "ieee" if (dtype == torch.float32 or INTERPRETED) else "tf32",
+    }
+
+
+def needs_int64(tensors) -> bool:
+    """Whether some element's offset reaches 2**31, so that 32-bit index arithmetic would overflow."""
+    return any(
+        sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1 >= 2**31
+        for t in tensors if isinstance(t, torch.Tensor) and t.numel()
+    )
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

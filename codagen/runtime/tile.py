@@ -1,0 +1,123 @@
+"""Device functions that generated epilogues call on fp32 tiles. Pairs are interleaved columns (2j, 2j+1)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(x):
+    # tl has no tanh on every backend (the interpreter included); 2*sigmoid(2x) - 1 is exact in fp32 terms
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def silu(x):
+    return x * tl.sigmoid(x)
+
+
+@triton.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
+def gelu_tanh_grad(x):
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = tanh(inner)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+@triton.jit
+def split_pairs(x):
+    """[BM, 2P] interleaved -> (even columns, odd columns), each [BM, P]."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+
+@triton.jit
+def join_pairs(even, odd):
+    """Inverse of split_pairs."""
+    return tl.reshape(tl.join(even, odd), (even.shape[0], even.shape[1] * 2))
+
+
+@triton.jit
+def swiglu(x):
+    gate, up = split_pairs(x)
+    return silu(gate) * up
+
+
+@triton.jit
+def geglu(x):
+    gate, up = split_pairs(x)
+    return gelu_tanh(gate) * up
+
+
+@triton.jit
+def swiglu_bwd(dy, x):
+    """Gradient of swiglu at the saved pairs x, interleaved as (d gate, d up)."""
+    gate, up = split_pairs(x)
+    sig = tl.sigmoid(gate)
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dy * gate * sig
+    return join_pairs(d_gate, d_up)
+
+
+@triton.jit
+def geglu_bwd(dy, x):
+    gate, up = split_pairs(x)
+    return join_pairs(dy * up * gelu_tanh_grad(gate), dy * gelu_tanh(gate))
+
+
+@triton.jit
+def rope(x, positions, freqs, INVERSE: tl.constexpr):
+    """Rotate each pair (even, odd) by the angle position * frequency; INVERSE rotates back (the backward)."""
+    angle = positions[:, None] * freqs[None, :]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    if INVERSE:
+        sin = -sin
+    even, odd = split_pairs(x)
+    return join_pairs(even * cos - odd * sin, even * sin + odd * cos)
+
+
+@triton.jit
+def _expand(v, AXIS: tl.constexpr):
+    if AXIS == 1:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
+    """Reduce a tile along AXIS (1: over columns, one value per row; 0: over rows), ignoring masked-off
+    elements. OP: 0 sum, 1 sum of squares, 2 max, 3 logsumexp."""
+    if OP == 0:
+        out = tl.sum(tl.where(mask, x, 0.0), axis=AXIS)
+    elif OP == 1:
+        out = tl.sum(tl.where(mask, x * x, 0.0), axis=AXIS)
+    elif OP == 2:
+        out = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
+    else:
+        # online-softmax partial: max, then the sum of exponentials below it, folded into one number
+        big = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
+        safe = tl.where(big == float("-inf"), 0.0, big)
+        total = tl.sum(tl.where(mask, tl.exp(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
+        out = safe + tl.log(total)
+    return out
+
+
+@triton.jit
+def store_selected(ptrs, x, cols, col_mask, index, n_cols, row_mask, first_tile):
+    """Per row, store the element of x in column index[row], from the tile that holds that column; rows
+    whose index is outside [0, n_cols) (an ignore_index) get 0, stored by the first tile of the row."""
+    hit = (cols[None, :] == index[:, None]) & col_mask[None, :]
+    picked = tl.sum(tl.where(hit, x, 0.0), axis=1)
+    owned = tl.sum(hit.to(tl.int32), axis=1) > 0
+    outside = (index < 0) | (index >= n_cols)
+    tl.store(ptrs, tl.where(owned, picked, 0.0), mask=row_mask & (owned | (outside & first_tile)))
+
+
+@triton.jit
+def accumulate(ptrs, x, mask):
+    """Read-modify-write: ptrs += x, adding in fp32."""
+    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + x
+    tl.store(ptrs, total.to(ptrs.dtype.element_ty), mask=mask)

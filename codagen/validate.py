@@ -1,0 +1,240 @@
+"""Rules across a kernel's parts: names, the GEMM's operands, the type of every step, and that each value is
+defined once, before use, and used; each output written exactly once. All errors are reported together."""
+from __future__ import annotations
+
+from . import ops
+from .errors import ErrorSink
+from .model import (ACC, BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Literal, Location, Output,
+                    ValueType, Width, dims_type, type_dims)
+
+_SCALAR = ValueType(Kind.SCALAR)
+_ROW = ValueType(Kind.ROW)
+
+
+def _fmt(dims: tuple[Dim, ...]) -> str:
+    return "[" + ", ".join(d.value for d in dims) + "]"
+
+
+def partial_dims(axis: str, t: ValueType) -> tuple[Dim, ...]:
+    """Shape of the partial-reduction buffer of a tile value: per row and N-tile, or per column and M-tile."""
+    return (Dim.M, Dim.TILES_N) if axis == "cols" else (Dim.for_width(t.width), Dim.TILES_M)
+
+
+def check_kernel(k: Kernel) -> dict[str, ValueType]:
+    """Types of every value of a loaded kernel; raises ValidationFailed listing every problem."""
+    sink = ErrorSink()
+    types: dict[str, ValueType] = {}
+    defined_at: dict[str, Location] = {}
+    _check_declarations(k, sink, types, defined_at)
+    used: set[str] = set()
+    written: dict[str, Location] = {}
+    for step in k.steps:
+        _check_step(k, step, sink, types, defined_at, used, written)
+    for name, loc in defined_at.items():
+        if name not in used:
+            what = "the GEMM accumulator 'acc'" if name == ACC else f"'{name}'"
+            sink.add(loc, f"{what} is never used; remove it or use it in a step")
+    for o in k.outputs:
+        if o.name not in written:
+            how = "accumulate: {x: ..., into: %s}" % o.name if o.inplace else "store: {x: ..., to: %s}" % o.name
+            sink.add(o.loc, f"output '{o.name}' is never written; add a step such as '{how}'")
+    sink.raise_if_any()
+    return types
+
+
+def _check_declarations(k, sink, types, defined_at):
+    seen: dict[str, Location] = {}
+    for decl in (*k.inputs, *k.outputs):
+        if decl.name in seen:
+            sink.add(decl.loc, f"'{decl.name}' is declared twice (first at line {seen[decl.name].line})")
+        seen[decl.name] = decl.loc
+    g = k.gemm
+    if g:
+        for role, name, want in (("a", g.a, (Dim.M, Dim.K)),
+                                 ("b", g.b, (Dim.N, Dim.K) if g.b_layout is BLayout.NK else (Dim.K, Dim.N))):
+            inp = k.input(name)
+            if inp is None:
+                sink.add(g.loc, f"gemm.{role} '{name}' is not among the inputs; declare it as {_fmt(want)}")
+            elif inp.dims != want:
+                layout = f" with b_layout '{g.b_layout.value}'" if role == "b" else ""
+                sink.add(inp.loc, f"gemm.{role} '{name}' must have shape {_fmt(want)}{layout}, got {_fmt(inp.dims)}")
+            elif inp.dtype is not DType.T:
+                sink.add(inp.loc, f"gemm.{role} '{name}' takes the kernel's type T; remove its dtype")
+        if g.a == g.b:
+            sink.add(g.loc, "gemm.a and gemm.b must be different inputs")
+        types[ACC] = ValueType(Kind.TILE, Width.FULL)
+        defined_at[ACC] = g.loc
+    for i in k.inputs:
+        if i.role in (InputRole.GEMM_A, InputRole.GEMM_B):
+            if not g or i.name not in (g.a, g.b):
+                sink.add(i.loc, f"input '{i.name}' has a K dimension but is not an operand of the gemm")
+            continue
+        t = i.type
+        if t is None:
+            sink.add(i.loc, f"input '{i.name}' has shape {_fmt(i.dims)}; epilogue inputs are [M, N] (or N/2, "
+                            "2*N) matrices, [M] row vectors, [N] column vectors or [] scalars")
+            continue
+        if i.dtype is DType.INDEX and t != _ROW:
+            sink.add(i.loc, f"input '{i.name}' has dtype index, which only row vectors [M] may have")
+        types[i.name] = t
+        defined_at[i.name] = i.loc
+    for o in k.outputs:
+        if o.dtype is DType.INDEX:
+            sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
+        if Dim.TILES_M in o.dims or Dim.TILES_N in o.dims:
+            if o.dtype is not DType.FLOAT32:
+                sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32")
+            if o.inplace:
+                sink.add(o.loc, f"output '{o.name}' holds partial reductions and cannot be inplace")
+        elif dims_type(o.dims) is None or o.dims == ():
+            sink.add(o.loc, f"output '{o.name}' has shape {_fmt(o.dims)}; outputs are [M, N] (or N/2, 2*N), [M], "
+                            "[N], or partial-reduction buffers [M, tiles(N)] / [N, tiles(M)]")
+    needs_t = any(d.dtype is DType.T for d in (*k.inputs, *k.outputs))
+    if not g and needs_t and not any(i.dtype is DType.T and i.type and i.type.kind is Kind.TILE for i in k.inputs):
+        sink.add(k.loc, "without a gemm, the kernel's type T is that of its first [M, N] input, and it has none; "
+                        "give the outputs an explicit dtype or add a matrix input")
+    if not g and not any(d.dims and d.dims[0] is Dim.M and len(d.dims) == 2 for d in (*k.inputs, *k.outputs)
+                         if dims_type(d.dims) and dims_type(d.dims).kind is Kind.TILE):
+        sink.add(k.loc, "a kernel without a gemm needs a matrix input or output [M, N] to set its grid")
+
+
+def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
+    if x == y:
+        return x
+    if x.kind is Kind.SCALAR:
+        return y
+    if y.kind is Kind.SCALAR:
+        return x
+    kinds = {x.kind, y.kind}
+    widths = {t.width for t in (x, y) if t.width}
+    if len(widths) > 1:
+        return None
+    width = widths.pop() if widths else None
+    if kinds == {Kind.ROW, Kind.COL} or (Kind.TILE in kinds and kinds <= {Kind.TILE, Kind.ROW, Kind.COL}):
+        return ValueType(Kind.TILE, width)
+    return None
+
+
+def _check_step(k, step, sink, types, defined_at, used, written):
+    op, a = step.op, step.args
+    loc_of = lambda arg: step.arg_locs.get(arg, step.loc)  # noqa: E731
+
+    def typed(arg: str) -> ValueType | None:
+        ref = a.get(arg)
+        if isinstance(ref, Literal):
+            return _SCALAR
+        if ref == ACC and ACC not in types:
+            sink.add(loc_of(arg), f"{op}.{arg}: 'acc' exists only in kernels with a gemm")
+            return None
+        inp = k.input(ref)
+        if inp and inp.role in (InputRole.GEMM_A, InputRole.GEMM_B):
+            sink.add(loc_of(arg), f"{op}.{arg}: '{ref}' is a gemm operand and cannot be read in the epilogue")
+            return None
+        if ref not in types:
+            out = k.output(ref)
+            hint = " (it is an output: outputs are written, not read)" if out else ""
+            sink.add(loc_of(arg), f"{op}.{arg}: '{ref}' is not defined before this step{hint}")
+            return None
+        used.add(ref)
+        return types[ref]
+
+    def need(arg: str, t: ValueType | None, kinds: tuple[Kind, ...], what: str) -> bool:
+        if t is not None and t.kind not in kinds:
+            sink.add(loc_of(arg), f"{op}.{arg} must be {what}, got {t} '{a[arg]}'")
+            return False
+        return t is not None
+
+    result: ValueType | None = None
+    if op in ops.UNARY or op == "cast":
+        result = typed("x")
+    elif op in ops.BINARY:
+        x, y = typed("x"), typed("y")
+        if x and y:
+            result = _broadcast(x, y)
+            if result is None:
+                sink.add(step.loc, f"{op}: cannot combine {x} '{a['x']}' with {y} '{a['y']}'; widths differ")
+        if isinstance(a["x"], Literal) and isinstance(a["y"], Literal):
+            sink.add(step.loc, f"{op}: both operands are numbers; write the result as one number")
+            result = None
+    elif op == "scale":
+        x, by = typed("x"), typed("by")
+        if need("x", x, (Kind.TILE,), "a tile") & need("by", by, (Kind.ROW, Kind.COL, Kind.SCALAR),
+                                                          "a row vector, column vector or scalar"):
+            result = _broadcast(x, by)
+            if result is None:
+                sink.add(loc_of("by"), f"scale.by: {by} '{a['by']}' does not match {x} '{a['x']}'")
+    elif op in ops.GATED:
+        x = typed("x")
+        if need("x", x, (Kind.TILE,), "a tile of interleaved (gate, up) pairs"):
+            if x.width.half is None:
+                sink.add(loc_of("x"), f"{op}.x: {x} has no pairs to halve further")
+            else:
+                result = ValueType(Kind.TILE, x.width.half)
+    elif op in ops.GATED_BWD:
+        dy, x = typed("dy"), typed("x")
+        if need("dy", dy, (Kind.TILE,), "a tile (the gradient of the gated output)") & need(
+                "x", x, (Kind.TILE,), "a tile of the saved (gate, up) pairs"):
+            if dy.width.double != x.width:
+                want = dy.width.double.value if dy.width.double else "none"
+                sink.add(loc_of("x"), f"{op}.x must be twice as wide as dy ([M, {want}]), got {x}")
+            else:
+                result = x
+    elif op in ops.ROTARY:
+        x, pos, freqs = typed("x"), typed("positions"), typed("freqs")
+        ok = need("x", x, (Kind.TILE,), "a tile of interleaved pairs")
+        ok &= need("positions", pos, (Kind.ROW,), "a row vector [M] of positions")
+        ok &= need("freqs", freqs, (Kind.COL,), "a column vector of per-pair frequencies")
+        if ok:
+            if x.width.half is None or freqs.width != x.width.half:
+                want = x.width.half.value if x.width.half else "?"
+                sink.add(loc_of("freqs"), f"{op}.freqs must have one frequency per pair, [{want}], got {freqs}")
+            else:
+                result = x
+    elif op == "reduce":
+        x = typed("x")
+        if need("x", x, (Kind.TILE,), "a tile"):
+            _check_target(k, step, sink, written, partial_dims(a["axis"], x), inplace=False)
+    elif op == "select":
+        x = typed("x")
+        idx = k.input(a["index"])
+        if idx is None or idx.dtype is not DType.INDEX:
+            sink.add(loc_of("index"), f"select.index must be an input of dtype index and shape [M], got '{a['index']}'")
+        else:
+            used.add(idx.name)
+        if need("x", x, (Kind.TILE,), "a tile"):
+            _check_target(k, step, sink, written, (Dim.M,), inplace=False)
+    elif op in ("store", "accumulate"):
+        x = typed("x")
+        if need("x", x, (Kind.TILE, Kind.ROW, Kind.COL), "a tile, row vector or column vector"):
+            _check_target(k, step, sink, written, type_dims(x), inplace=op == "accumulate")
+
+    if step.out is not None:
+        if step.out in defined_at or k.output(step.out) or step.out == ACC:
+            first = defined_at.get(step.out)
+            where = f" (first at line {first.line})" if first else ""
+            sink.add(loc_of("out"), f"{op}.out: '{step.out}' is already defined{where}; values are assigned once")
+        elif result is not None:
+            types[step.out] = result
+            defined_at[step.out] = loc_of("out")
+
+
+def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[Dim, ...], inplace: bool):
+    arg = "into" if step.op == "accumulate" else "to"
+    loc = step.arg_locs.get(arg, step.loc)
+    out: Output | None = k.output(step.target)
+    if out is None:
+        sink.add(loc, f"{step.op}.{arg}: '{step.target}' is not among the outputs")
+        return
+    if out.name in written:
+        sink.add(loc, f"{step.op}.{arg}: output '{out.name}' is already written at line {written[out.name].line}; "
+                      "each output is written once")
+        return
+    written[out.name] = loc
+    if out.inplace != inplace:
+        if inplace:
+            sink.add(loc, f"accumulate.into: output '{out.name}' must be declared with 'inplace: true'")
+        else:
+            sink.add(loc, f"{step.op}.{arg}: output '{out.name}' is inplace; update it with 'accumulate'")
+    if out.dims != want:
+        sink.add(loc, f"{step.op}.{arg}: output '{out.name}' has shape {_fmt(out.dims)}, but this step writes "
+                      f"{_fmt(want)}")
