@@ -2,6 +2,7 @@
 whatever is left is an error. Rules across steps live in validate.py."""
 from __future__ import annotations
 
+import difflib
 import hashlib
 from pathlib import Path
 
@@ -9,9 +10,10 @@ from . import ops
 from .errors import ErrorSink, SpecError, ValidationFailed
 from .model import ACC, BLayout, Dim, DType, Gemm, Input, InputRole, Kernel, Literal, Location, Output, Step
 from .names import name_problem
-from .yamlnodes import Node, load
+from .yamlnodes import MAX_BYTES, Node, load, too_large
 
 MAX_STEPS = 512
+MAX_DOC = 1000  # characters
 _DIMS = {d.value: d for d in Dim}
 _DTYPES = {d.value: d for d in DType}
 
@@ -19,11 +21,22 @@ _DTYPES = {d.value: d for d in DType}
 def read_spec(path: Path, display: str | None = None) -> tuple[Node, str, str]:
     """(root node, display path, sha256 of the bytes) of one spec file."""
     display = display or str(path)
-    data = path.read_bytes()
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)  # never more: a huge file fails here, before it is read or parsed
+            if len(data) > MAX_BYTES:
+                size = max(path.stat().st_size, len(data))
+                raise ValidationFailed([SpecError(Location(display, 1, 1), too_large(size))])
+    except OSError as e:
+        raise ValidationFailed([SpecError(Location(display, 1, 1), f"cannot read the spec: {e.strerror}")]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValidationFailed([SpecError(Location(display, 1, 1), f"spec is not UTF-8 text ({e.reason})")])
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValidationFailed([SpecError(
+            Location(display, line, col),
+            f"spec is not UTF-8 text: byte 0x{data[e.start]:02x} ({e.reason}); save the file as UTF-8")]) from None
     try:
         root = load(text, display)
     except SpecError as e:
@@ -47,8 +60,13 @@ class _Mapping:
 
     def finish(self, allowed: list[str]) -> None:
         for key in self.left:
-            self.sink.add(self.node.key_locs[key],
-                          f"unknown key '{_short(key)}' in {self.what}; expected one of: {', '.join(allowed)}")
+            self.sink.add(self.node.key_locs[key], f"unknown key '{_short(key)}' in {self.what};"
+                                                   f"{_did_you_mean(key, allowed)} expected one of: {', '.join(allowed)}")
+
+
+def _did_you_mean(word: object, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6) if isinstance(word, str) else []
+    return f" did you mean '{close[0]}'?" if close else ""
 
 
 def _short(s: str) -> str:
@@ -94,12 +112,7 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     name_node = top.take("kernel")
     name = _name(name_node, "kernel", sink) if name_node else None
     doc_node = top.take("doc")
-    doc = ""
-    if doc_node is not None:
-        if isinstance(doc_node.value, str) and doc_node.value.strip():
-            doc = " ".join(doc_node.value.split())
-        else:
-            sink.add(doc_node.loc, f"doc must be a sentence saying what the kernel computes, got {doc_node.type_name}")
+    doc = _doc(doc_node, sink) if doc_node is not None else ""
     gemm_node = top.take("gemm", required=False)
     inputs_node = top.take("inputs")
     outputs_node = top.take("outputs")
@@ -112,6 +125,30 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     steps = _steps(steps_node, sink) if steps_node else ()
     sink.raise_if_any()
     return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc)
+
+
+def _doc(node: Node, sink: ErrorSink) -> str:
+    """The doc, on one line. It becomes part of Python docstrings in generated modules, so text that could
+    end or change a string literal (a triple quote, a backslash escape) or is not printable is refused."""
+    if not isinstance(node.value, str) or not node.value.strip():
+        sink.add(node.loc, f"doc must be a sentence saying what the kernel computes, got {node.type_name}")
+        return ""
+    doc = " ".join(node.value.split())
+    bad = next((c for c in doc if not c.isprintable()), None)
+    if '"""' in doc:
+        sink.add(node.loc, 'doc may not contain a triple quote ("""): it goes into the docstring of the '
+                           "generated module and would end it; use single quotes or fewer double quotes")
+    elif "\\" in doc:
+        sink.add(node.loc, "doc may not contain a backslash: it goes into a Python docstring, where '\\' starts "
+                           "an escape sequence; write the text without it")
+    elif bad is not None:
+        sink.add(node.loc, f"doc may not contain the unprintable character U+{ord(bad):04X}; remove it")
+    elif len(doc) > MAX_DOC:
+        sink.add(node.loc, f"doc is {len(doc)} characters long; keep it to one sentence (at most {MAX_DOC}) "
+                           "and put longer notes in YAML comments")
+    else:
+        return doc
+    return ""
 
 
 def _gemm(node: Node, sink: ErrorSink) -> Gemm | None:
@@ -238,8 +275,8 @@ def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
             continue
         (op, body), = item.value.items()
         if op not in ops.SIGNATURES:
-            sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}'; expected one of: "
-                                        f"{', '.join(sorted(ops.SIGNATURES))}")
+            sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}';{_did_you_mean(op, ops.SIGNATURES)} "
+                                        f"expected one of: {', '.join(sorted(ops.SIGNATURES))}")
             continue
         step = _step(op, body, item.key_locs[op], sink)
         if step:
@@ -265,7 +302,8 @@ def _step(op: str, body: Node, loc: Location, sink: ErrorSink) -> Step | None:
         what = f"{op}.{arg.name}"
         if arg.kind == "enum":
             if n.value not in arg.choices:
-                sink.add(n.loc, f"{what} must be {_one_of(arg.choices)}, got {n.type_name}")
+                sink.add(n.loc, f"{what} must be {_one_of(arg.choices)}, got {n.type_name};"
+                                f"{_did_you_mean(n.value, arg.choices)}".rstrip(";"))
                 ok = False
             args[arg.name] = n.value
         elif arg.kind == "value":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
+import unicodedata
 
 IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
@@ -14,6 +15,7 @@ INTERNAL = frozenset("""
     num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_double
     row_mask col_mask col_mask_half col_mask_double tile_mask tile_mask_half tile_mask_double
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
+    launch values sizes t_dtype
 """.split())
 
 
@@ -22,15 +24,37 @@ def name_problem(name: object) -> str | None:
     if not isinstance(name, str):
         return "expected a name"
     if not IDENTIFIER.fullmatch(name):
-        return (f"'{_shorten(name)}' is not a valid name: use lowercase ASCII letters, digits and '_', "
-                "starting with a letter, at most 48 characters")
+        return f"'{_shorten(name)}' is not a valid name: {_why_invalid(name)}"
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         return f"'{name}' is a Python keyword; choose another name"
     if hasattr(builtins, name):
         return f"'{name}' is a Python builtin; choose another name"
     if name in INTERNAL or name.endswith(("_ptr", "_ptrs")) or name.startswith(("stride_", "offs_")):
-        return f"'{name}' is reserved for generated code; choose another name"
+        return (f"'{name}' is reserved for generated code (names such as acc, tl, *_ptr, stride_* and offs_* "
+                "are taken); choose another name")
     return None
+
+
+_RULE = "use lowercase ASCII letters, digits and '_', starting with a letter, at most 48 characters"
+
+
+def _why_invalid(name: str) -> str:
+    foreign = next((c for c in name if ord(c) > 127), None)
+    if foreign is not None:
+        label = unicodedata.name(foreign, "unnamed character")
+        return f"it contains the non-ASCII character U+{ord(foreign):04X} ({label}); {_RULE}"
+    if not name:
+        return f"it is empty; {_RULE}"
+    if len(name) > 48:
+        return f"it is {len(name)} characters long; {_RULE}"
+    if not ("a" <= name[0] <= "z"):
+        return f"it must start with a lowercase letter; {_RULE}"
+    other = next((c for c in name if not (c.islower() or c.isdigit() or c == "_")), None)
+    if other is not None and other.isupper():
+        return f"it contains the capital letter '{other}'; {_RULE}"
+    if other is not None:
+        return f"it contains '{_shorten(other)}'; {_RULE}"
+    return _RULE
 
 
 def _shorten(s: str, n: int = 40) -> str:

@@ -46,7 +46,10 @@ def _check_declarations(k, sink, types, defined_at):
     seen: dict[str, Location] = {}
     for decl in (*k.inputs, *k.outputs):
         if decl.name in seen:
-            sink.add(decl.loc, f"'{decl.name}' is declared twice (first at line {seen[decl.name].line})")
+            sink.add(decl.loc, f"'{decl.name}' is declared twice (first at line {seen[decl.name].line}); "
+                               "inputs and outputs share one namespace")
+        elif decl.name == _kernel_function(k):
+            sink.add(decl.loc, f"'{decl.name}' is the name of the generated Triton kernel; choose another name")
         seen[decl.name] = decl.loc
     g = k.gemm
     if g:
@@ -96,6 +99,10 @@ def _check_declarations(k, sink, types, defined_at):
     if not g and not any(d.dims and d.dims[0] is Dim.M and len(d.dims) == 2 for d in (*k.inputs, *k.outputs)
                          if dims_type(d.dims) and dims_type(d.dims).kind is Kind.TILE):
         sink.add(k.loc, "a kernel without a gemm needs a matrix input or output [M, N] to set its grid")
+
+
+def _kernel_function(k: Kernel) -> str:
+    return f"{k.name}_kernel"
 
 
 def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
@@ -209,7 +216,10 @@ def _check_step(k, step, sink, types, defined_at, used, written):
             _check_target(k, step, sink, written, type_dims(x), inplace=op == "accumulate")
 
     if step.out is not None:
-        if step.out in defined_at or k.output(step.out) or step.out == ACC:
+        if step.out == _kernel_function(k):
+            sink.add(loc_of("out"), f"{op}.out: '{step.out}' is the name of the generated Triton kernel; "
+                                    "choose another name")
+        elif step.out in defined_at or k.output(step.out) or step.out == ACC:
             first = defined_at.get(step.out)
             where = f" (first at line {first.line})" if first else ""
             sink.add(loc_of("out"), f"{op}.out: '{step.out}' is already defined{where}; values are assigned once")

@@ -43,7 +43,7 @@ class Node:
             return f"a boolean ({str(v).lower()})"
         if isinstance(v, (int, float)):
             return f"a number ({v!r})"
-        return f"'{v}'"
+        return f"'{_one_line(v)}'"
 
 
 def _loc(path: str, mark) -> Location:
@@ -52,21 +52,68 @@ def _loc(path: str, mark) -> Location:
 
 def load(text: str, path: str) -> Node:
     """Parse one YAML document into located nodes; raises SpecError on anything unsafe or malformed."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
-        raise SpecError(Location(path, 1, 1), f"spec is larger than {MAX_BYTES // 1024} KiB; is this the right file?")
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise SpecError(Location(path, 1, 1), too_large(size))
     try:
+        _check_events(text, path)  # bounded and tag/anchor-free before the (recursive) composer runs
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = _loc(path, mark) if mark else Location(path, 1, 1)
-        raise SpecError(loc, f"YAML syntax error: {e.problem or e.context}") from None
-    except yaml.YAMLError as e:  # e.g. a second document
-        raise SpecError(Location(path, 1, 1), f"YAML error: {e}") from None
-    except RecursionError:
-        raise SpecError(Location(path, 1, 1), f"YAML nesting is too deep (more than {MAX_DEPTH} levels)") from None
+        problem = e.problem or e.context or "malformed YAML"
+        context = f" ({e.context})" if e.problem and e.context else ""
+        raise SpecError(loc, f"YAML syntax error: {problem}{context}") from None
+    except yaml.YAMLError as e:  # e.g. a control character in the stream
+        raise SpecError(Location(path, 1, 1), f"YAML error: {_one_line(str(e))}") from None
     if root is None:
         raise SpecError(Location(path, 1, 1), "spec is empty; expected a mapping with 'kernel:' or 'block:'")
     return _Walker(path).walk(root, 0)
+
+
+def too_large(size: int) -> str:
+    return (f"spec is {size:,} bytes, more than the {MAX_BYTES // 1024} KiB a spec may have; "
+            "is this the right file?")
+
+
+def _check_events(text: str, path: str) -> None:
+    """One flat pass over the parser's events (no recursion, nothing built): rejects anchors, aliases and
+    explicit tags where they are written, and stops as soon as nesting or size exceeds the limits, so a
+    hostile file fails fast with its location instead of exhausting the stack or memory."""
+    depth = events = 0
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        events += 1
+        if events > MAX_NODES:
+            raise SpecError(_loc(path, ev.start_mark),
+                            f"spec has more than {MAX_NODES:,} YAML nodes; is this the right file?")
+        if isinstance(ev, yaml.AliasEvent):
+            raise SpecError(_loc(path, ev.start_mark), f"YAML alias '*{_one_line(ev.anchor)}' is not allowed: "
+                                                       "specs have no anchors or aliases; write the value out")
+        if isinstance(ev, yaml.NodeEvent) and ev.anchor is not None:
+            raise SpecError(_loc(path, ev.start_mark), f"YAML anchor '&{_one_line(ev.anchor)}' is not allowed: "
+                                                       "specs have no anchors or aliases; write the value out")
+        tag = getattr(ev, "tag", None)
+        if isinstance(ev, yaml.NodeEvent) and tag is not None and tag not in _PLAIN_TAGS and tag != "!":
+            raise SpecError(_loc(path, ev.start_mark), f"YAML tag '{_one_line(_short_tag(tag))}' is not allowed: "
+                                                       "specs hold plain text, numbers, lists and mappings only; "
+                                                       "remove the tag")
+        if isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError(_loc(path, ev.start_mark),
+                                f"YAML nesting is too deep: more than {MAX_DEPTH} levels of lists and mappings "
+                                "(a spec needs at most 4)")
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _short_tag(tag: str) -> str:
+    return "!!" + tag[len("tag:yaml.org,2002:"):] if tag.startswith("tag:yaml.org,2002:") else tag
+
+
+def _one_line(s: str, n: int = 60) -> str:
+    s = s.encode("unicode_escape").decode("ascii")
+    return s if len(s) <= n else s[:n] + "..."
 
 
 class _Walker:
@@ -76,25 +123,34 @@ class _Walker:
 
     def walk(self, node: yaml.Node, depth: int) -> Node:
         loc = _loc(self.path, node.start_mark)
-        if depth > MAX_DEPTH:
-            raise SpecError(loc, f"YAML nesting is too deep (more than {MAX_DEPTH} levels)")
+        if depth > MAX_DEPTH + 1:  # _check_events counts collections; this counts scalars too
+            raise SpecError(loc, f"YAML nesting is too deep: more than {MAX_DEPTH} levels of lists and mappings")
         if id(node) in self.seen:
             raise SpecError(loc, "YAML anchors and aliases are not allowed in specs; write the value out")
         self.seen.add(id(node))
         if len(self.seen) > MAX_NODES:
             raise SpecError(loc, f"spec has more than {MAX_NODES} YAML nodes; is this the right file?")
         kind = _PLAIN_TAGS.get(node.tag)
-        if kind is None:
-            raise SpecError(loc, f"YAML tag '{node.tag}' is not allowed; specs hold plain values only")
+        if kind is None:  # an implicit type that _check_events cannot see, such as a date
+            what = {"timestamp": "a YAML date/time"}.get(_short_tag(node.tag)[2:], f"YAML type '{_short_tag(node.tag)}'")
+            text = f" '{_one_line(node.value)}'" if isinstance(node, yaml.ScalarNode) else ""
+            raise SpecError(loc, f"this value{text} reads as {what}, which specs do not use; "
+                                 "put it in quotes if you mean text")
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Node] = {}
             key_locs: dict[str, Location] = {}
             for k, v in node.value:
                 kloc = _loc(self.path, k.start_mark)
-                if not isinstance(k, yaml.ScalarNode) or _PLAIN_TAGS.get(k.tag) != "str":
-                    raise SpecError(kloc, "mapping keys must be plain names")
+                if not isinstance(k, yaml.ScalarNode):
+                    raise SpecError(kloc, "mapping keys must be plain names, not lists or mappings")
+                if _PLAIN_TAGS.get(k.tag) != "str":
+                    raise SpecError(kloc, f"mapping key '{_one_line(k.value)}' reads as YAML "
+                                          f"{_PLAIN_TAGS.get(k.tag, _short_tag(k.tag))}, not a name; "
+                                          "put it in quotes or choose another name")
                 if k.value in out:
-                    raise SpecError(kloc, f"duplicate key '{k.value}' (first at line {key_locs[k.value].line})")
+                    first = key_locs[k.value]
+                    raise SpecError(kloc, f"duplicate key '{_one_line(k.value)}' (first at line {first.line}, "
+                                          f"column {first.col}); each key appears once in a mapping")
                 key_locs[k.value] = kloc
                 out[k.value] = self.walk(v, depth + 1)
             return Node(out, loc, key_locs)
@@ -111,9 +167,15 @@ def _scalar(node: yaml.ScalarNode, kind: str, loc: Location):
         return None
     if kind == "bool":
         return yaml.SafeLoader.construct_yaml_bool(constructor, node)
-    if kind == "int":
-        return yaml.SafeLoader.construct_yaml_int(constructor, node)
-    value = yaml.SafeLoader.construct_yaml_float(constructor, node)
+    try:
+        if kind == "int":
+            value = yaml.SafeLoader.construct_yaml_int(constructor, node)
+            float(value)  # numbers become float literals; this raises for ints beyond float range
+            return value
+        value = yaml.SafeLoader.construct_yaml_float(constructor, node)
+    except (ValueError, OverflowError):
+        value = float("inf")
     if value != value or value in (float("inf"), float("-inf")):
-        raise SpecError(loc, "numbers must be finite")
+        raise SpecError(loc, f"number '{_one_line(node.value)}' is not a finite float; "
+                             "numbers in specs must be finite floats")
     return value

@@ -2,5 +2,8 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
+- gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
+- lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
+- qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
 """
