@@ -5,6 +5,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .blockcheck import CheckedBlock, check_block
+from .blockspec import Block, parse_block
+from .emit.block import render_block
 from .emit.kernel import render_kernel
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
@@ -47,10 +50,12 @@ def display_path(p: Path) -> str:
         return p.as_posix()
 
 
-def load(paths: list[str | Path]) -> list[Checked]:
-    """Load and validate every spec; raises ValidationFailed with all the errors of all the files."""
+def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
+    """Load and validate every spec, kernels first, then blocks against them; raises ValidationFailed with
+    all the errors of all the files."""
     errors: list[SpecError] = []
     checked: list[Checked] = []
+    blocks: list[Block] = []
     for path, shown in find_specs(paths):
         if not _SAFE_PATH.fullmatch(shown):
             errors.append(SpecError(Location(shown.encode("unicode_escape").decode(), 1, 1),
@@ -58,6 +63,9 @@ def load(paths: list[str | Path]) -> list[Checked]:
             continue
         try:
             root, shown, sha = read_spec(path, shown)
+            if isinstance(root.value, dict) and "block" in root.value:
+                blocks.append(parse_block(root, shown, sha))
+                continue
             kernel = parse_kernel(root, shown, sha)
             checked.append(Checked(kernel, check_kernel(kernel)))
         except ValidationFailed as e:
@@ -69,9 +77,21 @@ def load(paths: list[str | Path]) -> list[Checked]:
             errors.append(SpecError(k.loc, f"kernel '{k.name}' is already defined in {first[k.name].source}; "
                                            "kernel names are unique across specs"))
         first.setdefault(k.name, k)
+    checked_blocks: list[CheckedBlock] = []
+    block_first: dict[str, Block] = {}
+    for b in blocks:
+        if b.name in block_first or b.name in first:
+            other = block_first.get(b.name) or first[b.name]
+            errors.append(SpecError(b.loc, f"'{b.name}' is already defined in {other.source}; names are unique "
+                                           "across specs"))
+        block_first.setdefault(b.name, b)
+        try:
+            checked_blocks.append(check_block(b, first))
+        except ValidationFailed as e:
+            errors += e.errors
     if errors:
         raise ValidationFailed(errors)
-    return checked
+    return [*checked, *checked_blocks]
 
 
 def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
@@ -79,10 +99,14 @@ def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
     shown_paths = " ".join(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths)
     regenerate = f"codagen build {shown_paths}" + ("" if Path(out) == Path("generated") else f" --out {out}")
     result = Plan()
-    kernels = sorted((c for c in checked), key=lambda c: c.kernel.name)
+    kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
+    blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
     for c in kernels:
         result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate))
-    for rel, content in render_package([c.kernel for c in kernels], regenerate).items():
+    for c in blocks:
+        result.add(f"blocks/{c.block.name}.py", render_block(c, regenerate))
+    package = render_package([c.kernel for c in kernels], [c.block for c in blocks], regenerate)
+    for rel, content in package.items():
         result.add(rel, content)
     return result
 

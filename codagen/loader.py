@@ -112,7 +112,7 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     name_node = top.take("kernel")
     name = _name(name_node, "kernel", sink) if name_node else None
     doc_node = top.take("doc")
-    doc = _doc(doc_node, sink) if doc_node is not None else ""
+    doc = doc_text(doc_node, sink) if doc_node is not None else ""
     gemm_node = top.take("gemm", required=False)
     inputs_node = top.take("inputs")
     outputs_node = top.take("outputs")
@@ -127,17 +127,21 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc)
 
 
-def _doc(node: Node, sink: ErrorSink) -> str:
+def doc_text(node: Node, sink: ErrorSink, what: str = "kernel") -> str:
     """The doc, on one line. It becomes part of Python docstrings in generated modules, so text that could
-    end or change a string literal (a triple quote, a backslash escape) or is not printable is refused."""
+    end or change a string literal (a triple quote, a backslash escape, a final double quote) or is not
+    printable is refused. `what` names the thing documented (kernel, block) in the message."""
     if not isinstance(node.value, str) or not node.value.strip():
-        sink.add(node.loc, f"doc must be a sentence saying what the kernel computes, got {node.type_name}")
+        sink.add(node.loc, f"doc must be a sentence saying what the {what} computes, got {node.type_name}")
         return ""
     doc = " ".join(node.value.split())
     bad = next((c for c in doc if not c.isprintable()), None)
     if '"""' in doc:
         sink.add(node.loc, 'doc may not contain a triple quote ("""): it goes into the docstring of the '
                            "generated module and would end it; use single quotes or fewer double quotes")
+    elif doc.endswith('"'):
+        sink.add(node.loc, "doc may not end with a double quote: it goes into a one-line docstring, where a "
+                           "fourth quote would end the string early; end the sentence with a period")
     elif "\\" in doc:
         sink.add(node.loc, "doc may not contain a backslash: it goes into a Python docstring, where '\\' starts "
                            "an escape sequence; write the text without it")
@@ -270,8 +274,12 @@ def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
     steps = []
     for item in node.value:
         if not isinstance(item.value, dict) or len(item.value) != 1:
+            found = item.type_name
+            if isinstance(item.value, dict):
+                keys = ", ".join(_short(k) for k in item.value)
+                found = f"a mapping with {len(item.value)} keys ({keys}); is a '- ' missing before a step?"
             sink.add(item.loc, "each epilogue step is a mapping with exactly one key, the primitive, "
-                               "such as '- add: {x: acc, y: x, out: x1}'")
+                               f"such as '- add: {{x: acc, y: x, out: x1}}', got {found}")
             continue
         (op, body), = item.value.items()
         if op not in ops.SIGNATURES:

@@ -38,6 +38,7 @@ SIGNATURES: dict[str, tuple[Arg, ...]] = {
     "reduce": (Arg("op", "enum", choices=REDUCE_OPS), _X, Arg("axis", "enum", choices=("cols", "rows")),
                Arg("to", "target")),
     "select": (_X, Arg("index", "index"), Arg("to", "target")),
+    "one_hot": (Arg("index", "index"), _OUT),
     "store": (_X, Arg("to", "target")),
     "accumulate": (_X, Arg("into", "target")),
 }

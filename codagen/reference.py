@@ -142,6 +142,10 @@ def _step(kernel, step: Step, env, types: dict[str, ValueType], outs, args, bloc
         picked = x.gather(1, index.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
         outs[step.target] = torch.where(inside, picked, torch.zeros_like(picked))
         return
+    elif op == "one_hot":
+        index = args[a["index"]].long()
+        n = env[ACC].shape[1] if ACC in env else _full_width(kernel, args)
+        result = (index[:, None] == torch.arange(n, device=index.device)[None, :]).to(dtype)
     elif op == "store":
         outs[step.target] = val(a["x"])
         return
@@ -151,6 +155,15 @@ def _step(kernel, step: Step, env, types: dict[str, ValueType], outs, args, bloc
     else:  # pragma: no cover - the validator admits only the ops above
         raise AssertionError(op)
     env[step.out] = result
+
+
+def _full_width(kernel: Kernel, args: dict) -> int:
+    """N, from a tile input, in a kernel without a gemm."""
+    for i in kernel.inputs:
+        t = i.type
+        if t is not None and t.kind is Kind.TILE:
+            return int(args[i.name].shape[1] / _WIDTH[t.width])
+    raise ValueError(f"{kernel.name}: no tile input fixes N")
 
 
 def output_dims(kernel: Kernel, sizes: dict[str, int], block_m: int, block_n: int) -> dict[str, tuple[int, ...]]:

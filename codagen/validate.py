@@ -2,6 +2,8 @@
 defined once, before use, and used; each output written exactly once. All errors are reported together."""
 from __future__ import annotations
 
+import difflib
+
 from . import ops
 from .errors import ErrorSink
 from .model import (ACC, BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Literal, Location, Output,
@@ -32,14 +34,19 @@ def check_kernel(k: Kernel) -> dict[str, ValueType]:
         _check_step(k, step, sink, types, defined_at, used, written)
     for name, loc in defined_at.items():
         if name not in used:
-            what = "the GEMM accumulator 'acc'" if name == ACC else f"'{name}'"
-            sink.add(loc, f"{what} is never used; remove it or use it in a step")
+            if name == ACC:
+                sink.add(loc, "the GEMM accumulator 'acc' is never used; read it in a step such as "
+                              "'- store: {x: acc, to: ...}', or remove the gemm")
+            elif k.input(name):
+                sink.add(loc, f"input '{name}' is never used; remove it from the inputs or read it in a step")
+            else:
+                sink.add(loc, f"value '{name}' is never used; remove the step that defines it or use it")
     for o in k.outputs:
         if o.name not in written:
             how = "accumulate: {x: ..., into: %s}" % o.name if o.inplace else "store: {x: ..., to: %s}" % o.name
             sink.add(o.loc, f"output '{o.name}' is never written; add a step such as '{how}'")
     sink.raise_if_any()
-    return types
+    return {name: t for name, t in types.items() if t is not None}
 
 
 def _check_declarations(k, sink, types, defined_at):
@@ -70,7 +77,8 @@ def _check_declarations(k, sink, types, defined_at):
     for i in k.inputs:
         if i.role in (InputRole.GEMM_A, InputRole.GEMM_B):
             if not g or i.name not in (g.a, g.b):
-                sink.add(i.loc, f"input '{i.name}' has a K dimension but is not an operand of the gemm")
+                sink.add(i.loc, f"input '{i.name}' has a K dimension but is not an operand of the gemm; only "
+                                "gemm.a and gemm.b have K (epilogue inputs are [M, N], [M], [N] or [])")
             continue
         t = i.type
         if t is None:
@@ -86,7 +94,8 @@ def _check_declarations(k, sink, types, defined_at):
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
         if Dim.TILES_M in o.dims or Dim.TILES_N in o.dims:
             if o.dtype is not DType.FLOAT32:
-                sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32")
+                sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32, got "
+                                f"{o.dtype.value}; remove its dtype (float32 is the default) or set dtype: float32")
             if o.inplace:
                 sink.add(o.loc, f"output '{o.name}' holds partial reductions and cannot be inplace")
         elif dims_type(o.dims) is None or o.dims == ():
@@ -138,12 +147,10 @@ def _check_step(k, step, sink, types, defined_at, used, written):
             sink.add(loc_of(arg), f"{op}.{arg}: '{ref}' is a gemm operand and cannot be read in the epilogue")
             return None
         if ref not in types:
-            out = k.output(ref)
-            hint = " (it is an output: outputs are written, not read)" if out else ""
-            sink.add(loc_of(arg), f"{op}.{arg}: '{ref}' is not defined before this step{hint}")
+            sink.add(loc_of(arg), f"{op}.{arg}: {_undefined(k, step, ref, types)}")
             return None
         used.add(ref)
-        return types[ref]
+        return types[ref]  # None when the step that defined it had an error: reported there, not again
 
     def need(arg: str, t: ValueType | None, kinds: tuple[Kind, ...], what: str) -> bool:
         if t is not None and t.kind not in kinds:
@@ -174,7 +181,8 @@ def _check_step(k, step, sink, types, defined_at, used, written):
         x = typed("x")
         if need("x", x, (Kind.TILE,), "a tile of interleaved (gate, up) pairs"):
             if x.width.half is None:
-                sink.add(loc_of("x"), f"{op}.x: {x} has no pairs to halve further")
+                sink.add(loc_of("x"), f"{op}.x: '{a['x']}' is a {x}, already halved: {op} turns each (gate, up) "
+                                      f"pair into one value, so it needs a [M, N] or [M, 2*N] tile of pairs")
             else:
                 result = ValueType(Kind.TILE, x.width.half)
     elif op in ops.GATED_BWD:
@@ -183,7 +191,7 @@ def _check_step(k, step, sink, types, defined_at, used, written):
                 "x", x, (Kind.TILE,), "a tile of the saved (gate, up) pairs"):
             if dy.width.double != x.width:
                 want = dy.width.double.value if dy.width.double else "none"
-                sink.add(loc_of("x"), f"{op}.x must be twice as wide as dy ([M, {want}]), got {x}")
+                sink.add(loc_of("x"), f"{op}.x must be twice as wide as dy ([M, {want}]), got {x} '{a['x']}'")
             else:
                 result = x
     elif op in ops.ROTARY:
@@ -194,57 +202,104 @@ def _check_step(k, step, sink, types, defined_at, used, written):
         if ok:
             if x.width.half is None or freqs.width != x.width.half:
                 want = x.width.half.value if x.width.half else "?"
-                sink.add(loc_of("freqs"), f"{op}.freqs must have one frequency per pair, [{want}], got {freqs}")
+                sink.add(loc_of("freqs"), f"{op}.freqs must have one frequency per pair, [{want}] for a {x}, "
+                                          f"got {freqs} '{a['freqs']}'; declare it as [{want}]")
             else:
                 result = x
     elif op == "reduce":
         x = typed("x")
-        if need("x", x, (Kind.TILE,), "a tile"):
-            _check_target(k, step, sink, written, partial_dims(a["axis"], x), inplace=False)
+        ok = need("x", x, (Kind.TILE,), "a tile")
+        _check_target(k, step, sink, written, partial_dims(a["axis"], x) if ok else None, inplace=False)
     elif op == "select":
         x = typed("x")
         idx = k.input(a["index"])
-        if idx is None or idx.dtype is not DType.INDEX:
-            sink.add(loc_of("index"), f"select.index must be an input of dtype index and shape [M], got '{a['index']}'")
+        if idx is None:
+            sink.add(loc_of("index"), f"select.index: '{a['index']}' is not an input; declare it under inputs "
+                                      f"as '{a['index']}: {{shape: [M], dtype: index}}'")
+        elif idx.dtype is not DType.INDEX:
+            sink.add(loc_of("index"), f"select.index: input '{idx.name}' has dtype {idx.dtype.value}, but select "
+                                      f"needs integer column indices; declare it as "
+                                      f"'{idx.name}: {{shape: [M], dtype: index}}'")
+            used.add(idx.name)
         else:
             used.add(idx.name)
-        if need("x", x, (Kind.TILE,), "a tile"):
-            _check_target(k, step, sink, written, (Dim.M,), inplace=False)
+        ok = need("x", x, (Kind.TILE,), "a tile")
+        _check_target(k, step, sink, written, (Dim.M,) if ok else None, inplace=False)
+    elif op == "one_hot":
+        idx = k.input(a["index"])
+        if idx is None or idx.dtype is not DType.INDEX:
+            sink.add(loc_of("index"), f"one_hot.index must be an input of dtype index and shape [M], "
+                                      f"got '{a['index']}'")
+        else:
+            used.add(idx.name)
+            result = ValueType(Kind.TILE, Width.FULL)
     elif op in ("store", "accumulate"):
         x = typed("x")
-        if need("x", x, (Kind.TILE, Kind.ROW, Kind.COL), "a tile, row vector or column vector"):
-            _check_target(k, step, sink, written, type_dims(x), inplace=op == "accumulate")
+        ok = need("x", x, (Kind.TILE, Kind.ROW, Kind.COL), "a tile, row vector or column vector")
+        _check_target(k, step, sink, written, type_dims(x) if ok else None, inplace=op == "accumulate")
 
     if step.out is not None:
-        if step.out == _kernel_function(k):
-            sink.add(loc_of("out"), f"{op}.out: '{step.out}' is the name of the generated Triton kernel; "
-                                    "choose another name")
-        elif step.out in defined_at or k.output(step.out) or step.out == ACC:
-            first = defined_at.get(step.out)
-            where = f" (first at line {first.line})" if first else ""
-            sink.add(loc_of("out"), f"{op}.out: '{step.out}' is already defined{where}; values are assigned once")
-        elif result is not None:
-            types[step.out] = result
-            defined_at[step.out] = loc_of("out")
+        name, where = step.out, loc_of("out")
+        if name == _kernel_function(k):
+            sink.add(where, f"{op}.out: '{name}' is the name of the generated Triton kernel; choose another name")
+        elif name == ACC:
+            sink.add(where, f"{op}.out: 'acc' is the GEMM accumulator; choose another name for this value")
+        elif k.output(name):
+            sink.add(where, f"{op}.out: '{name}' is an output, and values and outputs share one namespace; "
+                            f"name the value differently and write it with '- store: {{x: <value>, to: {name}}}'")
+        elif k.input(name):
+            sink.add(where, f"{op}.out: '{name}' is already an input (line {k.input(name).loc.line}); "
+                            "values are assigned once: choose a new name")
+        elif name in defined_at:
+            sink.add(where, f"{op}.out: '{name}' is already defined at line {defined_at[name].line}; "
+                            "values are assigned once: choose a new name")
+        else:
+            types[name] = result  # None marks a value whose step failed, so its uses are not errors again
+            defined_at[name] = where
 
 
-def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[Dim, ...], inplace: bool):
+def _undefined(k: Kernel, step, ref: str, types: dict) -> str:
+    """Why `ref` cannot be read at `step`, and the likely fix."""
+    if k.output(ref):
+        return (f"'{ref}' is an output; outputs are written, not read: read the value that was stored "
+                f"into '{ref}' instead")
+    here = next(i for i, s in enumerate(k.steps) if s is step)
+    later = [s for s in k.steps[here + 1:] if s.out == ref]
+    if later:
+        return (f"'{ref}' is used before it is defined (at line {later[0].arg_locs.get('out', later[0].loc).line}); "
+                "move this step after the one that defines it")
+    known = [n for n in types if n != ACC] + [i.name for i in k.inputs]
+    close = difflib.get_close_matches(ref, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; declare it under inputs or define it with 'out: {ref}'"
+    return f"'{ref}' is not defined: it is not an input and no earlier step defines it{hint}"
+
+
+def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[Dim, ...] | None,
+                  inplace: bool):
+    """Record that the step writes its target and check how. `want` is None when the written value's type
+    is unknown (an error already reported): the shape is not checked, and the output counts as written."""
     arg = "into" if step.op == "accumulate" else "to"
     loc = step.arg_locs.get(arg, step.loc)
     out: Output | None = k.output(step.target)
     if out is None:
-        sink.add(loc, f"{step.op}.{arg}: '{step.target}' is not among the outputs")
+        close = difflib.get_close_matches(step.target, [o.name for o in k.outputs], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else "; declare it under outputs"
+        sink.add(loc, f"{step.op}.{arg}: '{step.target}' is not among the outputs{hint}")
         return
     if out.name in written:
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' is already written at line {written[out.name].line}; "
                       "each output is written once")
         return
     written[out.name] = loc
-    if out.inplace != inplace:
+    partial = Dim.TILES_M in out.dims or Dim.TILES_N in out.dims  # an inplace partial is reported on its own
+    if out.inplace != inplace and not partial:
         if inplace:
             sink.add(loc, f"accumulate.into: output '{out.name}' must be declared with 'inplace: true'")
         else:
             sink.add(loc, f"{step.op}.{arg}: output '{out.name}' is inplace; update it with 'accumulate'")
-    if out.dims != want:
+    if want is not None and out.dims != want:
+        what = {("reduce", "cols"): "one partial per row and N-tile",
+                ("reduce", "rows"): "one partial per column and M-tile"}.get((step.op, step.args.get("axis")))
+        what = f" ({what})" if what else ""
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' has shape {_fmt(out.dims)}, but this step writes "
-                      f"{_fmt(want)}")
+                      f"{_fmt(want)}{what}; declare '{out.name}' as {_fmt(want)}")

@@ -51,7 +51,7 @@ def diff(plan: Plan, out: Path) -> Diff:
         p = out / rel
         if not p.is_file():
             missing.append(rel)
-        elif p.read_text(encoding="utf-8") != content:
+        elif p.read_bytes() != content.encode("utf-8"):  # bytes: a file that is not UTF-8 is simply stale
             stale.append(rel)
     extra = [rel for rel in _managed_files(out) if rel not in plan.files]
     return Diff(stale, missing, extra)
@@ -65,15 +65,36 @@ def _ours(p: Path) -> bool:
         return False
 
 
+def _parents(rel: str) -> list[str]:
+    parts = rel.split("/")[:-1]
+    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _file_mode() -> int:
+    """0o666 less the process umask: the mode `open` would give a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write(plan: Plan, out: Path) -> list[str]:
     """Bring `out` in line with the plan; returns what changed. Refuses, before touching anything, to
     overwrite or delete a file that codagen did not write."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"the output folder {out} is a file; choose another --out or move the file away")
     d = diff(plan, out)
     foreign = [rel for rel in (*d.stale, *d.extra) if not _ours(out / rel)]
     if foreign:
         raise FileExistsError(
-            "these files were not written by codagen and would be overwritten or deleted; move them out of "
-            f"{out}/ first: " + ", ".join(foreign))
+            f"{len(foreign)} file(s) in {out}/ do not start with '{MARKER}', so codagen did not write them and "
+            "will not overwrite or delete them: " + ", ".join(f"{out}/{rel}" for rel in foreign)
+            + f"; move them out of {out}/ (or, if they are old generated files, delete them) and build again")
+    blocked = [rel for rel in d.missing if (out / rel).exists() or any(
+        (out / parent).exists() and not (out / parent).is_dir() for parent in _parents(rel))]
+    if blocked:
+        raise FileExistsError(f"cannot write {', '.join(f'{out}/{rel}' for rel in blocked)}: something that is "
+                              "not a file (or a file where a folder should be) is in the way; move it away")
+    mode = _file_mode()
     changed = []
     for rel in (*d.missing, *d.stale):
         target = out / rel
@@ -82,6 +103,7 @@ def write(plan: Plan, out: Path) -> list[str]:
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
                 f.write(plan.files[rel])
+            os.chmod(tmp, mode)  # mkstemp makes files private (0600); generated files are ordinary source
             os.replace(tmp, target)
         except BaseException:
             os.unlink(tmp)

@@ -62,7 +62,11 @@ def load(text: str, path: str) -> Node:
         mark = e.problem_mark or e.context_mark
         loc = _loc(path, mark) if mark else Location(path, 1, 1)
         problem = e.problem or e.context or "malformed YAML"
-        context = f" ({e.context})" if e.problem and e.context else ""
+        context = ""
+        if e.problem and e.context:
+            cm = e.context_mark
+            where = f" that starts at line {cm.line + 1}, column {cm.column + 1}" if cm and cm is not mark else ""
+            context = f" ({e.context}{where})"
         raise SpecError(loc, f"YAML syntax error: {problem}{context}") from None
     except yaml.YAMLError as e:  # e.g. a control character in the stream
         raise SpecError(Location(path, 1, 1), f"YAML error: {_one_line(str(e))}") from None

@@ -143,27 +143,41 @@ class EpilogueEmitter:
         self.lines.append(f"tile.store_selected({to}_ptr + rows * stride_{to}_m, {x}, {COLS[w]}, {col_mask(w)}, "
                           f"{index}, {SIZE[w]}, row_mask, pid_n == 0)")
 
-    def _tensor_ptr_mask(self, name: str, t: ValueType) -> tuple[str, str]:
+    def one_hot(self, s: Step) -> None:
+        index = s.args["index"]
+        self._load(index)
+        self._assign(s, f"tl.where(cols[None, :] == {index}[:, None], 1.0, 0.0)")
+
+    def _tensor_ptr_mask(self, name: str, t: ValueType) -> tuple[str, str, str | None]:
+        """Pointers, mask and the guard of a write: row and column vectors are written by one tile of each
+        row (column) only. The guard is a scalar `if`, not `mask & (pid == 0)`: besides skipping the store,
+        it avoids broadcasting a scalar bool, which Triton's interpreter (3.9) turns into an int32 mask."""
         if t.kind is Kind.TILE:
             self._need_width(t.width, tile=True)
             return (f"{name}_ptr + rows[:, None] * stride_{name}_m + {COLS[t.width]}[None, :] * stride_{name}_n",
-                    tile_mask(t.width))
+                    tile_mask(t.width), None)
         if t.kind is Kind.ROW:  # one copy per row: the first N-tile writes it
-            return f"{name}_ptr + rows * stride_{name}_m", "row_mask & (pid_n == 0)"
+            return f"{name}_ptr + rows * stride_{name}_m", "row_mask", "pid_n == 0"
         self._need_width(t.width)  # one copy per column: the first M-tile writes it
-        return f"{name}_ptr + {COLS[t.width]} * stride_{name}_n", f"{col_mask(t.width)} & (pid_m == 0)"
+        return f"{name}_ptr + {COLS[t.width]} * stride_{name}_n", col_mask(t.width), "pid_m == 0"
+
+    def _guarded(self, guard: str | None, line: str) -> None:
+        if guard is None:
+            self.lines.append(line)
+        else:
+            self.lines += [f"if {guard}:", f"    {line}"]
 
     def store(self, s: Step) -> None:
         t = self.types[s.args["x"]]
         x = self.ref(s.args["x"])
-        ptr, mask = self._tensor_ptr_mask(s.target, t)
-        self.lines.append(f"tl.store({ptr}, {x}.to({s.target}_ptr.dtype.element_ty), mask={mask})")
+        ptr, mask, guard = self._tensor_ptr_mask(s.target, t)
+        self._guarded(guard, f"tl.store({ptr}, {x}.to({s.target}_ptr.dtype.element_ty), mask={mask})")
 
     def accumulate(self, s: Step) -> None:
         t = self.types[s.args["x"]]
         x = self.ref(s.args["x"])
-        ptr, mask = self._tensor_ptr_mask(s.target, t)
-        self.lines.append(f"tile.accumulate({ptr}, {x}, {mask})")
+        ptr, mask, guard = self._tensor_ptr_mask(s.target, t)
+        self._guarded(guard, f"tile.accumulate({ptr}, {x}, {mask})")
 
 
 def _family(op: str) -> str:
@@ -175,7 +189,8 @@ def _family(op: str) -> str:
 
 
 _EMITTERS = {name: getattr(EpilogueEmitter, name) for name in (
-    "unary", "cast", "binary", "scale", "gated", "gated_bwd", "rotary", "reduce", "select", "store", "accumulate")}
+    "unary", "cast", "binary", "scale", "gated", "gated_bwd", "rotary", "reduce", "select", "one_hot", "store",
+    "accumulate")}
 
 
 def emit_epilogue(kernel: Kernel, types: dict[str, ValueType]) -> list[str]:

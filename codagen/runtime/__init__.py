@@ -19,7 +19,7 @@ from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device"]
+           "on_device", "reset_parameters", "row_chunks", "sum_chunks"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -37,6 +37,29 @@ def needs_int64(tensors) -> bool:
         sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1 >= 2**31
         for t in tensors if isinstance(t, torch.Tensor) and t.numel()
     )
+
+
+def row_chunks(rows: int, size: int):
+    """Slices of at most `size` rows covering `rows` (chunked backward passes)."""
+    for start in range(0, rows, size):
+        yield slice(start, min(rows, start + size))
+
+
+def sum_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Sum per-chunk gradients in fp32, then cast back: chunking must not cost precision."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return total.to(parts[0].dtype)
+
+
+def reset_parameters(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
 
 
 def on_device(device: torch.device):

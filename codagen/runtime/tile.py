@@ -101,7 +101,7 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
         big = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = tl.sum(tl.where(mask, tl.exp(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
-        out = safe + tl.log(total)
+        out = safe + tl.log(tl.maximum(total, 1.0))  # total >= 1 on real rows (the max contributes exp(0))
     return out
 
 
@@ -112,8 +112,11 @@ def store_selected(ptrs, x, cols, col_mask, index, n_cols, row_mask, first_tile)
     hit = (cols[None, :] == index[:, None]) & col_mask[None, :]
     picked = tl.sum(tl.where(hit, x, 0.0), axis=1)
     owned = tl.sum(hit.to(tl.int32), axis=1) > 0
-    outside = (index < 0) | (index >= n_cols)
-    tl.store(ptrs, tl.where(owned, picked, 0.0), mask=row_mask & (owned | (outside & first_tile)))
+    tl.store(ptrs, picked, mask=row_mask & owned)
+    # a scalar `if`, not `mask & first_tile`: Triton's interpreter (3.9) broadcasts a scalar bool as int32
+    if first_tile:
+        outside = (index < 0) | (index >= n_cols)
+        tl.store(ptrs, tl.zeros_like(picked), mask=row_mask & outside)
 
 
 @triton.jit

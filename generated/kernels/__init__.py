@@ -3,7 +3,25 @@
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
+- lm_head_ce_grad (specs/backward/lm_head_ce_grad.yaml): Cross-entropy gradient of the logits, recomputed tile by tile, with the RMSNorm backward's row partials.
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
+- norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
+- norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm before it, plus the residual gradient.
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
 - qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
+- rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
+- rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
+- swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output.
 """
+from . import gate_up_swiglu
+from . import lm_head_ce_grad
+from . import lm_head_logsumexp
+from . import norm_dgrad
+from . import norm_dgrad_residual
+from . import out_proj_residual_norm
+from . import qkv_norm_rope
+from . import rmsnorm_stats
+from . import rope_bwd_rowdot
+from . import swiglu_dgrad
+
+__all__ = ["gate_up_swiglu", "lm_head_ce_grad", "lm_head_logsumexp", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]

@@ -1,0 +1,268 @@
+"""Block specs: kernel calls and finish steps composed into a forward and a backward, what is saved between
+them, and the module's constructor arguments and parameters. This file holds the model and the loader;
+blockcheck.py the rules across steps."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .errors import ErrorSink
+from .loader import _is_mapping, _Mapping, _name
+from .model import Location
+from .yamlnodes import Node
+
+# Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
+FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
+    # (argument, kind): value = a block value; size/number = an attr or a literal; out = defines a value
+    "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
+    "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
+    "logsumexp_tiles": (("x", "value"), ("out", "out")),
+    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"),
+                      ("ignore_index", "size"), ("reduction", "choice"), ("loss", "out"), ("weights", "out")),
+    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
+}
+REDUCTIONS = ("mean", "sum")
+TRANSPOSES = ("none", "a", "b")
+_CHOICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_DIM = re.compile(r"(?:(\d+)\*)?([a-z][a-z0-9_]*)(?:/(\d+))?|(\d+)|M")
+
+
+@dataclass(frozen=True)
+class Dimx:
+    """A block dimension: coef * symbol, the symbol an int attr, 'M' (tokens) or a tile count; or a constant."""
+
+    coef: Fraction
+    symbol: str | None
+
+    def __str__(self) -> str:
+        if self.symbol is None:
+            return str(self.coef)
+        if self.coef == 1:
+            return self.symbol
+        if self.coef.denominator == 1:
+            return f"{self.coef.numerator}*{self.symbol}"
+        return f"{self.symbol}/{self.coef.denominator}" if self.coef.numerator == 1 else f"{self.coef}*{self.symbol}"
+
+    def scaled(self, f: Fraction) -> "Dimx":
+        return Dimx(self.coef * f, self.symbol)
+
+
+TOKENS = Dimx(Fraction(1), "M")
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: str  # "int", "float", "choice"
+    default: object
+    choices: tuple[str, ...]
+    loc: Location
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dims: tuple[Dimx, ...]
+    dtype: str  # "T", "float32", "index"
+    grad: bool
+    alias: str | None  # an output that is an input passed through (its gradient flows back to that input)
+    loc: Location
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    op: str  # a kernel name or a finish op
+    args: dict  # argument (a callee input or output) -> value name, attr name or literal
+    loc: Location
+    arg_locs: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    doc: str
+    attrs: tuple[Attr, ...]
+    params: tuple[Tensor, ...]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    forward: tuple[BlockStep, ...]
+    save: tuple[tuple[str, Location], ...]
+    backward: tuple[BlockStep, ...]
+    backward_row_chunks: str | int | None  # backward runs on chunks of rows of this many (an attr or a number)
+    source: str
+    sha256: str
+    loc: Location
+
+    def attr(self, name: str) -> Attr | None:
+        return next((a for a in self.attrs if a.name == name), None)
+
+
+def parse_dim(text: object) -> Dimx | None:
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return Dimx(Fraction(text), None)
+    if not isinstance(text, str):
+        return None
+    m = _DIM.fullmatch(text)
+    if not m:
+        return None
+    if text == "M":
+        return TOKENS
+    if m.group(4):
+        return Dimx(Fraction(int(m.group(4))), None)
+    coef = Fraction(int(m.group(1) or 1), int(m.group(3) or 1))
+    return Dimx(coef, m.group(2)) if coef > 0 else None
+
+
+def parse_block(root: Node, path: str, sha256: str) -> Block:
+    sink = ErrorSink()
+    if not _is_mapping(root, "a spec", sink):
+        sink.raise_if_any()
+    top = _Mapping(root, "the block spec", sink)
+    keys = ["block", "doc", "attrs", "params", "inputs", "outputs", "forward", "save", "backward",
+            "backward_row_chunks"]
+    name_node = top.take("block")
+    name = _name(name_node, "block", sink) if name_node else None
+    doc_node = top.take("doc")
+    doc = ""
+    if doc_node is not None:
+        if isinstance(doc_node.value, str) and doc_node.value.strip() and '"""' not in doc_node.value \
+                and "\\" not in doc_node.value:
+            doc = " ".join(doc_node.value.split())
+        else:
+            sink.add(doc_node.loc, "doc must be a sentence saying what the block computes (no backslashes or "
+                                   f'triple quotes), got {doc_node.type_name}')
+    attrs = _attrs(top.take("attrs", required=False), sink)
+    params = _tensors(top.take("params", required=False), "params", sink, allow_flags=False)
+    inputs = _tensors(top.take("inputs"), "inputs", sink, allow_flags=True)
+    outputs = _tensors(top.take("outputs"), "outputs", sink, allow_flags=True)
+    forward = _steps(top.take("forward"), "forward", sink)
+    save_node = top.take("save", required=False)
+    backward_node = top.take("backward", required=False)
+    chunks_node = top.take("backward_row_chunks", required=False)
+    top.finish(keys)
+    save: list[tuple[str, Location]] = []
+    if save_node is not None:
+        if isinstance(save_node.value, list):
+            for item in save_node.value:
+                n = _name(item, "save", sink)
+                if n:
+                    save.append((n, item.loc))
+        else:
+            sink.add(save_node.loc, f"save must be a list of value names, got {save_node.type_name}")
+    backward = _steps(backward_node, "backward", sink) if backward_node is not None else ()
+    chunks = None
+    if chunks_node is not None:
+        v = chunks_node.value
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 or isinstance(v, str):
+            chunks = v
+        else:
+            sink.add(chunks_node.loc, f"backward_row_chunks must be a positive number of rows or an int attr, "
+                                      f"got {chunks_node.type_name}")
+    sink.raise_if_any()
+    return Block(name, doc, attrs, params, inputs, outputs, forward, tuple(save), backward, chunks, path,
+                 sha256, root.loc)
+
+
+def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
+    if node is None or not _is_mapping(node, "attrs", sink):
+        return ()
+    out = []
+    for key, value in node.value.items():
+        loc = node.key_locs[key]
+        name = _name(Node(key, loc), "attr name", sink)
+        v = value.value
+        if name is None:
+            continue
+        if v in ("int", "float"):
+            out.append(Attr(name, v, None, (), loc))
+        elif isinstance(v, bool):
+            sink.add(value.loc, f"attr '{name}': booleans are not supported; use 'int', 'float', a number or a list")
+        elif isinstance(v, int):
+            out.append(Attr(name, "int", v, (), loc))
+        elif isinstance(v, float):
+            out.append(Attr(name, "float", v, (), loc))
+        elif isinstance(v, list) and v and all(isinstance(c.value, str) and _CHOICE.fullmatch(c.value) for c in v):
+            out.append(Attr(name, "choice", v[0].value, tuple(c.value for c in v), loc))
+        else:
+            sink.add(value.loc, f"attr '{name}' must be 'int' or 'float' (required), a number (the default) or a "
+                                f"list of choices (the first is the default), got {value.type_name}")
+    return tuple(out)
+
+
+def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -> tuple[Tensor, ...]:
+    if node is None or not _is_mapping(node, what, sink):
+        return ()
+    out = []
+    for key, value in node.value.items():
+        loc = node.key_locs[key]
+        name = _name(Node(key, loc), f"{what} name", sink)
+        if name is None:
+            continue
+        dtype, grad, alias, shape = "T", True, None, value
+        if isinstance(value.value, dict):
+            m = _Mapping(value, f"{what} '{name}'", sink)
+            shape = m.take("shape")
+            dt = m.take("dtype", required=False)
+            g = m.take("grad", required=False) if allow_flags else None
+            a = m.take("alias", required=False) if allow_flags else None
+            m.finish(["shape", "dtype"] + (["grad", "alias"] if allow_flags else []))
+            if dt is not None:
+                if dt.value in ("T", "float32", "index"):
+                    dtype = dt.value
+                else:
+                    sink.add(dt.loc, f"{what} '{name}' dtype must be 'T', 'float32' or 'index', got {dt.type_name}")
+            if g is not None:
+                if isinstance(g.value, bool):
+                    grad = g.value
+                else:
+                    sink.add(g.loc, f"{what} '{name}' grad must be true or false, got {g.type_name}")
+            if a is not None:
+                alias = _name(a, f"{what} '{name}' alias", sink)
+            if shape is None:
+                continue
+        if not isinstance(shape.value, list):
+            sink.add(shape.loc, f"{what} '{name}' must be a shape such as [M, dim], got {shape.type_name}")
+            continue
+        dims = []
+        for d in shape.value:
+            dim = parse_dim(d.value)
+            if dim is None:
+                sink.add(d.loc, f"{what} '{name}': dimension {d.type_name} must be M, an int attr, k*attr, "
+                                "attr/k or a positive number")
+            dims.append(dim)
+        if None in dims:
+            continue
+        out.append(Tensor(name, tuple(dims), dtype, grad and dtype != "index", alias, loc))
+    return tuple(out)
+
+
+def _steps(node: Node | None, what: str, sink: ErrorSink) -> tuple[BlockStep, ...]:
+    if node is None:
+        return ()
+    if not isinstance(node.value, list) or not node.value:
+        sink.add(node.loc, f"{what} must be a non-empty list of steps, got {node.type_name}")
+        return ()
+    steps = []
+    for item in node.value:
+        if not isinstance(item.value, dict) or len(item.value) != 1:
+            sink.add(item.loc, f"each {what} step is a mapping with one key, a kernel or finish op, such as "
+                               "'- rstd: {x: ss, size: dim, eps: eps, out: r}'")
+            continue
+        (op, body), = item.value.items()
+        oploc = item.key_locs[op]
+        if not _is_mapping(body, op, sink):
+            continue
+        args, locs = {}, {}
+        for key, value in body.value.items():
+            locs[key] = body.key_locs[key]
+            v = value.value
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                sink.add(value.loc, f"{op}.{key} must be a value name, an attr or a number, got {value.type_name}")
+                continue
+            if isinstance(v, str) and v != "_" and _name(value, f"{op}.{key}", sink) is None:
+                continue
+            args[key] = v
+            locs[key] = value.loc
+        steps.append(BlockStep(op, args, oploc, locs))
+    return tuple(steps)

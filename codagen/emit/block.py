@@ -1,0 +1,95 @@
+"""A checked block -> its generated module: a torch.autograd.Function whose forward and backward call the
+generated kernels and finish steps, and the nn.Module that owns the parameters."""
+from __future__ import annotations
+
+from ..blockcheck import DISCARD, Call, CheckedBlock
+from ..blockspec import TOKENS, Dimx
+from .templates import render
+
+_FINISH = {"rstd": "finish.rstd", "sum_tiles": "finish.sum_tiles", "logsumexp_tiles": "finish.logsumexp_tiles",
+           "cross_entropy": "finish.cross_entropy", "matmul": "finish.matmul"}
+
+
+def class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _dim_src(d: Dimx) -> str:
+    if d.symbol is None:
+        return str(d.coef)
+    if d.coef == 1:
+        return d.symbol
+    if d.coef.denominator == 1:
+        return f"{d.coef.numerator} * {d.symbol}"
+    return f"{d.coef.numerator} * {d.symbol} // {d.coef.denominator}"
+
+
+def _arg_src(a, names: set[str], rename: dict[str, str]) -> str:
+    """A value or attr by name (values renamed to their row slices in a chunked backward), else a literal."""
+    if isinstance(a, str) and a in names:
+        return rename.get(a, a)
+    return repr(a)
+
+
+def _call_lines(c: Call, names: set[str], rename: dict[str, str]) -> list[str]:
+    args = ", ".join(_arg_src(a, names, rename) for a in c.args)
+    fn = f"kernels.{c.op}.{c.op}" if c.kernel else _FINISH[c.op]
+    return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{', '.join(c.outs)} = {fn}({args})"]
+
+
+def render_block(cb: CheckedBlock, regenerate: str) -> str:
+    b = cb.block
+    names = {a.name for a in b.attrs} | set(cb.values)
+    forward = [line for c in cb.forward for line in _call_lines(c, names, {})]
+    saved = [name for name, _ in b.save] + [p.name for p in b.params]
+    outputs = []
+    for o in b.outputs:
+        outputs.append(f"{o.alias}.view_as({o.alias})" if o.alias else o.name)
+    non_diff = [o.name for o in b.outputs if not o.grad and not o.alias]
+    grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
+    returns = [g or "None" for g in cb.grads] + ["None"] * len(b.attrs)
+    chunked = b.backward_row_chunks is not None
+    sliced, row_grads, summed_grads = [], [], []
+    backward = []
+    if chunked:
+        row_values = {n for n in (*saved, *grad_params) if n in cb.values and cb.values[n].dims[:1] == (TOKENS,)}
+        sliced = sorted(row_values, key=lambda n: (*saved, *grad_params).index(n))
+        rename = {n: f"{n}_rows" for n in sliced}
+        backward = [line for c in cb.backward for line in _call_lines(c, names, rename)]
+        for g in cb.grads:
+            if g:
+                (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
+    else:
+        backward = [line for c in cb.backward for line in _call_lines(c, names, {})]
+    first_row_value = sliced[0] if sliced else None
+    return render(
+        "block.py.j2",
+        b=b,
+        cls=class_name(b.name),
+        kernels=sorted({c.op for c in (*cb.forward, *cb.backward) if c.kernel}),
+        inputs=[t.name for t in b.inputs],
+        params=b.params,
+        param_shapes={p.name: "(" + ", ".join(_dim_src(d) for d in p.dims) + ("," if len(p.dims) == 1 else "") + ")"
+                      for p in b.params},
+        attrs=b.attrs,
+        attr_names=[a.name for a in b.attrs],
+        forward=forward,
+        saved=saved,
+        outputs=outputs,
+        non_diff=non_diff,
+        grad_params=grad_params,
+        backward=backward,
+        returns=returns,
+        chunk=_arg_src(b.backward_row_chunks, names, {}) if chunked else None,
+        sliced=sliced,
+        first_row_value=first_row_value,
+        row_grads=row_grads,
+        summed_grads=summed_grads,
+        regenerate=regenerate,
+        apply_args=[line for line in (
+            ", ".join(t.name for t in b.inputs) + ",",
+            "".join(f"self.{p.name}, " for p in b.params).rstrip(),
+            "".join(f"self.{a.name}, " for a in b.attrs).rstrip(),
+        ) if line],
+        signature=", ".join([t.name for t in b.inputs] + [p.name for p in b.params] + [a.name for a in b.attrs]),
+    )

@@ -1,0 +1,131 @@
+"""A small Llama built from codagen's generated block modules, and the same model in plain PyTorch (Hugging
+Face weight layout) as its reference. codagen.convert maps weights between the two.
+
+Attention is PyTorch's scaled_dot_product_attention; everything else runs in generated kernels:
+NormStats (first layer only) -> [PreAttention -> attention -> PostAttention] x layers -> LmHeadLoss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codagen.convert import LlamaShape, rope_freqs
+from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
+
+
+def attention(qkv: torch.Tensor, shape: LlamaShape, batch: int, seq: int) -> torch.Tensor:
+    """Causal GQA attention over [batch * seq, qkv_dim] -> [batch * seq, dim]."""
+    hd = shape.head_dim
+    q, k, v = qkv.split([shape.n_heads * hd, shape.n_kv_heads * hd, shape.n_kv_heads * hd], dim=1)
+    q = q.reshape(batch, seq, shape.n_heads, hd).transpose(1, 2)
+    k = k.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    v = v.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    groups = shape.n_heads // shape.n_kv_heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(batch * seq, shape.n_heads * hd)
+
+
+class Layer(nn.Module):
+    def __init__(self, shape: LlamaShape, device=None, dtype=None):
+        super().__init__()
+        self.pre = PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
+        self.post = PostAttention(shape.dim, shape.ffn_dim, shape.eps, device=device, dtype=dtype)
+
+
+class CodagenLlama(nn.Module):
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 8192, device=None, dtype=None):
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
+        self.norm_stats = NormStats(shape.dim, shape.eps)
+        self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
+        self.head = LmHeadLoss(shape.dim, shape.vocab, ignore_index, "mean", chunk_rows, device=device, dtype=dtype)
+        self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        x = self.embed(tokens).reshape(batch * seq, self.shape.dim)
+        positions = torch.arange(seq, device=tokens.device).repeat(batch)
+        # every norm's statistics come from the epilogue before it; the first layer's from norm_stats
+        h, rstd = self.norm_stats(x, self.layers[0].pre.wn)
+        for i, layer in enumerate(self.layers):
+            x, qkv = layer.pre(x, h, rstd, positions, self.freqs)
+            y = attention(qkv, self.shape, batch, seq)
+            wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
+            x, h, rstd = layer.post(y, x, wn_next)
+        return self.head(x, h, rstd, targets.reshape(-1))
+
+
+# ---- the reference: a plain PyTorch Llama in Hugging Face's layout and names ----
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class PlainLlama(nn.Module):
+    """Parameter names follow transformers' LlamaForCausalLM, so codagen.convert applies to its state dict."""
+
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, device=None, dtype=None):
+        super().__init__()
+        self.shape, self.ignore_index = shape, ignore_index
+        kw = dict(device=device, dtype=dtype)
+        hd = shape.head_dim
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.dim, **kw)
+        self.model.layers = nn.ModuleList()
+        for _ in range(shape.n_layers):
+            layer = nn.Module()
+            layer.input_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_proj = nn.Linear(shape.dim, shape.n_heads * hd, bias=False, **kw)
+            layer.self_attn.k_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
+            layer.self_attn.v_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
+            layer.self_attn.o_proj = nn.Linear(shape.n_heads * hd, shape.dim, bias=False, **kw)
+            layer.post_attention_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.mlp = nn.Module()
+            layer.mlp.gate_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            layer.mlp.up_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            layer.mlp.down_proj = nn.Linear(shape.ffn_dim, shape.dim, bias=False, **kw)
+            self.model.layers.append(layer)
+        self.model.norm = RMSNorm(shape.dim, shape.eps, **kw)
+        self.lm_head = nn.Linear(shape.dim, shape.vocab, bias=False, **kw)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        batch, seq = tokens.shape
+        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
+        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
+        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
+        cos, sin = emb.cos().float(), emb.sin().float()
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            n = layer.input_layernorm(x)
+            a = layer.self_attn
+            q = a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim).transpose(1, 2)
+            k = a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
+            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            groups = s.n_heads // s.n_kv_heads
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                               is_causal=True)
+            x = x + a.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+            n = layer.post_attention_layernorm(x)
+            m = layer.mlp
+            x = x + m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n))
+        logits = self.lm_head(self.model.norm(x)).float()
+        return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
