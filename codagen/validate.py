@@ -25,7 +25,7 @@ def partial_dims(axis: str, t: ValueType) -> tuple[Dim, ...]:
 def check_kernel(k: Kernel) -> dict[str, ValueType]:
     """Types of every value of a loaded kernel; raises ValidationFailed listing every problem."""
     sink = ErrorSink()
-    types: dict[str, ValueType] = {}
+    types: dict[str, ValueType | None] = {}  # None: defined by a step with an error (reported there)
     defined_at: dict[str, Location] = {}
     _check_declarations(k, sink, types, defined_at)
     used: set[str] = set()
@@ -292,6 +292,10 @@ def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[D
         return
     written[out.name] = loc
     partial = Dim.TILES_M in out.dims or Dim.TILES_N in out.dims  # an inplace partial is reported on its own
+    if partial and step.op != "reduce":
+        sink.add(loc, f"{step.op}.{arg}: output '{out.name}' holds partial reductions {_fmt(out.dims)}; write it "
+                      f"with '- reduce: {{op: ..., x: ..., axis: ..., to: {out.name}}}'")
+        return
     if out.inplace != inplace and not partial:
         if inplace:
             sink.add(loc, f"accumulate.into: output '{out.name}' must be declared with 'inplace: true'")

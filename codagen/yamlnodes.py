@@ -67,12 +67,25 @@ def load(text: str, path: str) -> Node:
             cm = e.context_mark
             where = f" that starts at line {cm.line + 1}, column {cm.column + 1}" if cm and cm is not mark else ""
             context = f" ({e.context}{where})"
-        raise SpecError(loc, f"YAML syntax error: {problem}{context}") from None
-    except yaml.YAMLError as e:  # e.g. a control character in the stream
-        raise SpecError(Location(path, 1, 1), f"YAML error: {_one_line(str(e))}") from None
+        hint = _SYNTAX_HINTS.get(problem, "")
+        raise SpecError(loc, f"YAML syntax error: {problem}{context}{hint}") from None
+    except yaml.reader.ReaderError as e:  # a control character in the text
+        line = text.count("\n", 0, e.position) + 1
+        col = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        raise SpecError(Location(path, line, col), f"the control character U+{e.character:04X} is not allowed in "
+                                                   "a spec; remove it") from None
+    except yaml.YAMLError as e:
+        raise SpecError(Location(path, 1, 1), f"YAML error: {_one_line(str(e), 200)}") from None
     if root is None:
         raise SpecError(Location(path, 1, 1), "spec is empty; expected a mapping with 'kernel:' or 'block:'")
     return _Walker(path).walk(root, 0)
+
+
+_SYNTAX_HINTS = {
+    "mapping values are not allowed here": "; a ': ' inside unquoted text starts a mapping: put the text in "
+                                           "quotes, or check the indentation of this line",
+    "found character '\\t' that cannot start any token": "; indent with spaces, not tabs",
+}
 
 
 def too_large(size: int) -> str:
@@ -106,7 +119,7 @@ def _check_events(text: str, path: str) -> None:
             if depth > MAX_DEPTH:
                 raise SpecError(_loc(path, ev.start_mark),
                                 f"YAML nesting is too deep: more than {MAX_DEPTH} levels of lists and mappings "
-                                "(a spec needs at most 4)")
+                                "(specs need only a few)")
         elif isinstance(ev, yaml.CollectionEndEvent):
             depth -= 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import Dim, DType, Input, InputRole, Kernel, Output, ValueType
+from ..model import Dim, DType, Input, InputRole, Kernel, Output, ValueType, Width
 from .epilogue import emit_epilogue
 from .templates import render
 
@@ -95,6 +95,7 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         returns=returns,
         epilogue=emit_epilogue(k, types),
         has_k=k.gemm is not None,
+        even_n=any(t.width is Width.HALF for t in types.values()),
         regenerate=regenerate,
     )
 

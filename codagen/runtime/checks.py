@@ -23,9 +23,11 @@ def _fail(kernel: str, message: str):
     raise ValueError(f"{kernel}: {message}")
 
 
-def bind(kernel: str, decls: tuple[Decl, ...], values: dict) -> tuple[dict, torch.dtype, torch.device]:
+def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False
+         ) -> tuple[dict, torch.dtype, torch.device]:
     """Check the tensors against their declarations; return the sizes {M, N, K}, the type T and the device.
-    Tile-count dimensions are checked later, by check_tiles, once the tile shape is known."""
+    `even_n`: the epilogue splits columns into pairs. Tile-count dimensions are checked later, by
+    check_tiles, once the tile shape is known."""
     sizes: dict[str, int] = {}
     t_dtype = device = None
     for d in decls:
@@ -57,7 +59,7 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict) -> tuple[dict, torc
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         _fail(kernel, "tensors are on the CPU; generated kernels run on CUDA devices, or on the CPU through "
                       "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
-    if any("N/2" in d.dims for d in decls) and sizes.get("N", 0) % 2:
+    if (even_n or any("N/2" in d.dims for d in decls)) and sizes.get("N", 0) % 2:
         _fail(kernel, f"N must be even, since columns come in pairs; got N={sizes['N']}")
     return sizes, t_dtype, device
 

@@ -105,7 +105,7 @@ def gate_up_swiglu_kernel(
 def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch."""
     values = {"h": h, "w_gate_up": w_gate_up, "rstd": rstd, "z": z, "y": y}
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
     if M == 0 or N == 0:

@@ -86,7 +86,7 @@ def rope_bwd_rowdot_kernel(
 def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch."""
     values = {"qkv": qkv, "grad_qkv": grad_qkv, "positions": positions, "freqs": freqs, "dz": dz, "zdz_part": zdz_part}
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     M, N = sizes["M"], sizes["N"]
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))

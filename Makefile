@@ -1,0 +1,31 @@
+# Set-up on a fresh machine is two commands (README): `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU path: torch's CPU build (a bare `torch` would pull a multi-GB CUDA build) and triton for its
+# interpreter, which runs the generated kernels on the CPU. A GPU machine brings its own torch and triton.
+CPU_PINS := torch==2.13.0 triton==3.9.0 "numpy==2.4.*"
+
+.PHONY: demo test build check clean
+
+$(BIN)/codagen: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(CPU_PINS)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: $(BIN)/codagen
+	$(BIN)/codagen build specs/
+	$(BIN)/python examples/demo.py
+
+test: $(BIN)/codagen
+	$(BIN)/python -m pytest -q
+
+build: $(BIN)/codagen
+	$(BIN)/codagen build specs/
+
+check: $(BIN)/codagen
+	$(BIN)/codagen build specs/ --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,171 @@
+"""Shared test setup: Triton's CPU interpreter, the test kernels built from tests/specs/, and random
+arguments for any generated kernel module.
+
+Arguments are drawn from a module's DECLS (and the host scalars of its `launch`), so the same helpers serve
+the test kernels and the kernels of specs/ in generated/, whatever their specs hold."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Before anything imports triton: without a GPU, kernels run on the CPU through Triton's interpreter.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+from codagen import api  # noqa: E402
+from codagen.runtime import Config  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+TEST_SPECS = TESTS / "specs"
+PACKAGE = "cg_test_generated"
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+# -- the test kernels -------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def test_kernels(tmp_path_factory) -> Callable[[str], object]:
+    """Build tests/specs/ into <tmp>/cg_test_generated once per session; returns name -> kernel module."""
+    root = tmp_path_factory.mktemp("codagen")
+    api.build([TEST_SPECS], out=root / PACKAGE)
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+
+    def import_kernel(name: str):
+        return importlib.import_module(f"{PACKAGE}.kernels.{name}")
+
+    yield import_kernel
+    sys.path.remove(str(root))
+
+
+_MODELS: dict[str, object] = {}
+
+
+def kernel_model(name: str):
+    """The checked kernel model (codagen.model.Kernel) of a test kernel, loaded with codagen.api.load."""
+    if not _MODELS:
+        _MODELS.update({c.kernel.name: c.kernel for c in api.load([TEST_SPECS])})
+    return _MODELS[name]
+
+
+def all_test_kernels() -> list[str]:
+    return sorted(p.stem for p in TEST_SPECS.glob("t_*.yaml"))
+
+
+@pytest.fixture(scope="session")
+def model() -> Callable[[str], object]:
+    return kernel_model
+
+
+# -- random arguments -------------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """Keyword arguments of a module's `launch`, plus what a test needs to check the outputs."""
+
+    kwargs: dict  # name -> tensor or float, for launch (without config)
+    inputs: dict  # the inputs (and the inplace outputs' values before the launch) for the reference
+    outputs: dict  # output name -> the view the kernel writes
+    bases: dict = field(default_factory=dict)  # output name -> (base tensor, its copy before the launch, mask)
+
+
+def scalar_names(module) -> list[str]:
+    """Host-scalar parameters of a module's launch: parameters that are neither tensors nor config."""
+    decls = {d.name for d in module.DECLS}
+    return [p for p in inspect.signature(module.launch).parameters if p not in decls and p != "config"]
+
+
+def dim_size(dim: str, sizes: dict, config: Config) -> int:
+    m, n = sizes["M"], sizes["N"]
+    return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
+            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.block_n)}[dim]
+
+
+def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]], torch.Tensor]):
+    """`values` as a contiguous tensor (how 0) or as a non-contiguous view of a larger base made by
+    `base_fill`: transposed (how 1) or a column slice (how 2); 1-d: every other element. Returns (view, base,
+    view_of), where view_of maps a tensor shaped like the base to the same view of it."""
+    shape = tuple(values.shape)
+    if how == 0 or len(shape) == 0:
+        return values, values, lambda t: t
+    if len(shape) == 1:
+        base_shape, view_of = (2 * shape[0] + 1,), lambda t: t[1::2]
+    elif how == 1:
+        base_shape, view_of = (shape[1], shape[0]), lambda t: t.t()
+    else:
+        base_shape, view_of = (shape[0], shape[1] + 5), lambda t: t[:, 3:3 + shape[1]]
+    base = base_fill(base_shape).to(values.dtype)
+    view = view_of(base)
+    view.copy_(values)
+    return view, base, view_of
+
+
+def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, strided: bool = False,
+              generator: torch.Generator | None = None, index_dtype: torch.dtype = torch.int64,
+              special: dict | None = None) -> Args:
+    """Fresh random arguments for `module.launch`: floating inputs from randn (never zeros), index inputs in
+    [0, N) with every fifth row out of range (-100, or past any width), outputs pre-filled with NaN (inplace
+    outputs with random data). With `strided`, every tensor is a non-contiguous view (transposed, a column
+    slice or every other element), outputs included, and each output's base is kept to check that nothing
+    outside the view is written. `special` maps an input name to a function (shape, generator) -> tensor."""
+    special = special or {}
+    g = generator
+    n = sizes["N"]
+    inplace = set(inplace_names(module))
+    kwargs, inputs, outputs, bases = {}, {}, {}, {}
+    nan = lambda s: torch.full(s, float("nan"))  # noqa: E731
+    rand = lambda s: torch.randn(s, generator=g)  # noqa: E731
+    for i, d in enumerate(module.DECLS):
+        shape = tuple(dim_size(x, sizes, config) for x in d.dims)
+        dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, index_dtype)
+        if d.name in special:
+            values = special[d.name](shape, g)
+        elif d.output and d.name not in inplace:
+            values = nan(shape)
+        elif d.dtype == "index":
+            values = torch.randint(0, n, shape, generator=g)
+            values[0::10] = -100  # rows 0, 5, 10, ...: outside [0, N/2), [0, N) and [0, 2*N)
+            values[5::10] = 2 * n + 7
+        else:
+            values = rand(shape)
+        how = (1 + i % 2) if strided else 0
+        view, base, view_of = _embed(values.to(dt), how, nan if d.output and d.name not in inplace else rand)
+        kwargs[d.name] = view
+        if d.output:
+            outputs[d.name] = view
+            mask = torch.zeros(base.shape, dtype=torch.bool)
+            view_of(mask).fill_(True)
+            bases[d.name] = (base, base.clone(), mask)
+            if d.name in inplace:
+                inputs[d.name] = view.clone()
+        else:
+            inputs[d.name] = view
+    for s in scalar_names(module):
+        value = float(special[s]((), g)) if s in special else 0.5 + torch.rand((), generator=g).item()
+        kwargs[s] = inputs[s] = value
+    return Args(kwargs, inputs, outputs, bases)
+
+
+def inplace_names(module) -> list[str]:
+    params = inspect.signature(module.launch).parameters
+    return [d.name for d in module.DECLS if d.output and params[d.name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def op_of(module):
+    """The torch.library op of a generated module (named after its kernel)."""
+    return getattr(module, module.NAME)
+
+
+def op_args(module, args: Args) -> tuple:
+    """Positional arguments of the module's op: its inputs (tensors and host scalars), then inplace outputs."""
+    params = [n for n, p in inspect.signature(op_of(module)).parameters.items()]
+    return tuple(args.kwargs[n] for n in params)

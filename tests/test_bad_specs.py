@@ -1,0 +1,467 @@
+"""The bad-spec corpus: every way a spec can be wrong that we know of, each with the exact place the error
+must point at and the words it must say. Specs are written to tmp_path and loaded with codagen.api.load,
+which raises ValidationFailed listing every error (SpecError: .loc file/line/col, .message).
+
+Most cases are variations of one good spec, built by `spec()` with a fixed layout, so that line numbers
+are easy to read off:
+
+    1 kernel:   2 doc:   3 gemm:   4 inputs:   5 outputs:   6 epilogue:   7.. one step per line
+
+A case's `at` is (line, token): the error's column is where `token` first occurs on that line (or an int
+column). `words` must all appear in the message. `count` is how many errors the file yields in all: one
+mistake should give one error, not a cascade."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from codagen import api
+from codagen.errors import SpecError, ValidationFailed
+
+STEPS = [
+    "add: {x: acc, y: x, out: x_new}",                        # 7
+    "store: {x: x_new, to: x_out}",                           # 8
+    "reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",     # 9
+    "scale: {x: x_new, by: wn, out: hv}",                     # 10
+    "store: {x: hv, to: h}",                                  # 11
+]
+INPUTS = "{y: [M, K], w_o: [N, K], x: [M, N], wn: [N]}"
+OUTPUTS = "{x_out: [M, N], h: [M, N], ss: [M, tiles(N)]}"
+AB = "{a: [M, K], b: [N, K]"  # inputs of the smaller kernels below, to be closed with more inputs and '}'
+
+
+def spec(kernel="k1", doc="Out-projection with the residual add and the RMSNorm statistics.",
+         gemm="{a: y, b: w_o, b_layout: nk}", inputs=INPUTS, outputs=OUTPUTS, steps=STEPS) -> str:
+    """A spec in the fixed layout of the module docstring; each argument is the YAML text after its key."""
+    lines = [f"kernel: {kernel}", f"doc: {doc}", f"gemm: {gemm}" if gemm else "# no gemm",
+             f"inputs: {inputs}", f"outputs: {outputs}", "epilogue:"] + [f"  - {s}" for s in steps]
+    return "\n".join(lines) + "\n"
+
+
+def ab_spec(inputs: str, outputs: str, steps: list[str]) -> str:
+    """A smaller kernel: gemm a @ b^T plus the given inputs (YAML text inside the braces)."""
+    return spec(gemm="{a: a, b: b}", inputs=f"{AB}, {inputs}}}" if inputs else AB + "}", outputs=outputs,
+                steps=steps)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    text: str | bytes
+    at: tuple[int, str | int | None]  # (line, token or column or None for "line only")
+    words: tuple[str, ...]
+    count: int = 1
+
+
+def c(id, text, at, *words, count=1) -> Case:
+    return Case(id, text, at, words, count)
+
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+kernel: k1
+"""
+
+CASES = [
+    # -- YAML that must never be constructed ----------------------------------------------------------------
+    c("python_apply_os_system", spec(kernel='!!python/object/apply:os.system ["echo pwned"]'), (1, "!!python"),
+      "tag '!!python/object/apply:os.system'", "not allowed", "remove the tag"),
+    c("python_name", spec(doc="!!python/name:os.system ''"), (2, "!!python"), "'!!python/name:os.system'"),
+    c("python_object_in_step", spec(steps=["add: !!python/object:os.Evil {x: acc, y: x, out: x_new}"] + STEPS[1:]),
+      (7, "!!python"), "'!!python/object:os.Evil'", "not allowed"),
+    c("python_module_in_inputs", spec(inputs="!!python/module:os {}"), (4, "!!python"), "'!!python/module:os'"),
+    c("binary_tag", spec(doc="!!binary aGVsbG8gd29ybGQ="), (2, "!!binary"), "tag '!!binary'", "not allowed"),
+    c("set_tag", spec(outputs="!!set {x_out: null}"), (5, "!!set"), "tag '!!set'"),
+    c("local_tag", spec(kernel="!shell k1"), (1, "!shell"), "tag '!shell'", "not allowed"),
+    c("billion_laughs", BILLION_LAUGHS, (1, "&a"), "anchor '&a'", "not allowed", "write the value out"),
+    c("anchor_alias_in_spec", spec(inputs="&ins {y: [M, K], w_o: [N, K], x: [M, N], wn: [N]}", outputs="*ins"),
+      (4, "&ins"), "anchor '&ins'", "no anchors or aliases"),
+    c("alias_without_anchor", spec(doc="*d"), (2, "*d"), "alias '*d'", "not allowed"),
+    c("implicit_date", spec(doc="2026-12-02"), (2, "2026"), "'2026-12-02'", "date", "quotes"),
+    c("boolean_key", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], on: [M]}"), (4, "on:"),
+      "key 'on' reads as YAML bool", "quotes"),
+    c("huge_integer", spec(steps=["mul: {x: acc, y: " + "9" * 5000 + ", out: x_new}"] + STEPS[1:]), (7, "999"),
+      "number '9999", "finite"),
+    c("nan_literal", spec(steps=["mul: {x: acc, y: .nan, out: x_new}"] + STEPS[1:]), (7, ".nan"), "finite"),
+    # -- malformed YAML and unreadable files ----------------------------------------------------------------
+    c("syntax_unclosed_flow_mapping", spec(gemm="{a: y, b: w_o, b_layout: nk"), (4, ":"),
+      "YAML syntax error: expected ',' or '}'", "while parsing a flow mapping that starts at line 3, column 7"),
+    c("syntax_bad_indentation", spec().replace("\ndoc:", "\n  doc:"), (2, ":"),
+      "YAML syntax error: mapping values are not allowed here", "put the text in quotes"),
+    c("syntax_tab", spec().replace("  - store: {x: hv", "\t- store: {x: hv"), (11, 1), "YAML syntax error", "'\\t'", "spaces, not tabs"),
+    c("two_documents", spec() + "---\n" + spec(), (12, 1), "single document"),
+    c("deep_nesting", "kernel: " + "[" * 2000 + "]" * 2000 + "\n", (1, 9 + 15), "nesting is too deep",
+      "16 levels"),
+    c("huge_file", spec() + "# padding padding padding padding padding padding padding\n" * 5000, (1, 1),
+      "bytes, more than the 256 KiB", "right file"),
+    c("empty_file", "", (1, 1), "spec is empty", "'kernel:'"),
+    c("only_comments", "# nothing here\n\n", (1, 1), "spec is empty"),
+    c("not_utf8", spec().encode().replace(b"Out-projection", b"Out-pr\xf6jection"), (2, len("doc: Out-pr") + 1), "not UTF-8",
+      "0xf6"),
+    c("control_character", spec(doc="Adds the\x07 residual."), (2, "\x07"), "control character U+0007"),
+    c("top_level_list", "- kernel: k1\n", (1, 1), "a spec must be a mapping, got a list"),
+    # -- structure: keys -----------------------------------------------------------------------------------
+    c("duplicate_top_level_key", spec().replace("outputs:", "inputs: {q: [M]}\noutputs:"), (5, "inputs"),
+      "duplicate key 'inputs'", "first at line 4"),
+    c("duplicate_key_in_step", spec(steps=["add: {x: acc, y: x, x: wn, out: x_new}"] + STEPS[1:]), (7, "x: wn"),
+      "duplicate key 'x'", "first at line 7"),
+    c("unknown_top_level_key", spec().replace("epilogue:", "version: 2\nepilogue:"), (6, "version"),
+      "unknown key 'version' in the kernel spec", "expected one of: kernel, doc, gemm, inputs, outputs, epilogue"),
+    c("misspelt_top_level_key", spec().replace("inputs:", "inptus:"), (4, "inptus"),
+      "unknown key 'inptus'", "did you mean 'inputs'?", count=2),  # and: the kernel spec is missing 'inputs'
+    c("missing_outputs", spec().replace(f"outputs: {OUTPUTS}", "# no outputs"), (1, 1),
+      "the kernel spec is missing 'outputs'"),
+    c("unknown_key_in_step", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, along: cols, out: hv}", STEPS[4]]),
+      (10, "along"), "unknown key 'along' in scale", "expected one of: x, by, out"),
+    c("unknown_key_in_gemm", spec(gemm="{a: y, b: w_o, trans_b: true}"), (3, "trans_b"),
+      "unknown key 'trans_b' in gemm", "a, b, b_layout"),
+    c("unknown_primitive", spec(steps=STEPS[:2] + ["reduc: {op: sumsq, x: x_new, axis: cols, to: ss}"] + STEPS[3:]),
+      (9, "reduc"), "unknown primitive 'reduc'", "did you mean 'reduce'?"),
+    c("missing_step_argument", spec(steps=["add: {x: acc, out: x_new}"] + STEPS[1:]), (7, "{"),
+      "add is missing 'y'"),
+    c("step_missing_dash", spec().replace("  - store: {x: x_new, to: x_out}", "    store: {x: x_new, to: x_out}"),
+      (7, "add"), "exactly one key", "got a mapping with 2 keys (add, store)", "'- ' missing"),
+    c("step_with_two_primitives", spec(steps=["{add: {x: acc, y: x, out: x_new}, mul: {x: acc, y: 2.0, out: m}}"]
+                                       + STEPS[1:]), (7, "{"), "exactly one key"),
+    # -- structure: types of YAML values --------------------------------------------------------------------
+    c("number_for_kernel_name", spec(kernel="42"), (1, "42"), "kernel: expected a name, got a number (42)"),
+    c("number_for_store_target", spec(steps=STEPS[:4] + ["store: {x: hv, to: 3}"]), (11, "3"),
+      "store.to: expected a name, got a number (3)"),
+    c("list_for_inputs", spec(inputs="[y, w_o, x, wn]"), (4, "["), "inputs must be a mapping, got a list"),
+    c("list_for_step_body", spec(steps=["add: [acc, x, x_new]"] + STEPS[1:]), (7, "["),
+      "add must be a mapping, got a list"),
+    c("mapping_for_shape_dim", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, {n: N}], wn: [N]}"), (4, "{n"),
+      "unknown dimension a mapping", "expected one of: M, K, N/2, N, 2*N"),
+    c("unknown_dimension", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, D], wn: [N]}"), (4, "D]"),
+      "input 'x' shape: unknown dimension 'D'", "expected one of: M, K, N/2, N, 2*N"),
+    c("tiles_in_input", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, tiles(N)], wn: [N]}"), (4, "tiles"),
+      "unknown dimension 'tiles(N)'"),
+    c("three_dims", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N, N], wn: [N]}"), (4, "[M, N, N]"),
+      "3 dimensions", "at most 2"),
+    c("unknown_dtype", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: {shape: [N], dtype: float64}}"),
+      (4, "float64"), "dtype must be one of: T, float32, float16, bfloat16, index, got 'float64'"),
+    c("inplace_not_bool", ab_spec("", "{o: {shape: [M, N], inplace: yes please}}", ["accumulate: {x: acc, into: o}"]),
+      (5, "yes please"), "inplace must be true or false", "got 'yes please'"),
+    c("doc_not_text", spec(doc="3"), (2, "3"), "doc must be a sentence", "got a number (3)"),
+    # -- enums ---------------------------------------------------------------------------------------------
+    c("axis_col", spec(steps=STEPS[:2] + ["reduce: {op: sumsq, x: x_new, axis: col, to: ss}"] + STEPS[3:]),
+      (9, "col,"), "reduce.axis must be 'cols' or 'rows', got 'col'", "did you mean 'cols'?"),
+    c("reduce_op_mean", spec(steps=STEPS[:2] + ["reduce: {op: mean, x: x_new, axis: cols, to: ss}"] + STEPS[3:]),
+      (9, "mean"), "reduce.op must be one of 'sum', 'sumsq', 'max', 'logsumexp', got 'mean'"),
+    c("b_layout_nt", spec(gemm="{a: y, b: w_o, b_layout: nt}"), (3, "nt"),
+      "gemm.b_layout must be 'nk'", "or 'kn'", "got 'nt'"),
+    # -- names: identifiers that reach generated source -----------------------------------------------------
+    c("name_injection_semicolon", spec(kernel='"x; import os"'), (1, '"x;'),
+      "kernel: 'x; import os' is not a valid name", "contains ';'", "lowercase ASCII letters"),
+    c("name_injection_newline", spec(steps=['add: {x: acc, y: x, out: "a\\nimport os"}'] + STEPS[1:]), (7, '"a'),
+      "add.out: 'a\\nimport os' is not a valid name", "contains '\\n'"),
+    c("name_unicode_lookalike", spec(inputs="{y: [M, K], w_o: [N, K], \u0445: [M, N], wn: [N]}"),
+      (4, "\u0445"), "'\\u0445' is not a valid name", "U+0445", "CYRILLIC SMALL LETTER HA"),
+    c("name_dunder_import", spec(kernel="__import__"), (1, "__import__"), "'__import__' is not a valid name",
+      "start with a lowercase letter"),
+    c("name_uppercase", spec(kernel="OutProj"), (1, "OutProj"), "'OutProj' is not a valid name"),
+    c("name_too_long", spec(kernel="k" * 49), (1, 9), "49 characters long"),
+    c("name_keyword_lambda", spec(inputs="{y: [M, K], w_o: [N, K], lambda: [M, N], wn: [N]}"), (4, "lambda"),
+      "'lambda' is a Python keyword"),
+    c("name_builtin_print", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: print}", "store: {x: print, to: h}"]),
+      (10, "print"), "'print' is a Python builtin", count=2),  # the store reads the same bad name
+    c("name_reserved_acc_as_out", spec(steps=["add: {x: acc, y: x, out: acc}"] + STEPS[1:]), (7, "acc}"),
+      "'acc' is reserved for generated code"),
+    c("name_reserved_tl", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], tl: [N]}"), (4, "tl"),
+      "'tl' is reserved for generated code"),
+    c("name_reserved_ptr_suffix", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], foo_ptr: [M]}"),
+      (5, "foo_ptr"), "'foo_ptr' is reserved for generated code", "*_ptr"),
+    c("name_reserved_stride_prefix", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: stride_x}"] + STEPS[4:]),
+      (10, "stride_x"), "'stride_x' is reserved for generated code"),
+    c("name_reserved_launch", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], launch: [N]}"), (4, "launch"),
+      "'launch' is reserved"),
+    c("name_of_generated_kernel", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], k1_kernel: [M]}"),
+      (4, "k1_kernel"), "'k1_kernel' is the name of the generated Triton kernel", count=2),  # and: never used
+    # -- doc text: it goes into docstrings -----------------------------------------------------------------
+    c("doc_triple_quote", spec(doc="'Adds \"\"\" + __import__(\"os\").system(\"ls\") + \"\"\"'"), (2, "'"),
+      'triple quote (""")', "docstring"),
+    c("doc_backslash", spec(doc="'Scales by \\N{GREEK SMALL LETTER ALPHA}'"), (2, "'"), "backslash", "escape"),
+    c("doc_ends_with_quote", spec(doc="'Computes the \"residual\"'"), (2, "'"), "may not end with a double quote"),
+    c("doc_control_character", spec(doc='"Adds\\0 the residual."'), (2, '"'), "unprintable character U+0000"),
+    # -- the gemm --------------------------------------------------------------------------------------------
+    c("gemm_a_wrong_shape", spec(inputs="{y: [K, M], w_o: [N, K], x: [M, N], wn: [N]}"), (4, "y"),
+      "gemm.a 'y' must have shape [M, K], got [K, M]"),
+    c("gemm_b_wrong_shape_for_kn", spec(gemm="{a: y, b: w_o, b_layout: kn}"), (4, "w_o"),
+      "gemm.b 'w_o' must have shape [K, N] with b_layout 'kn', got [N, K]"),
+    c("gemm_a_not_an_input", spec(gemm="{a: yy, b: w_o}"), (3, "{"),
+      "gemm.a 'yy' is not among the inputs", "declare it as [M, K]", count=2),  # and: 'y' is a K input unused
+    c("k_input_not_in_gemm", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], z: [M, K]}"), (4, "z:"),
+      "input 'z' has a K dimension but is not an operand of the gemm"),
+    c("gemm_operand_read_in_epilogue", spec(steps=["add: {x: acc, y: y, out: x_new}"] + STEPS[1:]), (7, "y, out"),
+      "add.y: 'y' is a gemm operand and cannot be read in the epilogue", count=2),  # and: input 'x' unused
+    c("acc_without_gemm", spec(gemm=None, inputs="{x: [M, N], wn: [N]}"), (7, "acc"),
+      "add.x: 'acc' exists only in kernels with a gemm"),
+    # -- values: defined once, before use, and used -------------------------------------------------------
+    c("undefined_value", spec(steps=[STEPS[0], "store: {x: x_nwe, to: x_out}"] + STEPS[2:]), (8, "x_nwe"),
+      "store.x: 'x_nwe' is not defined", "did you mean 'x_new'?"),
+    c("used_before_defined", spec(steps=[STEPS[1], STEPS[0]] + STEPS[2:]), (7, "x_new"),
+      "'x_new' is used before it is defined (at line 8)", "move this step"),
+    c("redefined_value", spec(steps=STEPS + ["mul: {x: x_new, y: 2.0, out: x_new}"]), (12, "x_new}"),
+      "mul.out: 'x_new' is already defined at line 7", "assigned once"),
+    c("value_named_like_input", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: wn}", "store: {x: wn, to: h}"]),
+      (10, "wn}"), "scale.out: 'wn' is already an input (line 4)", count=2),  # the store then reads input wn [N]
+    c("value_named_like_output", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: h}", "store: {x: h, to: h}"]),
+      (10, "h}"), "scale.out: 'h' is an output", count=2),  # and the store reads the output 'h'
+    c("output_read_as_value", spec(steps=STEPS + ["exp: {x: h, out: e}", "store: {x: e, to: h2}"],
+                                   outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], h2: [M, N]}"),
+      (12, "h,"), "exp.x: 'h' is an output; outputs are written, not read"),
+    c("unused_value", spec(steps=STEPS + ["exp: {x: x_new, out: e}"]), (12, "e}"), "value 'e' is never used"),
+    c("unused_input", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], bias: [N]}"), (4, "bias"),
+      "input 'bias' is never used"),
+    c("unused_acc", spec(steps=["mul: {x: x, y: 2.0, out: x_new}"] + STEPS[1:]), (3, "{"),
+      "the GEMM accumulator 'acc' is never used"),
+    c("declared_twice", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], x: [M, N]}"), (5, "x:"),
+      "'x' is declared twice (first at line 4)", count=2),  # and: output 'x' is never written
+    c("literal_with_literal", spec(steps=STEPS[:3] + ["mul: {x: 2.0, y: 3.0, out: two}", "scale: {x: x_new, by: two, out: hv}",
+                                                      STEPS[4]], inputs="{y: [M, K], w_o: [N, K], x: [M, N]}"),
+      (10, "mul"), "mul: both operands are numbers; write the result as one number"),
+    # -- outputs: written exactly once, the right way --------------------------------------------------------
+    c("output_never_written", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], extra: [M, N]}"),
+      (5, "extra"), "output 'extra' is never written", "store: {x: ..., to: extra}"),
+    c("output_written_twice", spec(steps=STEPS + ["store: {x: hv, to: x_out}"]), (12, "x_out"),
+      "store.to: output 'x_out' is already written at line 8", "written once"),
+    c("store_to_undeclared_output", spec(steps=STEPS + ["store: {x: hv, to: hh}"]), (12, "hh"),
+      "store.to: 'hh' is not among the outputs", "did you mean 'h'?"),
+    c("store_shape_mismatch", spec(outputs="{x_out: [M, N], h: [M], ss: [M, tiles(N)]}"), (11, "h}"),
+      "store.to: output 'h' has shape [M], but this step writes [M, N]", "declare 'h' as [M, N]"),
+    c("accumulate_into_not_inplace", ab_spec("", "{dx: [M, N]}", ["accumulate: {x: acc, into: dx}"]), (7, "dx"),
+      "accumulate.into: output 'dx' must be declared with 'inplace: true'"),
+    c("store_into_inplace", ab_spec("", "{dx: {shape: [M, N], inplace: true}}", ["store: {x: acc, to: dx}"]),
+      (7, "dx"), "store.to: output 'dx' is inplace; update it with 'accumulate'"),
+    c("output_of_index_dtype", ab_spec("", "{o: {shape: [M, N], dtype: index}}", ["store: {x: acc, to: o}"]),
+      (5, "o:"), "output 'o' cannot have dtype index"),
+    # -- shapes and widths -----------------------------------------------------------------------------------
+    c("width_mismatch_in_binary", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N/2], wn: [N]}"), (7, "add"),
+      "add: cannot combine tile [M, N] 'acc' with tile [M, N/2] 'x'", "widths differ"),
+    c("scale_by_wrong_width", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [2*N]}"), (10, "wn"),
+      "scale.by: column vector [2*N] 'wn' does not match tile [M, N] 'x_new'"),
+    c("scale_by_a_tile", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: x, out: hv}", STEPS[4]]), (10, "x, out"),
+      "scale.by must be a row vector, column vector or scalar, got tile [M, N] 'x'", count=2),  # and: wn unused
+    c("swiglu_on_half_tile", ab_spec("", "{out_y: [M, N/2]}",
+                                     ["swiglu: {x: acc, out: g1}", "swiglu: {x: g1, out: g2}", "store: {x: g2, to: out_y}"]),
+      (8, "g1"), "swiglu.x: 'g1' is a tile [M, N/2], already halved", "[M, N] or [M, 2*N]"),
+    c("swiglu_bwd_wrong_width", ab_spec("dy: [M, N]", "{dz: [M, N]}",
+                                        ["swiglu_bwd: {dy: dy, x: acc, out: d}", "store: {x: d, to: dz}"]),
+      (7, "acc"), "swiglu_bwd.x must be twice as wide as dy ([M, 2*N]), got tile [M, N] 'acc'"),
+    c("rope_freqs_wrong_width", ab_spec("pos: {shape: [M], dtype: index}, freqs: [N]", "{q: [M, N]}",
+                                        ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]),
+      (7, "freqs, out"), "rope.freqs must have one frequency per pair, [N/2]", "column vector [N] 'freqs'"),
+    c("rope_positions_not_a_row", ab_spec("pos: [N], freqs: [N/2]", "{q: [M, N]}",
+                                          ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]),
+      (7, "pos,"), "rope.positions must be a row vector [M] of positions, got column vector [N] 'pos'"),
+    c("index_input_not_a_row", ab_spec("t: {shape: [N], dtype: index}", "{o: [M]}",
+                                       ["select: {x: acc, index: t, to: o}"]), (4, "t:"),
+      "input 't' has dtype index, which only row vectors [M] may have"),
+    # -- partial reductions ----------------------------------------------------------------------------------
+    c("partial_wrong_shape_for_cols", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(M)]}"), (9, "ss}"),
+      "reduce.to: output 'ss' has shape [M, tiles(M)], but this step writes [M, tiles(N)]",
+      "one partial per row and N-tile"),
+    c("partial_wrong_shape_for_rows", spec(steps=STEPS[:2] + ["reduce: {op: sum, x: x_new, axis: rows, to: ss}"]
+                                           + STEPS[3:]), (9, "ss}"),
+      "output 'ss' has shape [M, tiles(N)], but this step writes [N, tiles(M)]", "one partial per column and M-tile"),
+    c("partial_not_float32", spec(outputs="{x_out: [M, N], h: [M, N], ss: {shape: [M, tiles(N)], dtype: bfloat16}}"),
+      (5, "ss"), "output 'ss' holds partial reductions and must be float32, got bfloat16"),
+    c("partial_inplace", spec(outputs="{x_out: [M, N], h: [M, N], ss: {shape: [M, tiles(N)], inplace: true}}"),
+      (5, "ss"), "output 'ss' holds partial reductions and cannot be inplace"),
+    c("store_into_partial_output", spec(steps=STEPS[:2] + ["store: {x: x_new, to: ss}"] + STEPS[3:]), (9, "ss"),
+      "store.to: output 'ss' holds partial reductions [M, tiles(N)]", "- reduce: {op: ..., x: ..., axis: ..., to: ss}"),
+    c("reduce_of_a_row_vector", ab_spec("r: [M]", "{ss: [M, tiles(N)], o: [M, N]}",
+                                        ["reduce: {op: sum, x: r, axis: cols, to: ss}", "store: {x: acc, to: o}"]),
+      (7, "r,"), "reduce.x must be a tile, got row vector [M] 'r'"),
+    # -- select ----------------------------------------------------------------------------------------------
+    c("select_with_non_index_input", ab_spec("target: [M]", "{picked: [M]}",
+                                             ["select: {x: acc, index: target, to: picked}"]), (7, "target"),
+      "select.index: input 'target' has dtype T", "{shape: [M], dtype: index}"),
+    c("select_with_undeclared_index", ab_spec("", "{picked: [M]}", ["select: {x: acc, index: target, to: picked}"]),
+      (7, "target"), "select.index: 'target' is not an input"),
+]
+
+
+def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    if isinstance(content, bytes):
+        p.write_bytes(content)
+    else:
+        p.write_text(content, encoding="utf-8")
+    return p
+
+
+def _errors(*paths: Path) -> list[SpecError]:
+    with pytest.raises(ValidationFailed) as info:
+        api.load(list(paths))
+    return info.value.errors
+
+
+def _line_of(case: Case, line: int) -> str:
+    text = case.text.decode("utf-8", "replace") if isinstance(case.text, bytes) else case.text
+    return text.split("\n")[line - 1]
+
+
+def test_the_base_spec_is_valid(tmp_path):
+    """The cases below are one change away from this spec; it must be valid for them to mean anything."""
+    (checked,) = api.load([_write(tmp_path, "base", spec())])
+    assert checked.kernel.name == "k1"
+    assert [s.op for s in checked.kernel.steps] == ["add", "store", "reduce", "scale", "store"]
+    assert checked.kernel.steps[2].loc.line == 9
+    (small,) = api.load([_write(tmp_path, "small", ab_spec("", "{o: [M, N]}", ["store: {x: acc, to: o}"]))])
+    assert small.kernel.input("a") and small.kernel.output("o")
+
+
+def test_the_corpus_is_large_and_distinct():
+    assert len(CASES) >= 30
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert len({c.text for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_spec(tmp_path, case: Case):
+    path = _write(tmp_path, case.id, case.text)
+    start = time.perf_counter()
+    errors = _errors(path)
+    elapsed = time.perf_counter() - start
+    listing = "\n".join(str(e) for e in errors)
+    assert len(errors) == case.count, f"expected {case.count} error(s), got:\n{listing}"
+
+    line, token = case.at
+    if isinstance(token, str):
+        source_line = _line_of(case, line)
+        assert token in source_line, f"test bug: {token!r} is not on line {line}: {source_line!r}"
+        col = source_line.index(token) + 1
+    else:
+        col = token
+    matching = [e for e in errors if e.loc.line == line and (col is None or e.loc.col == col)]
+    assert matching, f"no error at {path}:{line}:{col}; got:\n{listing}"
+    err = matching[0]
+    for w in case.words:
+        assert w in err.message, f"{w!r} not in the message: {err.message}"
+
+    # The error names the file as given, and prints as file:line:col: message on one line.
+    assert err.loc.file == str(path)
+    for e in errors:
+        assert str(e) == f"{e.loc.file}:{e.loc.line}:{e.loc.col}: {e.message}"
+        assert "\n" not in str(e) and "\r" not in str(e)
+        assert "Traceback" not in e.message
+    assert elapsed < 2.0, f"{case.id} took {elapsed:.2f} s to fail"
+
+
+def test_python_tags_run_nothing(tmp_path):
+    """An apply tag that would create a folder if it were ever constructed; the folder must not appear."""
+    target = tmp_path / "pwned"
+    for i, tag in enumerate(("!!python/object/apply:os.mkdir", "!!python/object/apply:pathlib.Path.mkdir",
+                             "!!python/object/new:os.mkdir")):
+        path = _write(tmp_path, f"evil{i}", spec(kernel=f'{tag} ["{target}"]'))
+        (err,) = _errors(path)
+        assert (err.loc.line, err.loc.col) == (1, 9) and "not allowed" in err.message
+    assert not target.exists()
+
+
+def test_hostile_inputs_fail_fast(tmp_path):
+    """Nesting far past the recursion limit and a 100 MiB file both fail in well under a second, with a
+    message instead of a RecursionError or a MemoryError."""
+    deep = _write(tmp_path, "deep", "kernel: " + "[" * 100_000 + "]" * 100_000)
+    big = tmp_path / "big.yaml"
+    with big.open("wb") as f:  # sparse: takes no disk space, reads as zeros
+        f.write(spec().encode())
+        f.truncate(100 * 1024 * 1024)
+    for path, words in ((deep, "nesting is too deep"), (big, "104,857,600 bytes, more than the 256 KiB")):
+        start = time.perf_counter()
+        (err,) = _errors(path)
+        assert time.perf_counter() - start < 1.0
+        assert words in err.message
+
+
+def test_wide_flat_yaml_is_bounded(tmp_path):
+    """Many nodes in little text (a flow list of 30k empty strings) is stopped by the node limit."""
+    path = _write(tmp_path, "wide", "kernel: [" + "'', " * 30_000 + "]\n")
+    (err,) = _errors(path)
+    assert err.loc.line == 1 and "more than 20,000 YAML nodes" in err.message
+
+
+def test_all_errors_of_a_file_are_reported_together(tmp_path):
+    """Three independent mistakes (an unused input, a store of the wrong shape, an unused value) give exactly
+    three errors, in line order."""
+    text = spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], bias: [N]}",           # 4: unused input
+                outputs="{x_out: [M, N], h: [M], ss: [M, tiles(N)]}",                        # 11: store shape
+                steps=STEPS[:2] + ["reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",
+                                   "scale: {x: x_new, by: wn, out: hv}", "store: {x: hv, to: h}",
+                                   "exp: {x: hv, out: unused}"])                             # 12: unused value
+    errors = _errors(_write(tmp_path, "three", text))
+    assert [(e.loc.line, e.message.split(" ")[0]) for e in errors] == [
+        (4, "input"), (11, "store.to:"), (12, "value")], "\n".join(map(str, errors))
+
+
+def test_structural_errors_are_reported_together(tmp_path):
+    """The loader, too, reports every structural problem of a file at once."""
+    text = spec(kernel="K1", gemm="{a: y, b: w_o, b_layout: nt}",
+                steps=STEPS[:2] + ["reduce: {op: sumsq, x: x_new, axis: col, to: ss}"] + STEPS[3:])
+    errors = _errors(_write(tmp_path, "structural", text))
+    assert [e.loc.line for e in errors] == [1, 3, 9], "\n".join(map(str, errors))
+
+
+def test_errors_of_several_files_are_reported_together(tmp_path):
+    a = _write(tmp_path, "a_bad", spec(kernel="ka", gemm="{a: y, b: w_o, b_layout: nt}"))
+    b = _write(tmp_path, "b_bad", spec(kernel="kb", doc="!!binary aGk="))
+    good = _write(tmp_path, "c_good", spec(kernel="kc"))
+    errors = _errors(tmp_path)
+    assert [(e.loc.file, e.loc.line) for e in errors] == [(str(a), 3), (str(b), 2)]
+    assert good.exists()
+
+
+def test_same_kernel_name_in_two_files_names_both(tmp_path):
+    first = _write(tmp_path, "first", spec(kernel="same_name"))
+    second = _write(tmp_path, "second", spec(kernel="same_name"))
+    (err,) = _errors(tmp_path)
+    assert err.loc.file == str(second) and err.loc.line == 1
+    assert "kernel 'same_name' is already defined in" in err.message
+    assert str(first) in err.message
+    assert "unique" in err.message
+
+
+def test_unsafe_spec_path_is_refused(tmp_path):
+    """Spec paths are written into generated headers and comments; odd characters are refused."""
+    d = tmp_path / "odd dir"
+    d.mkdir()
+    _write(d, "k1", spec())
+    (err,) = _errors(d)
+    assert "letters, digits and '_./-'" in err.message and "rename" in err.message
+
+
+def test_byte_order_mark_and_windows_line_ends_are_accepted(tmp_path):
+    bom = _write(tmp_path, "bom", b"\xef\xbb\xbf" + spec(kernel="with_bom").encode())
+    crlf = _write(tmp_path, "crlf", spec(kernel="with_crlf").replace("\n", "\r\n").encode())
+    assert sorted(c.kernel.name for c in api.load([bom, crlf])) == ["with_bom", "with_crlf"]
+    (err,) = _errors(_write(tmp_path, "crlf_bad", spec(gemm="{a: y, b: w_o, b_layout: nt}").replace("\n", "\r\n")))
+    assert (err.loc.line, err.loc.col) == (3, 32)
+
+
+@pytest.mark.parametrize("doc", [
+    "Uses 'single' and \"double\" quotes, ''' and a trailing period.",
+    "Unicode is fine: α·β → γ, ∑ x².",
+    "\"Starts with a quote.",
+    "A # hash and {braces} and a {{ jinja }} look-alike and a %s.",
+])
+def test_accepted_docs_give_valid_python(tmp_path, doc):
+    """Docs that the loader accepts end up in docstrings; the generated module must still compile."""
+    import yaml
+
+    path = _write(tmp_path, "doc_ok", spec(doc=yaml.safe_dump(doc, width=1000).strip().removesuffix("\n...")))
+    plan = api.plan([path], out=tmp_path / "gen")
+    assert plan.files, "nothing planned"
+    for rel, source in plan.files.items():
+        compile(source, rel, "exec")
+    assert doc in plan.files["kernels/k1.py"]

@@ -1,0 +1,168 @@
+"""The `codagen` command line: exit codes, where output goes (results to stdout, errors to stderr, one
+`file:line:col: message` line per error), help, and both ways of starting it."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = REPO / "specs"
+ERROR_LINE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>\S.*)$")
+
+GOOD = """\
+kernel: scaled
+doc: Scales the GEMM result by a column vector.
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], v: [N]}
+outputs: {o: [M, N]}
+epilogue:
+  - scale: {x: acc, by: v, out: s}
+  - store: {x: s, to: o}
+"""
+
+THREE_ERRORS = """\
+kernel: three
+doc: Three independent mistakes.
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], unused: [N]}
+outputs: {o: [M, N], never: [M]}
+epilogue:
+  - store: {x: acc, to: o}
+  - reduce: {op: sum, x: acc, axis: cols, to: o}
+"""  # 4:32 input 'unused' is never used; 5:22 output 'never' is never written; 8:47 'o' is written twice
+
+
+def run(*args: str, cwd: Path, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    program = program or [sys.executable, "-m", "codagen"]
+    return subprocess.run([*program, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def ws(tmp_path) -> Path:
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "scaled.yaml").write_text(GOOD)
+    return tmp_path
+
+
+def error_lines(stderr: str) -> list[re.Match]:
+    """The file:line:col lines of stderr; every line but the summary must be one."""
+    lines = stderr.splitlines()
+    assert lines, "nothing on stderr"
+    matches = [ERROR_LINE.match(line) for line in lines[:-1]]
+    assert all(matches), f"a line of stderr is not file:line:col: message:\n{stderr}"
+    return matches
+
+
+def test_validate_a_good_folder(ws):
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "1 spec(s) valid\n"
+    assert result.stderr == ""
+    assert not (ws / "generated").exists(), "validate wrote something"
+
+
+def test_validate_the_repository_specs():
+    result = run("validate", "specs/", cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{len(list(SPECS.rglob('*.yaml')))} spec(s) valid\n"
+
+
+def test_validate_a_bad_spec(ws):
+    (ws / "specs" / "bad.yaml").write_text(GOOD.replace("scaled", "bad").replace("to: o}", "to: oo}"))
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "specs/bad.yaml:5:11: output 'o' is never written; add a step such as 'store: {x: ..., to: o}'",
+        "specs/bad.yaml:8:23: store.to: 'oo' is not among the outputs; did you mean 'o'?",
+        "2 error(s) in 1 file(s); nothing was written"]
+    error_lines(result.stderr)
+
+
+def test_validate_reports_every_error_of_every_file(ws):
+    (ws / "specs" / "three.yaml").write_text(THREE_ERRORS)
+    (ws / "specs" / "tagged.yaml").write_text(GOOD.replace("kernel: scaled", "kernel: !!python/name:os.system x"))
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 1
+    found = [(m["file"], int(m["line"]), int(m["col"])) for m in error_lines(result.stderr)]
+    assert found == [("specs/tagged.yaml", 1, 9), ("specs/three.yaml", 4, 32), ("specs/three.yaml", 5, 22),
+                     ("specs/three.yaml", 8, 47)], result.stderr
+    assert "reduce.to: output 'o' is already written at line 7" in result.stderr
+    assert result.stderr.splitlines()[-1] == "4 error(s) in 2 file(s); nothing was written"
+
+
+def test_hostile_specs_give_messages_not_tracebacks(ws):
+    (ws / "specs" / "deep.yaml").write_text("kernel: " + "[" * 5000 + "]" * 5000 + "\n")
+    (ws / "specs" / "huge.yaml").write_text(GOOD + "#" * (300 * 1024) + "\n")
+    (ws / "specs" / "latin1.yaml").write_bytes(GOOD.replace("Scales", "Sc\xe4les").encode("latin-1"))
+    (ws / "specs" / "injection.yaml").write_text(GOOD.replace("out: s}", 'out: "s\\nimport os"}'))
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    messages = {m["file"]: m["message"] for m in error_lines(result.stderr)}
+    assert "nesting is too deep" in messages["specs/deep.yaml"]
+    assert "256 KiB" in messages["specs/huge.yaml"]
+    assert "not UTF-8" in messages["specs/latin1.yaml"]
+    assert "'s\\nimport os' is not a valid name" in messages["specs/injection.yaml"]
+
+
+def test_build_of_a_bad_spec_writes_nothing(ws):
+    (ws / "specs" / "bad.yaml").write_text(THREE_ERRORS)
+    result = run("build", "specs", cwd=ws)
+    assert result.returncode == 1
+    assert len(error_lines(result.stderr)) == 3
+    assert result.stderr.endswith("nothing was written\n")
+    assert not (ws / "generated").exists()
+
+
+def test_build_then_check(ws):
+    result = run("build", "specs", "--out", "gen", cwd=ws)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["wrote gen/__init__.py", "wrote gen/kernels/__init__.py",
+                                          "wrote gen/kernels/scaled.py", "gen/: 3 file(s) changed"]
+    check = run("build", "specs", "--out", "gen", "--check", cwd=ws)
+    assert check.returncode == 0 and check.stdout == "gen/ is up to date\n"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--help"], ["Usage:", "validate", "build", "GEMM-epilogue programs"]),
+    (["validate", "--help"], ["Usage:", "PATHS", "file:line:col"]),
+    (["build", "--help"], ["Usage:", "--out", "--check", "[default: generated]"]),
+])
+def test_help(tmp_path, args, words):
+    result = run(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for w in words:
+        assert w in result.stdout
+
+
+def test_version(tmp_path):
+    result = run("--version", cwd=tmp_path)
+    assert result.returncode == 0
+    assert re.search(r"\d+\.\d+\.\d+", result.stdout)
+
+
+def test_the_console_script_works(ws):
+    script = Path(sys.executable).parent / "codagen"
+    if not script.exists():
+        script = shutil.which("codagen")
+    if not script:
+        pytest.skip("the codagen console script is not installed")
+    result = run("validate", "specs", cwd=ws, program=[str(script)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "1 spec(s) valid\n"
+
+
+@pytest.mark.parametrize("args", [["validate"], ["build"], ["validate", "no_such_folder"], ["frobnicate"]])
+def test_usage_errors_exit_2(ws, args):
+    result = run(*args, cwd=ws)
+    assert result.returncode == 2
+    assert "Usage:" in result.stderr
+    assert "Traceback" not in result.stderr

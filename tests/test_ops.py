@@ -1,0 +1,64 @@
+"""The torch.library op of every generated kernel module: torch.library.opcheck (schema, autograd
+registration, the fake implementation, AOT dispatch with dynamic shapes), for the kernels of specs/ as
+committed in generated/ and for the test kernels of tests/specs/; and one torch.compile(fullgraph=True)
+on the CPU against eager."""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from codagen.runtime import Config
+from conftest import REPO, all_test_kernels, draw_args
+
+GENERATED = sorted(p.stem for p in (REPO / "generated" / "kernels").glob("*.py") if p.stem != "__init__")
+SIZES = {"M": 19, "N": 22, "K": 13}  # ragged for every tile shape; N even for kernels with pairs
+SPECIAL = {  # rope inputs as in a model; see test_primitives
+    "freqs": lambda shape, g: 0.05 + 0.95 * torch.rand(shape, generator=g),
+    "positions": lambda shape, g: torch.randint(0, 64, shape, generator=g),
+}
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+
+
+def op_and_args(module, dtype=torch.float32, seed=0):
+    """The module's op and positional arguments for it: inputs and host scalars, then inplace outputs (the
+    positional parameters of `launch`, in order)."""
+    args = draw_args(module, SIZES, dtype, Config(), generator=torch.Generator().manual_seed(seed), special=SPECIAL)
+    names = [n for n, p in inspect.signature(module.launch).parameters.items()
+             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return getattr(module, module.NAME), tuple(args.kwargs[n] for n in names)
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_opcheck_generated(name):
+    module = importlib.import_module(f"generated.kernels.{name}")
+    op, args = op_and_args(module)
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("name", all_test_kernels())
+def test_opcheck_test_kernel(test_kernels, name):
+    op, args = op_and_args(test_kernels(name), torch.bfloat16 if name.endswith(("_scale", "_gated")) else torch.float32)
+    torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph_matches_eager(test_kernels):
+    """A compiled function around two ops (one with a host scalar, a 0-d tensor, row and column stores;
+    one with partial reductions) and a little torch around them, against eager."""
+    scale, scale_args = op_and_args(test_kernels("t_scale"), seed=1)
+    reduce, reduce_args = op_and_args(test_kernels("t_reduce"), seed=2)
+
+    def f(scale_args, reduce_args):
+        outs = scale(*scale_args)
+        sums = reduce(*reduce_args)
+        return outs[0] * 2.0, outs[-1] + 1.0, sums[0].sum(dim=1), sums[3]
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager = f(scale_args, reduce_args)
+    got = compiled(scale_args, reduce_args)
+    for e, g in zip(eager, got):
+        torch.testing.assert_close(g, e)

@@ -1,0 +1,201 @@
+"""Every epilogue primitive of codagen.ops, run through a generated kernel on the CPU (Triton's interpreter)
+and compared with the float64 reference interpreter of the spec (codagen.reference).
+
+Test kernels live in tests/specs/ (one spec per family of primitives; see the table in each spec's comment).
+Each is run for float32, float16 and bfloat16 on three shapes: a ragged one that fits one tile, a ragged one
+that spans several tiles in both directions with small tiles and every tensor non-contiguous (outputs too),
+and one of exact tile multiples.
+
+Tolerances. The reference computes in float64 from the *same* (already rounded) inputs, and the kernel
+computes in fp32, so the error is dominated by the final rounding of each output to its dtype: a relative
+norm error of at most u, about u/sqrt(3) in practice, with u = 2^-11 = 4.9e-4 (fp16) and 2^-8 = 3.9e-3 (bf16).
+The tolerances are 4u: 2e-3 and 1.6e-2. fp32 outputs (float32 kernels, explicit float32 outputs and the
+partial-reduction buffers, whatever T is) carry the fp32 arithmetic of the epilogue and the K-long dot
+products (u = 6e-8 times a few dozen operations, plus sin/cos of angles up to ~64 for rope): 1e-5. A kernel
+with a `cast` step rounds intermediates to the cast dtype; the kernel rounds from fp32 and the reference
+from fp64, which can differ by one ulp on the rare element near a rounding boundary, so its outputs get at
+least the cast dtype's tolerance.
+
+Under Triton's CPU interpreter (3.9), fp32 -> bf16 conversions truncate instead of rounding to nearest even
+(measured: relative error 3.3e-3 against torch's 1.5e-3 on randn), so bf16 outputs show about twice the
+error they have on a GPU; the truncation error is below 2u, still inside the 4u tolerance.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from codagen import reference
+from codagen.model import Dim, Width
+from codagen.runtime import Config
+from codagen.validate import check_kernel
+from conftest import all_test_kernels, draw_args, kernel_model
+
+# numpy warnings from the interpreter, harmless: sigmoid (in tanh, gelu) of large arguments overflows exp to
+# inf and gives 0 or 1 as it should; logsumexp partials of masked-off rows take log(0) and are not stored.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# (M, N, K, config, strided): N is made even for kernels with N/2-wide tensors.
+SHAPES = {
+    # ragged, one tile (the interpreter's default tile shape); contiguous tensors
+    "ragged-1tile": (37, 50, 29, Config(64, 64, 32, 8, 4, 1), False),
+    # ragged, 3 x 3 tiles (and 3 K steps), grouped order; every tensor a non-contiguous view
+    "ragged-tiles-strided": (45, 69, 40, Config(16, 32, 16, 2, 4, 1), True),
+    # exact tile multiples (EVEN_K, no ragged edge), 2 x 4 tiles, no grouping; contiguous
+    "exact-tiles": (32, 64, 32, Config(16, 16, 16, 1, 4, 1), False),
+}
+
+# Inputs whose values must stay in a range: rope angles are position * frequency as in a real model
+# (frequencies in (0, 1], positions below 64), so that fp32 angles stay accurate.
+SPECIAL = {
+    "freqs": lambda shape, g: 0.05 + 0.95 * torch.rand(shape, generator=g),
+    "positions": lambda shape, g: torch.randint(0, 64, shape, generator=g),
+}
+
+
+def _needs_even_n(kernel) -> bool:
+    """Whether columns come in pairs: some value or tensor is N/2 wide."""
+    return any(t.width is Width.HALF for t in check_kernel(kernel).values()) or \
+        any(Dim.N_HALF in d.dims for d in (*kernel.inputs, *kernel.outputs))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def cast_tolerances(kernel) -> dict[str, float]:
+    """Output name -> the tolerance of the narrowest dtype that a `cast` step upstream of it rounds to."""
+    through: dict[str, float] = {}  # value name -> tolerance of the casts it depends on
+    written: dict[str, float] = {}
+    for step in kernel.steps:
+        tol = max([through.get(v, 0.0) for v in step.args.values() if isinstance(v, str)], default=0.0)
+        if step.op == "cast":
+            tol = max(tol, TOL[DTYPE_NAMES[step.args["dtype"]]])
+        if step.out is not None:
+            through[step.out] = tol
+        if step.target is not None:
+            written[step.target] = tol
+    return written
+
+
+def tolerance(kernel, name: str, out: torch.Tensor) -> float:
+    """By the output's dtype, widened to that of a cast the output depends on."""
+    return max(TOL[out.dtype], cast_tolerances(kernel).get(name, 0.0))
+
+
+def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    args = draw_args(module, sizes, dtype, config, strided=strided, generator=g, index_dtype=index_dtype,
+                     special=SPECIAL)
+    module.launch(**args.kwargs, config=config)
+    expected = reference.run(kernel, args.inputs, config.block_m, config.block_n)
+    assert set(expected) == set(args.outputs)
+    errors = {}
+    for name, out in args.outputs.items():
+        assert not torch.isnan(out).any(), f"{name}: NaN in {torch.isnan(out).sum().item()} of {out.numel()} elements"
+        assert out.shape == expected[name].shape, name
+        errors[name] = rel_err(out, expected[name])
+        base, before, mask = args.bases[name]
+        torch.testing.assert_close(base[~mask], before[~mask], rtol=0, atol=0, equal_nan=True,
+                                   msg=f"{name}: elements outside the output view were written")
+    bad = {n: e for n, e in errors.items() if not e <= tolerance(kernel, n, args.outputs[n])}
+    assert not bad, f"relative errors over tolerance: {bad} (all: {errors})"
+    return errors
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", all_test_kernels())
+def test_kernel_matches_reference(test_kernels, name, dtype, shape):
+    module = test_kernels(name)
+    kernel = kernel_model(name)
+    m, n, k, config, strided = SHAPES[shape]
+    if _needs_even_n(kernel) and n % 2:
+        n += 1
+    # index inputs: int32 for the fp16 runs, int64 otherwise
+    index_dtype = torch.int32 if dtype == "fp16" else torch.int64
+    seed = zlib.crc32(f"{name}/{dtype}/{shape}".encode())
+    run_and_check(module, kernel, {"M": m, "N": n, "K": k}, DTYPES[dtype], config, strided, seed, index_dtype)
+
+
+# -- the launcher's argument checks ---------------------------------------------------------------------------
+CFG = Config(16, 32, 16, 2, 4, 1)
+
+
+def _args(module, dtype=torch.float32, sizes=None):
+    sizes = sizes or {"M": 20, "N": 40, "K": 12}
+    return draw_args(module, sizes, dtype, CFG, generator=torch.Generator().manual_seed(0),
+                     special=SPECIAL).kwargs
+
+
+def test_launch_rejects_shape_mismatch(test_kernels):
+    module = test_kernels("t_reduce")
+    kwargs = _args(module)
+    kwargs["c"] = torch.randn(20, 41)
+    with pytest.raises(ValueError, match=r"t_reduce: 'c' has N = 41, which does not match N = 40"):
+        module.launch(**kwargs, config=CFG)
+    kwargs = _args(module)
+    kwargs["a"] = torch.randn(20, 12, 1)
+    with pytest.raises(ValueError, match=r"'a' must have shape \[M, K\], got \(20, 12, 1\)"):
+        module.launch(**kwargs, config=CFG)
+
+
+def test_launch_rejects_dtype_mismatch(test_kernels):
+    module = test_kernels("t_reduce")
+    kwargs = _args(module)
+    kwargs["c"] = kwargs["c"].half()
+    with pytest.raises(ValueError, match=r"'c' must have the same dtype as the other T tensors \(torch.float32\)"):
+        module.launch(**kwargs, config=CFG)
+    module = test_kernels("t_cast_dtypes")  # an explicit float32 input
+    kwargs = _args(module, torch.float16)
+    kwargs["w"] = kwargs["w"].half()
+    with pytest.raises(ValueError, match=r"'w' must be float32, got torch.float16"):
+        module.launch(**kwargs, config=CFG)
+    module = test_kernels("t_select_accumulate")  # an index input
+    kwargs = _args(module)
+    kwargs["target"] = kwargs["target"].float()
+    with pytest.raises(ValueError, match=r"'target' must be int32 or int64, got torch.float32"):
+        module.launch(**kwargs, config=CFG)
+
+
+def test_launch_rejects_wrong_tile_count(test_kernels):
+    module = test_kernels("t_reduce")
+    kwargs = _args(module)  # N = 40 with BLOCK_N = 32: 2 tiles
+    kwargs["sum_cols"] = torch.empty(20, 3)
+    with pytest.raises(ValueError, match=r"'sum_cols' must have 2 columns \(tiles\(N\) for this tile shape\), got 3"):
+        module.launch(**kwargs, config=CFG)
+    kwargs = _args(module)  # M = 20 with BLOCK_M = 16: 2 tiles
+    kwargs["max_rows"] = torch.empty(40, 1)
+    with pytest.raises(ValueError, match=r"'max_rows' must have 2 columns \(tiles\(M\) for this tile shape\), got 1"):
+        module.launch(**kwargs, config=CFG)
+
+
+def test_launch_rejects_odd_n_for_pairs(test_kernels):
+    """t_reduce splits columns into pairs (swiglu) but declares no N/2 tensor: N must still be even."""
+    module = test_kernels("t_reduce")
+    kwargs = _args(module, sizes={"M": 20, "N": 41, "K": 12})
+    with pytest.raises(ValueError, match=r"t_reduce: N must be even, since columns come in pairs; got N=41"):
+        module.launch(**kwargs, config=CFG)
+
+
+@pytest.mark.parametrize("name", all_test_kernels())
+def test_int64_offsets(test_kernels, monkeypatch, name):
+    """The INT64 variant (64-bit index arithmetic, chosen for tensors of 2**31 elements or more) on small
+    tensors: forced on, it must give the same results."""
+    import codagen.runtime
+
+    monkeypatch.setattr(codagen.runtime, "needs_int64", lambda tensors: True)
+    module = test_kernels(name)
+    m, n, k, config, strided = SHAPES["ragged-tiles-strided"]
+    if _needs_even_n(kernel_model(name)) and n % 2:
+        n += 1
+    run_and_check(module, kernel_model(name), {"M": m, "N": n, "K": k}, torch.float16, config, strided,
+                  zlib.crc32(f"{name}/int64".encode()))
