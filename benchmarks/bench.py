@@ -41,11 +41,24 @@ for _p in (str(HERE), str(ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# --liger-interpret (CPU only) must set Triton's interpreter before triton is imported anywhere
-if "--liger-interpret" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402  (does not import triton)
 
-import torch  # noqa: E402
+
+def _cpu_run(argv) -> bool:
+    """Whether this run is on the CPU (--device cpu, or no CUDA device): read before argparse, since Triton's
+    interpreter must be switched on before triton is first imported."""
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1].startswith("cpu")
+        if a.startswith("--device="):
+            return a.split("=", 1)[1].startswith("cpu")
+    return not torch.cuda.is_available()
+
+
+# On the CPU, Triton kernels (codagen's generated ones; Liger's with --liger-interpret) run only under
+# Triton's interpreter, which must be set before triton is imported anywhere (environment() imports it).
+if "--liger-interpret" in sys.argv or (_cpu_run(sys.argv[1:]) and "TRITON_INTERPRET" not in os.environ):
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import baselines as B  # noqa: E402
 
@@ -220,13 +233,18 @@ class AutogradRunner(Runner):
              set's tensors named by ``args`` (default pattern.args); gradients are taken with respect to
              ``leaves`` (default pattern.leaves) in the prepared set.
     to_reference: optional f(named: dict, prepared: InputSet) -> dict mapping this variant's outputs and
-             gradients to the eager names/layouts (e.g. un-interleave, un-permute)."""
+             gradients to the eager names/layouts (e.g. un-interleave, un-permute).
+    outputs: optional names of what fn returns (default pattern.outputs), for a fn whose results are not the
+             pattern's outputs one for one (e.g. h and rstd, from which to_reference makes n2). In fwd+bwd
+             patterns fn must return the pattern's outputs first; upstream gradients go to those."""
 
-    def __init__(self, pattern: Pattern, fn: Callable, prepare=None, to_reference=None, leaves=None, args=None):
+    def __init__(self, pattern: Pattern, fn: Callable, prepare=None, to_reference=None, leaves=None, args=None,
+                 outputs=None):
         self.pattern, self.fn = pattern, fn
         self._prepare, self._to_reference = prepare, to_reference
         self.leaves = (tuple(leaves) if leaves is not None else pattern.leaves) if pattern.backward else ()
         self.args = tuple(args) if args is not None else pattern.args
+        self.outputs = tuple(outputs) if outputs is not None else pattern.outputs
 
     def prepare(self, inset):
         return self._prepare(inset) if self._prepare else inset
@@ -238,12 +256,13 @@ class AutogradRunner(Runner):
             with torch.no_grad():
                 return self.fn(*args), ()
         outs = self.fn(*args)
-        grads = torch.autograd.grad(outs, [state.t[n] for n in self.leaves], [state.up[o] for o in p.outputs])
+        grads = torch.autograd.grad(outs[:len(p.outputs)], [state.t[n] for n in self.leaves],
+                                    [state.up[o] for o in p.outputs])
         return outs, grads
 
     def named(self, state, result):
         outs, grads = result
-        d = dict(zip(self.pattern.outputs, outs))
+        d = dict(zip(self.outputs, outs))
         d.update({"d" + n: g for n, g in zip(self.leaves, grads)})
         return self._to_reference(d, state) if self._to_reference else d
 
@@ -338,8 +357,192 @@ def builtin_variants(args) -> list:
 
 
 def codagen_variants(preset, tokens, dtype) -> list:
-    """codagen's variants for this preset (Preset), token count and dtype. EMPTY until the lead fills it."""
-    return []
+    """codagen's variants for this preset (Preset), token count and dtype.
+
+    Every pattern except oproj_swiglu.fwdbwd: codagen has no block that ends after gate/up + SwiGLU (its
+    PostAttention block runs on through the down projection), so that partial pattern's backward has no
+    codagen counterpart; post_attn and block cover the same kernels with their backward.
+
+    The generated modules are imported when a factory runs, so a broken import fails codagen's rows only.
+    Weight relayout (interleaved gate/up rows, q/k rows in interleaved-pair order, per-column RoPE
+    frequencies) happens in prepare, untimed; outputs and gradients go back to the eager layout in
+    to_reference, untimed. The eps of every codagen block is the preset's (as eager uses it)."""
+    notes = {
+        "oproj_swiglu.fwd": "kernels out_proj_residual_norm -> finish.rstd -> gate_up_swiglu",
+        "post_attn.fwd": "PostAttentionFunction (n2 = h_next * rstd_next formed untimed, for the check)",
+        "down_qkv_rope.fwd": "kernels out_proj_residual_norm -> finish.rstd -> qkv_norm_rope",
+        "block.fwd": "PostAttentionFunction -> PreAttentionFunction",
+        "block.fwdbwd": "PostAttentionFunction -> PreAttentionFunction",
+        "lm_ce.fwd": "NormStatsFunction -> LmHeadLossFunction",
+        "lm_ce.fwdbwd": "NormStatsFunction -> LmHeadLossFunction (logits recomputed in row chunks)",
+    }
+    factories = {
+        "oproj_swiglu.fwd": _cg_oproj_swiglu,
+        "post_attn.fwd": _cg_post_attn,
+        "down_qkv_rope.fwd": _cg_down_qkv_rope,
+        "block.fwd": _cg_block,
+        "block.fwdbwd": _cg_block,
+        "lm_ce.fwd": _cg_lm_ce,
+        "lm_ce.fwdbwd": _cg_lm_ce,
+    }
+    return [Variant(key, "codagen", factory, note=notes[key]) for key, factory in factories.items()]
+
+
+# ---- codagen's factories and the layout helpers they share ----
+
+
+def _cg_modules():
+    """codagen's runtime, generated kernels and blocks, and the layout converters (imported on first use;
+    importing codagen.runtime switches Triton's interpreter on where there is no GPU)."""
+    from codagen import convert, runtime  # noqa: F401
+    from codagen.runtime import finish
+    from generated import blocks, kernels
+    return convert, finish, kernels, blocks
+
+
+def _cg_freqs(case: Case) -> torch.Tensor:
+    """Per-pair RoPE frequencies over the qkv columns (q and k heads: the preset's theta; v: 0)."""
+    convert = _cg_modules()[0]
+    p = case.preset
+    shape = convert.LlamaShape(dim=p.d, ffn_dim=p.ffn, n_heads=p.n_q, n_kv_heads=p.n_kv, head_dim=p.head_dim,
+                               n_layers=1, vocab=p.vocab, rope_theta=p.rope_theta, eps=p.eps)
+    return convert.rope_freqs(shape).to(case.device)
+
+
+def _cg_last_dim(t: torch.Tensor, head_dim: int, to_halves: bool) -> torch.Tensor:
+    """Reorder the last dimension (one head's head_dim) between HF's rotate_half order and codagen's
+    interleaved pairs, with codagen.convert's row permutation."""
+    convert = _cg_modules()[0]
+    f = convert.heads_to_halves if to_halves else convert.heads_to_interleaved
+    return f(t.movedim(-1, 0), head_dim).movedim(0, -1)
+
+
+def _cg_weights(case: Case, t: dict) -> dict:
+    """The prepared (untimed) inputs: eager tensors as they are, plus codagen's weight layouts, RoPE
+    frequencies and positions. New weights are leaves of their own in fwd+bwd patterns."""
+    convert = _cg_modules()[0]
+    dm, grad = case.dims, case.pattern.backward
+    out = dict(t)
+    with torch.no_grad():
+        if "wg" in t:
+            out["w_gate_up"] = convert.interleave_rows(t["wg"], t["wu"]).contiguous().requires_grad_(grad)
+        if "wqkv" in t:
+            q, k, v = t["wqkv"].split([dm.q_width, dm.kv_width, dm.kv_width])
+            out["w_qkv"] = torch.cat([convert.heads_to_interleaved(q, dm.head_dim),
+                                      convert.heads_to_interleaved(k, dm.head_dim), v]).requires_grad_(grad)
+            out["freqs"] = _cg_freqs(case)
+    return out
+
+
+def _cg_prepare(case: Case):
+    """prepare for AutogradRunner: weights re-laid out; in fwd+bwd, q/k upstream gradients permuted into
+    codagen's column order (the gradient of a permuted output is the permuted gradient)."""
+    hd = case.dims.head_dim
+
+    def prepare(inset: InputSet) -> InputSet:
+        up = dict(inset.up)
+        for o in ("q", "k"):
+            if o in up:
+                up[o] = _cg_last_dim(up[o], hd, to_halves=False).contiguous()
+        return InputSet(_cg_weights(case, inset.t), up)
+    return prepare
+
+
+def _cg_to_reference(case: Case):
+    """to_reference: q/k columns back to rotate_half order; gradients of codagen's weights back to the
+    eager weights (w_gate_up -> wg, wu; w_qkv's q and k rows -> halves order)."""
+    dm = case.dims
+    hd = dm.head_dim
+
+    def to_reference(named: dict, state: InputSet) -> dict:
+        convert = _cg_modules()[0]
+        d = dict(named)
+        for o in ("q", "k"):
+            if o in d:
+                d[o] = _cg_last_dim(d[o], hd, to_halves=True)
+        if "dw_gate_up" in d:
+            d["dwg"], d["dwu"] = convert.split_rows(d.pop("dw_gate_up"))
+        if "dw_qkv" in d:
+            q, k, v = d.pop("dw_qkv").split([dm.q_width, dm.kv_width, dm.kv_width])
+            d["dwqkv"] = torch.cat([convert.heads_to_halves(q, hd), convert.heads_to_halves(k, hd), v])
+        return d
+    return to_reference
+
+
+def _cg_oproj_swiglu(case: Case) -> Runner:
+    """oproj_swiglu.fwd: K1 -> R1 -> K2 (DESIGN.md section 3), the kernels called directly -> (x1, y1)."""
+    _, finish, kernels, _ = _cg_modules()
+    dm, eps = case.dims, case.preset.eps
+
+    def fwd(x0, y0, wo, wn1, w_gate_up):
+        x1, h1, ss1 = kernels.out_proj_residual_norm.out_proj_residual_norm(y0, wo, x0, wn1)
+        r1 = finish.rstd(ss1, dm.d, eps)
+        _z1, y1 = kernels.gate_up_swiglu.gate_up_swiglu(h1, w_gate_up, r1)
+        return x1, y1
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case),
+                          args=("x0", "y0", "wo", "wn1", "w_gate_up"))
+
+
+def _cg_post_attn(case: Case) -> Runner:
+    """post_attn.fwd: the PostAttention block -> (x2, h2 = x2 * wn2, r2). Eager's n2 is r2 * h2, which the
+    next GEMM's epilogue applies in codagen; it is formed here only for the check (untimed)."""
+    _, _, _, blocks = _cg_modules()
+    dm, eps, dtype = case.dims, case.preset.eps, case.dtype
+
+    def fwd(x0, y0, wo, wn1, w_gate_up, w2, wn2):
+        return blocks.PostAttentionFunction.apply(y0, x0, wn2, wo, wn1, w_gate_up, w2, dm.d, dm.ffn, eps)
+
+    def to_reference(named, state):
+        return {"x2": named["x2"], "n2": (named["h2"].float() * named["r2"][:, None]).to(dtype)}
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=to_reference,
+                          args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2"), outputs=("x2", "h2", "r2"))
+
+
+def _cg_down_qkv_rope(case: Case) -> Runner:
+    """down_qkv_rope.fwd: K3 -> R2 -> K4, the kernels called directly -> (x2, q, k, v) as views of qkv."""
+    _, finish, kernels, _ = _cg_modules()
+    dm, eps = case.dims, case.preset.eps
+
+    def fwd(x1, y1, w2, wn2, w_qkv, positions, freqs):
+        x2, h2, ss2 = kernels.out_proj_residual_norm.out_proj_residual_norm(y1, w2, x1, wn2)
+        r2 = finish.rstd(ss2, dm.d, eps)
+        qkv = kernels.qkv_norm_rope.qkv_norm_rope(h2, w_qkv, r2, positions, freqs)
+        return (x2, *B.split_heads(qkv, dm))
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
+                          args=("x1", "y1", "w2", "wn2", "w_qkv", "positions", "freqs"))
+
+
+def _cg_block(case: Case) -> Runner:
+    """block.fwd / .fwdbwd: PostAttention(y0, x0, wn2) -> (x2, h2, r2), then PreAttention(x2, h2, r2,
+    positions, freqs) -> (x2, qkv), as examples/llama.py chains them. wn2 is PreAttention's norm weight (its
+    gradient comes from there; PostAttention only applies it in the forward)."""
+    _, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.eps
+
+    def fwd(x0, y0, wo, wn1, w_gate_up, w2, wn2, w_qkv, positions, freqs):
+        x2, h2, r2 = blocks.PostAttentionFunction.apply(y0, x0, wn2, wo, wn1, w_gate_up, w2, dm.d, dm.ffn, eps)
+        x2, qkv = blocks.PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn2, w_qkv, dm.d, dm.qkv_width)
+        return (x2, *B.split_heads(qkv, dm))
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
+                          args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "positions", "freqs"),
+                          leaves=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv"))
+
+
+def _cg_lm_ce(case: Case) -> Runner:
+    """lm_ce.fwd / .fwdbwd: NormStats(xf, wnf) -> (h, rstd), then LmHeadLoss(xf, h, rstd, target) with wnf as
+    its norm weight (NormStats applies wnf in the forward; LmHeadLoss's backward computes its gradient and
+    xf's) and its default chunk_rows."""
+    import inspect
+    _, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.eps
+    chunk_rows = inspect.signature(blocks.LmHeadLoss).parameters["chunk_rows"].default
+
+    def fwd(xf, wnf, wv, target):
+        h, rstd = blocks.NormStatsFunction.apply(xf, wnf, dm.d, eps)
+        loss = blocks.LmHeadLossFunction.apply(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, -100, "mean",
+                                               chunk_rows)
+        return (loss,)
+    return AutogradRunner(case.pattern, fwd)
 
 
 # <<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<  END CODAGEN HOOK  >>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>>

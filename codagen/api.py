@@ -96,8 +96,9 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
 
 def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
     checked = load(paths)
-    shown_paths = " ".join(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths)
-    regenerate = f"codagen build {shown_paths}" + ("" if Path(out) == Path("generated") else f" --out {out}")
+    shown_paths = " ".join(sorted(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths))
+    shown_out = display_path(Path(out))
+    regenerate = f"codagen build {shown_paths}" + ("" if shown_out == "generated" else f" --out {shown_out}")
     result = Plan()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
@@ -111,9 +112,9 @@ def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
     return result
 
 
-def build(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
-    """Generate into `out`; returns the files that changed. Validation and rendering finish before any
-    file is touched, so a failed build leaves `out` as it was."""
+def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[str], list[str]]:
+    """Generate into `out`; returns the files written and the files removed. Validation and rendering
+    finish before any file is touched, so a failed build leaves `out` as it was."""
     return write(plan(paths, out), Path(out))
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ErrorSink
-from .loader import _is_mapping, _Mapping, _name
+from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
 from .yamlnodes import Node
 
@@ -124,14 +124,7 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
     name_node = top.take("block")
     name = _name(name_node, "block", sink) if name_node else None
     doc_node = top.take("doc")
-    doc = ""
-    if doc_node is not None:
-        if isinstance(doc_node.value, str) and doc_node.value.strip() and '"""' not in doc_node.value \
-                and "\\" not in doc_node.value:
-            doc = " ".join(doc_node.value.split())
-        else:
-            sink.add(doc_node.loc, "doc must be a sentence saying what the block computes (no backslashes or "
-                                   f'triple quotes), got {doc_node.type_name}')
+    doc = doc_text(doc_node, sink, "block") if doc_node is not None else ""
     attrs = _attrs(top.take("attrs", required=False), sink)
     params = _tensors(top.take("params", required=False), "params", sink, allow_flags=False)
     inputs = _tensors(top.take("inputs"), "inputs", sink, allow_flags=True)

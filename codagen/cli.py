@@ -53,13 +53,15 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
                 sys.exit(1)
             click.echo(f"{out}/ is up to date")
             return
-        changed = api.build(list(paths), out)
+        written, removed = api.build(list(paths), out)
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)
     except FileExistsError as e:
         click.echo(f"error: {e}; nothing was written", err=True)
         sys.exit(1)
-    for rel in changed:
+    for rel in written:
         click.echo(f"wrote {out}/{rel}")
-    click.echo(f"{out}/: {len(changed)} file(s) changed")
+    for rel in removed:
+        click.echo(f"removed {out}/{rel}")
+    click.echo(f"{out}/: {len(written)} file(s) written, {len(removed)} removed")

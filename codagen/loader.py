@@ -60,8 +60,9 @@ class _Mapping:
 
     def finish(self, allowed: list[str]) -> None:
         for key in self.left:
-            self.sink.add(self.node.key_locs[key], f"unknown key '{_short(key)}' in {self.what};"
-                                                   f"{_did_you_mean(key, allowed)} expected one of: {', '.join(allowed)}")
+            self.sink.add(self.node.key_locs[key],
+                          f"unknown key '{_short(key)}' in {self.what};{_did_you_mean(key, allowed)} "
+                          f"expected one of: {', '.join(allowed)}")
 
 
 def _did_you_mean(word: object, choices) -> str:
@@ -84,7 +85,9 @@ def _is_mapping(node: Node, what: str, sink: ErrorSink) -> bool:
 def _name(node: Node, what: str, sink: ErrorSink) -> str | None:
     problem = name_problem(node.value)
     if problem:
-        sink.add(node.loc, f"{what}: {problem}" if isinstance(node.value, str) else f"{what}: expected a name, got {node.type_name}")
+        if not isinstance(node.value, str):
+            problem = f"expected a name, got {node.type_name}"
+        sink.add(node.loc, f"{what}: {problem}")
         return None
     return node.value
 

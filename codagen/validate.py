@@ -6,7 +6,7 @@ import difflib
 
 from . import ops
 from .errors import ErrorSink
-from .model import (ACC, BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Literal, Location, Output,
+from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output,
                     ValueType, Width, dims_type, type_dims)
 
 _SCALAR = ValueType(Kind.SCALAR)

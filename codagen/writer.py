@@ -77,9 +77,9 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def write(plan: Plan, out: Path) -> list[str]:
-    """Bring `out` in line with the plan; returns what changed. Refuses, before touching anything, to
-    overwrite or delete a file that codagen did not write."""
+def write(plan: Plan, out: Path) -> tuple[list[str], list[str]]:
+    """Bring `out` in line with the plan; returns the files written and the files removed. Refuses, before
+    touching anything, to overwrite or delete a file that codagen did not write."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"the output folder {out} is a file; choose another --out or move the file away")
     d = diff(plan, out)
@@ -95,7 +95,7 @@ def write(plan: Plan, out: Path) -> list[str]:
         raise FileExistsError(f"cannot write {', '.join(f'{out}/{rel}' for rel in blocked)}: something that is "
                               "not a file (or a file where a folder should be) is in the way; move it away")
     mode = _file_mode()
-    changed = []
+    written = []
     for rel in (*d.missing, *d.stale):
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +108,7 @@ def write(plan: Plan, out: Path) -> list[str]:
         except BaseException:
             os.unlink(tmp)
             raise
-        changed.append(rel)
+        written.append(rel)
     for rel in d.extra:
         (out / rel).unlink()
-        changed.append(rel)
-    return sorted(changed)
+    return sorted(written), sorted(d.extra)

@@ -149,7 +149,8 @@ class _Walker:
             raise SpecError(loc, f"spec has more than {MAX_NODES} YAML nodes; is this the right file?")
         kind = _PLAIN_TAGS.get(node.tag)
         if kind is None:  # an implicit type that _check_events cannot see, such as a date
-            what = {"timestamp": "a YAML date/time"}.get(_short_tag(node.tag)[2:], f"YAML type '{_short_tag(node.tag)}'")
+            short = _short_tag(node.tag)
+            what = "a YAML date/time" if short == "!!timestamp" else f"YAML type '{_one_line(short)}'"
             text = f" '{_one_line(node.value)}'" if isinstance(node, yaml.ScalarNode) else ""
             raise SpecError(loc, f"this value{text} reads as {what}, which specs do not use; "
                                  "put it in quotes if you mean text")

@@ -30,6 +30,8 @@ REPO = TESTS.parent
 TEST_SPECS = TESTS / "specs"
 PACKAGE = "cg_test_generated"
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Where the kernels run: the GPU when there is one (compiled Triton), else the CPU (the interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # -- the test kernels -------------------------------------------------------------------------------------
@@ -91,11 +93,12 @@ def dim_size(dim: str, sizes: dict, config: Config) -> int:
 
 
 def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]], torch.Tensor]):
-    """`values` as a contiguous tensor (how 0) or as a non-contiguous view of a larger base made by
-    `base_fill`: transposed (how 1) or a column slice (how 2); 1-d: every other element. Returns (view, base,
-    view_of), where view_of maps a tensor shaped like the base to the same view of it."""
+    """`values` (drawn on the CPU) on DEVICE, as a contiguous tensor (how 0) or as a non-contiguous view of a
+    larger base made by `base_fill`: transposed (how 1) or a column slice (how 2); 1-d: every other element.
+    Returns (view, base, view_of), where view_of maps a tensor shaped like the base to the same view of it."""
     shape = tuple(values.shape)
     if how == 0 or len(shape) == 0:
+        values = values.to(DEVICE)
         return values, values, lambda t: t
     if len(shape) == 1:
         base_shape, view_of = (2 * shape[0] + 1,), lambda t: t[1::2]
@@ -104,9 +107,9 @@ def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]]
     else:
         base_shape, view_of = (shape[0], shape[1] + 5), lambda t: t[:, 3:3 + shape[1]]
     base = base_fill(base_shape).to(values.dtype)
-    view = view_of(base)
-    view.copy_(values)
-    return view, base, view_of
+    view_of(base).copy_(values)
+    base = base.to(DEVICE)
+    return view_of(base), base, view_of
 
 
 def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, strided: bool = False,
@@ -142,7 +145,7 @@ def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, stride
         kwargs[d.name] = view
         if d.output:
             outputs[d.name] = view
-            mask = torch.zeros(base.shape, dtype=torch.bool)
+            mask = torch.zeros(base.shape, dtype=torch.bool, device=DEVICE)
             view_of(mask).fill_(True)
             bases[d.name] = (base, base.clone(), mask)
             if d.name in inplace:

@@ -12,7 +12,6 @@ column). `words` must all appear in the message. `count` is how many errors the 
 mistake should give one error, not a cascade."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ STEPS = [
 ]
 INPUTS = "{y: [M, K], w_o: [N, K], x: [M, N], wn: [N]}"
 OUTPUTS = "{x_out: [M, N], h: [M, N], ss: [M, tiles(N)]}"
+ROPE_STEPS = ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]
 AB = "{a: [M, K], b: [N, K]"  # inputs of the smaller kernels below, to be closed with more inputs and '}'
 
 
@@ -98,7 +98,8 @@ CASES = [
       "YAML syntax error: expected ',' or '}'", "while parsing a flow mapping that starts at line 3, column 7"),
     c("syntax_bad_indentation", spec().replace("\ndoc:", "\n  doc:"), (2, ":"),
       "YAML syntax error: mapping values are not allowed here", "put the text in quotes"),
-    c("syntax_tab", spec().replace("  - store: {x: hv", "\t- store: {x: hv"), (11, 1), "YAML syntax error", "'\\t'", "spaces, not tabs"),
+    c("syntax_tab", spec().replace("  - store: {x: hv", "\t- store: {x: hv"), (11, 1),
+      "YAML syntax error", "'\\t'", "spaces, not tabs"),
     c("two_documents", spec() + "---\n" + spec(), (12, 1), "single document"),
     c("deep_nesting", "kernel: " + "[" * 2000 + "]" * 2000 + "\n", (1, 9 + 15), "nesting is too deep",
       "16 levels"),
@@ -106,7 +107,8 @@ CASES = [
       "bytes, more than the 256 KiB", "right file"),
     c("empty_file", "", (1, 1), "spec is empty", "'kernel:'"),
     c("only_comments", "# nothing here\n\n", (1, 1), "spec is empty"),
-    c("not_utf8", spec().encode().replace(b"Out-projection", b"Out-pr\xf6jection"), (2, len("doc: Out-pr") + 1), "not UTF-8",
+    c("not_utf8", spec().encode().replace(b"Out-projection", b"Out-pr\xf6jection"), (2, len("doc: Out-pr") + 1),
+      "not UTF-8",
       "0xf6"),
     c("control_character", spec(doc="Adds the\x07 residual."), (2, "\x07"), "control character U+0007"),
     c("top_level_list", "- kernel: k1\n", (1, 1), "a spec must be a mapping, got a list"),
@@ -173,7 +175,8 @@ CASES = [
     c("name_too_long", spec(kernel="k" * 49), (1, 9), "49 characters long"),
     c("name_keyword_lambda", spec(inputs="{y: [M, K], w_o: [N, K], lambda: [M, N], wn: [N]}"), (4, "lambda"),
       "'lambda' is a Python keyword"),
-    c("name_builtin_print", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: print}", "store: {x: print, to: h}"]),
+    c("name_builtin_print", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: print}",
+                                                    "store: {x: print, to: h}"]),
       (10, "print"), "'print' is a Python builtin", count=2),  # the store reads the same bad name
     c("name_reserved_acc_as_out", spec(steps=["add: {x: acc, y: x, out: acc}"] + STEPS[1:]), (7, "acc}"),
       "'acc' is reserved for generated code"),
@@ -227,8 +230,9 @@ CASES = [
       "the GEMM accumulator 'acc' is never used"),
     c("declared_twice", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], x: [M, N]}"), (5, "x:"),
       "'x' is declared twice (first at line 4)", count=2),  # and: output 'x' is never written
-    c("literal_with_literal", spec(steps=STEPS[:3] + ["mul: {x: 2.0, y: 3.0, out: two}", "scale: {x: x_new, by: two, out: hv}",
-                                                      STEPS[4]], inputs="{y: [M, K], w_o: [N, K], x: [M, N]}"),
+    c("literal_with_literal", spec(steps=STEPS[:3] + ["mul: {x: 2.0, y: 3.0, out: two}",
+                                                      "scale: {x: x_new, by: two, out: hv}", STEPS[4]],
+                                   inputs="{y: [M, K], w_o: [N, K], x: [M, N]}"),
       (10, "mul"), "mul: both operands are numbers; write the result as one number"),
     # -- outputs: written exactly once, the right way --------------------------------------------------------
     c("output_never_written", spec(outputs="{x_out: [M, N], h: [M, N], ss: [M, tiles(N)], extra: [M, N]}"),
@@ -252,17 +256,15 @@ CASES = [
       "scale.by: column vector [2*N] 'wn' does not match tile [M, N] 'x_new'"),
     c("scale_by_a_tile", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: x, out: hv}", STEPS[4]]), (10, "x, out"),
       "scale.by must be a row vector, column vector or scalar, got tile [M, N] 'x'", count=2),  # and: wn unused
-    c("swiglu_on_half_tile", ab_spec("", "{out_y: [M, N/2]}",
-                                     ["swiglu: {x: acc, out: g1}", "swiglu: {x: g1, out: g2}", "store: {x: g2, to: out_y}"]),
+    c("swiglu_on_half_tile", ab_spec("", "{out_y: [M, N/2]}", ["swiglu: {x: acc, out: g1}", "swiglu: {x: g1, out: g2}",
+                                                              "store: {x: g2, to: out_y}"]),
       (8, "g1"), "swiglu.x: 'g1' is a tile [M, N/2], already halved", "[M, N] or [M, 2*N]"),
     c("swiglu_bwd_wrong_width", ab_spec("dy: [M, N]", "{dz: [M, N]}",
                                         ["swiglu_bwd: {dy: dy, x: acc, out: d}", "store: {x: d, to: dz}"]),
       (7, "acc"), "swiglu_bwd.x must be twice as wide as dy ([M, 2*N]), got tile [M, N] 'acc'"),
-    c("rope_freqs_wrong_width", ab_spec("pos: {shape: [M], dtype: index}, freqs: [N]", "{q: [M, N]}",
-                                        ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]),
+    c("rope_freqs_wrong_width", ab_spec("pos: {shape: [M], dtype: index}, freqs: [N]", "{q: [M, N]}", ROPE_STEPS),
       (7, "freqs, out"), "rope.freqs must have one frequency per pair, [N/2]", "column vector [N] 'freqs'"),
-    c("rope_positions_not_a_row", ab_spec("pos: [N], freqs: [N/2]", "{q: [M, N]}",
-                                          ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]),
+    c("rope_positions_not_a_row", ab_spec("pos: [N], freqs: [N/2]", "{q: [M, N]}", ROPE_STEPS),
       (7, "pos,"), "rope.positions must be a row vector [M] of positions, got column vector [N] 'pos'"),
     c("index_input_not_a_row", ab_spec("t: {shape: [N], dtype: index}", "{o: [M]}",
                                        ["select: {x: acc, index: t, to: o}"]), (4, "t:"),
@@ -406,7 +408,8 @@ def test_all_errors_of_a_file_are_reported_together(tmp_path):
 
 
 def test_structural_errors_are_reported_together(tmp_path):
-    """The loader, too, reports every structural problem of a file at once."""
+    """The loader, too, reports every structural problem of a file at once: a bad name, a bad gemm layout and
+    a bad reduce axis. (Rules across steps, such as unused values, run once the structure is sound.)"""
     text = spec(kernel="K1", gemm="{a: y, b: w_o, b_layout: nt}",
                 steps=STEPS[:2] + ["reduce: {op: sumsq, x: x_new, axis: col, to: ss}"] + STEPS[3:])
     errors = _errors(_write(tmp_path, "structural", text))

@@ -126,7 +126,7 @@ def test_build_is_byte_identical_across_hash_seeds_and_layouts(tmp_path, source)
             write_specs(root)
         out = ok(codagen("build", *spec_args, cwd=root, seed=seed))
         results.append(snapshot(root / "generated"))
-        assert f"generated/: {len(results[-1])} file(s) changed" in out.stdout
+        assert f"generated/: {len(results[-1])} file(s) written, 0 removed" in out.stdout
     first = results[0]
     assert "kernels/__init__.py" in first
     if source == "workspace":
@@ -278,7 +278,7 @@ def test_a_second_build_writes_nothing(built):
     folder = built / "generated"
     mtimes = {p: p.stat().st_mtime_ns for p in folder.rglob("*.py")}
     result = ok(codagen("build", "specs/", cwd=built))
-    assert result.stdout == "generated/: 0 file(s) changed\n"
+    assert result.stdout == "generated/: 0 file(s) written, 0 removed\n"
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*.py")} == mtimes
     assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp")]
 
@@ -287,7 +287,7 @@ def test_a_changed_spec_rewrites_only_its_module(built):
     spec = built / "specs" / "backward" / "ce_head.yaml"
     spec.write_text(spec.read_text() + "# a comment changes the hash in the header\n")
     result = ok(codagen("build", "specs/", cwd=built))
-    assert result.stdout.splitlines() == ["wrote generated/kernels/ce_head.py", "generated/: 1 file(s) changed"]
+    assert result.stdout.splitlines() == ["wrote generated/kernels/ce_head.py", "generated/: 1 file(s) written, 0 removed"]
 
 
 def test_removing_a_spec_removes_its_module(built):
@@ -296,7 +296,7 @@ def test_removing_a_spec_removes_its_module(built):
     result = ok(codagen("build", "specs/", cwd=built))
     assert f"generated/kernels/{gone}.py" in result.stdout
     assert "generated/kernels/__init__.py" in result.stdout  # its index no longer lists the kernel
-    assert "generated/: 2 file(s) changed" in result.stdout
+    assert "generated/: 1 file(s) written, 1 removed" in result.stdout
     files = snapshot(built / "generated")
     assert f"kernels/{gone}.py" not in files
     assert gone.encode() not in files["kernels/__init__.py"]
@@ -358,3 +358,16 @@ def test_near_miss_names_give_an_importable_module(tmp_path, monkeypatch):
     module = importlib.import_module("cg_names_probe.kernels.names_probe")
     assert module.NAME == "names_probe"
     assert hasattr(torch.ops.codagen, "names_probe")
+
+
+def test_spelling_of_out_does_not_change_the_output(ws):
+    ok(codagen("build", "specs/", "--out", "gen", cwd=ws))
+    first = snapshot(ws / "gen")
+    ok(codagen("build", "specs/", "--out", "./gen/", cwd=ws))
+    assert snapshot(ws / "gen") == first
+
+
+def test_removed_modules_are_reported_as_removed(built):
+    (built / "specs" / "swiglu.yaml").unlink()
+    result = ok(codagen("build", "specs/", cwd=built))
+    assert "removed generated/kernels/gate_up.py" in result.stdout.splitlines()

@@ -14,12 +14,13 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 
 from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "row_chunks", "sum_chunks"]
+           "on_device", "reset_parameters", "sm_count", "tma_ready", "descriptor", "row_chunks", "sum_chunks"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -60,6 +61,34 @@ def reset_parameters(module: torch.nn.Module) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # the interpreter: few programs, so that persistent grids walk over several tiles in tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these tensors: a Hopper GPU (or the interpreter), a contiguous
+    last dimension and 16-byte aligned rows and base."""
+    t0 = tensors[0]
+    if not (INTERPRETED or _tma_device(t0.device)):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.numel() > 0 for t in tensors)
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
 def on_device(device: torch.device):

@@ -20,6 +20,8 @@ class Config:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    persistent: bool = False  # a grid of one program per SM, each walking over tiles
+    tma: bool = False  # GEMM operands through TMA tensor descriptors (Hopper), where their layout allows
 
     def meta(self) -> dict:
         """Keyword arguments of a kernel launch."""
@@ -30,11 +32,12 @@ class Config:
         return asdict(self)
 
 
-GPU_DEFAULT = Config()
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.
 INTERPRETER_DEFAULT = Config(64, 64, 32, 8, 4, 1)
+GPU_DEFAULT = Config(128, 128, 64, 8, 8, 3, persistent=True, tma=True)
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_key(device: torch.device) -> str:
     """Folder name of a GPU's tuning tables: its marketing name in lowercase, e.g. 'nvidia-h200'."""
     name = torch.cuda.get_device_name(device)

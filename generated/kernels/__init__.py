@@ -5,6 +5,7 @@
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
 - lm_head_ce_grad (specs/backward/lm_head_ce_grad.yaml): Cross-entropy gradient of the logits, recomputed tile by tile, with the RMSNorm backward's row partials.
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
+- matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm before it, plus the residual gradient.
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
@@ -16,6 +17,7 @@
 from . import gate_up_swiglu
 from . import lm_head_ce_grad
 from . import lm_head_logsumexp
+from . import matmul
 from . import norm_dgrad
 from . import norm_dgrad_residual
 from . import out_proj_residual_norm
@@ -24,4 +26,4 @@ from . import rmsnorm_stats
 from . import rope_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = ["gate_up_swiglu", "lm_head_ce_grad", "lm_head_logsumexp", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]
+__all__ = ["gate_up_swiglu", "lm_head_ce_grad", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]

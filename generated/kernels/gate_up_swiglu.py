@@ -30,6 +30,8 @@ DECLS = (
 def gate_up_swiglu_kernel(
     # pointers
     h_ptr, w_gate_up_ptr, rstd_ptr, z_ptr, y_ptr,
+    # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
+    h_desc, w_gate_up_desc,
     # sizes
     M, N, K,
     # strides
@@ -38,68 +40,74 @@ def gate_up_swiglu_kernel(
     stride_rstd_m,
     stride_z_m, stride_z_n,
     stride_y_m, stride_y_n,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # mainloop: acc = h @ w_gate_up^T, accumulated in fp32. Rows and columns past the edge
-    # wrap around (they read valid memory and their results are masked off in the epilogue).
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:
-        offs_k = offs_k.to(tl.int64)
-    a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
-    b_ptrs = w_gate_up_ptr + offs_k[:, None] * stride_w_gate_up_k + (cols % N)[None, :] * stride_w_gate_up_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_h_k
-        b_ptrs += BLOCK_K * stride_w_gate_up_k
+        # mainloop: acc = h @ w_gate_up^T, accumulated in fp32. Through TMA, edges read zeros;
+        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+        offs_k = tl.arange(0, BLOCK_K)
+        if INT64:
+            offs_k = offs_k.to(tl.int64)
+        a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
+        b_ptrs = w_gate_up_ptr + offs_k[:, None] * stride_w_gate_up_k + (cols % N)[None, :] * stride_w_gate_up_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                a_tile = h_desc.load([pid_m * BLOCK_M, k0])
+                b_tile = w_gate_up_desc.load([pid_n * BLOCK_N, k0]).T
+            elif EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_h_k
+            b_ptrs += BLOCK_K * stride_w_gate_up_k
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/gate_up_swiglu.yaml:16  scale
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-    zv = acc * rstd[:, None]
+        # specs/gate_up_swiglu.yaml:16  scale
+        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+        zv = acc * rstd[:, None]
 
-    # specs/gate_up_swiglu.yaml:17  store
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/gate_up_swiglu.yaml:17  store
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/gate_up_swiglu.yaml:18  swiglu
-    yv = tile.swiglu(zv)
+        # specs/gate_up_swiglu.yaml:18  swiglu
+        yv = tile.swiglu(zv)
 
-    # specs/gate_up_swiglu.yaml:19  store
-    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_mask_half = cols_half < N // 2
-    tile_mask_half = row_mask[:, None] & col_mask_half[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask_half)
+        # specs/gate_up_swiglu.yaml:19  store
+        cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        col_mask_half = cols_half < N // 2
+        tile_mask_half = row_mask[:, None] & col_mask_half[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask_half)
 
 
 def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
@@ -110,17 +118,24 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
+    tma = config.tma and runtime.tma_ready(h, w_gate_up)
+    h_desc = runtime.descriptor(h, config.block_m, config.block_k) if tma else None
+    w_gate_up_desc = runtime.descriptor(w_gate_up, config.block_n, config.block_k) if tma else None
     with runtime.on_device(device):
-        gate_up_swiglu_kernel[grid](
+        gate_up_swiglu_kernel[(programs,)](
             h, w_gate_up, rstd, z, y,
+            h_desc, w_gate_up_desc,
             M, N, K,
             h.stride(0), h.stride(1),
             w_gate_up.stride(0), w_gate_up.stride(1),
             rstd.stride(0),
             z.stride(0), z.stride(1),
             y.stride(0), y.stride(1),
+            programs,
             EVEN_K=K % config.block_k == 0,
+            TMA=tma,
             **runtime.dot_settings(t_dtype),
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),

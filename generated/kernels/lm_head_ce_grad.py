@@ -34,6 +34,8 @@ DECLS = (
 def lm_head_ce_grad_kernel(
     # pointers
     h_ptr, w_vocab_ptr, rstd_ptr, lse_ptr, target_ptr, weights_ptr, grad_loss_ptr, dz_ptr, zdz_part_ptr,
+    # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
+    h_desc, w_vocab_desc,
     # sizes
     M, N, K,
     # strides
@@ -45,87 +47,93 @@ def lm_head_ce_grad_kernel(
     stride_weights_m,
     stride_dz_m, stride_dz_n,
     stride_zdz_part_m, stride_zdz_part_t,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # mainloop: acc = h @ w_vocab^T, accumulated in fp32. Rows and columns past the edge
-    # wrap around (they read valid memory and their results are masked off in the epilogue).
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:
-        offs_k = offs_k.to(tl.int64)
-    a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
-    b_ptrs = w_vocab_ptr + offs_k[:, None] * stride_w_vocab_k + (cols % N)[None, :] * stride_w_vocab_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_h_k
-        b_ptrs += BLOCK_K * stride_w_vocab_k
+        # mainloop: acc = h @ w_vocab^T, accumulated in fp32. Through TMA, edges read zeros;
+        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+        offs_k = tl.arange(0, BLOCK_K)
+        if INT64:
+            offs_k = offs_k.to(tl.int64)
+        a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
+        b_ptrs = w_vocab_ptr + offs_k[:, None] * stride_w_vocab_k + (cols % N)[None, :] * stride_w_vocab_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                a_tile = h_desc.load([pid_m * BLOCK_M, k0])
+                b_tile = w_vocab_desc.load([pid_n * BLOCK_N, k0]).T
+            elif EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_h_k
+            b_ptrs += BLOCK_K * stride_w_vocab_k
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/backward/lm_head_ce_grad.yaml:20  scale
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-    z = acc * rstd[:, None]
+        # specs/backward/lm_head_ce_grad.yaml:20  scale
+        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+        z = acc * rstd[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:21  sub
-    lse = tl.load(lse_ptr + rows * stride_lse_m, mask=row_mask, other=0.0).to(tl.float32)
-    shifted = z - lse[:, None]
+        # specs/backward/lm_head_ce_grad.yaml:21  sub
+        lse = tl.load(lse_ptr + rows * stride_lse_m, mask=row_mask, other=0.0).to(tl.float32)
+        shifted = z - lse[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:22  exp
-    probs = tl.exp(shifted)
+        # specs/backward/lm_head_ce_grad.yaml:22  exp
+        probs = tl.exp(shifted)
 
-    # specs/backward/lm_head_ce_grad.yaml:23  one_hot
-    target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
-    is_target = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        # specs/backward/lm_head_ce_grad.yaml:23  one_hot
+        target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
+        is_target = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
 
-    # specs/backward/lm_head_ce_grad.yaml:24  sub
-    dlogits = probs - is_target
+        # specs/backward/lm_head_ce_grad.yaml:24  sub
+        dlogits = probs - is_target
 
-    # specs/backward/lm_head_ce_grad.yaml:25  scale
-    weights = tl.load(weights_ptr + rows * stride_weights_m, mask=row_mask, other=0.0).to(tl.float32)
-    weighted = dlogits * weights[:, None]
+        # specs/backward/lm_head_ce_grad.yaml:25  scale
+        weights = tl.load(weights_ptr + rows * stride_weights_m, mask=row_mask, other=0.0).to(tl.float32)
+        weighted = dlogits * weights[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:26  scale
-    grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
-    dzv = weighted * grad_loss
+        # specs/backward/lm_head_ce_grad.yaml:26  scale
+        grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
+        dzv = weighted * grad_loss
 
-    # specs/backward/lm_head_ce_grad.yaml:27  store
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/backward/lm_head_ce_grad.yaml:27  store
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/backward/lm_head_ce_grad.yaml:28  mul
-    dot = z * dzv
+        # specs/backward/lm_head_ce_grad.yaml:28  mul
+        dot = z * dzv
 
-    # specs/backward/lm_head_ce_grad.yaml:29  reduce
-    tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+        # specs/backward/lm_head_ce_grad.yaml:29  reduce
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
 
 
 def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, config=None) -> None:
@@ -137,10 +145,15 @@ def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, c
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
+    tma = config.tma and runtime.tma_ready(h, w_vocab)
+    h_desc = runtime.descriptor(h, config.block_m, config.block_k) if tma else None
+    w_vocab_desc = runtime.descriptor(w_vocab, config.block_n, config.block_k) if tma else None
     with runtime.on_device(device):
-        lm_head_ce_grad_kernel[grid](
+        lm_head_ce_grad_kernel[(programs,)](
             h, w_vocab, rstd, lse, target, weights, grad_loss, dz, zdz_part,
+            h_desc, w_vocab_desc,
             M, N, K,
             h.stride(0), h.stride(1),
             w_vocab.stride(0), w_vocab.stride(1),
@@ -150,7 +163,9 @@ def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, c
             weights.stride(0),
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
+            programs,
             EVEN_K=K % config.block_k == 0,
+            TMA=tma,
             **runtime.dot_settings(t_dtype),
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),

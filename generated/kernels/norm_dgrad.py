@@ -34,6 +34,8 @@ DECLS = (
 def norm_dgrad_kernel(
     # pointers
     dz_ptr, w_ptr, x_ptr, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+    # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
+    dz_desc, w_desc,
     # sizes
     M, N, K,
     # strides
@@ -46,86 +48,92 @@ def norm_dgrad_kernel(
     stride_dx_m, stride_dx_n,
     stride_dwn_part_n, stride_dwn_part_t,
     stride_normed_m, stride_normed_n,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # mainloop: acc = dz @ w, accumulated in fp32. Rows and columns past the edge
-    # wrap around (they read valid memory and their results are masked off in the epilogue).
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:
-        offs_k = offs_k.to(tl.int64)
-    a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
-    b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_dz_k
-        b_ptrs += BLOCK_K * stride_w_k
+        # mainloop: acc = dz @ w, accumulated in fp32. Through TMA, edges read zeros;
+        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+        offs_k = tl.arange(0, BLOCK_K)
+        if INT64:
+            offs_k = offs_k.to(tl.int64)
+        a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
+        b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                a_tile = dz_desc.load([pid_m * BLOCK_M, k0])
+                b_tile = w_desc.load([k0, pid_n * BLOCK_N])
+            elif EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_dz_k
+            b_ptrs += BLOCK_K * stride_w_k
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/backward/norm_dgrad.yaml:18  scale
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-    xn = x * rstd[:, None]
+        # specs/backward/norm_dgrad.yaml:18  scale
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+        xn = x * rstd[:, None]
 
-    # specs/backward/norm_dgrad.yaml:19  scale
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-    acc_wn = acc * wn[None, :]
+        # specs/backward/norm_dgrad.yaml:19  scale
+        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+        acc_wn = acc * wn[None, :]
 
-    # specs/backward/norm_dgrad.yaml:20  scale
-    zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
-    xn_zdz = xn * zdz[:, None]
+        # specs/backward/norm_dgrad.yaml:20  scale
+        zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
+        xn_zdz = xn * zdz[:, None]
 
-    # specs/backward/norm_dgrad.yaml:21  sub
-    centered = acc_wn - xn_zdz
+        # specs/backward/norm_dgrad.yaml:21  sub
+        centered = acc_wn - xn_zdz
 
-    # specs/backward/norm_dgrad.yaml:22  scale
-    dxv = centered * rstd[:, None]
+        # specs/backward/norm_dgrad.yaml:22  scale
+        dxv = centered * rstd[:, None]
 
-    # specs/backward/norm_dgrad.yaml:23  store
-    tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/backward/norm_dgrad.yaml:23  store
+        tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/backward/norm_dgrad.yaml:24  mul
-    wn_terms = acc * xn
+        # specs/backward/norm_dgrad.yaml:24  mul
+        wn_terms = acc * xn
 
-    # specs/backward/norm_dgrad.yaml:25  reduce
-    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t, tile.partial_reduce(wn_terms, tile_mask, OP=0, AXIS=0), mask=col_mask)
+        # specs/backward/norm_dgrad.yaml:25  reduce
+        tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t, tile.partial_reduce(wn_terms, tile_mask, OP=0, AXIS=0), mask=col_mask)
 
-    # specs/backward/norm_dgrad.yaml:26  scale
-    nv = xn * wn[None, :]
+        # specs/backward/norm_dgrad.yaml:26  scale
+        nv = xn * wn[None, :]
 
-    # specs/backward/norm_dgrad.yaml:27  store
-    tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n, nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/backward/norm_dgrad.yaml:27  store
+        tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n, nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> None:
@@ -137,10 +145,15 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
+    tma = config.tma and runtime.tma_ready(dz, w)
+    dz_desc = runtime.descriptor(dz, config.block_m, config.block_k) if tma else None
+    w_desc = runtime.descriptor(w, config.block_k, config.block_n) if tma else None
     with runtime.on_device(device):
-        norm_dgrad_kernel[grid](
+        norm_dgrad_kernel[(programs,)](
             dz, w, x, rstd, wn, zdz, dx, dwn_part, normed,
+            dz_desc, w_desc,
             M, N, K,
             dz.stride(0), dz.stride(1),
             w.stride(0), w.stride(1),
@@ -151,7 +164,9 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
             dx.stride(0), dx.stride(1),
             dwn_part.stride(0), dwn_part.stride(1),
             normed.stride(0), normed.stride(1),
+            programs,
             EVEN_K=K % config.block_k == 0,
+            TMA=tma,
             **runtime.dot_settings(t_dtype),
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),

@@ -32,6 +32,8 @@ DECLS = (
 def out_proj_residual_norm_kernel(
     # pointers
     y_ptr, w_o_ptr, x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+    # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
+    y_desc, w_o_desc,
     # sizes
     M, N, K,
     # strides
@@ -42,69 +44,75 @@ def out_proj_residual_norm_kernel(
     stride_x_out_m, stride_x_out_n,
     stride_h_m, stride_h_n,
     stride_ss_m, stride_ss_t,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # mainloop: acc = y @ w_o^T, accumulated in fp32. Rows and columns past the edge
-    # wrap around (they read valid memory and their results are masked off in the epilogue).
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:
-        offs_k = offs_k.to(tl.int64)
-    a_ptrs = y_ptr + (rows % M)[:, None] * stride_y_m + offs_k[None, :] * stride_y_k
-    b_ptrs = w_o_ptr + offs_k[:, None] * stride_w_o_k + (cols % N)[None, :] * stride_w_o_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_y_k
-        b_ptrs += BLOCK_K * stride_w_o_k
+        # mainloop: acc = y @ w_o^T, accumulated in fp32. Through TMA, edges read zeros;
+        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+        offs_k = tl.arange(0, BLOCK_K)
+        if INT64:
+            offs_k = offs_k.to(tl.int64)
+        a_ptrs = y_ptr + (rows % M)[:, None] * stride_y_m + offs_k[None, :] * stride_y_k
+        b_ptrs = w_o_ptr + offs_k[:, None] * stride_w_o_k + (cols % N)[None, :] * stride_w_o_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                a_tile = y_desc.load([pid_m * BLOCK_M, k0])
+                b_tile = w_o_desc.load([pid_n * BLOCK_N, k0]).T
+            elif EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_y_k
+            b_ptrs += BLOCK_K * stride_w_o_k
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/out_proj_residual_norm.yaml:17  add
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-    x_new = acc + x
+        # specs/out_proj_residual_norm.yaml:17  add
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+        x_new = acc + x
 
-    # specs/out_proj_residual_norm.yaml:18  store
-    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/out_proj_residual_norm.yaml:18  store
+        tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/out_proj_residual_norm.yaml:19  reduce
-    tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x_new, tile_mask, OP=1, AXIS=1), mask=row_mask)
+        # specs/out_proj_residual_norm.yaml:19  reduce
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x_new, tile_mask, OP=1, AXIS=1), mask=row_mask)
 
-    # specs/out_proj_residual_norm.yaml:20  scale
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-    hv = x_new * wn[None, :]
+        # specs/out_proj_residual_norm.yaml:20  scale
+        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+        hv = x_new * wn[None, :]
 
-    # specs/out_proj_residual_norm.yaml:21  store
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/out_proj_residual_norm.yaml:21  store
+        tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
@@ -116,10 +124,15 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
+    tma = config.tma and runtime.tma_ready(y, w_o)
+    y_desc = runtime.descriptor(y, config.block_m, config.block_k) if tma else None
+    w_o_desc = runtime.descriptor(w_o, config.block_n, config.block_k) if tma else None
     with runtime.on_device(device):
-        out_proj_residual_norm_kernel[grid](
+        out_proj_residual_norm_kernel[(programs,)](
             y, w_o, x, wn, x_out, h, ss,
+            y_desc, w_o_desc,
             M, N, K,
             y.stride(0), y.stride(1),
             w_o.stride(0), w_o.stride(1),
@@ -128,7 +141,9 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
             x_out.stride(0), x_out.stride(1),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
+            programs,
             EVEN_K=K % config.block_k == 0,
+            TMA=tma,
             **runtime.dot_settings(t_dtype),
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),

@@ -36,40 +36,42 @@ def rmsnorm_stats_kernel(
     stride_wn_n,
     stride_h_m, stride_h_n,
     stride_ss_m, stride_ss_t,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/rmsnorm_stats.yaml:12  reduce
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-    tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x, tile_mask, OP=1, AXIS=1), mask=row_mask)
+        # specs/rmsnorm_stats.yaml:12  reduce
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x, tile_mask, OP=1, AXIS=1), mask=row_mask)
 
-    # specs/rmsnorm_stats.yaml:13  scale
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-    hv = x * wn[None, :]
+        # specs/rmsnorm_stats.yaml:13  scale
+        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+        hv = x * wn[None, :]
 
-    # specs/rmsnorm_stats.yaml:14  store
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/rmsnorm_stats.yaml:14  store
+        tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def launch(x, wn, *, h, ss, config=None) -> None:
@@ -81,15 +83,17 @@ def launch(x, wn, *, h, ss, config=None) -> None:
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
     with runtime.on_device(device):
-        rmsnorm_stats_kernel[grid](
+        rmsnorm_stats_kernel[(programs,)](
             x, wn, h, ss,
             M, N,
             x.stride(0), x.stride(1),
             wn.stride(0),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
+            programs,
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),
         )

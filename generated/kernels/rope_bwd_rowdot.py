@@ -40,47 +40,49 @@ def rope_bwd_rowdot_kernel(
     stride_freqs_n,
     stride_dz_m, stride_dz_n,
     stride_zdz_part_m, stride_zdz_part_t,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/backward/rope_bwd_rowdot.yaml:15  rope_bwd
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    grad_qkv = tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_mask_half = cols_half < N // 2
-    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
-    dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
+        # specs/backward/rope_bwd_rowdot.yaml:15  rope_bwd
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        grad_qkv = tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+        positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
+        cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        col_mask_half = cols_half < N // 2
+        freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+        dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
 
-    # specs/backward/rope_bwd_rowdot.yaml:16  store
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/backward/rope_bwd_rowdot.yaml:16  store
+        tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/backward/rope_bwd_rowdot.yaml:17  mul
-    qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
-    dot = qkv * grad_qkv
+        # specs/backward/rope_bwd_rowdot.yaml:17  mul
+        qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+        dot = qkv * grad_qkv
 
-    # specs/backward/rope_bwd_rowdot.yaml:18  reduce
-    tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+        # specs/backward/rope_bwd_rowdot.yaml:18  reduce
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
 
 
 def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> None:
@@ -92,9 +94,10 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
     with runtime.on_device(device):
-        rope_bwd_rowdot_kernel[grid](
+        rope_bwd_rowdot_kernel[(programs,)](
             qkv, grad_qkv, positions, freqs, dz, zdz_part,
             M, N,
             qkv.stride(0), qkv.stride(1),
@@ -103,6 +106,7 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
             freqs.stride(0),
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
+            programs,
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),
         )

@@ -31,6 +31,8 @@ DECLS = (
 def swiglu_dgrad_kernel(
     # pointers
     grad_y_ptr, w_down_ptr, z_ptr, dz_ptr, zdz_part_ptr, y_ptr,
+    # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
+    grad_y_desc, w_down_desc,
     # sizes
     M, N, K,
     # strides
@@ -40,74 +42,80 @@ def swiglu_dgrad_kernel(
     stride_dz_m, stride_dz_n,
     stride_zdz_part_m, stride_zdz_part_t,
     stride_y_m, stride_y_n,
+    # programs in the grid: fewer than tiles makes the grid persistent
+    NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # program id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-        pid_m = pid_m.to(tl.int64)
-        pid_n = pid_n.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
+            pid_m = pid_m.to(tl.int64)
+            pid_n = pid_n.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-    # mainloop: acc = grad_y @ w_down, accumulated in fp32. Rows and columns past the edge
-    # wrap around (they read valid memory and their results are masked off in the epilogue).
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:
-        offs_k = offs_k.to(tl.int64)
-    a_ptrs = grad_y_ptr + (rows % M)[:, None] * stride_grad_y_m + offs_k[None, :] * stride_grad_y_k
-    b_ptrs = w_down_ptr + offs_k[:, None] * stride_w_down_k + (cols % N)[None, :] * stride_w_down_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-            a_tile = a_tile.to(tl.float32)
-            b_tile = b_tile.to(tl.float32)
-        acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_grad_y_k
-        b_ptrs += BLOCK_K * stride_w_down_k
+        # mainloop: acc = grad_y @ w_down, accumulated in fp32. Through TMA, edges read zeros;
+        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+        offs_k = tl.arange(0, BLOCK_K)
+        if INT64:
+            offs_k = offs_k.to(tl.int64)
+        a_ptrs = grad_y_ptr + (rows % M)[:, None] * stride_grad_y_m + offs_k[None, :] * stride_grad_y_k
+        b_ptrs = w_down_ptr + offs_k[:, None] * stride_w_down_k + (cols % N)[None, :] * stride_w_down_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                a_tile = grad_y_desc.load([pid_m * BLOCK_M, k0])
+                b_tile = w_down_desc.load([k0, pid_n * BLOCK_N])
+            elif EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_grad_y_k
+            b_ptrs += BLOCK_K * stride_w_down_k
 
-    # epilogue, in fp32 on the tile; stores cast to each output's dtype
-    row_mask = rows < M
-    col_mask = cols < N
+        # epilogue, in fp32 on the tile; stores cast to each output's dtype
+        row_mask = rows < M
+        col_mask = cols < N
 
-    # specs/backward/swiglu_dgrad.yaml:16  swiglu_bwd
-    cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-    col_mask_double = cols_double < 2 * N
-    tile_mask_double = row_mask[:, None] & col_mask_double[None, :]
-    z = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double, other=0.0).to(tl.float32)
-    dzv = tile.swiglu_bwd(acc, z)
+        # specs/backward/swiglu_dgrad.yaml:16  swiglu_bwd
+        cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        col_mask_double = cols_double < 2 * N
+        tile_mask_double = row_mask[:, None] & col_mask_double[None, :]
+        z = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double, other=0.0).to(tl.float32)
+        dzv = tile.swiglu_bwd(acc, z)
 
-    # specs/backward/swiglu_dgrad.yaml:17  store
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask_double)
+        # specs/backward/swiglu_dgrad.yaml:17  store
+        tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask_double)
 
-    # specs/backward/swiglu_dgrad.yaml:18  mul
-    dot = z * dzv
+        # specs/backward/swiglu_dgrad.yaml:18  mul
+        dot = z * dzv
 
-    # specs/backward/swiglu_dgrad.yaml:19  reduce
-    tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask_double, OP=0, AXIS=1), mask=row_mask)
+        # specs/backward/swiglu_dgrad.yaml:19  reduce
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask_double, OP=0, AXIS=1), mask=row_mask)
 
-    # specs/backward/swiglu_dgrad.yaml:20  swiglu
-    yv = tile.swiglu(z)
+        # specs/backward/swiglu_dgrad.yaml:20  swiglu
+        yv = tile.swiglu(z)
 
-    # specs/backward/swiglu_dgrad.yaml:21  store
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask)
+        # specs/backward/swiglu_dgrad.yaml:21  store
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
@@ -119,10 +127,15 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
+    tma = config.tma and runtime.tma_ready(grad_y, w_down)
+    grad_y_desc = runtime.descriptor(grad_y, config.block_m, config.block_k) if tma else None
+    w_down_desc = runtime.descriptor(w_down, config.block_k, config.block_n) if tma else None
     with runtime.on_device(device):
-        swiglu_dgrad_kernel[grid](
+        swiglu_dgrad_kernel[(programs,)](
             grad_y, w_down, z, dz, zdz_part, y,
+            grad_y_desc, w_down_desc,
             M, N, K,
             grad_y.stride(0), grad_y.stride(1),
             w_down.stride(0), w_down.stride(1),
@@ -130,7 +143,9 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
             y.stride(0), y.stride(1),
+            programs,
             EVEN_K=K % config.block_k == 0,
+            TMA=tma,
             **runtime.dot_settings(t_dtype),
             INT64=runtime.needs_int64(values.values()),
             **config.meta(),
