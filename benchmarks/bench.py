@@ -3,6 +3,7 @@
     python benchmarks/bench.py --preset llama3-1b --preset llama3-8b --tokens 16384 --out OUTDIR
     python benchmarks/bench.py --quick                      # tokens 2048, short timing: a smoke test
     python benchmarks/bench.py --device cpu --quick         # tiny shapes on the CPU (no Liger, no compile)
+    python benchmarks/bench.py --variants codagen           # only cuBLAS, eager and codagen: no compile time
 
 A row of the results is (pattern, variant). Patterns are the fixed list PATTERNS below (forward, or
 forward+backward with random upstream gradients). Variants come from a registry: the built-in baselines
@@ -862,8 +863,7 @@ def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> 
     for r in rows:
         if r.variant not in variants:
             variants.append(r.variant)
-    order = [CUBLAS, "eager", "torch.compile", "liger", "liger+addnorm"]
-    variants = sorted(variants, key=lambda v: (order.index(v) if v in order else len(order), v))
+    variants = sorted(variants, key=lambda v: (BASELINES.index(v) if v in BASELINES else len(BASELINES), v))
 
     L = [f"# codagen benchmarks: {env['device']}", ""]
     L += [f"- date: {env['date']}",
@@ -917,6 +917,9 @@ def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> 
                 else:
                     cells.append(f"{r.ms:.3f}" + (f" ({r.ms / cub:.2f}x)" if cub else ""))
             L.append(f"| {PATTERN_BY_KEY[pk].title if pk in PATTERN_BY_KEY else pk} | " + " | ".join(cells) + " |")
+        for v in variants:
+            if v not in BASELINES:
+                L += [""] + vs_baselines_table(grows, pats, v)
         L += ["", "<details><summary>all rows</summary>", "",
               "| pattern | variant | ms | x cuBLAS | x eager | spread | GEMM TFLOP/s | peak+ MiB | err vs eager | "
               "err vs fp32 ref | worst | note |",
@@ -941,6 +944,34 @@ def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> 
         except ImportError as e:
             log(f"(no chart: {e})")
     return md
+
+
+BASELINES = [CUBLAS, "eager", "torch.compile", "liger", "liger+addnorm"]
+
+
+def _ms_of(rows, pattern, variant):
+    return next((r.ms for r in rows if r.pattern == pattern and r.variant == variant and r.ms), None)
+
+
+def vs_baselines_table(grows: list, pats: list, variant: str) -> list:
+    """Markdown lines: per pattern, the variant's time divided by each baseline's time in the same run
+    (< 1: the variant is faster), with the variant's check result."""
+    present = [b for b in BASELINES if any(r.variant == b for r in grows)]
+    L = [f"{variant} vs each baseline: time ratio {variant} / baseline (< 1: {variant} is faster; cuBLAS GEMMs "
+         f"alone is the speed of light, so there the ratio is >= 1 and 1.00 means a free epilogue):", "",
+         f"| pattern | {variant} ms | " + " | ".join(f"/ {b}" for b in present)
+         + f" | {variant} err vs fp32 ref | eager err vs fp32 ref |",
+         "|---|---|" + "---|" * len(present) + "---|---|"]
+    for pk in pats:
+        r = next((r for r in grows if r.pattern == pk and r.variant == variant), None)
+        if r is None:
+            continue
+        eag = next((e for e in grows if e.pattern == pk and e.variant == "eager"), None)
+        cells = [_div(r.ms, _ms_of(grows, pk, b)) for b in present]
+        flag = " (CHECK)" if "CHECK" in (r.note or "") else ""
+        L.append(f"| {pk} | {'failed' if r.error else _f(r.ms, '.3f')} | " + " | ".join(cells)
+                 + f" | {_fmt_err(r.err_ref).strip()}{flag} | {_fmt_err(eag.err_ref if eag else None).strip()} |")
+    return L
 
 
 def _rel(a: str) -> str:
@@ -1015,7 +1046,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="smoke test: tokens 2048 (CPU: 128), short timing, first preset only")
     ap.add_argument("--patterns", nargs="+", help="only patterns matching these (substring or glob), e.g. block lm_ce.fwd")
-    ap.add_argument("--variants", nargs="+", help="only these variants (cuBLAS and eager are always run)")
+    ap.add_argument("--variants", nargs="+",
+                    help="only these variants (substring or glob; cuBLAS and eager, the check's reference, always "
+                         "run), e.g. --variants codagen, or --variants codagen torch.compile liger")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None, help="include torch.compile rows")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-liger", dest="liger", action="store_false", default=None)
@@ -1110,6 +1143,11 @@ def summary(rows) -> str:
                 val = "FAILED" if r.error else (f"{r.ms:.3f}" + (f"({r.ms / cub:.2f})" if cub else "") if r.ms else "-")
                 cells.append(f"{r.variant}={val}")
             lines.append(f"  {pk:20s} " + "  ".join(cells))
+            for r in grows:
+                if r.pattern == pk and r.variant not in BASELINES and r.ms:
+                    ratios = [f"{b}={_div(r.ms, _ms_of(grows, pk, b))}" for b in BASELINES if _ms_of(grows, pk, b)]
+                    check = "  CHECK FAILED" if "CHECK" in (r.note or "") else ""
+                    lines.append(f"  {'':20s} {r.variant} / " + "  ".join(ratios) + check)
     return "\n".join(lines)
 
 

@@ -65,3 +65,32 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     for rel in removed:
         click.echo(f"removed {out}/{rel}")
     click.echo(f"{out}/: {len(written)} file(s) written, {len(removed)} removed")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--shapes", required=True, metavar="PRESET|MxNxK,...",
+              help="Presets (llama3-1b, llama3-8b: every kernel at the shapes of the Llama block) and/or literal "
+                   "MxNxK shapes applied to every selected kernel, comma-separated.")
+@click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
+              help="Folder of the generated package; tables go to OUT/tuning/<gpu>/.")
+@click.option("--budget", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Stop cleanly after this long; shapes finished by then are written.")
+@click.option("--kernels", default=None, metavar="A,B", help="Tune only these kernels.")
+@click.option("--tokens", default="8192,32768", show_default=True, metavar="T,...",
+              help="Token counts (M) of the presets.")
+@click.option("--missing-only", is_flag=True, help="Skip shapes the table already holds (to continue a run).")
+def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
+         missing_only: bool) -> None:
+    """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
+    from . import tune as tuning  # torch and triton load only for this command
+
+    try:
+        tuning.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens,
+                   missing_only=missing_only, log=click.echo)
+    except ValidationFailed as e:
+        _report(e)
+        sys.exit(1)
+    except tuning.TuneError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)

@@ -15,7 +15,7 @@ INTERNAL = frozenset("""
     num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_double
     row_mask col_mask col_mask_half col_mask_double tile_mask tile_mask_half tile_mask_double
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
-    launch values sizes t_dtype
+    launch values sizes t_dtype tensors key plan tma tile_id offs_k path
 """.split())
 
 

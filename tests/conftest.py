@@ -53,15 +53,20 @@ def test_kernels(tmp_path_factory) -> Callable[[str], object]:
 _MODELS: dict[str, object] = {}
 
 
-def kernel_model(name: str):
-    """The checked kernel model (codagen.model.Kernel) of a test kernel, loaded with codagen.api.load."""
+def _models() -> dict:
     if not _MODELS:
         _MODELS.update({c.kernel.name: c.kernel for c in api.load([TEST_SPECS])})
-    return _MODELS[name]
+    return _MODELS
+
+
+def kernel_model(name: str):
+    """The checked kernel model (codagen.model.Kernel) of a test kernel, loaded with codagen.api.load."""
+    return _models()[name]
 
 
 def all_test_kernels() -> list[str]:
-    return sorted(p.stem for p in TEST_SPECS.glob("t_*.yaml"))
+    """Names of the test kernels (the specs of tests/specs/), sorted."""
+    return sorted(_models())
 
 
 @pytest.fixture(scope="session")
@@ -161,14 +166,3 @@ def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, stride
 def inplace_names(module) -> list[str]:
     params = inspect.signature(module.launch).parameters
     return [d.name for d in module.DECLS if d.output and params[d.name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-
-
-def op_of(module):
-    """The torch.library op of a generated module (named after its kernel)."""
-    return getattr(module, module.NAME)
-
-
-def op_args(module, args: Args) -> tuple:
-    """Positional arguments of the module's op: its inputs (tensors and host scalars), then inplace outputs."""
-    params = [n for n, p in inspect.signature(op_of(module)).parameters.items()]
-    return tuple(args.kwargs[n] for n in params)

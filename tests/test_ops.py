@@ -30,7 +30,7 @@ def op_and_args(module, dtype=torch.float32, seed=0):
     args = draw_args(module, SIZES, dtype, Config(), generator=torch.Generator().manual_seed(seed), special=SPECIAL)
     names = [n for n, p in inspect.signature(module.launch).parameters.items()
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    return getattr(module, module.NAME), tuple(args.kwargs[n] for n in names)
+    return getattr(module, f"{module.NAME}_op"), tuple(args.kwargs[n] for n in names)
 
 
 @pytest.mark.parametrize("name", GENERATED)

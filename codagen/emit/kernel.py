@@ -76,7 +76,10 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         pointer_args=wrap(names, 12),
         launch_params=", ".join(op_args + (["*"] + [t.name for t in tensors if t.output and not t.inplace]
                                            if returned else []) + ["config=None"]),
-        values_all="{" + ", ".join(f'"{n}": {n}' for n in names) + "}",
+        tensor_names=names,
+        tensor_names_quoted=", ".join(f'"{n}"' for n in names) + ("," if len(names) == 1 else ""),
+        a_index=names.index(k.gemm.a) if k.gemm else None,
+        b_index=names.index(k.gemm.b) if k.gemm else None,
         values_inputs="{" + ", ".join(f'"{t.name}": {t.name}' for t in tensors if not t.output) + "}",
         mutated_src="(" + "".join(f'"{n}", ' for n in (o.name for o in k.outputs if o.inplace)).rstrip(" ") + ")",
         returned_kwargs=", ".join(f"{n}={n}" for n in returned),

@@ -15,12 +15,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "sm_count", "tma_ready", "descriptor", "row_chunks", "sum_chunks"]
+           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "Plan", "row_chunks", "sum_chunks"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -75,14 +76,59 @@ def _tma_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these tensors: a Hopper GPU (or the interpreter), a contiguous
-    last dimension and 16-byte aligned rows and base."""
-    t0 = tensors[0]
-    if not (INTERPRETED or _tma_device(t0.device)):
+def tma_layout(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these tensors, alignment of their base aside: a Hopper GPU (or
+    the interpreter), a contiguous last dimension and 16-byte aligned rows."""
+    if not (INTERPRETED or _tma_device(tensors[0].device)):
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.numel() > 0 for t in tensors)
+    return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.numel() > 0 for t in tensors)
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def signature(tensors, config) -> tuple:
+    """What a launch plan depends on: shapes, strides, dtypes and devices of the arguments, and the config."""
+    return (config, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything about a launch that follows from the arguments' signature."""
+
+    config: Config
+    device: torch.device
+    m: int
+    n: int
+    k: int
+    programs: int
+    tma: bool
+    even_k: bool
+    upcast_dot: bool
+    dot_precision: str
+    int64: bool
+    meta: dict
+
+    @property
+    def empty(self) -> bool:
+        return self.m == 0 or self.n == 0
+
+    @classmethod
+    def make(cls, config: Config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
+             gemm: tuple[int, int] | None = None) -> "Plan":
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        dot = dot_settings(t_dtype)
+        return cls(
+            config, device, m, n, k,
+            programs=min(tiles, sm_count(device)) if config.persistent else tiles,
+            tma=config.tma and gemm is not None and tma_layout(tensors[gemm[0]], tensors[gemm[1]]),
+            even_k=k % config.block_k == 0,
+            upcast_dot=dot["UPCAST_DOT"],
+            dot_precision=dot["DOT_PRECISION"],
+            int64=needs_int64(tensors),
+            meta=config.meta(),
+        )
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int):
@@ -91,6 +137,11 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
 def on_device(device: torch.device):
     """Triton launches on the current CUDA device: make it the tensors' device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(device)

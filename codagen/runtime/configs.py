@@ -1,15 +1,24 @@
-"""Tile configurations: the committed tuning table for this GPU when it has the shape, else a default.
-Nothing is tuned at run time unless a table lacks the shape (see codagen.tune)."""
+"""Tile configurations: the committed tuning table of this GPU when it has the shape (`codagen tune` writes
+generated/tuning/<gpu>/<kernel>.json); otherwise, once per process and shape bucket, the fastest of a few
+built-in candidates, timed on the launch itself; otherwise the default.
+
+CODAGEN_NO_TUNE=1 always gives the default: no table, no tuning at run time (reproducible baselines)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+log = logging.getLogger("codagen.tune")
 
 
 @dataclass(frozen=True)
@@ -31,10 +40,32 @@ class Config:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def label(self) -> str:
+        """Short form for logs, e.g. '128x256x64 g8 w8 s3 persistent tma'."""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
+                + (" persistent" if self.persistent else "") + (" tma" if self.tma else ""))
+
 
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.
 INTERPRETER_DEFAULT = Config(64, 64, 32, 8, 4, 1)
 GPU_DEFAULT = Config(128, 128, 64, 8, 8, 3, persistent=True, tma=True)
+
+# What an untuned shape tries at run time: few, since each costs a compile on the first call. GPU_DEFAULT
+# comes first, so that ties keep it. A kernel whose outputs depend on the tile shape keeps GPU_DEFAULT's
+# block_m x block_n (its op allocated the partial-reduction buffers for it before the launch), which leaves
+# block_k, warps, stages and the grid to choose.
+RUNTIME_GEMM_CANDIDATES = (
+    GPU_DEFAULT,
+    Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),  # DESIGN.md §7's fastest mainloop
+    Config(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
+    Config(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+)
+RUNTIME_ELEMENTWISE_CANDIDATES = (  # no GEMM: only the tile shape and the warps matter
+    GPU_DEFAULT,
+    dataclasses.replace(GPU_DEFAULT, block_m=64, block_n=128, num_warps=4),
+    dataclasses.replace(GPU_DEFAULT, block_m=64, block_n=256, num_warps=8),
+    dataclasses.replace(GPU_DEFAULT, num_warps=4),
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,8 +77,12 @@ def gpu_key(device: torch.device) -> str:
 
 def shape_bucket(m: int, n: int, k: int) -> str:
     """Tables are keyed by M rounded up to a power of two (token counts vary) and the exact N and K
-    (model widths do not)."""
+    (model widths do not); K is 0 for kernels without a GEMM."""
     return f"{1 << max(int(m) - 1, 0).bit_length()}x{int(n)}x{int(k)}"
+
+
+def table_path(tuning_dir: Path, gpu: str, kernel: str) -> Path:
+    return Path(tuning_dir) / gpu / f"{kernel}.json"
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,16 +96,112 @@ def _table(path: str, sha256: str, triton_version: str) -> dict:
     return {key: Config(**value["config"]) for key, value in data["shapes"].items()}
 
 
-def pick_config(kernel: str, sha256: str, tuning_dir: Path, m, n, k, device: torch.device) -> Config:
+_tuned: dict[tuple, Config] = {}  # (kernel, sha256, gpu, bucket) -> what run-time tuning chose
+_tuning = threading.Lock()
+
+
+def clear_caches() -> None:
+    """Forget the tables read and the configurations tuned in this process (after `codagen tune` wrote
+    tables, and in tests)."""
+    _table.cache_clear()
+    _tuned.clear()
+
+
+def _on_gpu(device: torch.device) -> bool:
+    """Whether tables and tuning apply: a real CUDA device, not the interpreter."""
     from . import INTERPRETED
 
-    if INTERPRETED or device.type != "cuda":
-        return INTERPRETER_DEFAULT
-    if os.environ.get("CODAGEN_NO_TUNE") != "1":
-        import triton
+    return not INTERPRETED and device.type == "cuda"
 
-        table = _table(str(tuning_dir / gpu_key(device) / f"{kernel}.json"), sha256, triton.__version__)
-        hit = table.get(shape_bucket(m, n, k))
-        if hit is not None:
-            return hit
-    return GPU_DEFAULT
+
+def _may_tune() -> bool:
+    """Trial launches would be recorded into a CUDA graph being captured, and torch.compile must not see
+    them (nor time anything while it traces): then the default is used, and not remembered."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def measure(run: Callable[[Config], None], config: Config) -> float:
+    """Milliseconds per launch of `run(config)` on the current stream: one launch to compile and warm up,
+    one to size the loop, then about 10 ms of launches. Replaced by a fake timer in tests."""
+    run(config)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run(config)
+    end.record()
+    end.synchronize()
+    reps = max(1, min(20, int(10.0 / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(reps):
+        run(config)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def runtime_candidates(has_gemm: bool, tile_dependent: bool) -> list[Config]:
+    pool = RUNTIME_GEMM_CANDIDATES if has_gemm else RUNTIME_ELEMENTWISE_CANDIDATES
+    if tile_dependent:
+        pool = [dataclasses.replace(c, block_m=GPU_DEFAULT.block_m, block_n=GPU_DEFAULT.block_n) for c in pool]
+    return list(dict.fromkeys(pool))  # in order, without duplicates
+
+
+def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None]) -> Config:
+    """The fastest candidate, timed by `measure` on the caller's own arguments; a candidate that fails
+    (does not compile, needs more shared memory than there is) is skipped. If all fail, the default, whose
+    launch then raises the error for the caller to see."""
+    timings = []
+    for config in candidates:
+        try:
+            timings.append((measure(run, config), config))
+        except Exception as e:  # noqa: BLE001 - any failure rules the candidate out; the launch reports its own
+            log.info("codagen: %s %s: candidate %s failed: %s", kernel, bucket, config.label(), e)
+    if not timings:
+        return GPU_DEFAULT
+    ms, best = min(timings, key=lambda t: t[0])  # min keeps the first of equal times: the default's
+    log.info("codagen: %s %s is not in the tuning table; tuned in this process: %s (%.3f ms); "
+             "`codagen tune` commits a table, CODAGEN_NO_TUNE=1 skips this", kernel, bucket, best.label(), ms)
+    return best
+
+
+def _aliased(decls, values: dict) -> bool:
+    """Whether an output shares memory with an input (a launch that updates x in place through x_out=x):
+    then a second launch would read its own results."""
+    inputs = {t.untyped_storage().data_ptr() for d in decls if not d.output
+              for t in [values.get(d.name)] if isinstance(t, torch.Tensor)}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+               for d in decls if d.output for t in [values.get(d.name)])
+
+
+def pick_config(kernel: str, sha256: str, tuning_dir: Path, m, n, k, device: torch.device, *,
+                run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None) -> Config:
+    """The configuration of a launch of `kernel` on an [m, n] (x k) problem.
+
+    `run(config)` launches the kernel on the caller's arguments with `config`; given, an untuned shape is
+    tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
+    (no `inplace` outputs: an accumulation would be applied once per trial). `decls` (the module's DECLS)
+    says whether outputs depend on the tile shape (without it, tuning keeps the default tile shape) and,
+    with `values` (name -> tensor), whether an output aliases an input (then there is no tuning)."""
+    if not _on_gpu(device):
+        return INTERPRETER_DEFAULT
+    if os.environ.get("CODAGEN_NO_TUNE") == "1":
+        return GPU_DEFAULT
+    import triton
+
+    gpu = gpu_key(device)
+    bucket = shape_bucket(m, n, k)
+    hit = _table(str(table_path(tuning_dir, gpu, kernel)), sha256, triton.__version__).get(bucket)
+    if hit is not None:
+        return hit
+    key = (kernel, sha256, gpu, bucket)
+    hit = _tuned.get(key)
+    if hit is not None or run is None or not _may_tune():
+        return hit or GPU_DEFAULT
+    if values is not None and _aliased(decls or (), values):
+        return GPU_DEFAULT  # trial launches would read what the previous ones wrote
+    tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
+    with _tuning:
+        if key not in _tuned:
+            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent), run)
+    return _tuned[key]

@@ -74,29 +74,37 @@ def rmsnorm_stats_kernel(
         tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
 
 
+_PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+
+
 def launch(x, wn, *, h, ss, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch."""
-    values = {"x": x, "wn": wn, "h": h, "ss": ss}
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
-    M, N = sizes["M"], sizes["N"]
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
-    if M == 0 or N == 0:
+    tensors = (x, wn, h, ss)
+    key = runtime.signature(tensors, config)
+    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
+    if plan.empty:
         return
-    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    programs = min(tiles, runtime.sm_count(device)) if config.persistent else tiles
-    with runtime.on_device(device):
-        rmsnorm_stats_kernel[(programs,)](
+    with runtime.on_device(plan.device):
+        rmsnorm_stats_kernel[(plan.programs,)](
             x, wn, h, ss,
-            M, N,
+            plan.m, plan.n,
             x.stride(0), x.stride(1),
             wn.stride(0),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
-            programs,
-            INT64=runtime.needs_int64(values.values()),
-            **config.meta(),
+            plan.programs,
+            INT64=plan.int64,
+            **plan.meta,
         )
+
+
+def _plan(tensors, config) -> runtime.Plan:
+    values = dict(zip(("x", "wn", "h", "ss"), tensors))
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    M, N = sizes["M"], sizes["N"]
+    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    return runtime.Plan.make(config, device, t_dtype, M, N, 0, tensors)
 
 
 def _allocate(x, wn):
@@ -111,17 +119,32 @@ def _allocate(x, wn):
     )
 
 
-@torch.library.custom_op("codagen::rmsnorm_stats", mutates_args=())
-def rmsnorm_stats(
-    x: torch.Tensor,
-    wn: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced."""
+def _run(x, wn):
     h, ss = _allocate(x, wn)
     launch(x, wn, h=h, ss=ss)
     return h, ss
 
 
-@rmsnorm_stats.register_fake
+@torch.library.custom_op("codagen::rmsnorm_stats", mutates_args=())
+def rmsnorm_stats_op(
+    x: torch.Tensor,
+    wn: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced."""
+    return _run(x, wn)
+
+
+@rmsnorm_stats_op.register_fake
 def _(x, wn):
     return _allocate(x, wn)
+
+
+def rmsnorm_stats(x, wn) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
+
+    Under torch.compile this is the op `torch.ops.codagen.rmsnorm_stats`; eager calls skip the dispatcher,
+    which costs about 0.2 ms a call, and run the kernel directly.
+    """
+    if torch.compiler.is_compiling():
+        return rmsnorm_stats_op(x, wn)
+    return _run(x, wn)

@@ -1,0 +1,478 @@
+"""GPU tests (marker `gpu`; skipped without CUDA): every generated kernel and every generated block at
+Llama-3-1B shapes in bf16 and fp16, and the example 2-layer Llama training in bf16, each judged by the rule
+of DESIGN.md §6: the fused computation's error against float64 must be no worse than about 2x the error of
+the same computation done by unfused PyTorch in the same low precision.
+
+Run on the GPU machine (each test prints one line per output; -s shows them):
+
+    python3 -m pytest -m gpu -q -s tests/test_gpu.py
+
+Run time on an H200: about 1-1.5 minutes, nearly all of it Triton compiling the kernels (~35 variants) and
+start-up. The float64 references are ~16 TFLOP of GEMMs (~0.3 s at ~50 TFLOP/s) and a few hundred
+memory-bound passes over 2 GB tensors (< 1 s). A run that tunes untuned shapes at run time compiles several
+candidates per kernel and shape; CODAGEN_NO_TUNE=1 runs the default config instead.
+
+Shapes (Llama-3-1B): D = 2048, FFN = 8192, QKV = 3072 (32 heads and 8 KV heads of 64), vocab = 128256.
+M = 4096 + 37 tokens (ragged for every tile shape); kernels and blocks with a vocab-wide GEMM use
+M = 2048 + 37, so that their float64 references stay at ~2 GB per M x vocab tensor.
+
+Kernels. Inputs are drawn from each module's DECLS: GEMM operands randn * K**-0.25 (so acc is O(1)), other
+T matrices randn, T vectors (norm weights) 1 + 0.1 randn, float32 vectors (rstd-like) in [0.5, 1.5), 0-d
+float32 tensors in [0.5, 1.5), index inputs that a select/one_hot reads in [0, N) with every tenth row -100,
+other index inputs (positions) in [0, 4096). Three inputs get values a model would give them: `freqs` are
+Llama-3's RoPE frequencies, `lse` is the true log-sum-exp of the logits rstd * (h @ w^T), `weights` are
+cross-entropy row weights (1 / valid rows, 0 for ignored rows). Outputs are NaN-prefilled, and the kernel is
+launched with config=None, so it runs the committed tuning table's config or the default; the reference
+uses the same tile shape (runtime.pick_config) for its partial reductions.
+
+Three results per output, all from the same (already rounded) inputs:
+  truth   codagen.reference.run in float64.
+  fused   the kernel.
+  unfused the spec's program run as unfused eager PyTorch runs it: the GEMM by torch.matmul in T (fp32
+          accumulation, output rounded to T), then each epilogue step as one eager op whose tile-shaped
+          result is rounded to T, as a tensor written to memory in T is (the step itself computed in
+          float64 from its rounded operands: eager PyTorch computes inside an op in fp32, whose error is far
+          below T's rounding); row/column vectors, partial reductions and float32 outputs keep their
+          declared float32; every output finally rounded to its declared dtype. Asserted:
+          fused <= 2 * unfused + 1e-5.
+Why not `reference.run(..., dtype=torch.bfloat16)`: it does *all* arithmetic in T, including RoPE angles
+from positions rounded to bf16 (position 4133 becomes 4128) and reductions carried in bf16, which no unfused
+PyTorch code does; its error would be large enough to make the 2x rule vacuous. Why not the float32
+reference rounded to T: that rounds only the outputs, i.e. it is a fused fp32 computation, not an unfused
+one. The per-step rounding is a fair middle: it rounds what eager PyTorch materializes, and is if anything
+strict, since eager PyTorch splits some steps (rope, swiglu) into several ops that each round. It is lenient
+in one place: real code upcasts logits to fp32 for the softmax of cross-entropy. So a fourth number is
+printed, not asserted:
+  min-rounding  only the GEMM output (materialized by any unfused code) and the outputs rounded to their
+                dtypes, the epilogue exact: the best any unfused implementation can do.
+
+Blocks (bf16). Forward outputs and every gradient of PreAttention (with NormStats in front), PostAttention,
+LmHeadLoss (chunk_rows default) and NormStats, against the same computation in plain PyTorch autograd in
+float64 (truth) and in bf16 (unfused), as Hugging Face's Llama computes it: RMSNorm normalized in fp32 and
+cast back before the weight, RoPE angles in fp32 with cos/sin cast to bf16, logits upcast to fp32 for the
+cross-entropy. (tests/test_blocks.py's plain functions run the norm and the RoPE angles in the low
+precision itself, which at 4k positions is not what PyTorch code does; hence the functions here.) Upstream
+gradients are bf16 tensors, used exactly by all three. Asserted: fused <= 2 * unfused + 1e-4, as in
+tests/test_blocks.py.
+
+Llama: examples/llama.py's CodagenLlama against PlainLlama, both bf16, a small 2-layer config, AdamW on one
+fixed batch for a few steps: losses within 2e-2 relative at every step, and both losses fall.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codagen import api, reference, runtime
+from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
+from codagen.model import ACC, BLayout, Kind
+from codagen.validate import check_kernel
+from examples.llama import CodagenLlama, PlainLlama
+from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the device machine"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"
+LLAMA_1B = LlamaShape(dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, head_dim=64, n_layers=16, vocab=128256,
+                      rope_theta=500000.0, eps=1e-5)
+D, FFN, QKV, VOCAB = LLAMA_1B.dim, LLAMA_1B.ffn_dim, LLAMA_1B.qkv_dim, LLAMA_1B.vocab
+M_TOKENS = 4096 + 37  # ragged for every tile shape
+M_VOCAB = 2048 + 37  # for vocab-wide GEMMs: float64 M x vocab tensors of 2.1 GB
+SEQ = 4096  # positions are drawn below this
+EPS = LLAMA_1B.eps
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {t: name for name, t in LOW.items()}
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNEL_FLOOR = 1e-5  # absolute slack: fp32 outputs of the fused kernel carry fp32 arithmetic (~1e-7)
+BLOCK_FLOOR = 1e-4  # as in tests/test_blocks.py
+BLOCK_DTYPE = torch.bfloat16  # of the block and Llama tests
+
+KERNELS = {c.kernel.name: c.kernel for c in api.load([REPO / "specs"]) if isinstance(c, api.Checked)}
+
+
+def kernel_shapes() -> dict[str, dict[str, tuple[int, int]]]:
+    """Kernel -> {use: (N, K)} as the blocks of specs/blocks/ run it (K = 0: no GEMM). A kernel missing here
+    runs at (D, D) under the use 'default'."""
+    return {
+        "out_proj_residual_norm": {"o_proj": (D, D), "down_proj": (D, FFN)},
+        "gate_up_swiglu": {"gate_up": (2 * FFN, D)},
+        "qkv_norm_rope": {"qkv": (QKV, D)},
+        "rmsnorm_stats": {"embed": (D, 0)},
+        "lm_head_logsumexp": {"lm_head": (VOCAB, D)},
+        "lm_head_ce_grad": {"lm_head": (VOCAB, D)},
+        "norm_dgrad": {"lm_head": (D, VOCAB)},  # dz [M, vocab] @ w_vocab [vocab, D]
+        "norm_dgrad_residual": {"qkv": (D, QKV), "gate_up": (D, 2 * FFN)},
+        "swiglu_dgrad": {"down_proj": (FFN, D)},  # grad_x [M, D] @ w_down [D, FFN]
+        "rope_bwd_rowdot": {"qkv": (QKV, 0)},
+        "matmul": {"down_proj": (D, FFN)},  # in no block yet: the down projection's shape
+    }
+
+
+KERNEL_CASES = [pytest.param(name, use, id=f"{name}-{use}")
+                for name in sorted(KERNELS) for use in kernel_shapes().get(name, {"default": None})]
+
+
+@pytest.fixture(autouse=True)
+def _free_memory():
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error in the 2-norm; absolute where the reference is all zeros."""
+    ref = ref.double()
+    diff = (out.double() - ref).norm().item()
+    norm = ref.norm().item()
+    return diff / norm if norm > 0 else diff
+
+
+def sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def generator(key: str) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(zlib.crc32(key.encode()))
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------
+
+def dim_size(dim: str, sizes: dict, config) -> int:
+    m, n = sizes["M"], sizes["N"]
+    return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
+            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.block_n)}[dim]
+
+
+def true_lse(kernel, values: dict) -> torch.Tensor:
+    """log-sum-exp over the columns of rstd * (a @ b^T): what the forward gave the backward."""
+    a, b = values[kernel.gemm.a].double(), values[kernel.gemm.b].double()
+    logits = a @ (b.T if kernel.gemm.b_layout is BLayout.NK else b)
+    if "rstd" in values:
+        logits *= values["rstd"].double()[:, None]
+    return torch.logsumexp(logits, dim=1).float()
+
+
+def ce_weights(values: dict) -> torch.Tensor:
+    valid = values["target"] != -100
+    return valid.float() / valid.sum().clamp(min=1)
+
+
+def llama_freqs(n: int) -> torch.Tensor:
+    f = rope_freqs(LLAMA_1B)
+    return f.repeat(-(-n // f.numel()))[:n]
+
+
+def draw_inputs(kernel, module, sizes: dict, dtype: torch.dtype, config, g: torch.Generator):
+    """(inputs, outputs, host scalars) for module.launch: see the module docstring for the values."""
+    gemm = {kernel.gemm.a, kernel.gemm.b} if kernel.gemm else set()
+    selected = {s.args["index"] for s in kernel.steps if s.op in ("select", "one_hot")}
+    params = inspect.signature(module.launch).parameters
+    index_dtype = torch.int32 if dtype == torch.float16 else torch.int64
+    kw = dict(device=DEVICE, generator=g)
+    inputs, outputs = {}, {}
+    for d in module.DECLS:
+        shape = tuple(dim_size(x, sizes, config) for x in d.dims)
+        dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, index_dtype)
+        inplace = d.output and params[d.name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        if d.output and not inplace:
+            outputs[d.name] = torch.full(shape, float("nan"), dtype=dt, device=DEVICE)
+            continue
+        if d.name == "freqs" and d.dtype == "float32":
+            v = llama_freqs(shape[0]).to(DEVICE)
+        elif d.name == "lse" and kernel.gemm:
+            v = true_lse(kernel, inputs)
+        elif d.name == "weights" and "target" in inputs:
+            v = ce_weights(inputs)
+        elif d.dtype == "index":
+            if d.name in selected:
+                v = torch.randint(0, sizes["N"], shape, **kw)
+                v[0::10] = -100
+                v[1], v[2] = 0, sizes["N"] - 1  # both edge columns
+            else:
+                v = torch.randint(0, SEQ, shape, **kw)
+        elif d.dtype == "T" and d.name in gemm:
+            v = torch.randn(shape, **kw) * sizes["K"] ** -0.25
+        elif d.dtype == "T" and len(shape) == 1:
+            v = 1 + 0.1 * torch.randn(shape, **kw)
+        elif d.dtype == "T":
+            v = torch.randn(shape, **kw)
+        else:  # float32 row/column vectors and 0-d tensors: rstd-like, positive
+            v = 0.5 + torch.rand(shape, **kw)
+        (outputs if inplace else inputs)[d.name] = v.to(dt)
+    decls = {d.name for d in module.DECLS}
+    scalars = {p: 0.5 + torch.rand((), **kw).item() for p in params if p not in decls and p != "config"}
+    return inputs, outputs, scalars
+
+
+def unfused_run(kernel, args: dict, block_m: int, block_n: int, dtype: torch.dtype, every_step: bool):
+    """The kernel's program as unfused PyTorch runs it (module docstring): the GEMM in `dtype` through
+    torch.matmul, each step's tile result rounded to `dtype` (every_step) or kept exact (min-rounding).
+    Outputs before their final rounding, in float64."""
+    types = check_kernel(kernel)
+    env = {i.name: (args[i.name].double() if isinstance(args[i.name], torch.Tensor) else args[i.name])
+           for i in kernel.inputs}
+    if kernel.gemm:
+        a, b = args[kernel.gemm.a], args[kernel.gemm.b]
+        env[ACC] = (a @ (b.T if kernel.gemm.b_layout is BLayout.NK else b)).double()
+    outs: dict[str, torch.Tensor] = {}
+    for step in kernel.steps:
+        reference._step(kernel, step, env, types, outs, args, block_m, block_n, torch.float64)
+        if every_step and step.out is not None and types[step.out].kind is Kind.TILE:
+            env[step.out] = env[step.out].to(dtype).double()
+    return outs
+
+
+def rounded(outs: dict, module, dtype: torch.dtype) -> dict:
+    """Each output rounded to its declared dtype."""
+    kinds = {d.name: d.dtype for d in module.DECLS}
+    return {n: v.to(dtype if kinds[n] == "T" else FLOATS[kinds[n]]) for n, v in outs.items()}
+
+
+@pytest.mark.parametrize("dtype", list(LOW))
+@pytest.mark.parametrize("name,use", KERNEL_CASES)
+def test_kernel_at_llama_shapes(name, use, dtype):
+    start = time.perf_counter()
+    kernel = KERNELS[name]
+    module = importlib.import_module(f"generated.kernels.{name}")
+    assert module.SHA256 == kernel.sha256, f"generated/kernels/{name}.py is stale: run `codagen build specs/`"
+    n, k = kernel_shapes().get(name, {"default": (D, D)})[use]
+    m = M_VOCAB if VOCAB in (n, k) else M_TOKENS
+    t = LOW[dtype]
+    sizes = {"M": m, "N": n, "K": k}
+    pick = lambda: runtime.pick_config(module.NAME, module.SHA256, module.TUNING, m, n,  # noqa: E731
+                                       k if kernel.gemm else 0, torch.device(DEVICE))
+    config = pick()  # sizes the partial-reduction outputs, as the kernel's op does
+    inputs, outputs, scalars = draw_inputs(kernel, module, sizes, t, config, generator(f"{name}/{use}/{dtype}"))
+    args = {**inputs, **{o: v.clone() for o, v in outputs.items()}, **scalars}  # inplace outputs' old values
+    module.launch(**inputs, **outputs, **scalars, config=None)
+    sync()
+    launched = time.perf_counter() - start
+    # what the launch ran: the same, unless it tuned the shape at run time (which keeps the tile shape of
+    # kernels with partial reductions, so their outputs, sized above, still fit)
+    config = pick()
+
+    errors: dict[str, list[float]] = {}
+    for out_name, out in outputs.items():
+        assert not torch.isnan(out).any(), f"{name}: NaN in {int(torch.isnan(out).sum())} of {out.numel()} " \
+                                           f"elements of '{out_name}'"
+    truth = reference.run(kernel, args, config.block_m, config.block_n)
+    assert set(truth) == set(outputs)
+    for out_name, out in outputs.items():
+        assert out.shape == truth[out_name].shape, out_name
+        errors[out_name] = [rel(out, truth[out_name])]
+    for every_step in (True, False):
+        baseline = rounded(unfused_run(kernel, args, config.block_m, config.block_n, t, every_step), module, t)
+        for out_name in outputs:
+            errors[out_name].append(rel(baseline[out_name], truth[out_name]))
+        del baseline
+
+    c = config
+    label = c.label() if hasattr(c, "label") else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+    print(f"\ngpu kernel {name}[{use}] {dtype}: M={m} N={n} K={k}, config {label}; {launched:.1f} s to the "
+          f"first result (compiling), {time.perf_counter() - start:.1f} s in all")
+    bad = []
+    for out_name, (fused, unfused, minimal) in errors.items():
+        ok = fused <= 2 * unfused + KERNEL_FLOOR
+        print(f"gpu kernel {name}[{use}] {dtype} {out_name}: fused {fused:.1e} vs unfused {unfused:.1e} "
+              f"(min-rounding {minimal:.1e}){'' if ok else '  FAIL'}")
+        if not ok:
+            bad.append(out_name)
+    assert not bad, f"{name}[{use}] {dtype}: fused error over 2x the unfused error for {bad}: {errors}"
+
+
+# ---- blocks -----------------------------------------------------------------------------------------------
+
+def rms_norm(x, w, eps=EPS):
+    """RMSNorm as Hugging Face's Llama computes it: normalized in fp32, cast back, then the weight."""
+    if x.dtype == torch.float64:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rstd_of(x, eps=EPS):
+    xf = x if x.dtype == torch.float64 else x.float()
+    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
+
+
+def rope(z, positions, freqs):
+    """RoPE on interleaved pairs; angles in fp32 (float64 for the truth), cos/sin cast to z's dtype."""
+    work = torch.float64 if z.dtype == torch.float64 else torch.float32
+    angle = positions.to(work)[:, None] * freqs.to(work)[None, :]
+    cos, sin = angle.cos().to(z.dtype), angle.sin().to(z.dtype)
+    e, o = z[:, 0::2], z[:, 1::2]
+    return torch.stack([e * cos - o * sin, e * sin + o * cos], dim=2).reshape(z.shape)
+
+
+def low(g, *shape, scale=1.0, offset=0.0) -> torch.Tensor:
+    return (offset + scale * torch.randn(*shape, device=DEVICE, generator=g)).to(BLOCK_DTYPE)
+
+
+def check_block(title: str, fused: dict, plain, start: float) -> None:
+    """Each fused output and gradient against plain(float64), within 2x the error of plain(BLOCK_DTYPE)."""
+    truth = plain(torch.float64)
+    unfused = plain(BLOCK_DTYPE)
+    dt = DTYPE_NAMES[BLOCK_DTYPE]
+    print(f"\ngpu block {title} {dt}: {time.perf_counter() - start:.1f} s")
+    bad = {}
+    for name, value in fused.items():
+        assert not torch.isnan(value).any(), f"{title}: NaN in '{name}'"
+        assert value.shape == truth[name].shape, name
+        f_err, u_err = rel(value, truth[name]), rel(unfused[name], truth[name])
+        ok = f_err <= 2 * u_err + BLOCK_FLOOR
+        print(f"gpu block {title} {dt} {name}: fused {f_err:.1e} vs unfused {u_err:.1e}{'' if ok else '  FAIL'}")
+        if not ok:
+            bad[name] = (f_err, u_err)
+    assert not bad, f"{title}: fused error over 2x the unfused error: {bad}"
+
+
+def test_norm_stats_block():
+    start = time.perf_counter()
+    g = generator("norm_stats")
+    x, wn = low(g, M_TOKENS, D), low(g, D, scale=0.1, offset=1.0)
+    h, rstd = NormStats(D, EPS)(x, wn)
+
+    def plain(cast):
+        return {"h": x.to(cast) * wn.to(cast), "rstd": rstd_of(x.to(cast))}
+    check_block("NormStats", {"h": h, "rstd": rstd}, plain, start)
+
+
+def test_pre_attention_block():
+    start = time.perf_counter()
+    g = generator("pre_attention")
+    m = M_TOKENS
+    x, wn, w_qkv = low(g, m, D), low(g, D, scale=0.1, offset=1.0), low(g, QKV, D, scale=D**-0.5)
+    positions = torch.arange(m, device=DEVICE) % 2048  # two sequences of 2048 and a ragged tail
+    freqs = rope_freqs(LLAMA_1B).to(DEVICE)
+    up_x, up_qkv = low(g, m, D), low(g, m, QKV)
+
+    block = PreAttention(D, QKV, device=DEVICE, dtype=BLOCK_DTYPE)
+    with torch.no_grad():
+        block.wn.copy_(wn), block.w_qkv.copy_(w_qkv)
+    xb = x.clone().requires_grad_()
+    h, rstd = NormStats(D, EPS)(xb.detach(), block.wn.detach())
+    x_out, qkv = block(xb, h, rstd, positions, freqs)
+    gx, gwn, gw = torch.autograd.grad((x_out, qkv), [xb, block.wn, block.w_qkv], (up_x, up_qkv))
+    fused = {"qkv": qkv, "grad x": gx, "grad wn": gwn, "grad w_qkv": gw}
+
+    def plain(cast):
+        xp, wnp, wp = (t.detach().to(cast).requires_grad_() for t in (x, wn, w_qkv))
+        qkvp = rope(rms_norm(xp, wnp) @ wp.T, positions, freqs)
+        gp = torch.autograd.grad((xp, qkvp), [xp, wnp, wp], (up_x.to(cast), up_qkv.to(cast)))
+        return {"qkv": qkvp, "grad x": gp[0], "grad wn": gp[1], "grad w_qkv": gp[2]}
+    check_block("PreAttention", fused, plain, start)
+
+
+def test_post_attention_block():
+    start = time.perf_counter()
+    g = generator("post_attention")
+    m = M_TOKENS
+    y, x = low(g, m, D), low(g, m, D)
+    wn_next, wn_mlp = low(g, D, scale=0.1, offset=1.0), low(g, D, scale=0.1, offset=1.0)
+    w_o, w_gate, w_up = low(g, D, D, scale=D**-0.5), low(g, FFN, D, scale=D**-0.5), low(g, FFN, D, scale=D**-0.5)
+    w_down = low(g, D, FFN, scale=FFN**-0.5)
+    upstream = low(g, m, D)
+
+    block = PostAttention(D, FFN, EPS, device=DEVICE, dtype=BLOCK_DTYPE)
+    with torch.no_grad():
+        block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_down.copy_(w_down)
+        block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
+    yb, xb = y.clone().requires_grad_(), x.clone().requires_grad_()
+    x2, h2, r2 = block(yb, xb, wn_next)
+    gr = torch.autograd.grad(x2, [yb, xb, block.w_o, block.wn_mlp, block.w_gate_up, block.w_down], upstream)
+    names = ["grad y", "grad x", "grad w_o", "grad wn_mlp", "grad w_gate", "grad w_up", "grad w_down"]
+    fused = {"x_out": x2, "h_next": h2, "rstd_next": r2,
+             **dict(zip(names, [gr[0], gr[1], gr[2], gr[3], gr[4][0::2], gr[4][1::2], gr[5]]))}
+
+    def plain(cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (y, x, w_o, wn_mlp, w_gate, w_up, w_down)]
+        yp, xp, wop, wnp, wgp, wup, wdp = leaves
+        x1 = xp + yp @ wop.T
+        n1 = rms_norm(x1, wnp)
+        x2p = x1 + (F.silu(n1 @ wgp.T) * (n1 @ wup.T)) @ wdp.T
+        gp = torch.autograd.grad(x2p, leaves, upstream.to(cast))
+        return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p), **dict(zip(names, gp))}
+    check_block("PostAttention", fused, plain, start)
+
+
+def test_lm_head_loss_block():
+    start = time.perf_counter()
+    g = generator("lm_head_loss")
+    m = M_VOCAB
+    x, wn = low(g, m, D), low(g, D, scale=0.1, offset=1.0)
+    w_vocab = low(g, VOCAB, D, scale=3 * D**-0.5)  # logits of std ~3
+    target = torch.randint(0, VOCAB, (m,), device=DEVICE, generator=g)
+    target[0::10] = -100
+    target[1], target[2], target[-1] = 0, VOCAB - 1, -100  # both edge columns and an ignored last row
+    upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
+
+    block = LmHeadLoss(D, VOCAB, -100, "mean", device=DEVICE, dtype=BLOCK_DTYPE)  # chunk_rows: default
+    with torch.no_grad():
+        block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
+    xb = x.clone().requires_grad_()
+    h, rstd = NormStats(D, EPS)(xb.detach(), block.wn.detach())
+    loss = block(xb, h, rstd, target)
+    gx, gwn, gw = torch.autograd.grad(loss, [xb, block.wn, block.w_vocab], upstream)
+    fused = {"loss": loss, "grad x": gx, "grad wn": gwn, "grad w_vocab": gw}
+
+    def plain(cast):
+        xp, wnp, wp = (t.detach().to(cast).requires_grad_() for t in (x, wn, w_vocab))
+        logits = rms_norm(xp, wnp) @ wp.T
+        lp = F.cross_entropy(logits if cast == torch.float64 else logits.float(), target, ignore_index=-100)
+        gp = torch.autograd.grad(lp, [xp, wnp, wp], upstream.to(lp.dtype))
+        return {"loss": lp, "grad x": gp[0], "grad wn": gp[1], "grad w_vocab": gp[2]}
+    check_block("LmHeadLoss", fused, plain, start)
+
+
+# ---- the example Llama ------------------------------------------------------------------------------------
+
+SMALL = LlamaShape(dim=256, ffn_dim=704, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2, vocab=1000,
+                   rope_theta=500000.0, eps=1e-5)
+
+
+def test_two_layer_llama_trains_like_plain_pytorch_bf16():
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    plain = PlainLlama(SMALL, device=DEVICE, dtype=BLOCK_DTYPE)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    fused = CodagenLlama(SMALL, device=DEVICE, dtype=BLOCK_DTYPE)
+    fused.load_state_dict(from_hf(plain.state_dict(), SMALL))
+    batch, seq = 4, 127  # 508 tokens: ragged
+    tokens = torch.randint(0, SMALL.vocab, (batch, seq), device=DEVICE)
+    targets = torch.randint(0, SMALL.vocab, (batch, seq), device=DEVICE)
+    targets[:, -1] = -100
+    opts = [torch.optim.AdamW(mod.parameters(), lr=2e-3) for mod in (plain, fused)]
+    history = []
+    for step in range(8):
+        losses = []
+        for model, opt in zip((plain, fused), opts):
+            opt.zero_grad()
+            loss = model(tokens, targets)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        history.append(losses)
+        print(f"{'' if step else chr(10)}gpu llama {DTYPE_NAMES[BLOCK_DTYPE]} step {step}: loss fused "
+              f"{losses[1]:.4f} vs plain {losses[0]:.4f} (relative difference "
+              f"{abs(losses[1] - losses[0]) / abs(losses[0]):.1e})")
+    print(f"gpu llama {DTYPE_NAMES[BLOCK_DTYPE]}: {time.perf_counter() - start:.1f} s")
+    for step, (lp, lf) in enumerate(history):
+        assert abs(lf - lp) <= 2e-2 * abs(lp), (step, history)
+    assert history[-1][0] < history[0][0] and history[-1][1] < history[0][1], f"no training progress: {history}"

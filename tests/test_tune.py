@@ -1,0 +1,427 @@
+"""`codagen tune` and run-time configuration choice, on the CPU: the Llama preset table covers every kernel of
+specs/, candidates are checked against the float64 reference before they are timed (a wrong or failing one
+is discarded, never chosen), tables are deterministic and merge, runtime.pick_config reads what the tuner
+wrote, tunes an untuned shape once per process where that is safe, and CODAGEN_NO_TUNE=1 is honoured.
+GPU-only pieces are replaced: the timer by a fake, gpu_key and the device check by monkeypatch."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+import types
+
+import pytest
+import torch
+import triton
+from click.testing import CliRunner
+
+from codagen import api, tune
+from codagen.cli import main
+from codagen.runtime import configs
+from codagen.runtime.configs import GPU_DEFAULT, Config
+from conftest import REPO, draw_args
+
+SPECS = REPO / "specs"
+CPU = torch.device("cpu")
+# Small tiles keep the interpreter quick; the shapes below are ragged for all of them.
+POOL = (Config(16, 16, 16, 8, 4, 1), Config(32, 16, 16, 8, 4, 1, persistent=True),
+        Config(16, 32, 32, 8, 4, 1, tma=True))
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    configs.clear_caches()
+    yield
+    configs.clear_caches()
+
+
+@pytest.fixture
+def as_gpu(monkeypatch):
+    """pick_config as on a GPU called 'test-gpu', with a fake run-time timer: each trial launches once
+    (to prove the hook runs the kernel) and reports a time from `times` (config -> ms; default 5)."""
+    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(configs, "gpu_key", lambda device: "test-gpu")
+    monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
+    trials: list[Config] = []
+    times: dict[Config, float] = {}
+
+    def measure(run, config):
+        run(config)
+        trials.append(config)
+        return times.get(config, 5.0)
+
+    monkeypatch.setattr(configs, "measure", measure)
+    return types.SimpleNamespace(trials=trials, times=times)
+
+
+@functools.lru_cache(maxsize=None)
+def checked(name: str) -> api.Checked:
+    (c,) = [c for c in api.load([SPECS]) if isinstance(c, api.Checked) and c.kernel.name == name]
+    return c
+
+
+def module(name: str):
+    return importlib.import_module(f"generated.kernels.{name}")
+
+
+class FakeTimer:
+    """Stands for do_bench: runs fn once (so that a failure shows) and reports times[config] for the config
+    of the kernel launch that fn made, 1 ms by default, and 0.5 ms when fn launched no kernel (the cuBLAS
+    yardstick). `watch` makes a module's launch report its config here."""
+
+    def __init__(self, times: dict[Config, float] | None = None):
+        self.times = times or {}
+        self.calls = 0
+        self.last: Config | None = None
+
+    def watch(self, monkeypatch, mod):
+        real = mod.launch
+
+        def launch(*args, config, **kwargs):
+            self.last = config
+            real(*args, config=config, **kwargs)
+
+        monkeypatch.setattr(mod, "launch", launch)
+
+    def __call__(self, fn) -> float:
+        self.last = None
+        fn()
+        self.calls += 1
+        return 0.5 if self.last is None else self.times.get(self.last, 1.0)
+
+
+# -- presets ----------------------------------------------------------------------------------------------
+def test_preset_table_covers_every_kernel_of_specs():
+    kernels = [c.kernel for c in api.load([SPECS]) if isinstance(c, api.Checked)]
+    missing = sorted(k.name for k in kernels if k.name not in tune.LLAMA_USES)
+    assert not missing, f"add these kernels to LLAMA_USES in codagen/tune.py: {missing}"
+    assert not set(tune.LLAMA_USES) - {k.name for k in kernels}, "LLAMA_USES names kernels that no spec defines"
+    for k in kernels:
+        for use in tune.LLAMA_USES[k.name]:
+            assert (use.k == "-") == (k.gemm is None), f"{k.name}: K {use.k!r} but gemm {k.gemm}"
+        for preset in tune.PRESETS:
+            shapes = tune.preset_shapes(preset, k)
+            assert shapes and all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in shapes)
+
+
+def test_preset_shapes_follow_the_llama_block():
+    buckets = lambda name, preset="llama3-1b": [s.bucket for s in tune.parse_shapes(  # noqa: E731
+        preset, checked(name).kernel)]
+    assert buckets("out_proj_residual_norm") == ["8192x2048x2048", "32768x2048x2048", "8192x2048x8192",
+                                                 "32768x2048x8192"]
+    assert buckets("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
+    assert buckets("norm_dgrad_residual") == ["8192x2048x3072", "32768x2048x3072", "8192x2048x16384",
+                                              "32768x2048x16384"]
+    assert buckets("lm_head_ce_grad") == ["8192x128256x2048"]  # row chunks of 8192, whatever the tokens
+    assert buckets("norm_dgrad", "llama3-8b") == ["8192x4096x128256"]
+    assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0"]
+    assert buckets("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
+
+
+def test_literal_shapes_apply_to_every_kernel():
+    assert [s.bucket for s in tune.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
+        "128x64x32", "8x8x8"]  # 100 and 128 rows share a bucket
+    assert [str(s) for s in tune.parse_shapes("100x64x32", checked("rmsnorm_stats").kernel)] == ["100x64"]
+    for bad in ("llama3-70b", "12x34", "0x8x8"):
+        with pytest.raises(tune.TuneError):
+            tune.parse_shapes(bad, checked("matmul").kernel)
+    with pytest.raises(tune.TuneError):
+        tune.parse_tokens("8k")
+
+
+def test_inputs_look_like_a_models():
+    c = checked("lm_head_ce_grad")
+    args = tune.make_inputs(c.kernel, module("lm_head_ce_grad"), tune.Shape(40, 64, 32), CPU)
+    assert set(args) == {"h", "w_vocab", "rstd", "lse", "target", "weights", "grad_loss"}
+    assert args["h"].dtype == torch.bfloat16 and (args["h"] != 0).float().mean() > 0.9
+    assert args["w_vocab"].float().std() < 0.5  # a weight: scaled by K**-0.5
+    assert all((args[n] > 0).all() and args[n].dtype == torch.float32 for n in ("rstd", "lse", "weights", "grad_loss"))
+    assert ((args["target"] >= 0) & (args["target"] < 64)).all()
+
+
+# -- checking and timing candidates -----------------------------------------------------------------------
+def sabotaged(real, wrong: Config, fails: Config, unwritten: Config):
+    """A kernel module whose launch is wrong for one config (one output element off), raises for another
+    (as an out-of-resources compile would), and leaves a row unwritten for a third."""
+    def launch(*args, config, **kwargs):
+        if config == fails:
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448\nmore")
+        real.launch(*args, config=config, **kwargs)
+        first = next(d.name for d in real.DECLS if d.output)
+        if config == wrong:
+            kwargs[first].view(-1)[0] += 1000.0
+        if config == unwritten:
+            kwargs[first][-1].fill_(float("nan"))
+    return types.SimpleNamespace(NAME=real.NAME, SHA256=real.SHA256, DECLS=real.DECLS, launch=launch)
+
+
+def test_wrong_and_failing_candidates_are_discarded_never_chosen(monkeypatch):
+    right, wrong, fails, unwritten = POOL[0], POOL[1], POOL[2], dataclasses.replace(POOL[0], num_warps=8)
+    fake = sabotaged(module("out_proj_residual_norm"), wrong, fails, unwritten)
+    timer = FakeTimer({wrong: 0.1, fails: 0.1, unwritten: 0.1, right: 2.0})  # the saboteurs look fastest
+    timer.watch(monkeypatch, fake)
+    outcome = tune.tune_shape(checked("out_proj_residual_norm"), fake, tune.Shape(45, 40, 24), CPU,
+                              pool=(right, wrong, fails, unwritten), timer=timer, check_rows=37)
+    assert outcome.best == right and outcome.ms == 2.0 and outcome.complete
+    why = dict(outcome.discarded)
+    assert set(why) == {wrong, fails, unwritten}
+    assert "x_out" in why[wrong] and "relative error" in why[wrong]
+    assert why[fails].startswith("RuntimeError: out of resource") and "more" not in why[fails]
+    assert "NaN" in why[unwritten]
+    assert outcome.cublas_ms is not None  # the plain GEMM of the shape, timed by the same timer
+
+
+def test_every_generated_kernel_passes_its_check():
+    """The check itself is right: the real kernels of specs/ pass it with a ragged slice of rows (bf16)."""
+    for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked)):
+        mod = module(c.kernel.name)
+        shape = tune.Shape(45, 40, 24 if c.kernel.gemm else 0)
+        inputs = tune.make_inputs(c.kernel, mod, shape, CPU)
+        check = tune.Checker(c, mod, inputs, 37, CPU)
+        assert check(POOL[1], shape) is None, c.kernel.name
+
+
+def test_budget_stops_cleanly():
+    outcome = tune.tune_shape(checked("rmsnorm_stats"), module("rmsnorm_stats"), tune.Shape(40, 32, 0), CPU,
+                              pool=POOL, timer=FakeTimer(), deadline=0.0)
+    assert not outcome.complete and outcome.best is None and not outcome.timed
+
+
+# -- tables -----------------------------------------------------------------------------------------------
+def entry(config: Config, ms: float) -> dict:
+    return {"config": config.as_dict(), "ms": ms}
+
+
+def test_table_is_deterministic_merges_and_touches_nothing_else(tmp_path):
+    k = checked("matmul").kernel
+    path = tmp_path / "test-gpu" / "matmul.json"
+    (tmp_path / "test-gpu").mkdir()
+    other = tmp_path / "test-gpu" / "other.json"
+    other.write_text("{}\n")
+    assert tune.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})
+    first = path.read_text()
+    assert first.endswith("}\n") and first == json.dumps(json.loads(first), indent=1, sort_keys=True) + "\n"
+    assert not tune.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})  # unchanged
+    assert path.read_text() == first
+    tune.write_table(path, k, "test-gpu", "3.9.0", {"128x64x32": entry(POOL[1], 2.5)})
+    data = json.loads(path.read_text())
+    assert set(data["shapes"]) == {"64x64x32", "128x64x32"}
+    assert (data["kernel"], data["spec"], data["spec_sha256"], data["triton"], data["gpu"]) == (
+        "matmul", k.source, k.sha256, "3.9.0", "test-gpu")
+    tune.write_table(path, k, "test-gpu", "3.9.1", {"8x64x32": entry(POOL[2], 0.5)})  # another Triton
+    assert set(json.loads(path.read_text())["shapes"]) == {"8x64x32"}
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["matmul.json", "other.json", "test-gpu"]
+    assert other.read_text() == "{}\n"
+
+
+def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
+    best = POOL[1]
+    timer = FakeTimer({POOL[0]: 3.0, best: 1.0, POOL[2]: 2.0})
+    timer.watch(monkeypatch, module("matmul"))
+    timer.watch(monkeypatch, module("rmsnorm_stats"))
+    log: list[str] = []
+    written = tune.run([SPECS / "matmul.yaml", SPECS / "rmsnorm_stats.yaml"], "45x40x24", device=CPU,
+                       gpu="test-gpu", tuning_dir=tmp_path, timer=timer, check_rows=37,
+                       pools={"matmul": POOL, "rmsnorm_stats": POOL}, log=log.append)
+    assert written == [tmp_path / "test-gpu" / "matmul.json", tmp_path / "test-gpu" / "rmsnorm_stats.json"]
+    assert any(line.startswith("matmul 45x40x24: 1.0000 ms") for line in log), log
+    assert json.loads(written[0].read_text())["shapes"]["64x40x24"]["cuBLAS_ms"] == 0.5
+    mm = module("matmul")
+    assert triton.__version__ == json.loads(written[0].read_text())["triton"]
+    for m in (33, 45, 64):  # one bucket
+        assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU) == best
+    rs = module("rmsnorm_stats")
+    assert configs.pick_config(rs.NAME, rs.SHA256, tmp_path, 45, 40, 0, CPU) == best
+    # another bucket, another spec hash: not in the table; without `run`, the default, untuned
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 65, 40, 24, CPU) == GPU_DEFAULT
+    assert configs.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
+    assert not as_gpu.trials
+    # --missing-only: the shape is in the table now, so nothing is timed again
+    timer.calls = 0
+    assert tune.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path,
+                    timer=timer, missing_only=True, log=log.append) == []
+    assert timer.calls == 0 and "matmul 45x40x24: in the table already (bucket 64x40x24), skipped" in log
+
+
+def test_codagen_no_tune_uses_the_default(tmp_path, as_gpu, monkeypatch):
+    mm = module("matmul")
+    k = checked("matmul").kernel
+    tune.write_table(tmp_path / "test-gpu" / "matmul.json", k, "test-gpu", triton.__version__,
+                     {"64x40x24": entry(POOL[1], 1.0)})
+    monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
+    run = lambda c: pytest.fail("CODAGEN_NO_TUNE=1 must not tune")  # noqa: E731
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 999, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
+    monkeypatch.delenv("CODAGEN_NO_TUNE")
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU) == POOL[1]
+
+
+# -- tuning at run time -----------------------------------------------------------------------------------
+def launch_with_hook(mod, args, tuning_dir):
+    """What a generated launcher does: it passes `decls`, `values` and `run` for kernels without inplace
+    outputs (codagen/templates/kernel.py.j2)."""
+    values = args.kwargs
+    sizes = {"M": 45, "N": 40, "K": 24}
+    k = sizes["K"] if any("K" in d.dims for d in mod.DECLS) else 0
+    config = configs.pick_config(mod.NAME, mod.SHA256, tuning_dir, sizes["M"], sizes["N"], k, CPU,
+                                 decls=mod.DECLS, values=values, run=lambda c: mod.launch(**values, config=c))
+    mod.launch(**values, config=config)
+    return config
+
+
+def test_untuned_shape_is_tuned_once_per_process(tmp_path, as_gpu):
+    mod = module("matmul")
+    faster = configs.RUNTIME_GEMM_CANDIDATES[2]
+    as_gpu.times[faster] = 1.0
+    args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
+                     generator=torch.Generator().manual_seed(0))
+    assert launch_with_hook(mod, args, tmp_path) == faster
+    assert as_gpu.trials == list(configs.RUNTIME_GEMM_CANDIDATES)  # each candidate launched on these arguments
+    want = args.inputs["a"].double() @ args.inputs["b"].double().T
+    assert tune.relative_error(args.outputs["out_tile"], want) < 1e-5
+    as_gpu.trials.clear()
+    assert launch_with_hook(mod, args, tmp_path) == faster and not as_gpu.trials  # once per process
+    assert configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
+
+
+def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu):
+    """out_proj_residual_norm writes ss[M, tiles(N)], allocated by its op for the default tile shape
+    before the launch: run-time candidates differ in everything but block_m x block_n."""
+    mod = module("out_proj_residual_norm")
+    args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
+                     generator=torch.Generator().manual_seed(1))
+    for c in configs.RUNTIME_GEMM_CANDIDATES:
+        as_gpu.times[c] = 1.0 if c.block_n != GPU_DEFAULT.block_n else 5.0  # a wider tile would "win"
+    chosen = launch_with_hook(mod, args, tmp_path)
+    assert as_gpu.trials and all((c.block_m, c.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+                                 for c in as_gpu.trials)
+    assert (chosen.block_m, chosen.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+    assert len(set(as_gpu.trials)) == len(as_gpu.trials)
+    # without decls, pick_config cannot tell, so it keeps the default tile shape too
+    configs.clear_caches()
+    as_gpu.trials.clear()
+    configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
+    assert as_gpu.trials and all((c.block_m, c.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+                                 for c in as_gpu.trials)
+
+
+def test_no_tuning_without_run_under_compile_or_capture(tmp_path, as_gpu, monkeypatch):
+    mm = module("matmul")
+    run = lambda c: as_gpu.trials.append(c)  # noqa: E731 - would record a trial
+    pick = lambda m: configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU,  # noqa: E731
+                                         decls=mm.DECLS, run=run)
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT  # no run: inplace
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert pick(45) == GPU_DEFAULT
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert pick(45) == GPU_DEFAULT
+    assert not as_gpu.trials and not configs._tuned  # and nothing remembered: tuned later, outside
+    as_gpu.times[configs.RUNTIME_GEMM_CANDIDATES[1]] = 1.0
+    assert pick(45) == configs.RUNTIME_GEMM_CANDIDATES[1]
+
+
+def test_no_tuning_when_an_output_aliases_an_input(tmp_path, as_gpu):
+    """x_out=x updates the residual stream in place: one launch is right, a second would add acc twice."""
+    mod = module("out_proj_residual_norm")
+    args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
+                     generator=torch.Generator().manual_seed(2))
+    values = {**args.kwargs, "x_out": args.kwargs["x"]}
+    want = args.inputs["x"].double() + args.inputs["y"].double() @ args.inputs["w_o"].double().T
+    config = configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, values=values,
+                                 run=lambda c: mod.launch(**values, config=c))
+    assert config == GPU_DEFAULT and not as_gpu.trials and not configs._tuned
+    mod.launch(**values, config=config)
+    assert tune.relative_error(values["x"], want) < 1e-5
+
+
+def test_failing_runtime_candidates_are_skipped(tmp_path, as_gpu, monkeypatch):
+    mm = module("matmul")
+
+    def measure(run, config):
+        if config != configs.RUNTIME_GEMM_CANDIDATES[3]:
+            raise RuntimeError("out of resource")
+        return 1.0
+
+    monkeypatch.setattr(configs, "measure", measure)
+    pick = lambda m: configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU,  # noqa: E731
+                                         decls=mm.DECLS, run=lambda c: None)
+    assert pick(45) == configs.RUNTIME_GEMM_CANDIDATES[3]
+    monkeypatch.setattr(configs, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("no")))
+    assert pick(1000) == GPU_DEFAULT  # all failed: the default, whose launch reports the error
+
+
+def test_interpreter_ignores_tables(tmp_path):
+    mm = module("matmul")
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU, run=pytest.fail) == (
+        configs.INTERPRETER_DEFAULT)
+
+
+# -- the command ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cli_needs_a_gpu():
+    result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "llama3-1b"])
+    assert result.exit_code == 1 and "CUDA GPU" in result.output
+
+
+@pytest.fixture
+def tune_on_cpu(monkeypatch, tmp_path):
+    """The command's tune.run, on the CPU with a fake timer, writing under tmp_path."""
+    real = tune.run
+
+    def run(paths, shapes, **kw):
+        return real(paths, shapes, device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=FakeTimer(),
+                    check_rows=37, **kw)
+
+    monkeypatch.setattr(tune, "run", run)
+    return tmp_path
+
+
+def test_cli_reports_bad_requests(tune_on_cpu):
+    result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "llama3-1b", "--kernels", "nope"])
+    assert result.exit_code == 1 and "no spec defines nope" in result.output
+    result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "big", "--kernels", "matmul"])
+    assert result.exit_code == 1 and "neither a preset" in result.output
+
+
+def test_cli_tunes_and_writes(tune_on_cpu):
+    result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "45x40x24", "--kernels", "matmul"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {tune_on_cpu / 'test-gpu' / 'matmul.json'}" in result.output
+    assert result.output.splitlines()[1].startswith("matmul 45x40x24: ")
+
+
+# -- on the GPU (marker `gpu`; about 30 s on an H200, nearly all of it compiling) -------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run on the device machine")
+def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
+    """The real thing at a small shape: do_bench, the float64 check on CUDA, the table, pick_config on this
+    GPU, and run-time tuning of an untuned bucket timed with CUDA events on the caller's arguments."""
+    monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
+    dev = torch.device("cuda")
+    pool = (GPU_DEFAULT, Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True), Config(64, 128, 64, 8, 4, 4))
+    log: list[str] = []
+    written = tune.run([SPECS / "matmul.yaml", SPECS / "out_proj_residual_norm.yaml"], "2048x1024x512",
+                       tuning_dir=tmp_path, pools={"matmul": pool, "out_proj_residual_norm": pool}, budget=300,
+                       log=log.append)
+    print("\n".join(log))
+    gpu = configs.gpu_key(dev)
+    assert written == [tmp_path / gpu / "matmul.json", tmp_path / gpu / "out_proj_residual_norm.json"]
+    entry = json.loads(written[0].read_text())["shapes"]["2048x1024x512"]
+    assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
+    mm = module("matmul")
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(3000, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    out = torch.full((3000, 1024), float("nan"), device=dev, dtype=torch.bfloat16)
+    config = configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
+                                 run=lambda c: mm.launch(a, b, out_tile=out, config=c))
+    assert config in configs.RUNTIME_GEMM_CANDIDATES
+    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 4000, 1024, 512, dev) == config  # remembered
+    mm.launch(a, b, out_tile=out, config=config)
+    assert tune.relative_error(out, a.double() @ b.double().T) < 1e-2
