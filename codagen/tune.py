@@ -170,26 +170,19 @@ def _c(bm, bn, bk, warps, stages, persistent, tma) -> Config:
 # persistence lose. Candidates that do not fit are discarded by the check, not chosen.
 GEMM_CANDIDATES = (
     #   BM   BN   BK  warps stages persistent tma
-    _c(128, 128, 64, 8, 3, True, True),  # runtime.configs.GPU_DEFAULT
     _c(128, 256, 64, 8, 3, True, True),  # DESIGN.md §7's fastest mainloop
-    _c(128, 256, 64, 8, 4, True, True),
-    _c(256, 128, 64, 8, 3, True, True),
-    _c(128, 128, 64, 8, 4, True, True),
-    _c(128, 128, 64, 4, 4, True, True),
-    _c(128, 128, 128, 8, 3, True, True),  # fewer, longer K steps
-    _c(128, 64, 64, 4, 5, True, True),  # narrow tiles: heavy epilogues, few registers to spare
-    _c(64, 128, 64, 4, 5, True, True),
-    _c(128, 256, 64, 8, 3, False, True),  # one program per tile
-    _c(128, 128, 64, 8, 4, False, True),
-    _c(128, 256, 64, 8, 3, True, False),  # pointer loads
-    _c(128, 128, 64, 8, 3, False, False),  # Triton tutorial 03's kernel
-    _c(128, 128, 32, 4, 4, False, False),
+    _c(128, 128, 64, 8, 4, True, True),  # runtime.configs.GPU_DEFAULT
+    _c(128, 128, 64, 8, 4, False, True),  # one program per tile: the epilogue of one overlaps the next's loads
+    _c(128, 64, 64, 4, 4, False, True),  # narrow tiles: heavy epilogues, few registers to spare
+    _c(64, 128, 64, 4, 4, False, True),
+    _c(64, 64, 64, 4, 4, False, True),  # wide inputs in the epilogue (2*N columns) need the smallest tiles
 )
+# Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
+# benchmarks/results/h200.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
 # No GEMM, no K loop: only the tile shape and the warps matter; the rest is the default's.
 ELEMENTWISE_CANDIDATES = tuple(
     dataclasses.replace(configs.GPU_DEFAULT, block_m=bm, block_n=bn, num_warps=w)
-    for bm, bn, w in ((128, 128, 8), (64, 128, 4), (128, 64, 4), (32, 256, 4), (64, 256, 8), (128, 256, 8),
-                      (256, 128, 8))
+    for bm, bn, w in ((128, 128, 8), (64, 128, 4), (32, 256, 4))
 )
 
 
