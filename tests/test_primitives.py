@@ -192,13 +192,18 @@ def test_int64_offsets(test_kernels, monkeypatch, name):
     tensors: forced on, it must give the same results."""
     import codagen.runtime
 
-    monkeypatch.setattr(codagen.runtime, "needs_int64", lambda tensors: True)
     module = test_kernels(name)
+    monkeypatch.setattr(codagen.runtime, "needs_int64", lambda tensors: True)
+    monkeypatch.setattr(module, "_PLANS", {})  # launch plans are cached by signature: make a fresh one
+    jit = getattr(module, f"{module.NAME}_kernel")
+    run, passed = jit.run, {}
+    monkeypatch.setattr(jit, "run", lambda *a, **kw: passed.update(kw) or run(*a, **kw))
     m, n, k, config, strided = SHAPES["ragged-tiles-strided"]
     if _needs_even_n(kernel_model(name)) and n % 2:
         n += 1
     run_and_check(module, kernel_model(name), {"M": m, "N": n, "K": k}, torch.float16, config, strided,
                   zlib.crc32(f"{name}/int64".encode()))
+    assert passed["INT64"] is True
 
 
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas"}
