@@ -2,7 +2,7 @@
 generated kernels and finish steps, and the nn.Module that owns the parameters."""
 from __future__ import annotations
 
-from ..blockcheck import DISCARD, Call, CheckedBlock
+from ..blockcheck import Call, CheckedBlock
 from ..blockspec import TOKENS, Dimx
 from .templates import render
 
@@ -42,25 +42,20 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
     names = {a.name for a in b.attrs} | set(cb.values)
     forward = [line for c in cb.forward for line in _call_lines(c, names, {})]
     saved = [name for name, _ in b.save] + [p.name for p in b.params]
-    outputs = []
-    for o in b.outputs:
-        outputs.append(f"{o.alias}.view_as({o.alias})" if o.alias else o.name)
+    outputs = [f"{o.alias}.view_as({o.alias})" if o.alias else o.name for o in b.outputs]
     non_diff = [o.name for o in b.outputs if not o.grad and not o.alias]
     grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
     returns = [g or "None" for g in cb.grads] + ["None"] * len(b.attrs)
     chunked = b.backward_row_chunks is not None
-    sliced, row_grads, summed_grads = [], [], []
-    backward = []
+    sliced, row_grads, summed_grads, rename = [], [], [], {}
     if chunked:
-        row_values = {n for n in (*saved, *grad_params) if n in cb.values and cb.values[n].dims[:1] == (TOKENS,)}
-        sliced = sorted(row_values, key=lambda n: (*saved, *grad_params).index(n))
+        # in a chunked backward, values with a token dimension are sliced by rows; the gradients with one
+        # are concatenated, the others (parameters') summed
+        sliced = [n for n in (*saved, *grad_params) if n in cb.values and cb.values[n].dims[:1] == (TOKENS,)]
         rename = {n: f"{n}_rows" for n in sliced}
-        backward = [line for c in cb.backward for line in _call_lines(c, names, rename)]
-        for g in cb.grads:
-            if g:
-                (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
-    else:
-        backward = [line for c in cb.backward for line in _call_lines(c, names, {})]
+        for g in filter(None, cb.grads):
+            (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
+    backward = [line for c in cb.backward for line in _call_lines(c, names, rename)]
     first_row_value = sliced[0] if sliced else None
     return render(
         "block.py.j2",
