@@ -209,12 +209,7 @@ def test_int64_offsets(test_kernels, monkeypatch, name):
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        strict=True, reason="codagen bug: the launcher of a kernel without a gemm passes BLOCK_K (config.meta()), "
-                            "which that kernel does not take; compiled Triton raises KeyError, the interpreter "
-                            "drops it")) if n == "t_no_gemm" else n
-    for n in all_test_kernels()])
+@pytest.mark.parametrize("name", all_test_kernels())
 def test_launch_passes_only_kernel_parameters(test_kernels, monkeypatch, name):
     """Triton's interpreter silently drops keyword arguments that the kernel does not declare, while compiled
     Triton rejects them ('Keyword argument ... was specified but unrecognised'): check them here."""
