@@ -21,7 +21,7 @@ from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "Plan", "row_chunks", "sum_chunks"]
+           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "check_storage", "Plan", "row_chunks", "sum_chunks"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -89,8 +89,22 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def signature(tensors, config) -> tuple:
-    """What a launch plan depends on: shapes, strides, dtypes and devices of the arguments, and the config."""
-    return (config, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    """What a launch plan depends on: types, shapes, strides, dtypes and devices of the arguments, and the
+    config."""
+    return (config, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
+def check_storage(kernel: str, values: dict) -> None:
+    """Kernels read and write memory directly: refuse tensors without storage of their own, such as the
+    sharded DTensor parameters of FSDP2 outside the module that gathers them (their data pointer is 0)."""
+    for name, t in values.items():
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:
+            ptr = 0
+        if t.numel() and ptr == 0:
+            raise ValueError(f"{kernel}: '{name}' has no storage of its own ({type(t).__name__}); pass a plain "
+                             "tensor, e.g. a parameter inside the FSDP2 module that all-gathers it")
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("h", "w_vocab", "rstd", "target", "lse_part", "target_logit"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,

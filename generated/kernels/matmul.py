@@ -127,6 +127,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("a", "b", "out_tile"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,

@@ -183,6 +183,7 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("dz", "w", "x", "rstd", "wn", "zdz", "grad_x", "dx", "dwn_part", "normed"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,

@@ -101,6 +101,7 @@ def launch(x, wn, *, h, ss, config=None) -> None:
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("x", "wn", "h", "ss"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,

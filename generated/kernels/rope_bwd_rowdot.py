@@ -114,6 +114,7 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("qkv", "grad_qkv", "positions", "freqs", "dz", "zdz_part"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
+    runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,

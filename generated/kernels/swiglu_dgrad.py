@@ -155,6 +155,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
 def _plan(tensors, config) -> runtime.Plan:
     values = dict(zip(("grad_y", "w_down", "z", "dz", "zdz_part", "y"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,

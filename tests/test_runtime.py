@@ -1,0 +1,30 @@
+"""Runtime helpers that generated launchers rely on."""
+import pytest
+import torch
+
+from codagen import runtime
+
+
+def test_tensors_without_storage_are_refused():
+    """A sharded FSDP2 parameter outside its module has no storage of its own; kernels must not see it."""
+    runtime.check_storage("k", {"x": torch.randn(3, 4)})
+    with pytest.raises(ValueError, match="'w' has no storage of its own"):
+        runtime.check_storage("k", {"x": torch.randn(3, 4), "w": torch.empty(3, 4, device="meta")})
+
+
+def test_launch_plans_depend_on_the_argument_types():
+    plain = torch.randn(2, 3)
+    param = torch.nn.Parameter(plain.clone())
+    assert runtime.signature((plain,), None) != runtime.signature((param,), None)
+    assert runtime.signature((plain,), None) == runtime.signature((torch.randn(2, 3),), None)
+
+
+def test_row_chunks_cover_every_row_once():
+    chunks = list(runtime.row_chunks(37, 16))
+    assert [(c.start, c.stop) for c in chunks] == [(0, 16), (16, 32), (32, 37)]
+
+
+def test_chunk_gradients_are_summed_in_fp32():
+    parts = [torch.full((4,), 1.0, dtype=torch.bfloat16)] + [torch.full((4,), 2.0**-9, dtype=torch.bfloat16)] * 4
+    # in bf16, 1 + 2**-9 rounds back to 1 four times over; in fp32 the four add up to 2**-7
+    assert runtime.sum_chunks(parts).float()[0].item() == 1.0 + 2.0**-7
