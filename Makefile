@@ -16,7 +16,7 @@ $(BIN)/codagen: pyproject.toml
 
 demo: $(BIN)/codagen
 	$(BIN)/codagen build specs/
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m examples.demo
 
 test: $(BIN)/codagen
 	$(BIN)/python -m pytest -q

@@ -1,4 +1,4 @@
-"""A generated kernel and a generated block at work: on the GPU when there is one, else on the CPU through
+"""`python -m examples.demo` (what `make demo` runs): a generated kernel and generated blocks at work: on the GPU when there is one, else on the CPU through
 Triton's interpreter. Each result is compared with an independent float64 computation."""
 import time
 
