@@ -1,5 +1,6 @@
-"""`python -m examples.demo` (what `make demo` runs): a generated kernel and generated blocks at work: on the GPU when there is one, else on the CPU through
-Triton's interpreter. Each result is compared with an independent float64 computation."""
+"""`python -m examples.demo`, what `make demo` runs: a generated kernel and generated blocks at work, on the GPU
+when there is one, else on the CPU through Triton's interpreter. Each result is compared with an independent
+float64 or plain-PyTorch computation."""
 import time
 
 import torch

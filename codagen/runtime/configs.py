@@ -59,6 +59,7 @@ RUNTIME_GEMM_CANDIDATES = (
     Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),  # DESIGN.md §7's fastest mainloop
     Config(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
     Config(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+    Config(128, 128, 64, 8, 8, 4, persistent=False, tma=True),  # fastest for heavy epilogues on the H200
 )
 RUNTIME_ELEMENTWISE_CANDIDATES = (  # no GEMM: only the tile shape and the warps matter
     GPU_DEFAULT,
