@@ -870,7 +870,7 @@ def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> 
           f"- GPU: {env['gpu']}",
           f"- torch {env['torch']}, triton {env['triton']}, liger-kernel {env['liger-kernel']}, python {env['python']}",
           f"- dtype {env['dtype']}; command: `{' '.join(['python'] + [_rel(a) for a in sys.argv])}`",
-          f"- timing: "
+          "- timing: "
           + (f"triton.testing.do_bench median (L2 flushed before each call), warmup {args.warmup} ms, "
              if args.device_obj.type == "cuda" else "host clock (perf_counter) median, ")
           + f"rep >= {args.rep} ms (and >= {args.min_iters} calls), "

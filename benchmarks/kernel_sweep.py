@@ -1,77 +1,131 @@
-"""Per-kernel sweep on a GPU: host overhead of one op call, then every Llama kernel in a few configurations,
-checked against the float64 reference on NaN-prefilled outputs and timed by CUDA-graph replay against the
-cuBLAS GEMM of the same shape. Results: benchmarks/results/h200-kernels.md. Run: python benchmarks/kernel_sweep.py
+"""Per-kernel sweep on a GPU: the host time of one op call, then every Llama kernel in a few configurations,
+each checked against the float64 reference on NaN-prefilled outputs and timed by CUDA-graph replay (no host
+overhead) against the cuBLAS GEMM of the same shape. Report: benchmarks/results/h200-kernels.md.
+
+    python benchmarks/kernel_sweep.py
 """
-import cProfile, pstats, importlib, sys, time, torch, triton, io
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-from codagen import api, reference, runtime
-from codagen.runtime import Config
-print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
-checked = {c.kernel.name: c.kernel for c in api.load(["specs/"]) if hasattr(c, "kernel")}
-def make_args(mod, Mm, N, K):
-    sz = {"M": Mm, "N": N, "K": K, "N/2": N // 2, "2*N": 2 * N}
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from codagen import api, reference  # noqa: E402
+from codagen.runtime import Config  # noqa: E402
+
+SHAPES = {  # Llama-3-1B at 16k tokens (the CE backward runs on 8192-row chunks)
+    "matmul": (16384, 2048, 2048),
+    "out_proj_residual_norm": (16384, 2048, 2048),
+    "gate_up_swiglu": (16384, 16384, 2048),
+    "qkv_norm_rope": (16384, 3072, 2048),
+    "swiglu_dgrad": (16384, 8192, 2048),
+    "norm_dgrad_residual": (16384, 2048, 16384),
+    "lm_head_logsumexp": (16384, 128256, 2048),
+    "lm_head_ce_grad": (8192, 128256, 2048),
+}
+CONFIGS = {
+    "p128x128": Config(128, 128, 64, 8, 8, 3),
+    "t128x256p": Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    "t128x128": Config(128, 128, 64, 8, 8, 4, tma=True),
+    "t128x128p": Config(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+    "t128x64": Config(128, 64, 64, 8, 4, 4, tma=True),
+    "t64x128": Config(64, 128, 64, 8, 4, 4, tma=True),
+    "t128x128w4": Config(128, 128, 64, 8, 4, 4, tma=True),
+    "t64x64": Config(64, 64, 64, 8, 4, 4, tma=True),
+}
+CHECK_ROWS = 1061  # ragged for every tile height
+
+
+def sizes(m, n, k, config):
+    return {"M": m, "N": n, "K": k, "N/2": n // 2, "2*N": 2 * n,
+            "tiles(N)": triton.cdiv(n, config.block_n), "tiles(M)": triton.cdiv(m, config.block_m)}
+
+
+def make_inputs(module, m, n, k):
+    """Random inputs from the module's declarations: never zeros, positive per-row scales, indices in range."""
+    s = sizes(m, n, k, Config())
     args = {}
-    for d in mod.DECLS:
-        if d.output: continue
-        shape = [sz[x] for x in d.dims]
-        if d.dtype == "index": args[d.name] = torch.randint(0, N, shape, device="cuda")
-        elif d.dtype == "float32": args[d.name] = (torch.rand(shape, device="cuda") + 0.5) if shape else torch.tensor(1.3, device="cuda")
-        else: args[d.name] = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / (K ** 0.25 if "K" in d.dims else 1)
+    for d in module.DECLS:
+        if d.output:
+            continue
+        shape = [s[x] for x in d.dims]
+        if d.dtype == "index":
+            args[d.name] = torch.randint(0, n, shape, device="cuda")
+        elif d.dtype == "float32":
+            args[d.name] = torch.rand(shape, device="cuda") + 0.5 if shape else torch.tensor(1.3, device="cuda")
+        else:
+            scale = k ** -0.25 if "K" in d.dims else 1.0
+            args[d.name] = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * scale
     return args
-def outs_for(mod, k, Mm, N, K, cfg, fill=None):
-    sz = {"M": Mm, "N": N, "K": K, "N/2": N // 2, "2*N": 2 * N, "tiles(N)": triton.cdiv(N, cfg.block_n), "tiles(M)": triton.cdiv(Mm, cfg.block_m)}
-    return {o.name: torch.full([sz[d.value] for d in o.dims], float("nan") if fill is None else fill, device="cuda",
-            dtype=torch.float32 if o.dtype.value == "float32" else torch.bfloat16) for o in k.outputs}
+
+
+def make_outputs(kernel, m, n, k, config, fill=float("nan")):
+    s = sizes(m, n, k, config)
+    return {o.name: torch.full([s[d.value] for d in o.dims], fill, device="cuda",
+                               dtype=torch.float32 if o.dtype.value == "float32" else torch.bfloat16)
+            for o in kernel.outputs}
+
+
 def graph_ms(fn, reps=20):
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    """GPU time per call from replays of a CUDA graph of `reps` calls."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps): fn()
-    return triton.testing.do_bench(lambda: g.replay(), return_mode="median") / reps
-# 1. host overhead profile
-mod = importlib.import_module("generated.kernels.out_proj_residual_norm"); k = checked["out_proj_residual_norm"]
-args = make_args(mod, 16384, 2048, 2048); op = mod.out_proj_residual_norm
-op(*args.values()); torch.cuda.synchronize()
-pr = cProfile.Profile(); pr.enable()
-for _ in range(100): op(*args.values())
-pr.disable(); torch.cuda.synchronize()
-st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(18); print(st.getvalue()[-5000:])
-cfg = runtime.pick_config(k.name, mod.SHA256, mod.TUNING, 16384, 2048, 2048, torch.device("cuda"))
-o = outs_for(mod, k, 16384, 2048, 2048, cfg, 0.0)
-for name, f in (("op", lambda: op(*args.values())), ("launch", lambda: mod.launch(*args.values(), **o, config=cfg))):
-    f(); torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(100): f()
-    t1 = time.perf_counter(); torch.cuda.synchronize()
-    print(f"host {name}: {1e6*(t1-t0)/100:.0f} us per call")
-# 2. graph-timed configs (pure GPU time)
-shapes = {"matmul": (16384, 2048, 2048), "out_proj_residual_norm": (16384, 2048, 2048), "gate_up_swiglu": (16384, 16384, 2048),
-          "qkv_norm_rope": (16384, 3072, 2048), "swiglu_dgrad": (16384, 8192, 2048), "norm_dgrad_residual": (16384, 2048, 16384),
-          "lm_head_logsumexp": (16384, 128256, 2048), "lm_head_ce_grad": (8192, 128256, 2048)}
-configs = {"p128x128": Config(128, 128, 64, 8, 8, 3), "t128x256p": Config(128, 256, 64, 8, 8, 3, True, True),
-           "t128x128": Config(128, 128, 64, 8, 8, 4, False, True), "t128x128p": Config(128, 128, 64, 8, 8, 4, True, True),
-           "t128x64": Config(128, 64, 64, 8, 4, 4, False, True), "t64x128": Config(64, 128, 64, 8, 4, 4, False, True),
-           "t128x128w4": Config(128, 128, 64, 8, 4, 4, False, True), "t64x64": Config(64, 64, 64, 8, 4, 4, False, True)}
-for name, (Mm, N, K) in shapes.items():
-    mod = importlib.import_module(f"generated.kernels.{name}"); k = checked[name]
-    args = make_args(mod, Mm, N, K)
-    a, b = args[k.gemm.a], args[k.gemm.b]; bb = b.T if k.gemm.b_layout.value == "nk" else b
-    t_mm = graph_ms(lambda: a @ bb)
-    line = f"{name:22s} {Mm}x{N}x{K} cuBLAS {t_mm:.3f} |"
-    Ms = 1061
-    small = {d.name: (args[d.name][:Ms] if d.dims and d.dims[0] == "M" else args[d.name]) for d in mod.DECLS if not d.output}
-    for cname, cfg in configs.items():
-        try:
-            oc = outs_for(mod, k, Ms, N, K, cfg)
-            mod.launch(*small.values(), **oc, config=cfg)
-            ref = reference.run(k, small, cfg.block_m, cfg.block_n)
-            err = max(((oc[n].double() - ref[n]).norm() / ref[n].norm()).item() for n in oc)
-            of = outs_for(mod, k, Mm, N, K, cfg, 0.0)
-            t = graph_ms(lambda: mod.launch(*args.values(), **of, config=cfg))
-            line += f" {cname} {t/t_mm:.2f}x{'' if err < 2e-2 else ' ERR%.0e' % err} |"
-        except Exception as e:
-            line += f" {cname} FAIL {type(e).__name__} |"
-    print(line, flush=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(graph.replay, return_mode="median") / reps
+
+
+def host_us(fn, calls=100):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def main():
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
+    kernels = {c.kernel.name: c.kernel for c in api.load(["specs/"]) if hasattr(c, "kernel")}
+
+    module = importlib.import_module("generated.kernels.out_proj_residual_norm")
+    args = make_inputs(module, 16384, 2048, 2048)
+    print(f"host: eager call {host_us(lambda: module.out_proj_residual_norm(*args.values())):.0f} us, "
+          f"custom op {host_us(lambda: module.out_proj_residual_norm_op(*args.values())):.0f} us")
+
+    for name, (m, n, k) in SHAPES.items():
+        module = importlib.import_module(f"generated.kernels.{name}")
+        kernel = kernels[name]
+        args = make_inputs(module, m, n, k)
+        a, b = args[kernel.gemm.a], args[kernel.gemm.b]
+        b_op = b.T if kernel.gemm.b_layout.value == "nk" else b
+        cublas = graph_ms(lambda: a @ b_op)
+        line = f"{name:24s} {m}x{n}x{k} cuBLAS {cublas:.3f} ms |"
+        rows = {d.name: args[d.name][:CHECK_ROWS] if d.dims and d.dims[0] == "M" else args[d.name]
+                for d in module.DECLS if not d.output}
+        for label, config in CONFIGS.items():
+            try:
+                outs = make_outputs(kernel, CHECK_ROWS, n, k, config)
+                module.launch(*rows.values(), **outs, config=config)
+                truth = reference.run(kernel, rows, config.block_m, config.block_n)
+                err = max(((outs[o].double() - truth[o]).norm() / truth[o].norm()).item() for o in outs)
+                full = make_outputs(kernel, m, n, k, config, 0.0)
+                ms = graph_ms(lambda: module.launch(*args.values(), **full, config=config))
+                line += f" {label} {ms / cublas:.2f}x" + ("" if err < 2e-2 else f" WRONG({err:.0e})") + " |"
+            except Exception as e:  # noqa: BLE001 - a failing configuration is reported, not fatal
+                line += f" {label} FAILED {type(e).__name__} |"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .blockspec import FINISH_SIGNATURES, REDUCTIONS, TOKENS, TRANSPOSES, Block, BlockStep, Dimx, Tensor
+from .blockspec import FINISH_SIGNATURES, REDUCTIONS, TOKENS, TRANSPOSES, Block, BlockStep, Dimx
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
 

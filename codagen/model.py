@@ -58,10 +58,6 @@ class DType(enum.Enum):
     BFLOAT16 = "bfloat16"
     INDEX = "index"  # int32 or int64
 
-    @property
-    def is_float(self) -> bool:
-        return self is not DType.INDEX
-
 
 class Kind(enum.Enum):
     """Broadcast pattern of an epilogue value (CUTLASS EVT's operand kinds)."""
@@ -135,9 +131,6 @@ class Gemm:
 @dataclass(frozen=True)
 class Literal:
     value: float
-
-
-Operand = "str | Literal"  # a value name, or a number
 
 
 @dataclass(frozen=True)
