@@ -4,7 +4,7 @@ Every value in the epilogue is fp32 in registers. Inputs are loaded, masked, at 
 indices and masks of each width (N/2, N, 2*N) are declared once, before the first step that needs them."""
 from __future__ import annotations
 
-from ..model import ACC, DType, InputRole, Kernel, Kind, Literal, Step, ValueType, Width
+from ..model import DType, InputRole, Kernel, Kind, Literal, Step, ValueType, Width
 from .. import ops
 
 COLS = {Width.HALF: "cols_half", Width.FULL: "cols", Width.DOUBLE: "cols_double"}
@@ -201,6 +201,3 @@ def emit_epilogue(kernel: Kernel, types: dict[str, ValueType]) -> list[str]:
         e.emit(step)
     return e.lines
 
-
-def uses_acc(kernel: Kernel) -> bool:
-    return kernel.gemm is not None and ACC in {a for s in kernel.steps for a in s.args.values()}
