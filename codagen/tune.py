@@ -171,7 +171,9 @@ def _c(bm, bn, bk, warps, stages, persistent, tma) -> Config:
 GEMM_CANDIDATES = (
     #   BM   BN   BK  warps stages persistent tma
     _c(128, 256, 64, 8, 3, True, True),  # DESIGN.md §7's fastest mainloop
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), flatten=True),  # epilogue overlapped: not yet measured
     _c(128, 128, 64, 8, 4, True, True),  # runtime.configs.GPU_DEFAULT
+    dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), flatten=True),
     _c(128, 128, 64, 8, 4, False, True),  # one program per tile: the epilogue of one overlaps the next's loads
     _c(128, 64, 64, 4, 4, False, True),  # narrow tiles: heavy epilogues, few registers to spare
     _c(64, 128, 64, 4, 4, False, True),

@@ -31,11 +31,15 @@ class Config:
     num_stages: int = 3
     persistent: bool = False  # a grid of one program per SM, each walking over tiles
     tma: bool = False  # GEMM operands through TMA tensor descriptors (Hopper), where their layout allows
+    # flatten the persistent loop over tiles with the K loop, so that Triton's pipeliner can overlap a tile's
+    # epilogue with the next tile's loads (tl.range(flatten=True), as in Triton's persistent-matmul tutorial)
+    flatten: bool = False
 
     def meta(self) -> dict:
         """Keyword arguments of a kernel launch."""
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "GROUP_M": self.group_m, "FLATTEN": self.flatten, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +47,8 @@ class Config:
     def label(self) -> str:
         """Short form for logs, e.g. '128x256x64 g8 w8 s3 persistent tma'."""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
-                + (" persistent" if self.persistent else "") + (" tma" if self.tma else ""))
+                + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
+                + (" flatten" if self.flatten else ""))
 
 
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.
