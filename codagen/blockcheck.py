@@ -295,15 +295,15 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
             if not isinstance(ref, str):
                 sink.add(loc_of(name), f"{step.op}.{name} must be a new value name")
                 ok = False
-            outs.append(ref)
+            outs.append((ref, name))
     if not ok:
         return None
     result = _finish_types(step, vals, args, sink)
     if result is None:
         return None
-    for name, value in zip(outs, result):
-        define(name, value, loc_of([n for n, k in sig if k == "out"][outs.index(name)]))
-    return Call(step.op, False, tuple(args), tuple(outs), step.loc)
+    for (ref, name), value in zip(outs, result):
+        define(ref, value, loc_of(name))
+    return Call(step.op, False, tuple(args), tuple(ref for ref, _ in outs), step.loc)
 
 
 def _finish_types(step: BlockStep, vals: dict, args: list, sink) -> list[Value] | None:

@@ -35,14 +35,15 @@ class Dimx:
     coef: Fraction
     symbol: str | None
 
-    def __str__(self) -> str:
+    def expr(self, times: str = "*", divide: str = "/") -> str:
+        """As written in specs (2*ffn_dim, qkv_dim/2), or as Python with times=" * ", divide=" // "."""
         if self.symbol is None:
             return str(self.coef)
-        if self.coef == 1:
-            return self.symbol
-        if self.coef.denominator == 1:
-            return f"{self.coef.numerator}*{self.symbol}"
-        return f"{self.symbol}/{self.coef.denominator}" if self.coef.numerator == 1 else f"{self.coef}*{self.symbol}"
+        num, den = self.coef.numerator, self.coef.denominator
+        return (f"{num}{times}" if num != 1 else "") + self.symbol + (f"{divide}{den}" if den != 1 else "")
+
+    def __str__(self) -> str:
+        return self.expr()
 
     def scaled(self, f: Fraction) -> "Dimx":
         return Dimx(self.coef * f, self.symbol)

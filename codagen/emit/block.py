@@ -3,7 +3,7 @@ generated kernels and finish steps, and the nn.Module that owns the parameters."
 from __future__ import annotations
 
 from ..blockcheck import Call, CheckedBlock
-from ..blockspec import TOKENS, Dimx
+from ..blockspec import TOKENS
 from .templates import render
 
 _FINISH = {"rstd": "finish.rstd", "sum_tiles": "finish.sum_tiles", "logsumexp_tiles": "finish.logsumexp_tiles",
@@ -12,16 +12,6 @@ _FINISH = {"rstd": "finish.rstd", "sum_tiles": "finish.sum_tiles", "logsumexp_ti
 
 def class_name(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
-
-
-def _dim_src(d: Dimx) -> str:
-    if d.symbol is None:
-        return str(d.coef)
-    if d.coef == 1:
-        return d.symbol
-    if d.coef.denominator == 1:
-        return f"{d.coef.numerator} * {d.symbol}"
-    return f"{d.coef.numerator} * {d.symbol} // {d.coef.denominator}"
 
 
 def _arg_src(a, names: set[str], rename: dict[str, str]) -> str:
@@ -64,7 +54,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         kernels=sorted({c.op for c in (*cb.forward, *cb.backward) if c.kernel}),
         inputs=[t.name for t in b.inputs],
         params=b.params,
-        param_shapes={p.name: "(" + ", ".join(_dim_src(d) for d in p.dims) + ("," if len(p.dims) == 1 else "") + ")"
+        param_shapes={p.name: "(" + ", ".join(d.expr(" * ", " // ") for d in p.dims) + ("," if len(p.dims) == 1 else "") + ")"
                       for p in b.params},
         attrs=b.attrs,
         attr_names=[a.name for a in b.attrs],
