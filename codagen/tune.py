@@ -78,7 +78,16 @@ LLAMA_USES: dict[str, tuple[Use, ...]] = {
     "lm_head_logsumexp":      (Use("vocab", "dim",   "tokens", "lm_head_loss forward"),),
     "lm_head_ce_grad":        (Use("vocab", "dim",   "chunk",  "lm_head_loss backward"),),
     "norm_dgrad":             (Use("dim",   "vocab", "chunk",  "lm_head_loss backward: through w_vocab"),),
-    "matmul":                 (Use("dim",   "dim",   "tokens", "a plain GEMM: the mainloop against cuBLAS"),),
+    # The mainloop alone against cuBLAS, at the GEMM shape of every kernel above.
+    "matmul":                 (Use("qkv",   "dim",   "tokens", "the GEMM of qkv_norm_rope"),
+                               Use("dim",   "dim",   "tokens", "the GEMM of the out-projection"),
+                               Use("2*ffn", "dim",   "tokens", "the GEMM of gate_up_swiglu"),
+                               Use("dim",   "ffn",   "tokens", "the GEMM of the down projection"),
+                               Use("vocab", "dim",   "tokens", "the GEMM of lm_head_logsumexp"),
+                               Use("ffn",   "dim",   "tokens", "the GEMM of swiglu_dgrad"),
+                               Use("dim",   "qkv",   "tokens", "the GEMM of norm_dgrad_residual (pre_attention)"),
+                               Use("dim",   "2*ffn", "tokens", "the GEMM of norm_dgrad_residual (post_attention)"),
+                               Use("dim",   "vocab", "chunk",  "the GEMM of norm_dgrad")),
 }
 
 _WIDTH = re.compile(r"(?:(\d+)\*)?(dim|ffn|qkv|vocab)")

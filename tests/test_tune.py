@@ -105,6 +105,17 @@ def test_preset_table_covers_every_kernel_of_specs():
             assert shapes and all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in shapes)
 
 
+def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():
+    # the mainloop's ratio to cuBLAS is reported per preset shape: matmul must cover them all
+    kernels = [c.kernel for c in api.load([SPECS]) if isinstance(c, api.Checked)]
+    matmul = next(k for k in kernels if k.name == "matmul")
+    for preset in tune.PRESETS:
+        have = {s.bucket for s in tune.preset_shapes(preset, matmul)}
+        for k in kernels:
+            if k.gemm:
+                assert {s.bucket for s in tune.preset_shapes(preset, k)} <= have, (preset, k.name)
+
+
 def test_preset_shapes_follow_the_llama_block():
     buckets = lambda name, preset="llama3-1b": [s.bucket for s in tune.parse_shapes(  # noqa: E731
         preset, checked(name).kernel)]
