@@ -54,7 +54,7 @@ PRESETS = {
 TOKENS = (8192, 32768)
 # The cross-entropy backward recomputes the logits on chunks of rows (specs/blocks/lm_head_loss.yaml,
 # chunk_rows): its kernels see at most this many rows whatever the token count.
-CE_CHUNK_ROWS = 8192
+CE_CHUNK_ROWS = 2048
 
 
 class Use(NamedTuple):
@@ -84,6 +84,7 @@ LLAMA_USES: dict[str, tuple[Use, ...]] = {
                                Use("2*ffn", "dim",   "tokens", "the GEMM of gate_up_swiglu"),
                                Use("dim",   "ffn",   "tokens", "the GEMM of the down projection"),
                                Use("vocab", "dim",   "tokens", "the GEMM of lm_head_logsumexp"),
+                               Use("vocab", "dim",   "chunk",  "the GEMM of lm_head_ce_grad"),
                                Use("ffn",   "dim",   "tokens", "the GEMM of swiglu_dgrad"),
                                Use("dim",   "qkv",   "tokens", "the GEMM of norm_dgrad_residual (pre_attention)"),
                                Use("dim",   "2*ffn", "tokens", "the GEMM of norm_dgrad_residual (post_attention)"),

@@ -35,7 +35,7 @@ class Layer(nn.Module):
 
 
 class CodagenLlama(nn.Module):
-    def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 8192, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 2048, device=None, dtype=None):
         super().__init__()
         self.shape = shape
         self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)

@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="parameter and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (fixed)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--chunk-rows", type=int, default=8192, help="LmHeadLoss's backward row chunk")
+    p.add_argument("--chunk-rows", type=int, default=2048, help="LmHeadLoss's backward row chunk")
     p.add_argument("--backend", default="auto", help="process-group backend (auto: nccl on CUDA, gloo on the CPU)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true",

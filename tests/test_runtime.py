@@ -27,4 +27,10 @@ def test_row_chunks_cover_every_row_once():
 def test_chunk_gradients_are_summed_in_fp32():
     parts = [torch.full((4,), 1.0, dtype=torch.bfloat16)] + [torch.full((4,), 2.0**-9, dtype=torch.bfloat16)] * 4
     # in bf16, 1 + 2**-9 rounds back to 1 four times over; in fp32 the four add up to 2**-7
-    assert runtime.sum_chunks(parts).float()[0].item() == 1.0 + 2.0**-7
+    total = runtime.ChunkSum()
+    for part in parts:
+        total.add(part)
+    assert total.result().dtype == torch.bfloat16 and total.result().float()[0].item() == 1.0 + 2.0**-7
+    one = runtime.ChunkSum()
+    one.add(parts[0])
+    assert one.result() is parts[0]

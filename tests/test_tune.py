@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 import triton
+import yaml
 from click.testing import CliRunner
 
 from codagen import api, tune
@@ -116,6 +117,11 @@ def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():
                 assert {s.bucket for s in tune.preset_shapes(preset, k)} <= have, (preset, k.name)
 
 
+def test_chunk_rows_match_the_lm_head_block():
+    spec = yaml.safe_load((SPECS / "blocks" / "lm_head_loss.yaml").read_text())
+    assert tune.CE_CHUNK_ROWS == spec["attrs"]["chunk_rows"]
+
+
 def test_preset_shapes_follow_the_llama_block():
     buckets = lambda name, preset="llama3-1b": [s.bucket for s in tune.parse_shapes(  # noqa: E731
         preset, checked(name).kernel)]
@@ -124,8 +130,8 @@ def test_preset_shapes_follow_the_llama_block():
     assert buckets("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
     assert buckets("norm_dgrad_residual") == ["8192x2048x3072", "32768x2048x3072", "8192x2048x16384",
                                               "32768x2048x16384"]
-    assert buckets("lm_head_ce_grad") == ["8192x128256x2048"]  # row chunks of 8192, whatever the tokens
-    assert buckets("norm_dgrad", "llama3-8b") == ["8192x4096x128256"]
+    assert buckets("lm_head_ce_grad") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
+    assert buckets("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
     assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0"]
     assert buckets("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
 

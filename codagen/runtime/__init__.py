@@ -21,7 +21,7 @@ from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "check_storage", "Plan", "row_chunks", "sum_chunks"]
+           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "check_storage", "Plan", "row_chunks", "ChunkSum"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -47,12 +47,25 @@ def row_chunks(rows: int, size: int):
         yield slice(start, min(rows, start + size))
 
 
-def sum_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Sum per-chunk gradients in fp32, then cast back: chunking must not cost precision."""
-    total = parts[0].float()
-    for p in parts[1:]:
-        total = total + p.float()
-    return total.to(parts[0].dtype)
+class ChunkSum:
+    """A gradient summed over row chunks as they come: a running fp32 total (chunking must not cost
+    precision), so that one total is alive at a time rather than every chunk's part."""
+
+    def __init__(self) -> None:
+        self._first: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None
+
+    def add(self, part: torch.Tensor) -> None:
+        if self._first is None:
+            self._first = part
+        elif self._total is None:
+            self._total = self._first.float().add_(part)
+        else:
+            self._total.add_(part)
+
+    def result(self) -> torch.Tensor:
+        """The sum, in the parts' dtype; a single part as it is."""
+        return self._first if self._total is None else self._total.to(self._first.dtype)
 
 
 def reset_parameters(module: torch.nn.Module) -> None:

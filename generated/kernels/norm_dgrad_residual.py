@@ -82,10 +82,12 @@ def norm_dgrad_residual_kernel(
         a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
         b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
+        first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
-                a_tile = dz_desc.load([pid_m * BLOCK_M, k0])
-                b_tile = w_desc.load([k0, pid_n * BLOCK_N])
+                a_tile = dz_desc.load([first_row, k0])
+                b_tile = w_desc.load([k0, first_col])
             elif EVEN_K:
                 a_tile = tl.load(a_ptrs)
                 b_tile = tl.load(b_ptrs)

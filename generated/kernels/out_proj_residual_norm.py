@@ -76,10 +76,12 @@ def out_proj_residual_norm_kernel(
         a_ptrs = y_ptr + (rows % M)[:, None] * stride_y_m + offs_k[None, :] * stride_y_k
         b_ptrs = w_o_ptr + offs_k[:, None] * stride_w_o_k + (cols % N)[None, :] * stride_w_o_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
+        first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
-                a_tile = y_desc.load([pid_m * BLOCK_M, k0])
-                b_tile = w_o_desc.load([pid_n * BLOCK_N, k0]).T
+                a_tile = y_desc.load([first_row, k0])
+                b_tile = w_o_desc.load([first_col, k0]).T
             elif EVEN_K:
                 a_tile = tl.load(a_ptrs)
                 b_tile = tl.load(b_ptrs)
