@@ -21,8 +21,10 @@ def _arg_src(a, names: set[str], rename: dict[str, str]) -> str:
     return repr(a)
 
 
-def _call_lines(c: Call, names: set[str], rename: dict[str, str]) -> list[str]:
+def _call_lines(c: Call, names: set[str], rename: dict[str, str], summed: set[str] = frozenset()) -> list[str]:
     args = ", ".join(_arg_src(a, names, rename) for a in c.args)
+    if c.op == "matmul" and c.outs[0] in summed:  # a parameter's gradient over row chunks: the GEMM sums it
+        return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{c.outs[0]}_sum.add_matmul({args})"]
     fn = f"kernels.{c.op}.{c.op}" if c.kernel else _FINISH[c.op]
     return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{', '.join(c.outs)} = {fn}({args})"]
 
@@ -45,7 +47,8 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         rename = {n: f"{n}_rows" for n in sliced}
         for g in filter(None, cb.grads):
             (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
-    backward = [line for c in cb.backward for line in _call_lines(c, names, rename)]
+    backward = [line for c in cb.backward for line in _call_lines(c, names, rename, set(summed_grads))]
+    summed_by_gemm = {c.outs[0] for c in cb.backward if c.op == "matmul" and c.outs[0] in summed_grads}
     first_row_value = sliced[0] if sliced else None
     return render(
         "block.py.j2",
@@ -70,6 +73,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         first_row_value=first_row_value,
         row_grads=row_grads,
         summed_grads=summed_grads,
+        added_grads=[g for g in summed_grads if g not in summed_by_gemm],
         regenerate=regenerate,
         apply_args=[line for line in (
             ", ".join(t.name for t in b.inputs) + ",",

@@ -63,6 +63,19 @@ class ChunkSum:
         else:
             self._total.add_(part)
 
+    def add_matmul(self, a: torch.Tensor, b: torch.Tensor, transpose: str) -> None:
+        """add(finish.matmul(a, b, transpose)). From the second chunk on, on a GPU, the GEMM accumulates into
+        the fp32 total itself (cuBLAS: bf16/fp16 operands, fp32 C = A @ B + C, as Megatron's gradient
+        accumulation fusion does), so that no chunk's product is written out and added in another pass."""
+        a = a.T if transpose == "a" else a
+        b = b.T if transpose == "b" else b
+        if self._first is None or not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
+            self.add(torch.matmul(a, b))
+            return
+        if self._total is None:
+            self._total = self._first.float()
+        torch.addmm(self._total, a, b, out_dtype=torch.float32, out=self._total)
+
     def result(self) -> torch.Tensor:
         """The sum, in the parts' dtype; a single part as it is."""
         return self._first if self._total is None else self._total.to(self._first.dtype)

@@ -63,10 +63,9 @@ class LmHeadLossFunction(torch.autograd.Function):
             grad_wn = finish.sum_tiles(dwn_part, None)
 
             # specs/blocks/lm_head_loss.yaml:37  matmul
-            grad_w_vocab = finish.matmul(dz, normed, 'a')
+            grad_w_vocab_sum.add_matmul(dz, normed, 'a')
             grad_x_chunks.append(grad_x)
             grad_wn_sum.add(grad_wn)
-            grad_w_vocab_sum.add(grad_w_vocab)
         grad_x = torch.cat(grad_x_chunks)
         grad_wn = grad_wn_sum.result()
         grad_w_vocab = grad_w_vocab_sum.result()
