@@ -97,7 +97,7 @@ DTYPE_NAMES = {t: name for name, t in LOW.items()}
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KERNEL_FLOOR = 1e-5  # absolute slack: fp32 outputs of the fused kernel carry fp32 arithmetic (~1e-7)
 BLOCK_FLOOR = 1e-4  # as in tests/test_blocks.py
-BLOCK_DTYPE = torch.bfloat16  # of the block and Llama tests
+LLAMA_DTYPE = torch.bfloat16  # of the Llama training test
 
 KERNELS = {c.kernel.name: c.kernel for c in api.load([REPO / "specs"]) if isinstance(c, api.Checked)}
 
@@ -319,15 +319,15 @@ def rope(z, positions, freqs):
     return torch.stack([e * cos - o * sin, e * sin + o * cos], dim=2).reshape(z.shape)
 
 
-def low(g, *shape, scale=1.0, offset=0.0) -> torch.Tensor:
-    return (offset + scale * torch.randn(*shape, device=DEVICE, generator=g)).to(BLOCK_DTYPE)
+def low(g, dtype, *shape, scale=1.0, offset=0.0) -> torch.Tensor:
+    return (offset + scale * torch.randn(*shape, device=DEVICE, generator=g)).to(dtype)
 
 
-def check_block(title: str, fused: dict, plain, start: float) -> None:
-    """Each fused output and gradient against plain(float64), within 2x the error of plain(BLOCK_DTYPE)."""
+def check_block(title: str, dtype: torch.dtype, fused: dict, plain, start: float) -> None:
+    """Each fused output and gradient against plain(float64), within 2x the error of plain(dtype)."""
     truth = plain(torch.float64)
-    unfused = plain(BLOCK_DTYPE)
-    dt = DTYPE_NAMES[BLOCK_DTYPE]
+    unfused = plain(dtype)
+    dt = DTYPE_NAMES[dtype]
     print(f"\ngpu block {title} {dt}: {time.perf_counter() - start:.1f} s")
     bad = {}
     for name, value in fused.items():
@@ -341,27 +341,29 @@ def check_block(title: str, fused: dict, plain, start: float) -> None:
     assert not bad, f"{title}: fused error over 2x the unfused error: {bad}"
 
 
-def test_norm_stats_block():
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_norm_stats_block(dtype):
     start = time.perf_counter()
     g = generator("norm_stats")
-    x, wn = low(g, M_TOKENS, D), low(g, D, scale=0.1, offset=1.0)
+    x, wn = low(g, dtype, M_TOKENS, D), low(g, dtype, D, scale=0.1, offset=1.0)
     h, rstd = NormStats(D, EPS)(x, wn)
 
     def plain(cast):
         return {"h": x.to(cast) * wn.to(cast), "rstd": rstd_of(x.to(cast))}
-    check_block("NormStats", {"h": h, "rstd": rstd}, plain, start)
+    check_block("NormStats", dtype, {"h": h, "rstd": rstd}, plain, start)
 
 
-def test_pre_attention_block():
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_pre_attention_block(dtype):
     start = time.perf_counter()
     g = generator("pre_attention")
     m = M_TOKENS
-    x, wn, w_qkv = low(g, m, D), low(g, D, scale=0.1, offset=1.0), low(g, QKV, D, scale=D**-0.5)
+    x, wn, w_qkv = low(g, dtype, m, D), low(g, dtype, D, scale=0.1, offset=1.0), low(g, dtype, QKV, D, scale=D**-0.5)
     positions = torch.arange(m, device=DEVICE) % 2048  # two sequences of 2048 and a ragged tail
     freqs = rope_freqs(LLAMA_1B).to(DEVICE)
-    up_x, up_qkv = low(g, m, D), low(g, m, QKV)
+    up_x, up_qkv = low(g, dtype, m, D), low(g, dtype, m, QKV)
 
-    block = PreAttention(D, QKV, device=DEVICE, dtype=BLOCK_DTYPE)
+    block = PreAttention(D, QKV, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_qkv.copy_(w_qkv)
     xb = x.clone().requires_grad_()
@@ -375,20 +377,21 @@ def test_pre_attention_block():
         qkvp = rope(rms_norm(xp, wnp) @ wp.T, positions, freqs)
         gp = torch.autograd.grad((xp, qkvp), [xp, wnp, wp], (up_x.to(cast), up_qkv.to(cast)))
         return {"qkv": qkvp, "grad x": gp[0], "grad wn": gp[1], "grad w_qkv": gp[2]}
-    check_block("PreAttention", fused, plain, start)
+    check_block("PreAttention", dtype, fused, plain, start)
 
 
-def test_post_attention_block():
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_post_attention_block(dtype):
     start = time.perf_counter()
     g = generator("post_attention")
     m = M_TOKENS
-    y, x = low(g, m, D), low(g, m, D)
-    wn_next, wn_mlp = low(g, D, scale=0.1, offset=1.0), low(g, D, scale=0.1, offset=1.0)
-    w_o, w_gate, w_up = low(g, D, D, scale=D**-0.5), low(g, FFN, D, scale=D**-0.5), low(g, FFN, D, scale=D**-0.5)
-    w_down = low(g, D, FFN, scale=FFN**-0.5)
-    upstream = low(g, m, D)
+    y, x = low(g, dtype, m, D), low(g, dtype, m, D)
+    wn_next, wn_mlp = low(g, dtype, D, scale=0.1, offset=1.0), low(g, dtype, D, scale=0.1, offset=1.0)
+    w_o, w_gate, w_up = low(g, dtype, D, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5)
+    w_down = low(g, dtype, D, FFN, scale=FFN**-0.5)
+    upstream = low(g, dtype, m, D)
 
-    block = PostAttention(D, FFN, EPS, device=DEVICE, dtype=BLOCK_DTYPE)
+    block = PostAttention(D, FFN, EPS, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_down.copy_(w_down)
         block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
@@ -407,21 +410,22 @@ def test_post_attention_block():
         x2p = x1 + (F.silu(n1 @ wgp.T) * (n1 @ wup.T)) @ wdp.T
         gp = torch.autograd.grad(x2p, leaves, upstream.to(cast))
         return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p), **dict(zip(names, gp))}
-    check_block("PostAttention", fused, plain, start)
+    check_block("PostAttention", dtype, fused, plain, start)
 
 
-def test_lm_head_loss_block():
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_lm_head_loss_block(dtype):
     start = time.perf_counter()
     g = generator("lm_head_loss")
     m = M_VOCAB
-    x, wn = low(g, m, D), low(g, D, scale=0.1, offset=1.0)
-    w_vocab = low(g, VOCAB, D, scale=3 * D**-0.5)  # logits of std ~3
+    x, wn = low(g, dtype, m, D), low(g, dtype, D, scale=0.1, offset=1.0)
+    w_vocab = low(g, dtype, VOCAB, D, scale=3 * D**-0.5)  # logits of std ~3
     target = torch.randint(0, VOCAB, (m,), device=DEVICE, generator=g)
     target[0::10] = -100
     target[1], target[2], target[-1] = 0, VOCAB - 1, -100  # both edge columns and an ignored last row
     upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
 
-    block = LmHeadLoss(D, VOCAB, -100, "mean", device=DEVICE, dtype=BLOCK_DTYPE)  # chunk_rows: default
+    block = LmHeadLoss(D, VOCAB, -100, "mean", device=DEVICE, dtype=dtype)  # chunk_rows: default
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.clone().requires_grad_()
@@ -436,7 +440,7 @@ def test_lm_head_loss_block():
         lp = F.cross_entropy(logits if cast == torch.float64 else logits.float(), target, ignore_index=-100)
         gp = torch.autograd.grad(lp, [xp, wnp, wp], upstream.to(lp.dtype))
         return {"loss": lp, "grad x": gp[0], "grad wn": gp[1], "grad w_vocab": gp[2]}
-    check_block("LmHeadLoss", fused, plain, start)
+    check_block("LmHeadLoss", dtype, fused, plain, start)
 
 
 # ---- the example Llama ------------------------------------------------------------------------------------
@@ -448,11 +452,11 @@ SMALL = LlamaShape(dim=256, ffn_dim=704, n_heads=4, n_kv_heads=2, head_dim=64, n
 def test_two_layer_llama_trains_like_plain_pytorch_bf16():
     start = time.perf_counter()
     torch.manual_seed(0)
-    plain = PlainLlama(SMALL, device=DEVICE, dtype=BLOCK_DTYPE)
+    plain = PlainLlama(SMALL, device=DEVICE, dtype=LLAMA_DTYPE)
     with torch.no_grad():
         for name, p in plain.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    fused = CodagenLlama(SMALL, device=DEVICE, dtype=BLOCK_DTYPE)
+    fused = CodagenLlama(SMALL, device=DEVICE, dtype=LLAMA_DTYPE)
     fused.load_state_dict(from_hf(plain.state_dict(), SMALL))
     batch, seq = 4, 127  # 508 tokens: ragged
     tokens = torch.randint(0, SMALL.vocab, (batch, seq), device=DEVICE)
@@ -469,10 +473,10 @@ def test_two_layer_llama_trains_like_plain_pytorch_bf16():
             opt.step()
             losses.append(loss.item())
         history.append(losses)
-        print(f"{'' if step else chr(10)}gpu llama {DTYPE_NAMES[BLOCK_DTYPE]} step {step}: loss fused "
+        print(f"{'' if step else chr(10)}gpu llama {DTYPE_NAMES[LLAMA_DTYPE]} step {step}: loss fused "
               f"{losses[1]:.4f} vs plain {losses[0]:.4f} (relative difference "
               f"{abs(losses[1] - losses[0]) / abs(losses[0]):.1e})")
-    print(f"gpu llama {DTYPE_NAMES[BLOCK_DTYPE]}: {time.perf_counter() - start:.1f} s")
+    print(f"gpu llama {DTYPE_NAMES[LLAMA_DTYPE]}: {time.perf_counter() - start:.1f} s")
     for step, (lp, lf) in enumerate(history):
         assert abs(lf - lp) <= 2e-2 * abs(lp), (step, history)
     assert history[-1][0] < history[0][0] and history[-1][1] < history[0][1], f"no training progress: {history}"

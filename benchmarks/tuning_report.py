@@ -1,0 +1,81 @@
+"""The committed tuning tables of one GPU as a report: per preset, kernel and place in the Llama block, the
+chosen configuration, its time and the cuBLAS GEMM of the same shape, both measured by `codagen tune`
+(triton.testing.do_bench medians, L2 flushed). The plain `matmul` rows are the mainloop against cuBLAS.
+
+    python benchmarks/tuning_report.py [--gpu nvidia-h200] [--out benchmarks/results/h200-tuning.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from codagen import api, tune  # noqa: E402
+from codagen.runtime.configs import Config, table_path  # noqa: E402
+
+
+def rows(gpu: str, tuning_dir: Path) -> dict[str, list[tuple]]:
+    """preset -> [(kernel, use, shape, entry or None)] in LLAMA_USES order."""
+    kernels = {c.kernel.name: c.kernel for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
+    out: dict[str, list[tuple]] = {}
+    for preset, widths in tune.PRESETS.items():
+        found = out.setdefault(preset, [])
+        for name, uses in tune.LLAMA_USES.items():
+            kernel = kernels[name]
+            path = table_path(tuning_dir, gpu, name)
+            table = json.loads(path.read_text())["shapes"] if path.is_file() else {}
+            seen = set()
+            for use in uses:
+                for t in tune.TOKENS:
+                    m = min(t, tune.CE_CHUNK_ROWS) if use.rows == "chunk" else t
+                    shape = tune.Shape(m, tune.width(use.n, widths), tune.width(use.k, widths) if kernel.gemm else 0)
+                    if shape.bucket not in seen:
+                        seen.add(shape.bucket)
+                        found.append((name, use.where, shape, table.get(shape.bucket)))
+    return out
+
+
+def markdown(gpu: str, tuning_dir: Path) -> str:
+    meta = next((json.loads(p.read_text()) for p in sorted((tuning_dir / gpu).glob("*.json"))), {})
+    lines = [f"# codagen tuning tables: {gpu}", "",
+             f"From `generated/tuning/{gpu}/*.json` (triton {meta.get('triton', '?')}), written by "
+             "`codagen tune specs/ --shapes llama3-1b,llama3-8b`. Every candidate was checked against the float64 "
+             "reference on NaN-prefilled outputs before it was timed. ms: do_bench median of the chosen "
+             "configuration; cuBLAS: torch.matmul of the kernel's GEMM alone, same shape and operands; "
+             "ratio = ms / cuBLAS ms (1.00: the epilogue is free). For `matmul` (no epilogue), throughput vs "
+             "cuBLAS = cuBLAS ms / ms.", ""]
+    for preset, found in rows(gpu, tuning_dir).items():
+        lines += [f"## {preset}", "", "| kernel | where | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, where, shape, entry in found:
+            if entry is None:
+                lines.append(f"| {name} | {where} | {shape} | not tuned | - | - | - |")
+                continue
+            cublas = entry.get("cuBLAS_ms")
+            ratio = f"{entry['ms'] / cublas:.2f}" if cublas else "-"
+            if name == "matmul" and cublas:
+                ratio += f" (throughput {cublas / entry['ms']:.2f})"
+            lines.append(f"| {name} | {where} | {shape} | {Config(**entry['config']).label()} | {entry['ms']:.4g} | "
+                         f"{cublas if cublas else '-'} | {ratio} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", default="nvidia-h200")
+    ap.add_argument("--tuning-dir", default=str(ROOT / "generated" / "tuning"))
+    ap.add_argument("--out", default=None, help="markdown file (default: stdout)")
+    args = ap.parse_args()
+    text = markdown(args.gpu, Path(args.tuning_dir))
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
