@@ -34,3 +34,13 @@ def test_chunk_gradients_are_summed_in_fp32():
     one = runtime.ChunkSum()
     one.add(parts[0])
     assert one.result() is parts[0]
+
+
+def test_chunk_sum_of_products_matches_one_product():
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3 * 37, 20, generator=g), torch.randn(3 * 37, 13, generator=g)
+    total = runtime.ChunkSum()
+    for rows in runtime.row_chunks(a.shape[0], 37):
+        total.add_matmul(a[rows], b[rows], "a")  # a^T @ b over row chunks: a weight gradient
+    want = a.double().T @ b.double()
+    assert torch.allclose(total.result().double(), want, rtol=1e-5, atol=1e-5)

@@ -49,6 +49,8 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
             (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
     backward = [line for c in cb.backward for line in _call_lines(c, names, rename, set(summed_grads))]
     summed_by_gemm = {c.outs[0] for c in cb.backward if c.op == "matmul" and c.outs[0] in summed_grads}
+    # a chunk's values are dropped before the next chunk makes its own, so that two never coexist
+    chunk_values = list(dict.fromkeys(o for c in cb.backward for o in c.outs if o not in summed_by_gemm))
     first_row_value = sliced[0] if sliced else None
     return render(
         "block.py.j2",
@@ -74,6 +76,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         row_grads=row_grads,
         summed_grads=summed_grads,
         added_grads=[g for g in summed_grads if g not in summed_by_gemm],
+        chunk_values=chunk_values if chunked else [],
         regenerate=regenerate,
         apply_args=[line for line in (
             ", ".join(t.name for t in b.inputs) + ",",

@@ -52,16 +52,16 @@ class ChunkSum:
     precision), so that one total is alive at a time rather than every chunk's part."""
 
     def __init__(self) -> None:
-        self._first: torch.Tensor | None = None
-        self._total: torch.Tensor | None = None
+        self._dtype: torch.dtype | None = None  # the parts' dtype; None until the first part
+        self._first: torch.Tensor | None = None  # the only part so far
+        self._total: torch.Tensor | None = None  # fp32, from the second part on
 
     def add(self, part: torch.Tensor) -> None:
-        if self._first is None:
-            self._first = part
-        elif self._total is None:
-            self._total = self._first.float().add_(part)
-        else:
-            self._total.add_(part)
+        if self._dtype is None:
+            self._dtype, self._first = part.dtype, part
+            return
+        self._start_total()
+        self._total.add_(part)
 
     def add_matmul(self, a: torch.Tensor, b: torch.Tensor, transpose: str) -> None:
         """add(finish.matmul(a, b, transpose)). From the second chunk on, on a GPU, the GEMM accumulates into
@@ -69,16 +69,19 @@ class ChunkSum:
         accumulation fusion does), so that no chunk's product is written out and added in another pass."""
         a = a.T if transpose == "a" else a
         b = b.T if transpose == "b" else b
-        if self._first is None or not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
+        if self._dtype is None or not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
             self.add(torch.matmul(a, b))
             return
-        if self._total is None:
-            self._total = self._first.float()
+        self._start_total()
         torch.addmm(self._total, a, b, out_dtype=torch.float32, out=self._total)
+
+    def _start_total(self) -> None:
+        if self._total is None:
+            self._total, self._first = self._first.float(), None
 
     def result(self) -> torch.Tensor:
         """The sum, in the parts' dtype; a single part as it is."""
-        return self._first if self._total is None else self._total.to(self._first.dtype)
+        return self._first if self._total is None else self._total.to(self._dtype)
 
 
 def reset_parameters(module: torch.nn.Module) -> None:

@@ -66,6 +66,7 @@ class LmHeadLossFunction(torch.autograd.Function):
             grad_w_vocab_sum.add_matmul(dz, normed, 'a')
             grad_x_chunks.append(grad_x)
             grad_wn_sum.add(grad_wn)
+            del dz, zdz_part, zdz, grad_x, dwn_part, normed, grad_wn
         grad_x = torch.cat(grad_x_chunks)
         grad_wn = grad_wn_sum.result()
         grad_w_vocab = grad_w_vocab_sum.result()
