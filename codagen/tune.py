@@ -181,16 +181,19 @@ def _c(bm, bn, bk, warps, stages, persistent, tma) -> Config:
 GEMM_CANDIDATES = (
     #   BM   BN   BK  warps stages persistent tma
     _c(128, 256, 64, 8, 3, True, True),  # DESIGN.md §7's fastest mainloop
-    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), flatten=True),  # epilogue overlapped: not yet measured
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), flatten=True),  # won most GEMM shapes on the H200
     _c(128, 128, 64, 8, 4, True, True),  # runtime.configs.GPU_DEFAULT
     dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), flatten=True),
+    # warp-specialized: the loads in producer warps, the epilogue overlapping them (not yet measured)
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), warp_specialize=True),
     _c(128, 128, 64, 8, 4, False, True),  # one program per tile: the epilogue of one overlaps the next's loads
     _c(128, 64, 64, 4, 4, False, True),  # narrow tiles: heavy epilogues, few registers to spare
     _c(64, 128, 64, 4, 4, False, True),
     _c(64, 64, 64, 4, 4, False, True),  # wide inputs in the epilogue (2*N columns) need the smallest tiles
 )
 # Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
-# benchmarks/results/h200.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
+# benchmarks/results/h200-kernels.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
 # No GEMM, no K loop: only the tile shape and the warps matter; the rest is the default's.
 ELEMENTWISE_CANDIDATES = tuple(
     dataclasses.replace(configs.GPU_DEFAULT, block_m=bm, block_n=bn, num_warps=w)

@@ -126,6 +126,36 @@ def test_kernel_matches_reference(test_kernels, name, dtype, shape):
     run_and_check(module, kernel, {"M": m, "N": n, "K": k}, DTYPES[dtype], config, strided, seed, index_dtype)
 
 
+# The Hopper pipelines on a ragged 3 x 3 tile grid: a persistent grid (fewer programs than tiles), TMA
+# descriptors for the GEMM operands, and the loop hints FLATTEN and WARP_SPECIALIZE (which the interpreter
+# runs as plain loops: this checks that they reach the kernel and leave its results alone).
+PIPELINES = {
+    "persistent-tma-flatten": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, flatten=True),
+    "persistent-tma-ws": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True),
+}
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("name", all_test_kernels())
+def test_pipelines_match_reference(test_kernels, monkeypatch, name, pipeline):
+    import codagen.runtime
+
+    module = test_kernels(name)
+    kernel = kernel_model(name)
+    config = PIPELINES[pipeline]
+    monkeypatch.setattr(codagen.runtime, "sm_count", lambda device: 4)  # 9 tiles on 4 programs
+    jit = getattr(module, f"{module.NAME}_kernel")
+    run, passed = jit.run, {}
+    monkeypatch.setattr(jit, "run", lambda *a, **kw: passed.update(kw, programs=kw["grid"]) or run(*a, **kw))
+    # N = 72: ragged for 32-wide tiles, yet rows of a [K, N] operand are 16-byte aligned, as TMA needs
+    run_and_check(module, kernel, {"M": 45, "N": 72, "K": 40}, torch.bfloat16, config, False,
+                  zlib.crc32(f"{name}/{pipeline}".encode()))
+    assert passed["programs"] == (4,)
+    if kernel.gemm:
+        assert passed["TMA"] is True and passed["FLATTEN"] is config.flatten
+        assert passed["WARP_SPECIALIZE"] is config.warp_specialize
+
+
 # -- the launcher's argument checks ---------------------------------------------------------------------------
 CFG = Config(16, 32, 16, 2, 4, 1)
 

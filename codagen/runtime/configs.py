@@ -34,6 +34,11 @@ class Config:
     # flatten the persistent loop over tiles with the K loop, so that Triton's pipeliner can overlap a tile's
     # epilogue with the next tile's loads (tl.range(flatten=True), as in Triton's persistent-matmul tutorial)
     flatten: bool = False
+    # warp-specialize the persistent loop over tiles (tl.range(warp_specialize=True)): producer warps issue
+    # the TMA loads while the others run the MMAs and the epilogue, so that an epilogue overlaps the next
+    # tile's loads by construction; Triton supports it on Hopper for descriptor loads, without flatten, so a
+    # launch whose operands cannot go through TMA runs without it
+    warp_specialize: bool = False
 
     def meta(self) -> dict:
         """Keyword arguments of a kernel launch."""
@@ -48,7 +53,7 @@ class Config:
         """Short form for logs, e.g. '128x256x64 g8 w8 s3 persistent tma'."""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
-                + (" flatten" if self.flatten else ""))
+                + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else ""))
 
 
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.

@@ -52,13 +52,15 @@ def lm_head_ce_grad_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
+    # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads;
+    # WARP_SPECIALIZE: the loads in producer warps of their own, the MMAs and the epilogue in the others
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
         # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
         group_id = tile_id // num_pid_in_group
         first_pid_m = group_id * GROUP_M
@@ -168,6 +170,7 @@ def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, c
             plan.programs,
             EVEN_K=plan.even_k,
             TMA=tma,
+            WARP_SPECIALIZE=tma and plan.config.warp_specialize,
             UPCAST_DOT=plan.upcast_dot,
             DOT_PRECISION=plan.dot_precision,
             INT64=plan.int64,
