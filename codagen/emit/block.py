@@ -21,9 +21,10 @@ def _arg_src(a, names: set[str], rename: dict[str, str]) -> str:
     return repr(a)
 
 
-def _call_lines(c: Call, names: set[str], rename: dict[str, str], summed: set[str] = frozenset()) -> list[str]:
+def _call_lines(c: Call, names: set[str], rename: dict[str, str],
+                summed_by_gemm: set[str] = frozenset()) -> list[str]:
     args = ", ".join(_arg_src(a, names, rename) for a in c.args)
-    if c.op == "matmul" and c.outs[0] in summed:  # a parameter's gradient over row chunks: the GEMM sums it
+    if c.outs[0] in summed_by_gemm:  # a parameter's gradient over row chunks: the GEMM sums it
         return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{c.outs[0]}_sum.add_matmul({args})"]
     fn = f"kernels.{c.op}.{c.op}" if c.kernel else _FINISH[c.op]
     return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{', '.join(c.outs)} = {fn}({args})"]
@@ -47,8 +48,11 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         rename = {n: f"{n}_rows" for n in sliced}
         for g in filter(None, cb.grads):
             (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
-    backward = [line for c in cb.backward for line in _call_lines(c, names, rename, set(summed_grads))]
-    summed_by_gemm = {c.outs[0] for c in cb.backward if c.op == "matmul" and c.outs[0] in summed_grads}
+    # a summed gradient that a plain GEMM makes and no step reads is accumulated by that GEMM (ChunkSum)
+    read = {a for c in cb.backward for a in c.args if isinstance(a, str)}
+    summed_by_gemm = {c.outs[0] for c in cb.backward
+                      if c.op == "matmul" and c.outs[0] in summed_grads and c.outs[0] not in read}
+    backward = [line for c in cb.backward for line in _call_lines(c, names, rename, summed_by_gemm)]
     # a chunk's values are dropped before the next chunk makes its own, so that two never coexist
     chunk_values = list(dict.fromkeys(o for c in cb.backward for o in c.outs if o not in summed_by_gemm))
     first_row_value = sliced[0] if sliced else None
