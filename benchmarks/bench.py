@@ -16,7 +16,8 @@ GPU, fp64 on the CPU) before timing; each row is timed with ``triton.testing.do_
 before each call; inputs rotated among a few sets when they would fit in L2) in two passes over all
 variants, and the report gives the mean of the two medians and their spread; peak memory above the inputs
 is read with ``torch.cuda.max_memory_allocated`` after a reset. Results: ``<gpu>.md``, ``<gpu>.json`` and a
-bar chart ``<gpu>.png`` in --out.
+bar chart ``<gpu>.png`` in --out. The report ends with each fused kernel against the cuBLAS GEMM of its shape
+(kernels.py; ``--no-kernels`` skips it, ``--patterns kernels`` runs it alone).
 """
 from __future__ import annotations
 
@@ -856,7 +857,7 @@ def slug(s: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-").replace("--", "-") or "device"
 
 
-def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> Path:
+def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = (), chart: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stem = slug(env["device"]) + ("-quick" if args.quick else "") + (f"-{slug(args.tag)}" if args.tag else "")
     variants = []
@@ -935,9 +936,14 @@ def write_report(rows: list, env: dict, args, out: Path, chart: bool = True) -> 
                          f"{_spread(r.ms_passes)} | {tf} | {_f(r.peak_mib, ',.0f')} | {_fmt_err(r.err_eager).strip()} | "
                          f"{_fmt_err(r.err_ref).strip()} | {r.worst} | {note} |")
         L += ["", "</details>", ""]
+    if kernel_rows:
+        import kernels
+
+        L += kernels.report_lines(list(kernel_rows))
     md = out / f"{stem}.md"
     md.write_text("\n".join(L) + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [_row_json(r) for r in rows]}, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [_row_json(r) for r in rows],
+                                                  "kernels": [r.as_dict() for r in kernel_rows]}, indent=1) + "\n")
     if chart:
         try:
             plot(rows, variants, groups, out / f"{stem}.png", env)
@@ -1045,7 +1051,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="smoke test: tokens 2048 (CPU: 128), short timing, first preset only")
-    ap.add_argument("--patterns", nargs="+", help="only patterns matching these (substring or glob), e.g. block lm_ce.fwd")
+    ap.add_argument("--patterns", nargs="+", help="only patterns matching these (substring or glob), e.g. block lm_ce.fwd; "
+                                                  "'kernels' selects the fused-kernel section")
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="skip the section of fused kernels vs the cuBLAS GEMM of the same shape")
     ap.add_argument("--variants", nargs="+",
                     help="only these variants (substring or glob; cuBLAS and eager, the check's reference, always "
                          "run), e.g. --variants codagen, or --variants codagen torch.compile liger")
@@ -1108,17 +1117,24 @@ def main(argv=None):
 
     env = environment(args)
     log(f"codagen bench: {env['gpu']}; torch {env['torch']}, triton {env['triton']}, liger-kernel {env['liger-kernel']}")
-    rows = []
+    rows, kernel_rows = [], []
     out = Path(args.out)
     for pname in args.preset:
         preset = PRESETS[pname]
         for tokens in args.tokens:
             variants = builtin_variants(args) + list(codagen_variants(preset, tokens, args.dtype_obj))
             run_case(preset, tokens, args, variants, rows,
-                     checkpoint=lambda: write_report(rows, env, args, out, chart=False))
+                     checkpoint=lambda: write_report(rows, env, args, out, kernel_rows, chart=False))
+            if args.kernels and _selected("kernels", args.patterns):
+                import kernels
+
+                log(f"\n== {pname} T={tokens}  fused kernels vs the cuBLAS GEMM of the same shape")
+                kernel_rows += kernels.run(preset, tokens, args.device_obj, args.dtype_obj,
+                                           lambda fn: bench_ms(fn, args.device_obj, args.warmup, args.rep), log)
+                write_report(rows, env, args, out, kernel_rows, chart=False)
             log(f"[{time.time() - t_start:.0f}s elapsed]")
-    md = write_report(rows, env, args, out)
-    failed = [r for r in rows if r.error]
+    md = write_report(rows, env, args, out, kernel_rows)
+    failed = [r for r in rows if r.error] + [r for r in kernel_rows if r.error]
     log(f"\nwrote {md} (+ .json, .png) in {time.time() - t_start:.0f}s; {len(rows)} rows, {len(failed)} failed")
     # last: the short table (the device tool returns the tail of the output)
     log(summary(rows))

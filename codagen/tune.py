@@ -402,7 +402,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     if outcome.timed:
         outcome.best, outcome.ms = min(outcome.timed, key=lambda t: t[1])  # ties: the earlier candidate
         if kernel.gemm and outcome.complete:
-            outcome.cublas_ms = _time_cublas(kernel, inputs, timer)
+            outcome.cublas_ms = time_cublas(kernel, inputs, timer)
     del inputs, check
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -431,7 +431,7 @@ def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, c
     return None, timer(fn)
 
 
-def _time_cublas(kernel: Kernel, inputs: dict, timer) -> float | None:
+def time_cublas(kernel: Kernel, inputs: dict, timer) -> float | None:
     """The plain GEMM of the same shape through torch.matmul (cuBLAS on a GPU): the speed of light."""
     a, b = inputs[kernel.gemm.a], inputs[kernel.gemm.b]
     b = b.T if kernel.gemm.b_layout is BLayout.NK else b

@@ -1,0 +1,110 @@
+"""Each generated kernel at its places in a preset's Llama block (codagen.tune.LLAMA_USES), against the cuBLAS
+GEMM of the same shape and operands: the "fused kernels" section of bench.py's report.
+
+A kernel runs with the configuration its launcher would pick (the committed tuning table of this GPU, else
+the default; no tuning at run time, so that the row says what the table gives). Before it is timed, its
+outputs on the first rows are compared with the float64 reference on NaN-prefilled outputs, as
+`codagen tune` does; a wrong or failing kernel is reported, not timed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from codagen import api, runtime, tune
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class KernelRow:
+    preset: str
+    tokens: int
+    kernel: str
+    where: str
+    shape: str
+    config: str = ""
+    ms: float | None = None
+    cublas_ms: float | None = None  # None: the kernel has no GEMM
+    error: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def widths(preset) -> tune.Widths:
+    """bench.Preset -> the widths of codagen.tune's presets."""
+    return tune.Widths(dim=preset.d, ffn=preset.ffn, qkv=(preset.n_q + 2 * preset.n_kv) * preset.head_dim,
+                       vocab=preset.vocab)
+
+
+def run(preset, tokens: int, device: torch.device, dtype: torch.dtype,
+        timer: Callable[[Callable[[], None]], float], log=print) -> list[KernelRow]:
+    checked = {c.kernel.name: c for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
+    w = widths(preset)
+    rows = []
+    for name, uses in tune.LLAMA_USES.items():
+        c = checked[name]
+        module = tune.load_module(ROOT / "generated", name)
+        shapes: dict[tune.Shape, str] = {}
+        for use in uses:
+            m = min(tokens, tune.CE_CHUNK_ROWS) if use.rows == "chunk" else tokens
+            shape = tune.Shape(m, tune.width(use.n, w), tune.width(use.k, w) if c.kernel.gemm else 0)
+            shapes.setdefault(shape, use.where)
+        for shape, where in shapes.items():
+            row = KernelRow(preset.name, tokens, name, where, str(shape))
+            rows.append(row)
+            try:
+                _measure(row, c, module, shape, device, dtype, timer)
+            except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the report
+                first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+                row.error = f"{type(e).__name__}: {first[:200]}"
+            log(f"   {name:<24} {str(shape):<22} {row.config:<44} "
+                + (row.error or f"{row.ms:.4f} ms" + (f"  cuBLAS {row.cublas_ms:.4f} ms  x{row.ms / row.cublas_ms:.2f}"
+                                                      if row.cublas_ms else "")))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _measure(row: KernelRow, c: api.Checked, module, shape: tune.Shape, device, dtype, timer) -> None:
+    kernel = c.kernel
+    config = runtime.pick_config(module.NAME, module.SHA256, module.TUNING, shape.m, shape.n, shape.k, device)
+    row.config = config.label()
+    inputs = tune.make_inputs(kernel, module, shape, device, dtype)
+    why = tune.Checker(c, module, inputs, min(tune.CHECK_ROWS, shape.m), device, dtype)(config, shape)
+    if why is not None:
+        row.error = f"wrong: {why}"
+        return
+    inplace = tune.inplace_names(kernel)
+    outs = tune.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
+    launch_args = {n: v for n, v in inputs.items() if n not in inplace}
+    row.ms = timer(lambda: module.launch(**launch_args, **outs, config=config))
+    if kernel.gemm:
+        row.cublas_ms = tune.time_cublas(kernel, inputs, timer)
+
+
+def report_lines(rows: list[KernelRow]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Fused kernels vs the cuBLAS GEMM of the same shape", "",
+             "Each kernel where the Llama block runs it (codagen.tune.LLAMA_USES), with the configuration its "
+             "launcher picks (this GPU's tuning table, else the default), checked against float64 on the first "
+             "rows before timing; cuBLAS = torch.matmul of the same operands; ratio = time / cuBLAS time "
+             "(1.00: the epilogue is free; for `matmul`, which has none, the mainloop against cuBLAS).", ""]
+    groups = list(dict.fromkeys((r.preset, r.tokens) for r in rows))
+    for preset, tokens in groups:
+        lines += [f"### {preset}, {tokens} tokens", "",
+                  "| kernel | where | shape | configuration | ms | cuBLAS ms | ratio |", "|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if (r.preset, r.tokens) == (preset, tokens)):
+            if r.ms is None:
+                lines.append(f"| {r.kernel} | {r.where} | {r.shape} | {r.config} | failed: {r.error} | - | - |")
+                continue
+            cublas = f"{r.cublas_ms:.4f}" if r.cublas_ms else "-"
+            ratio = f"{r.ms / r.cublas_ms:.2f}" if r.cublas_ms else "-"
+            lines.append(f"| {r.kernel} | {r.where} | {r.shape} | {r.config} | {r.ms:.4f} | {cublas} | {ratio} |")
+        lines.append("")
+    return lines
