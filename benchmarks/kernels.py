@@ -46,16 +46,11 @@ def run(preset, tokens: int, device: torch.device, dtype: torch.dtype,
     checked = {c.kernel.name: c for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
     w = widths(preset)
     rows = []
-    for name, uses in tune.LLAMA_USES.items():
+    for name in tune.LLAMA_USES:
         c = checked[name]
         module = tune.load_module(ROOT / "generated", name)
-        shapes: dict[tune.Shape, str] = {}
-        for use in uses:
-            m = min(tokens, tune.CE_CHUNK_ROWS) if use.rows == "chunk" else tokens
-            shape = tune.Shape(m, tune.width(use.n, w), tune.width(use.k, w) if c.kernel.gemm else 0)
-            shapes.setdefault(shape, use.where)
-        for shape, where in shapes.items():
-            row = KernelRow(preset.name, tokens, name, where, str(shape))
+        for shape, use in tune.use_shapes(c.kernel, w, (tokens,)).items():
+            row = KernelRow(preset.name, tokens, name, use.where, str(shape))
             rows.append(row)
             try:
                 _measure(row, c, module, shape, device, dtype, timer)

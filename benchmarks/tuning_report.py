@@ -23,18 +23,11 @@ def rows(gpu: str, tuning_dir: Path) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {}
     for preset, widths in tune.PRESETS.items():
         found = out.setdefault(preset, [])
-        for name, uses in tune.LLAMA_USES.items():
-            kernel = kernels[name]
+        for name in tune.LLAMA_USES:
             path = table_path(tuning_dir, gpu, name)
             table = json.loads(path.read_text())["shapes"] if path.is_file() else {}
-            seen = set()
-            for use in uses:
-                for t in tune.TOKENS:
-                    m = min(t, tune.CE_CHUNK_ROWS) if use.rows == "chunk" else t
-                    shape = tune.Shape(m, tune.width(use.n, widths), tune.width(use.k, widths) if kernel.gemm else 0)
-                    if shape.bucket not in seen:
-                        seen.add(shape.bucket)
-                        found.append((name, use.where, shape, table.get(shape.bucket)))
+            for shape, use in tune.use_shapes(kernels[name], widths).items():
+                found.append((name, use.where, shape, table.get(shape.bucket)))
     return out
 
 

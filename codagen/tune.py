@@ -118,18 +118,23 @@ class Shape:
         return f"{self.m}x{self.n}x{self.k}" if self.k else f"{self.m}x{self.n}"
 
 
-def preset_shapes(preset: str, kernel: Kernel, tokens=TOKENS) -> list[Shape]:
-    widths = PRESETS[preset]
+def use_shapes(kernel: Kernel, widths: Widths, tokens=TOKENS) -> dict[Shape, Use]:
+    """Each shape at which the Llama block runs `kernel` (LLAMA_USES at these widths and token counts), with
+    the first use that gives it."""
     uses = LLAMA_USES.get(kernel.name)
     if uses is None:
         raise TuneError(f"kernel '{kernel.name}' ({kernel.source}) has no entry in codagen/tune.py LLAMA_USES, "
-                        f"so preset {preset} does not know its shapes; add one, or pass --shapes MxNxK")
-    shapes = []
+                        "so the presets do not know its shapes; add one, or pass --shapes MxNxK")
+    shapes: dict[Shape, Use] = {}
     for use in uses:
         for t in tokens:
             m = min(t, CE_CHUNK_ROWS) if use.rows == "chunk" else t
-            shapes.append(Shape(m, width(use.n, widths), width(use.k, widths) if kernel.gemm else 0))
+            shapes.setdefault(Shape(m, width(use.n, widths), width(use.k, widths) if kernel.gemm else 0), use)
     return shapes
+
+
+def preset_shapes(preset: str, kernel: Kernel, tokens=TOKENS) -> list[Shape]:
+    return list(use_shapes(kernel, PRESETS[preset], tokens))
 
 
 _LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
