@@ -41,7 +41,7 @@ CHECK_ROWS = 1061  # ragged for every tile height
 
 def sizes(m, n, k, config):
     return {"M": m, "N": n, "K": k, "N/2": n // 2, "2*N": 2 * n,
-            "tiles(N)": triton.cdiv(n, config.block_n), "tiles(M)": triton.cdiv(m, config.block_m)}
+            "tiles(N)": triton.cdiv(n, config.epilogue_n), "tiles(M)": triton.cdiv(m, config.block_m)}
 
 
 def make_inputs(module, m, n, k):
@@ -117,7 +117,7 @@ def main():
             try:
                 outs = make_outputs(kernel, CHECK_ROWS, n, k, config)
                 module.launch(*rows.values(), **outs, config=config)
-                truth = reference.run(kernel, rows, config.block_m, config.block_n)
+                truth = reference.run(kernel, rows, config.block_m, config.epilogue_n)
                 err = max(((outs[o].double() - truth[o]).norm() / truth[o].norm()).item() for o in outs)
                 full = make_outputs(kernel, m, n, k, config, 0.0)
                 ms = graph_ms(lambda: module.launch(*args.values(), **full, config=config))

@@ -165,6 +165,14 @@ class Kernel:
         return next((o for o in self.outputs if o.name == name), None)
 
     @property
+    def t_input(self) -> str | None:
+        """The input whose dtype is the kernel's type T at a launch: the GEMM's `a`, else the first T matrix."""
+        if self.gemm:
+            return self.gemm.a
+        return next((i.name for i in self.inputs
+                     if i.dtype is DType.T and i.type is not None and i.type.kind is Kind.TILE), None)
+
+    @property
     def tile_dependent(self) -> bool:
         """Whether an output's shape depends on the tile shape (partial reductions)."""
         return any(d in (Dim.TILES_M, Dim.TILES_N) for o in self.outputs for d in o.dims)

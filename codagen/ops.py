@@ -23,6 +23,7 @@ GATED_BWD = ("swiglu_bwd", "geglu_bwd")  # (dy, saved pairs) -> interleaved (d g
 ROTARY = ("rope", "rope_bwd")  # rotate each pair by position * frequency (backward: the inverse)
 REDUCE_OPS = ("sum", "sumsq", "max", "logsumexp")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+CAST_DTYPES = ("T", *FLOAT_DTYPES)  # T: the kernel's type, whichever it is at the launch
 
 _X = Arg("x", "value")
 _OUT = Arg("out", "out")
@@ -31,7 +32,7 @@ SIGNATURES: dict[str, tuple[Arg, ...]] = {
     **{op: (_X, _OUT) for op in UNARY},
     **{op: (Arg("x", "value", number=True), Arg("y", "value", number=True), _OUT) for op in BINARY},
     "scale": (_X, Arg("by", "value", number=True), _OUT),
-    "cast": (_X, Arg("dtype", "enum", choices=FLOAT_DTYPES), _OUT),
+    "cast": (_X, Arg("dtype", "enum", choices=CAST_DTYPES), _OUT),
     **{op: (_X, _OUT) for op in GATED},
     **{op: (Arg("dy", "value"), Arg("x", "value"), _OUT) for op in GATED_BWD},
     **{op: (_X, Arg("positions", "value"), Arg("freqs", "value"), _OUT) for op in ROTARY},

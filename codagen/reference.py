@@ -73,7 +73,8 @@ def _partial(op: str, x: torch.Tensor, axis: str, block: int) -> torch.Tensor:
 
 def run(kernel: Kernel, args: dict, block_m: int, block_n: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
     """Outputs of the kernel on `args` (inputs, and the current values of inplace outputs), in `dtype`,
-    before the cast to each output's dtype. `block_m`/`block_n` set the tiles of partial reductions."""
+    before the cast to each output's dtype. `block_m`/`block_n` set the tiles of partial reductions (block_n:
+    the columns that the epilogue runs on at a time, Config.epilogue_n)."""
     types = check_kernel(kernel)
     env: dict[str, torch.Tensor | float] = {}
     for i in kernel.inputs:
@@ -108,7 +109,8 @@ def _step(kernel, step: Step, env, types: dict[str, ValueType], outs, args, bloc
         x = val(a["x"])
         result = UNARY[op](x) if isinstance(x, torch.Tensor) else UNARY[op](torch.tensor(x, dtype=dtype))
     elif op == "cast":
-        result = val(a["x"]).to(_DTYPES[a["dtype"]]).to(dtype)
+        rounded = args[kernel.t_input].dtype if a["dtype"] == "T" else _DTYPES[a["dtype"]]
+        result = val(a["x"]).to(rounded).to(dtype)
     elif op in BINARY or op == "scale":
         out_t = types[step.out]
         # a row vector meets a column vector as [:, None] and [None, :]: their outer product

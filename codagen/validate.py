@@ -161,6 +161,9 @@ def _check_step(k, step, sink, types, defined_at, used, written):
     result: ValueType | None = None
     if op in ops.UNARY or op == "cast":
         result = typed("x")
+        if op == "cast" and a["dtype"] == "T" and k.t_input is None:
+            sink.add(loc_of("dtype"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none; "
+                                      "name a dtype (float32, float16, bfloat16)")
     elif op in ops.BINARY:
         x, y = typed("x"), typed("y")
         if x and y:

@@ -94,7 +94,7 @@ def scalar_names(module) -> list[str]:
 def dim_size(dim: str, sizes: dict, config: Config) -> int:
     m, n = sizes["M"], sizes["N"]
     return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
-            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.block_n)}[dim]
+            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}[dim]
 
 
 def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]], torch.Tensor]):

@@ -209,6 +209,10 @@ CASES = [
       "add.y: 'y' is a gemm operand and cannot be read in the epilogue", count=2),  # and: input 'x' unused
     c("acc_without_gemm", spec(gemm=None, inputs="{x: [M, N], wn: [N]}"), (7, "acc"),
       "add.x: 'acc' exists only in kernels with a gemm"),
+    c("cast_to_t_without_t", spec(gemm=None, inputs="{x: {shape: [M, N], dtype: float32}}",
+                                  outputs="{o: {shape: [M, N], dtype: float32}}",
+                                  steps=["cast: {x: x, dtype: T, out: xt}", "store: {x: xt, to: o}"]),
+      (7, "T"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none"),
     # -- values: defined once, before use, and used -------------------------------------------------------
     c("undefined_value", spec(steps=[STEPS[0], "store: {x: x_nwe, to: x_out}"] + STEPS[2:]), (8, "x_nwe"),
       "store.x: 'x_nwe' is not defined", "did you mean 'x_new'?"),

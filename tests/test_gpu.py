@@ -155,7 +155,7 @@ def generator(key: str) -> torch.Generator:
 def dim_size(dim: str, sizes: dict, config) -> int:
     m, n = sizes["M"], sizes["N"]
     return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
-            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.block_n)}[dim]
+            "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}[dim]
 
 
 def true_lse(kernel, values: dict) -> torch.Tensor:
@@ -270,13 +270,13 @@ def test_kernel_at_llama_shapes(name, use, dtype):
     for out_name, out in outputs.items():
         assert not torch.isnan(out).any(), f"{name}: NaN in {int(torch.isnan(out).sum())} of {out.numel()} " \
                                            f"elements of '{out_name}'"
-    truth = reference.run(kernel, args, config.block_m, config.block_n)
+    truth = reference.run(kernel, args, config.block_m, config.epilogue_n)
     assert set(truth) == set(outputs)
     for out_name, out in outputs.items():
         assert out.shape == truth[out_name].shape, out_name
         errors[out_name] = [rel(out, truth[out_name])]
     for every_step in (True, False):
-        baseline = rounded(unfused_run(kernel, args, config.block_m, config.block_n, t, every_step), module, t)
+        baseline = rounded(unfused_run(kernel, args, config.block_m, config.epilogue_n, t, every_step), module, t)
         for out_name in outputs:
             errors[out_name].append(rel(baseline[out_name], truth[out_name]))
         del baseline

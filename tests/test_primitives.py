@@ -50,6 +50,8 @@ SHAPES = {
     "ragged-tiles-strided": (45, 69, 40, Config(16, 32, 16, 2, 4, 1), True),
     # exact tile multiples (EVEN_K, no ragged edge), 2 x 4 tiles, no grouping; contiguous
     "exact-tiles": (32, 64, 32, Config(16, 16, 16, 1, 4, 1), False),
+    # the epilogue on two 16-column slices of each tile; the last tile's second slice is all past the edge
+    "ragged-tiles-split": (45, 69, 40, Config(16, 32, 16, 2, 4, 1, epilogue_split=2), False),
 }
 
 # Inputs whose values must stay in a range: rope angles are position * frequency as in a real model
@@ -71,14 +73,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def cast_tolerances(kernel) -> dict[str, float]:
-    """Output name -> the tolerance of the narrowest dtype that a `cast` step upstream of it rounds to."""
+def cast_tolerances(kernel, t_dtype: torch.dtype) -> dict[str, float]:
+    """Output name -> the tolerance of the narrowest dtype that a `cast` step upstream of it rounds to
+    (`T` being t_dtype, the launch's)."""
     through: dict[str, float] = {}  # value name -> tolerance of the casts it depends on
     written: dict[str, float] = {}
     for step in kernel.steps:
         tol = max([through.get(v, 0.0) for v in step.args.values() if isinstance(v, str)], default=0.0)
         if step.op == "cast":
-            tol = max(tol, TOL[DTYPE_NAMES[step.args["dtype"]]])
+            tol = max(tol, TOL[DTYPE_NAMES.get(step.args["dtype"], t_dtype)])
         if step.out is not None:
             through[step.out] = tol
         if step.target is not None:
@@ -86,9 +89,9 @@ def cast_tolerances(kernel) -> dict[str, float]:
     return written
 
 
-def tolerance(kernel, name: str, out: torch.Tensor) -> float:
+def tolerance(kernel, name: str, out: torch.Tensor, t_dtype: torch.dtype) -> float:
     """By the output's dtype, widened to that of a cast the output depends on."""
-    return max(TOL[out.dtype], cast_tolerances(kernel).get(name, 0.0))
+    return max(TOL[out.dtype], cast_tolerances(kernel, t_dtype).get(name, 0.0))
 
 
 def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dtype=torch.int64):
@@ -96,7 +99,7 @@ def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dty
     args = draw_args(module, sizes, dtype, config, strided=strided, generator=g, index_dtype=index_dtype,
                      special=SPECIAL)
     module.launch(**args.kwargs, config=config)
-    expected = reference.run(kernel, args.inputs, config.block_m, config.block_n)
+    expected = reference.run(kernel, args.inputs, config.block_m, config.epilogue_n)
     assert set(expected) == set(args.outputs)
     errors = {}
     for name, out in args.outputs.items():
@@ -106,7 +109,7 @@ def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dty
         base, before, mask = args.bases[name]
         torch.testing.assert_close(base[~mask], before[~mask], rtol=0, atol=0, equal_nan=True,
                                    msg=f"{name}: elements outside the output view were written")
-    bad = {n: e for n, e in errors.items() if not e <= tolerance(kernel, n, args.outputs[n])}
+    bad = {n: e for n, e in errors.items() if not e <= tolerance(kernel, n, args.outputs[n], dtype)}
     assert not bad, f"relative errors over tolerance: {bad} (all: {errors})"
     return errors
 
@@ -132,6 +135,8 @@ def test_kernel_matches_reference(test_kernels, name, dtype, shape):
 PIPELINES = {
     "persistent-tma-flatten": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, flatten=True),
     "persistent-tma-ws": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True),
+    "persistent-tma-ws-split": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True,
+                                      epilogue_split=2),
 }
 
 
@@ -154,6 +159,7 @@ def test_pipelines_match_reference(test_kernels, monkeypatch, name, pipeline):
     if kernel.gemm:
         assert passed["TMA"] is True and passed["FLATTEN"] is config.flatten
         assert passed["WARP_SPECIALIZE"] is config.warp_specialize
+    assert passed["EPILOGUE_SPLIT"] == config.epilogue_split
 
 
 # -- the launcher's argument checks ---------------------------------------------------------------------------

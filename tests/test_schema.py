@@ -99,7 +99,8 @@ def test_dimensions_and_dtypes():
     assert DEFS["dtype"]["enum"] == [d.value for d in DType]
     output_decl = DEFS["output"]["oneOf"][1]["properties"]
     assert output_decl["dtype"]["enum"] == [d.value for d in DType if d is not DType.INDEX]
-    assert ops.SIGNATURES["cast"][1].choices == ops.FLOAT_DTYPES
+    assert ops.SIGNATURES["cast"][1].choices == ("T", *ops.FLOAT_DTYPES)
+    assert DEFS["step"]["properties"]["cast"]["properties"]["dtype"]["enum"] == list(ops.SIGNATURES["cast"][1].choices)
     assert DEFS["input"]["oneOf"][0]["const"] == "scalar"
 
 

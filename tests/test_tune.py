@@ -302,25 +302,36 @@ def test_untuned_shape_is_tuned_once_per_process(tmp_path, as_gpu):
     assert configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
 
 
-def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu):
+def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, monkeypatch):
     """out_proj_residual_norm writes ss[M, tiles(N)], allocated by its op for the default tile shape
-    before the launch: run-time candidates differ in everything but block_m x block_n."""
+    before the launch: run-time candidates differ in everything but block_m x block_n and the epilogue
+    split."""
+    split = dataclasses.replace(GPU_DEFAULT, epilogue_split=2)  # would halve the columns of a partial
+    monkeypatch.setattr(configs, "RUNTIME_GEMM_CANDIDATES", (*configs.RUNTIME_GEMM_CANDIDATES, split))
     mod = module("out_proj_residual_norm")
     args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
                      generator=torch.Generator().manual_seed(1))
     for c in configs.RUNTIME_GEMM_CANDIDATES:
         as_gpu.times[c] = 1.0 if c.block_n != GPU_DEFAULT.block_n else 5.0  # a wider tile would "win"
     chosen = launch_with_hook(mod, args, tmp_path)
-    assert as_gpu.trials and all((c.block_m, c.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+    assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
                                  for c in as_gpu.trials)
-    assert (chosen.block_m, chosen.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+    assert (chosen.block_m, chosen.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
     assert len(set(as_gpu.trials)) == len(as_gpu.trials)
     # without decls, pick_config cannot tell, so it keeps the default tile shape too
     configs.clear_caches()
     as_gpu.trials.clear()
     configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
-    assert as_gpu.trials and all((c.block_m, c.block_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
+    assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
                                  for c in as_gpu.trials)
+
+
+def test_epilogue_split_halves_what_tiles_n_counts_in():
+    assert Config(64, 128, epilogue_split=2).epilogue_n == 64 and Config(64, 128).epilogue_n == 128
+    assert "epilogue/2" in Config(64, 128, epilogue_split=2).label()
+    for bad in ({"epilogue_split": 3}, {"epilogue_split": 2, "block_n": 2}):
+        with pytest.raises(ValueError, match="epilogue_split must be 1 or 2"):
+            Config(**bad)
 
 
 def test_no_tuning_without_run_under_compile_or_capture(tmp_path, as_gpu, monkeypatch):

@@ -102,7 +102,9 @@ class EpilogueEmitter:
 
     def cast(self, s: Step) -> None:
         # round to the narrower type and back: models where an unfused program would store that type
-        self._assign(s, f"{self.ref(s.args['x'])}.to({TL_DTYPES[s.args['dtype']]}).to(tl.float32)")
+        dtype = s.args["dtype"]
+        to = f"{self.k.t_input}_ptr.dtype.element_ty" if dtype == "T" else TL_DTYPES[dtype]
+        self._assign(s, f"{self.ref(s.args['x'])}.to({to}).to(tl.float32)")
 
     def binary(self, s: Step) -> None:
         out = self.types[s.out]
@@ -127,13 +129,17 @@ class EpilogueEmitter:
         t = self.types[s.args["x"]]
         self._need_width(t.width, tile=True)
         x, to, code = self.ref(s.args["x"]), s.target, REDUCE_CODE[s.args["op"]]
-        if s.args["axis"] == "cols":  # one partial per row and N-tile
+        # one partial per row and N-tile, where the tile has a column: the second slice of a tile split for
+        # its epilogue can lie wholly past N, and tiles(N) has no slot for it
+        guard = "pid_n * BLOCK_N < N"
+        if s.args["axis"] == "cols":
             ptr, axis, mask = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t", 1, "row_mask"
         else:  # one partial per column and M-tile
             w = t.width
-            ptr, axis, mask = f"{to}_ptr + {COLS[w]} * stride_{to}_n + pid_m * stride_{to}_t", 0, col_mask(w)
-        self.lines.append(f"tl.store({ptr}, tile.partial_reduce({x}, {tile_mask(t.width)}, OP={code}, "
-                          f"AXIS={axis}), mask={mask})")
+            ptr, axis, mask, guard = (f"{to}_ptr + {COLS[w]} * stride_{to}_n + pid_m * stride_{to}_t", 0,
+                                      col_mask(w), None)
+        self._guarded(guard, f"tl.store({ptr}, tile.partial_reduce({x}, {tile_mask(t.width)}, OP={code}, "
+                             f"AXIS={axis}), mask={mask})")
 
     def select(self, s: Step) -> None:
         w = self.types[s.args["x"]].width

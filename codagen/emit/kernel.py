@@ -37,7 +37,7 @@ class Tensor:
 
 def _size_expr(d: Dim) -> str:
     return {Dim.M: "M", Dim.K: "K", Dim.N: "N", Dim.N_HALF: "N // 2", Dim.N_DOUBLE: "2 * N",
-            Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.block_n)"}[d]
+            Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.epilogue_n)"}[d]
 
 
 def _tensor(decl: Input | Output, output: bool) -> Tensor:
@@ -70,10 +70,17 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
     else:
         returns = "None"
     names = [t.name for t in tensors]
+    epilogue_tensors = [t for t in tensors if not k.gemm or t.name not in (k.gemm.a, k.gemm.b)]
+    epilogue_pointers = [f"{t.name}_ptr" for t in epilogue_tensors]
+    if k.gemm and any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps):
+        epilogue_pointers.insert(0, f"{k.gemm.a}_ptr")  # only its element type: what `cast` to T rounds to
     return render(
         "kernel.py.j2",
         pointer_params=wrap([f"{n}_ptr" for n in names], 4),
         pointer_args=wrap(names, 12),
+        epilogue_tensors=epilogue_tensors,
+        epilogue_pointer_params=wrap(epilogue_pointers, 4),
+        epilogue_pointer_args=wrap(epilogue_pointers, 16),
         launch_params=", ".join(op_args + (["*"] + [t.name for t in tensors if t.output and not t.inplace]
                                            if returned else []) + ["config=None"]),
         tensor_names=names,

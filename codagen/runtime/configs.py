@@ -39,12 +39,26 @@ class Config:
     # tile's loads by construction; Triton supports it on Hopper for descriptor loads, without flatten, so a
     # launch whose operands cannot go through TMA runs without it
     warp_specialize: bool = False
+    # run the epilogue on each of this many column slices of the tile in turn (1 or 2): an epilogue that
+    # loads inputs wider than the tile (2*N columns) then holds half as many registers at a time. Partial
+    # reductions over columns are per slice, so tiles(N) counts slices (see epilogue_n).
+    epilogue_split: int = 1
+
+    def __post_init__(self):
+        if self.epilogue_split not in (1, 2) or self.block_n % (2 * self.epilogue_split):
+            raise ValueError(f"epilogue_split must be 1 or 2, and block_n a multiple of twice it (whole pairs "
+                             f"in each slice), got {self.epilogue_split} with block_n {self.block_n}")
+
+    @property
+    def epilogue_n(self) -> int:
+        """Columns of what the epilogue runs on at a time: the width that tiles(N) counts in."""
+        return self.block_n // self.epilogue_split
 
     def meta(self) -> dict:
         """Keyword arguments of a kernel launch."""
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "GROUP_M": self.group_m, "FLATTEN": self.flatten, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
+                "GROUP_M": self.group_m, "FLATTEN": self.flatten, "EPILOGUE_SPLIT": self.epilogue_split,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +67,8 @@ class Config:
         """Short form for logs, e.g. '128x256x64 g8 w8 s3 persistent tma'."""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
-                + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else ""))
+                + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
+                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else ""))
 
 
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.
@@ -62,8 +77,8 @@ GPU_DEFAULT = Config(128, 128, 64, 8, 8, 3, persistent=True, tma=True)
 
 # What an untuned shape tries at run time: few, since each costs a compile on the first call. GPU_DEFAULT
 # comes first, so that ties keep it. A kernel whose outputs depend on the tile shape keeps GPU_DEFAULT's
-# block_m x block_n (its op allocated the partial-reduction buffers for it before the launch), which leaves
-# block_k, warps, stages and the grid to choose.
+# block_m x block_n and epilogue split (its op allocated the partial-reduction buffers for them before the
+# launch), which leaves block_k, warps, stages and the grid to choose.
 RUNTIME_GEMM_CANDIDATES = (
     GPU_DEFAULT,
     Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),  # DESIGN.md §7's fastest mainloop
@@ -154,7 +169,8 @@ def measure(run: Callable[[Config], None], config: Config) -> float:
 def runtime_candidates(has_gemm: bool, tile_dependent: bool) -> list[Config]:
     pool = RUNTIME_GEMM_CANDIDATES if has_gemm else RUNTIME_ELEMENTWISE_CANDIDATES
     if tile_dependent:
-        pool = [dataclasses.replace(c, block_m=GPU_DEFAULT.block_m, block_n=GPU_DEFAULT.block_n) for c in pool]
+        pool = [dataclasses.replace(c, block_m=GPU_DEFAULT.block_m, block_n=GPU_DEFAULT.block_n,
+                                    epilogue_split=GPU_DEFAULT.epilogue_split) for c in pool]
     return list(dict.fromkeys(pool))  # in order, without duplicates
 
 

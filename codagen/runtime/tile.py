@@ -39,6 +39,18 @@ def join_pairs(even, odd):
 
 
 @triton.jit
+def column_slice(x, PART: tl.constexpr, PARTS: tl.constexpr):
+    """Columns [PART * w, (PART + 1) * w) of x, w = width / PARTS; PARTS is 1 or 2 (tl.split halves)."""
+    if PARTS == 2:
+        left, right = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+        if PART == 0:
+            x = left
+        else:
+            x = right
+    return x
+
+
+@triton.jit
 def swiglu(x):
     gate, up = split_pairs(x)
     return silu(gate) * up

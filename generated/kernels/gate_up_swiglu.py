@@ -27,6 +27,40 @@ DECLS = (
 
 
 @triton.jit
+def gate_up_swiglu_epilogue(
+    acc, pid_m, pid_n, rows,
+    rstd_ptr, z_ptr, y_ptr,
+    M, N,
+    stride_rstd_m,
+    stride_z_m, stride_z_n,
+    stride_y_m, stride_y_n,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/gate_up_swiglu.yaml:16  scale
+    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    zv = acc * rstd[:, None]
+
+    # specs/gate_up_swiglu.yaml:17  store
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty), mask=tile_mask)
+
+    # specs/gate_up_swiglu.yaml:18  swiglu
+    yv = tile.swiglu(zv)
+
+    # specs/gate_up_swiglu.yaml:19  store
+    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    col_mask_half = cols_half < N // 2
+    tile_mask_half = row_mask[:, None] & col_mask_half[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask_half)
+
+
+@triton.jit
 def gate_up_swiglu_kernel(
     # pointers
     h_ptr, w_gate_up_ptr, rstd_ptr, z_ptr, y_ptr,
@@ -45,7 +79,7 @@ def gate_up_swiglu_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -93,26 +127,17 @@ def gate_up_swiglu_kernel(
             a_ptrs += BLOCK_K * stride_h_k
             b_ptrs += BLOCK_K * stride_w_gate_up_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/gate_up_swiglu.yaml:16  scale
-        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-        zv = acc * rstd[:, None]
-
-        # specs/gate_up_swiglu.yaml:17  store
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty), mask=tile_mask)
-
-        # specs/gate_up_swiglu.yaml:18  swiglu
-        yv = tile.swiglu(zv)
-
-        # specs/gate_up_swiglu.yaml:19  store
-        cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        col_mask_half = cols_half < N // 2
-        tile_mask_half = row_mask[:, None] & col_mask_half[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask_half)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            gate_up_swiglu_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                rstd_ptr, z_ptr, y_ptr,
+                M, N,
+                stride_rstd_m,
+                stride_z_m, stride_z_n,
+                stride_y_m, stride_y_n,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature

@@ -28,6 +28,37 @@ DECLS = (
 
 
 @triton.jit
+def lm_head_logsumexp_epilogue(
+    acc, pid_m, pid_n, rows,
+    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+    M, N,
+    stride_rstd_m,
+    stride_target_m,
+    stride_lse_part_m, stride_lse_part_t,
+    stride_target_logit_m,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/lm_head_logsumexp.yaml:16  scale
+    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    logits = acc * rstd[:, None]
+
+    # specs/lm_head_logsumexp.yaml:17  reduce
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    if pid_n * BLOCK_N < N:
+        tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t, tile.partial_reduce(logits, tile_mask, OP=3, AXIS=1), mask=row_mask)
+
+    # specs/lm_head_logsumexp.yaml:18  select
+    target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
+    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask, pid_n == 0)
+
+
+@triton.jit
 def lm_head_logsumexp_kernel(
     # pointers
     h_ptr, w_vocab_ptr, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
@@ -47,7 +78,7 @@ def lm_head_logsumexp_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -95,21 +126,18 @@ def lm_head_logsumexp_kernel(
             a_ptrs += BLOCK_K * stride_h_k
             b_ptrs += BLOCK_K * stride_w_vocab_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/lm_head_logsumexp.yaml:16  scale
-        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-        logits = acc * rstd[:, None]
-
-        # specs/lm_head_logsumexp.yaml:17  reduce
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t, tile.partial_reduce(logits, tile_mask, OP=3, AXIS=1), mask=row_mask)
-
-        # specs/lm_head_logsumexp.yaml:18  select
-        target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
-        tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask, pid_n == 0)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            lm_head_logsumexp_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+                M, N,
+                stride_rstd_m,
+                stride_target_m,
+                stride_lse_part_m, stride_lse_part_t,
+                stride_target_logit_m,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
@@ -155,7 +183,7 @@ def _plan(tensors, config) -> runtime.Plan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
@@ -166,7 +194,7 @@ def _allocate(h, w_vocab, rstd, target):
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
     return (
-        torch.empty((M, triton.cdiv(N, config.block_n)), dtype=torch.float32, device=device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((M,), dtype=torch.float32, device=device),
     )
 

@@ -25,6 +25,25 @@ DECLS = (
 
 
 @triton.jit
+def matmul_epilogue(
+    acc, pid_m, pid_n, rows,
+    out_tile_ptr,
+    M, N,
+    stride_out_tile_m, stride_out_tile_n,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/matmul.yaml:12  store
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_tile_ptr + rows[:, None] * stride_out_tile_m + cols[None, :] * stride_out_tile_n, acc.to(out_tile_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
 def matmul_kernel(
     # pointers
     a_ptr, b_ptr, out_tile_ptr,
@@ -41,7 +60,7 @@ def matmul_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -89,13 +108,15 @@ def matmul_kernel(
             a_ptrs += BLOCK_K * stride_a_k
             b_ptrs += BLOCK_K * stride_b_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/matmul.yaml:12  store
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        tl.store(out_tile_ptr + rows[:, None] * stride_out_tile_m + cols[None, :] * stride_out_tile_n, acc.to(out_tile_ptr.dtype.element_ty), mask=tile_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            matmul_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                out_tile_ptr,
+                M, N,
+                stride_out_tile_m, stride_out_tile_n,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature

@@ -32,6 +32,67 @@ DECLS = (
 
 
 @triton.jit
+def norm_dgrad_residual_epilogue(
+    acc, pid_m, pid_n, rows,
+    x_ptr, rstd_ptr, wn_ptr, zdz_ptr, grad_x_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+    M, N,
+    stride_x_m, stride_x_n,
+    stride_rstd_m,
+    stride_wn_n,
+    stride_zdz_m,
+    stride_grad_x_m, stride_grad_x_n,
+    stride_dx_m, stride_dx_n,
+    stride_dwn_part_n, stride_dwn_part_t,
+    stride_normed_m, stride_normed_n,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/backward/norm_dgrad_residual.yaml:22  scale
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    xn = x * rstd[:, None]
+
+    # specs/backward/norm_dgrad_residual.yaml:23  scale
+    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    acc_wn = acc * wn[None, :]
+
+    # specs/backward/norm_dgrad_residual.yaml:24  scale
+    zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
+    xn_zdz = xn * zdz[:, None]
+
+    # specs/backward/norm_dgrad_residual.yaml:25  sub
+    centered = acc_wn - xn_zdz
+
+    # specs/backward/norm_dgrad_residual.yaml:26  scale
+    dnorm = centered * rstd[:, None]
+
+    # specs/backward/norm_dgrad_residual.yaml:27  add
+    grad_x = tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    dxv = grad_x + dnorm
+
+    # specs/backward/norm_dgrad_residual.yaml:28  store
+    tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty), mask=tile_mask)
+
+    # specs/backward/norm_dgrad_residual.yaml:29  mul
+    wn_terms = acc * xn
+
+    # specs/backward/norm_dgrad_residual.yaml:30  reduce
+    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t, tile.partial_reduce(wn_terms, tile_mask, OP=0, AXIS=0), mask=col_mask)
+
+    # specs/backward/norm_dgrad_residual.yaml:31  scale
+    nv = xn * wn[None, :]
+
+    # specs/backward/norm_dgrad_residual.yaml:32  store
+    tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n, nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
 def norm_dgrad_residual_kernel(
     # pointers
     dz_ptr, w_ptr, x_ptr, rstd_ptr, wn_ptr, zdz_ptr, grad_x_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
@@ -55,7 +116,7 @@ def norm_dgrad_residual_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -103,48 +164,22 @@ def norm_dgrad_residual_kernel(
             a_ptrs += BLOCK_K * stride_dz_k
             b_ptrs += BLOCK_K * stride_w_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/backward/norm_dgrad_residual.yaml:22  scale
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-        xn = x * rstd[:, None]
-
-        # specs/backward/norm_dgrad_residual.yaml:23  scale
-        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-        acc_wn = acc * wn[None, :]
-
-        # specs/backward/norm_dgrad_residual.yaml:24  scale
-        zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
-        xn_zdz = xn * zdz[:, None]
-
-        # specs/backward/norm_dgrad_residual.yaml:25  sub
-        centered = acc_wn - xn_zdz
-
-        # specs/backward/norm_dgrad_residual.yaml:26  scale
-        dnorm = centered * rstd[:, None]
-
-        # specs/backward/norm_dgrad_residual.yaml:27  add
-        grad_x = tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-        dxv = grad_x + dnorm
-
-        # specs/backward/norm_dgrad_residual.yaml:28  store
-        tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty), mask=tile_mask)
-
-        # specs/backward/norm_dgrad_residual.yaml:29  mul
-        wn_terms = acc * xn
-
-        # specs/backward/norm_dgrad_residual.yaml:30  reduce
-        tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t, tile.partial_reduce(wn_terms, tile_mask, OP=0, AXIS=0), mask=col_mask)
-
-        # specs/backward/norm_dgrad_residual.yaml:31  scale
-        nv = xn * wn[None, :]
-
-        # specs/backward/norm_dgrad_residual.yaml:32  store
-        tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n, nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            norm_dgrad_residual_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                x_ptr, rstd_ptr, wn_ptr, zdz_ptr, grad_x_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+                M, N,
+                stride_x_m, stride_x_n,
+                stride_rstd_m,
+                stride_wn_n,
+                stride_zdz_m,
+                stride_grad_x_m, stride_grad_x_n,
+                stride_dx_m, stride_dx_n,
+                stride_dwn_part_n, stride_dwn_part_t,
+                stride_normed_m, stride_normed_n,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
@@ -194,7 +229,7 @@ def _plan(tensors, config) -> runtime.Plan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 

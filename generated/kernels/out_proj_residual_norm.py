@@ -29,6 +29,44 @@ DECLS = (
 
 
 @triton.jit
+def out_proj_residual_norm_epilogue(
+    acc, pid_m, pid_n, rows,
+    x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+    M, N,
+    stride_x_m, stride_x_n,
+    stride_wn_n,
+    stride_x_out_m, stride_x_out_n,
+    stride_h_m, stride_h_n,
+    stride_ss_m, stride_ss_t,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/out_proj_residual_norm.yaml:17  add
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    x_new = acc + x
+
+    # specs/out_proj_residual_norm.yaml:18  store
+    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
+
+    # specs/out_proj_residual_norm.yaml:19  reduce
+    if pid_n * BLOCK_N < N:
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x_new, tile_mask, OP=1, AXIS=1), mask=row_mask)
+
+    # specs/out_proj_residual_norm.yaml:20  scale
+    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    hv = x_new * wn[None, :]
+
+    # specs/out_proj_residual_norm.yaml:21  store
+    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
 def out_proj_residual_norm_kernel(
     # pointers
     y_ptr, w_o_ptr, x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
@@ -49,7 +87,7 @@ def out_proj_residual_norm_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -97,27 +135,19 @@ def out_proj_residual_norm_kernel(
             a_ptrs += BLOCK_K * stride_y_k
             b_ptrs += BLOCK_K * stride_w_o_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/out_proj_residual_norm.yaml:17  add
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-        x_new = acc + x
-
-        # specs/out_proj_residual_norm.yaml:18  store
-        tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
-
-        # specs/out_proj_residual_norm.yaml:19  reduce
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x_new, tile_mask, OP=1, AXIS=1), mask=row_mask)
-
-        # specs/out_proj_residual_norm.yaml:20  scale
-        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-        hv = x_new * wn[None, :]
-
-        # specs/out_proj_residual_norm.yaml:21  store
-        tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            out_proj_residual_norm_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+                M, N,
+                stride_x_m, stride_x_n,
+                stride_wn_n,
+                stride_x_out_m, stride_x_out_n,
+                stride_h_m, stride_h_n,
+                stride_ss_m, stride_ss_t,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
@@ -164,7 +194,7 @@ def _plan(tensors, config) -> runtime.Plan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
@@ -177,7 +207,7 @@ def _allocate(y, w_o, x, wn):
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.block_n)), dtype=torch.float32, device=device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 

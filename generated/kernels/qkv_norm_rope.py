@@ -28,6 +28,39 @@ DECLS = (
 
 
 @triton.jit
+def qkv_norm_rope_epilogue(
+    acc, pid_m, pid_n, rows,
+    rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+    M, N,
+    stride_rstd_m,
+    stride_positions_m,
+    stride_freqs_n,
+    stride_qkv_m, stride_qkv_n,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/qkv_norm_rope.yaml:17  scale
+    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    z = acc * rstd[:, None]
+
+    # specs/qkv_norm_rope.yaml:18  rope
+    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
+    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    col_mask_half = cols_half < N // 2
+    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+    rotated = tile.rope(z, positions.to(tl.float32), freqs, INVERSE=False)
+
+    # specs/qkv_norm_rope.yaml:19  store
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, rotated.to(qkv_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
 def qkv_norm_rope_kernel(
     # pointers
     h_ptr, w_qkv_ptr, rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
@@ -47,7 +80,7 @@ def qkv_norm_rope_kernel(
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INT64: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -95,24 +128,18 @@ def qkv_norm_rope_kernel(
             a_ptrs += BLOCK_K * stride_h_k
             b_ptrs += BLOCK_K * stride_w_qkv_k
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/qkv_norm_rope.yaml:17  scale
-        rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
-        z = acc * rstd[:, None]
-
-        # specs/qkv_norm_rope.yaml:18  rope
-        positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-        cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        col_mask_half = cols_half < N // 2
-        freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
-        rotated = tile.rope(z, positions.to(tl.float32), freqs, INVERSE=False)
-
-        # specs/qkv_norm_rope.yaml:19  store
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        tl.store(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, rotated.to(qkv_ptr.dtype.element_ty), mask=tile_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            qkv_norm_rope_epilogue(
+                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+                M, N,
+                stride_rstd_m,
+                stride_positions_m,
+                stride_freqs_n,
+                stride_qkv_m, stride_qkv_n,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature

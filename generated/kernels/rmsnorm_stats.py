@@ -26,6 +26,37 @@ DECLS = (
 
 
 @triton.jit
+def rmsnorm_stats_epilogue(
+    pid_m, pid_n, rows,
+    x_ptr, wn_ptr, h_ptr, ss_ptr,
+    M, N,
+    stride_x_m, stride_x_n,
+    stride_wn_n,
+    stride_h_m, stride_h_n,
+    stride_ss_m, stride_ss_t,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/rmsnorm_stats.yaml:12  reduce
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    if pid_n * BLOCK_N < N:
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x, tile_mask, OP=1, AXIS=1), mask=row_mask)
+
+    # specs/rmsnorm_stats.yaml:13  scale
+    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    hv = x * wn[None, :]
+
+    # specs/rmsnorm_stats.yaml:14  store
+    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
 def rmsnorm_stats_kernel(
     # pointers
     x_ptr, wn_ptr, h_ptr, ss_ptr,
@@ -39,7 +70,8 @@ def rmsnorm_stats_kernel(
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -55,23 +87,19 @@ def rmsnorm_stats_kernel(
             pid_m = pid_m.to(tl.int64)
             pid_n = pid_n.to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/rmsnorm_stats.yaml:12  reduce
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x, tile_mask, OP=1, AXIS=1), mask=row_mask)
-
-        # specs/rmsnorm_stats.yaml:13  scale
-        wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
-        hv = x * wn[None, :]
-
-        # specs/rmsnorm_stats.yaml:14  store
-        tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            rmsnorm_stats_epilogue(
+                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                x_ptr, wn_ptr, h_ptr, ss_ptr,
+                M, N,
+                stride_x_m, stride_x_n,
+                stride_wn_n,
+                stride_h_m, stride_h_n,
+                stride_ss_m, stride_ss_t,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
@@ -106,7 +134,7 @@ def _plan(tensors, config) -> runtime.Plan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.Plan.make(config, device, t_dtype, M, N, 0, tensors)
 
 
@@ -118,7 +146,7 @@ def _allocate(x, wn):
     config = runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.block_n)), dtype=torch.float32, device=device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 

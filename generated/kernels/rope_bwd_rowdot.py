@@ -28,6 +28,46 @@ DECLS = (
 
 
 @triton.jit
+def rope_bwd_rowdot_epilogue(
+    pid_m, pid_n, rows,
+    qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
+    M, N,
+    stride_qkv_m, stride_qkv_n,
+    stride_grad_qkv_m, stride_grad_qkv_n,
+    stride_positions_m,
+    stride_freqs_n,
+    stride_dz_m, stride_dz_n,
+    stride_zdz_part_m, stride_zdz_part_t,
+    BLOCK_N: tl.constexpr,
+):
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    slice's. Stores cast to each output's dtype."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+
+    # specs/backward/rope_bwd_rowdot.yaml:15  rope_bwd
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    grad_qkv = tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
+    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    col_mask_half = cols_half < N // 2
+    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+    dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
+
+    # specs/backward/rope_bwd_rowdot.yaml:16  store
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+
+    # specs/backward/rope_bwd_rowdot.yaml:17  mul
+    qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+    dot = qkv * grad_qkv
+
+    # specs/backward/rope_bwd_rowdot.yaml:18  reduce
+    if pid_n * BLOCK_N < N:
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+
+
+@triton.jit
 def rope_bwd_rowdot_kernel(
     # pointers
     qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
@@ -43,7 +83,8 @@ def rope_bwd_rowdot_kernel(
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -59,30 +100,21 @@ def rope_bwd_rowdot_kernel(
             pid_m = pid_m.to(tl.int64)
             pid_n = pid_n.to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # epilogue, in fp32 on the tile; stores cast to each output's dtype
-        row_mask = rows < M
-        col_mask = cols < N
-
-        # specs/backward/rope_bwd_rowdot.yaml:15  rope_bwd
-        tile_mask = row_mask[:, None] & col_mask[None, :]
-        grad_qkv = tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
-        positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-        cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        col_mask_half = cols_half < N // 2
-        freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
-        dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
-
-        # specs/backward/rope_bwd_rowdot.yaml:16  store
-        tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
-
-        # specs/backward/rope_bwd_rowdot.yaml:17  mul
-        qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
-        dot = qkv * grad_qkv
-
-        # specs/backward/rope_bwd_rowdot.yaml:18  reduce
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+        # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
+        for part in tl.static_range(EPILOGUE_SPLIT):
+            rope_bwd_rowdot_epilogue(
+                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
+                qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
+                M, N,
+                stride_qkv_m, stride_qkv_n,
+                stride_grad_qkv_m, stride_grad_qkv_n,
+                stride_positions_m,
+                stride_freqs_n,
+                stride_dz_m, stride_dz_n,
+                stride_zdz_part_m, stride_zdz_part_t,
+                BLOCK_N // EPILOGUE_SPLIT,
+            )
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
@@ -119,7 +151,7 @@ def _plan(tensors, config) -> runtime.Plan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.Plan.make(config, device, t_dtype, M, N, 0, tensors)
 
 
@@ -131,7 +163,7 @@ def _allocate(qkv, grad_qkv, positions, freqs):
     config = runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.block_n)), dtype=torch.float32, device=device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
