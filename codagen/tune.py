@@ -196,10 +196,16 @@ GEMM_CANDIDATES = (
     _c(128, 64, 64, 4, 4, False, True),  # narrow tiles: heavy epilogues, few registers to spare
     _c(64, 128, 64, 4, 4, False, True),
     _c(64, 64, 64, 4, 4, False, True),  # wide inputs in the epilogue (2*N columns) need the smallest tiles
-    # ... or an epilogue on half the tile at a time (not yet measured)
+    # ... or the epilogue on a half or a quarter of the tile at a time: on the H200, halves won most shapes
+    # of the kernels with a residual and RMSNorm epilogue, and swiglu_dgrad's
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=2),
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=2),
     dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=2),
+    # quarters: the fewest registers (compiled for sm_90, qkv_norm_rope's and lm_head_logsumexp's spills on
+    # 128x256 tiles fall 7- and 16-fold); not yet measured
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=4),
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=4),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=4),
 )
 # Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
 # benchmarks/results/h200-kernels.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.

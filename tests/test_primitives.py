@@ -136,7 +136,7 @@ PIPELINES = {
     "persistent-tma-flatten": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, flatten=True),
     "persistent-tma-ws": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True),
     "persistent-tma-ws-split": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True,
-                                      epilogue_split=2),
+                                      epilogue_split=4),
 }
 
 

@@ -39,15 +39,15 @@ class Config:
     # tile's loads by construction; Triton supports it on Hopper for descriptor loads, without flatten, so a
     # launch whose operands cannot go through TMA runs without it
     warp_specialize: bool = False
-    # run the epilogue on each of this many column slices of the tile in turn (1 or 2): an epilogue that
-    # loads inputs wider than the tile (2*N columns) then holds half as many registers at a time. Partial
-    # reductions over columns are per slice, so tiles(N) counts slices (see epilogue_n).
+    # run the epilogue on each of this many column slices of the tile in turn (1, 2 or 4), so that it holds
+    # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions
+    # over columns are per slice, so tiles(N) counts slices (see epilogue_n).
     epilogue_split: int = 1
 
     def __post_init__(self):
-        if self.epilogue_split not in (1, 2) or self.block_n % (2 * self.epilogue_split):
-            raise ValueError(f"epilogue_split must be 1 or 2, and block_n a multiple of twice it (whole pairs "
-                             f"in each slice), got {self.epilogue_split} with block_n {self.block_n}")
+        if self.epilogue_split not in (1, 2, 4) or self.block_n % (2 * self.epilogue_split):
+            raise ValueError(f"epilogue_split must be 1, 2 or 4, and block_n a multiple of twice it (whole "
+                             f"pairs in each slice), got {self.epilogue_split} with block_n {self.block_n}")
 
     @property
     def epilogue_n(self) -> int:

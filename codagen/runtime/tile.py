@@ -39,14 +39,22 @@ def join_pairs(even, odd):
 
 
 @triton.jit
+def _column_half(x, SECOND: tl.constexpr):
+    left, right = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+    if SECOND:
+        x = right
+    else:
+        x = left
+    return x
+
+
+@triton.jit
 def column_slice(x, PART: tl.constexpr, PARTS: tl.constexpr):
-    """Columns [PART * w, (PART + 1) * w) of x, w = width / PARTS; PARTS is 1 or 2 (tl.split halves)."""
-    if PARTS == 2:
-        left, right = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-        if PART == 0:
-            x = left
-        else:
-            x = right
+    """Columns [PART * w, (PART + 1) * w) of x, w = width / PARTS; PARTS is 1, 2 or 4 (halves of halves)."""
+    if PARTS >= 2:
+        x = _column_half(x, PART // (PARTS // 2))
+    if PARTS == 4:
+        x = _column_half(x, PART % 2)
     return x
 
 
