@@ -129,8 +129,8 @@ class EpilogueEmitter:
         t = self.types[s.args["x"]]
         self._need_width(t.width, tile=True)
         x, to, code = self.ref(s.args["x"]), s.target, REDUCE_CODE[s.args["op"]]
-        # one partial per row and N-tile, where the tile has a column: the second slice of a tile split for
-        # its epilogue can lie wholly past N, and tiles(N) has no slot for it
+        # one partial per row and N-tile (or slice of one); a slice wholly past N, which the last tile split
+        # for its epilogue can have, has no slot in tiles(N) and stores nothing
         guard = "pid_n * BLOCK_N < N"
         if s.args["axis"] == "cols":
             ptr, axis, mask = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t", 1, "row_mask"
