@@ -162,6 +162,19 @@ def test_pipelines_match_reference(test_kernels, monkeypatch, name, pipeline):
     assert passed["EPILOGUE_SPLIT"] == config.epilogue_split
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cast_to_t_rounds_to_the_launch_type(test_kernels, dtype):
+    """The tolerances above cannot tell a value rounded to T from one left in fp32; exactness can."""
+    module = test_kernels("t_cast_dtypes")
+    args = draw_args(module, {"M": 37, "N": 50, "K": 29}, dtype, CFG, generator=torch.Generator().manual_seed(5))
+    module.launch(**args.kwargs, config=CFG)
+    stored = args.outputs["o_t32"]
+    assert stored.dtype == torch.float32 and stored.abs().min() > 0
+    torch.testing.assert_close(stored, stored.to(dtype).float(), rtol=0, atol=0)  # representable in T
+    acc = args.inputs["a"].double() @ args.inputs["b"].double().T
+    assert ((stored.double() - acc).abs() <= acc.abs() * 2.0**-7).all()  # and the rounding of acc, within an ulp
+
+
 # -- the launcher's argument checks ---------------------------------------------------------------------------
 CFG = Config(16, 32, 16, 2, 4, 1)
 
