@@ -131,7 +131,8 @@ def test_kernel_matches_reference(test_kernels, name, dtype, shape):
 
 # The Hopper pipelines on a ragged 3 x 3 tile grid: a persistent grid (fewer programs than tiles), TMA
 # descriptors for the GEMM operands, and the loop hints FLATTEN and WARP_SPECIALIZE (which the interpreter
-# runs as plain loops: this checks that they reach the kernel and leave its results alone).
+# runs as plain loops: this checks that they reach the kernel and leave its results alone); the last one
+# with the epilogue on quarters of each tile.
 PIPELINES = {
     "persistent-tma-flatten": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, flatten=True),
     "persistent-tma-ws": Config(16, 32, 16, 2, 4, 1, persistent=True, tma=True, warp_specialize=True),
