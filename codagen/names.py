@@ -12,8 +12,8 @@ IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,47}")
 # Locals and module names of the generated kernels, launchers and blocks.
 INTERNAL = frozenset("""
     tl triton torch math functools runtime tile codagen generated acc pid pid_m pid_n num_pid_m num_pid_n
-    num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_double
-    row_mask col_mask col_mask_half col_mask_double tile_mask tile_mask_half tile_mask_double
+    num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_even
+    cols_odd row_mask col_mask col_mask_half tile_mask tile_mask_half
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
 """.split())
@@ -29,9 +29,10 @@ def name_problem(name: object) -> str | None:
         return f"'{name}' is a Python keyword; choose another name"
     if hasattr(builtins, name):
         return f"'{name}' is a Python builtin; choose another name"
-    if name in INTERNAL or name.endswith(("_ptr", "_ptrs")) or name.startswith(("stride_", "offs_")):
-        return (f"'{name}' is reserved for generated code (names such as acc, tl, *_ptr, stride_* and offs_* "
-                "are taken); choose another name")
+    # *_even and *_odd: the halves of a value of interleaved pairs (see emit/epilogue.py)
+    if name in INTERNAL or name.endswith(("_ptr", "_ptrs", "_even", "_odd")) or name.startswith(("stride_", "offs_")):
+        return (f"'{name}' is reserved for generated code (names such as acc, tl, *_ptr, *_even, *_odd, stride_* "
+                "and offs_* are taken); choose another name")
     return None
 
 

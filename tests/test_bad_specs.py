@@ -186,6 +186,8 @@ CASES = [
       (5, "foo_ptr"), "'foo_ptr' is reserved for generated code", "*_ptr"),
     c("name_reserved_stride_prefix", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: stride_x}"] + STEPS[4:]),
       (10, "stride_x"), "'stride_x' is reserved for generated code"),
+    c("name_reserved_pair_half_suffix", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: h_odd}"] + STEPS[4:]),
+      (10, "h_odd"), "'h_odd' is reserved for generated code", "*_odd"),
     c("name_reserved_launch", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], launch: [N]}"), (4, "launch"),
       "'launch' is reserved"),
     c("name_of_generated_kernel", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], k1_kernel: [M]}"),

@@ -186,6 +186,7 @@ INVALID = {
     "capital letter in a name": _mutate(lambda d: d.update(kernel="K1")),
     "reserved name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="out")),
     "pointer-like name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="hv_ptr")),
+    "pair-half-like name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="hv_even")),
     "builtin name": _mutate(lambda d: d["inputs"].update(sum=["M"])),
     "empty epilogue": _mutate(lambda d: d.update(epilogue=[])),
     "two primitives in one step": _mutate(lambda d: d["epilogue"][0].update(store={"x": "acc", "to": "h"})),

@@ -1,4 +1,7 @@
-"""Device functions that generated epilogues call on fp32 tiles. Pairs are interleaved columns (2j, 2j+1)."""
+"""Device functions that generated epilogues call on fp32 tiles. Pairs are interleaved columns (2j, 2j+1): a
+tile computed in registers (the accumulator) holds them side by side, and split_pairs separates them; a tile
+loaded from memory twice as wide as N is loaded as its even and odd columns, and the `_pairs` functions take
+those two halves directly, so no register shuffle is needed."""
 import triton
 import triton.language as tl
 
@@ -59,43 +62,70 @@ def column_slice(x, PART: tl.constexpr, PARTS: tl.constexpr):
 
 
 @triton.jit
+def swiglu_pairs(gate, up):
+    return silu(gate) * up
+
+
+@triton.jit
 def swiglu(x):
     gate, up = split_pairs(x)
-    return silu(gate) * up
+    return swiglu_pairs(gate, up)
+
+
+@triton.jit
+def geglu_pairs(gate, up):
+    return gelu_tanh(gate) * up
 
 
 @triton.jit
 def geglu(x):
     gate, up = split_pairs(x)
-    return gelu_tanh(gate) * up
+    return geglu_pairs(gate, up)
+
+
+@triton.jit
+def swiglu_bwd_pairs(dy, gate, up):
+    """Gradient of swiglu at the saved pair (gate, up): (d gate, d up)."""
+    sig = tl.sigmoid(gate)
+    return dy * up * sig * (1.0 + gate * (1.0 - sig)), dy * gate * sig
 
 
 @triton.jit
 def swiglu_bwd(dy, x):
     """Gradient of swiglu at the saved pairs x, interleaved as (d gate, d up)."""
     gate, up = split_pairs(x)
-    sig = tl.sigmoid(gate)
-    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = dy * gate * sig
+    d_gate, d_up = swiglu_bwd_pairs(dy, gate, up)
     return join_pairs(d_gate, d_up)
+
+
+@triton.jit
+def geglu_bwd_pairs(dy, gate, up):
+    return dy * up * gelu_tanh_grad(gate), dy * gelu_tanh(gate)
 
 
 @triton.jit
 def geglu_bwd(dy, x):
     gate, up = split_pairs(x)
-    return join_pairs(dy * up * gelu_tanh_grad(gate), dy * gelu_tanh(gate))
+    d_gate, d_up = geglu_bwd_pairs(dy, gate, up)
+    return join_pairs(d_gate, d_up)
 
 
 @triton.jit
-def rope(x, positions, freqs, INVERSE: tl.constexpr):
+def rope_pairs(even, odd, positions, freqs, INVERSE: tl.constexpr):
     """Rotate each pair (even, odd) by the angle position * frequency; INVERSE rotates back (the backward)."""
     angle = positions[:, None] * freqs[None, :]
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     if INVERSE:
         sin = -sin
+    return even * cos - odd * sin, even * sin + odd * cos
+
+
+@triton.jit
+def rope(x, positions, freqs, INVERSE: tl.constexpr):
     even, odd = split_pairs(x)
-    return join_pairs(even * cos - odd * sin, even * sin + odd * cos)
+    even, odd = rope_pairs(even, odd, positions, freqs, INVERSE)
+    return join_pairs(even, odd)
 
 
 @triton.jit
@@ -122,6 +152,24 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = tl.sum(tl.where(mask, tl.exp(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
         out = safe + tl.log(tl.maximum(total, 1.0))  # total >= 1 on real rows (the max contributes exp(0))
+    return out
+
+
+@triton.jit
+def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
+    """partial_reduce over columns (one value per row) of a tile held as its even and odd columns; the mask
+    is the pairs'."""
+    if OP == 3:
+        big = tl.maximum(tl.max(tl.where(mask, even, float("-inf")), axis=1),
+                         tl.max(tl.where(mask, odd, float("-inf")), axis=1))
+        safe = tl.where(big == float("-inf"), 0.0, big)
+        total = (tl.sum(tl.where(mask, tl.exp(even - safe[:, None]), 0.0), axis=1)
+                 + tl.sum(tl.where(mask, tl.exp(odd - safe[:, None]), 0.0), axis=1))
+        out = safe + tl.log(tl.maximum(total, 1.0))
+    elif OP == 2:
+        out = tl.maximum(partial_reduce(even, mask, OP, 1), partial_reduce(odd, mask, OP, 1))
+    else:
+        out = partial_reduce(even, mask, OP, 1) + partial_reduce(odd, mask, OP, 1)
     return out
 
 
