@@ -1,5 +1,5 @@
 """codagen: GEMM-epilogue programs in YAML -> Triton kernels and PyTorch ops."""
-from .api import build, check, load, plan
+from .api import build, check, generate, load
 
-__all__ = ["build", "check", "load", "plan"]
+__all__ = ["build", "check", "generate", "load"]
 __version__ = "0.1.0"

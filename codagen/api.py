@@ -1,12 +1,13 @@
-"""The Python API behind the CLI: find specs, load and validate them, plan and write generated files."""
+"""The Python API behind the CLI: find specs, load and validate them, generate the output files and write them."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blockcheck import CheckedBlock, check_block
-from .blockspec import Block, parse_block
+from .blockcheck import check_block
+from .blockmodel import Block, CheckedBlock
+from .blockspec import parse_block
 from .emit.block import render_block
 from .emit.kernel import render_kernel
 from .emit.package import render_package
@@ -14,7 +15,7 @@ from .errors import SpecError, ValidationFailed
 from .loader import parse_kernel, read_spec
 from .model import Kernel, Location, ValueType
 from .validate import check_kernel
-from .writer import Diff, Plan, diff, write
+from .writer import Diff, OutputFiles, diff, write
 
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
 
@@ -94,12 +95,13 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
     return [*checked, *checked_blocks]
 
 
-def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
+def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFiles:
+    """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show)."""
     checked = load(paths)
     shown_paths = " ".join(sorted(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths))
     shown_out = display_path(Path(out))
     regenerate = f"codagen build {shown_paths}" + ("" if shown_out == "generated" else f" --out {shown_out}")
-    result = Plan()
+    result = OutputFiles()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
     for c in kernels:
@@ -115,8 +117,8 @@ def plan(paths: list[str | Path], out: str | Path = "generated") -> Plan:
 def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[str], list[str]]:
     """Generate into `out`; returns the files written and the files removed. Validation and rendering
     finish before any file is touched, so a failed build leaves `out` as it was."""
-    return write(plan(paths, out), Path(out))
+    return write(generate(paths, out), Path(out))
 
 
 def check(paths: list[str | Path], out: str | Path = "generated") -> Diff:
-    return diff(plan(paths, out), Path(out))
+    return diff(generate(paths, out), Path(out))

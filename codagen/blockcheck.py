@@ -1,46 +1,20 @@
 """Rules of block specs: each kernel call matches the kernel's arguments and shapes, values exist before
 they are used and are used, saved values are used by the backward, and the backward defines the gradient of
-every differentiable input and parameter. Produces the resolved calls that the block emitter writes out."""
+every differentiable input and parameter. Produces the checked block (blockmodel.CheckedBlock): the resolved
+calls, and for a backward in row chunks what is sliced, concatenated, summed and dropped."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from fractions import Fraction
 
-from .blockspec import FINISH_SIGNATURES, REDUCTIONS, TOKENS, TRANSPOSES, Block, BlockStep, Dimx
+from .blockmodel import (FINISH_SIGNATURES, REDUCTIONS, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep, Call,
+                         CheckedBlock, ChunkedBackward, Value)
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
 
 DISCARD = "_"
 RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "self", "function", "rows"})
-_TILES = {Dim.TILES_M: Dimx(Fraction(1), "tiles(M)"), Dim.TILES_N: Dimx(Fraction(1), "tiles(N)")}
+_TILES = {Dim.TILES_M: BlockDim(Fraction(1), "tiles(M)"), Dim.TILES_N: BlockDim(Fraction(1), "tiles(N)")}
 _KDTYPE = {DType.T: "T", DType.FLOAT32: "float32", DType.INDEX: "index"}
-
-
-@dataclass(frozen=True)
-class Value:
-    dims: tuple[Dimx, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Call:
-    """A resolved step: `op` applied to `args` (block value names, attr names or literals, in the callee's
-    order), defining `outs` (block value names in the callee's output order; '_' discards)."""
-
-    op: str
-    kernel: bool
-    args: tuple
-    outs: tuple[str, ...]
-    loc: Location
-
-
-@dataclass(frozen=True)
-class CheckedBlock:
-    block: Block
-    forward: tuple[Call, ...]
-    backward: tuple[Call, ...]
-    values: dict  # name -> Value, forward and backward
-    grads: tuple[str, ...]  # what backward returns, in forward-argument order ('' for None)
 
 
 def _fmt(dims) -> str:
@@ -144,11 +118,42 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
         if name not in used_back and name not in saved_locs and name not in {p.name for p in b.params} \
                 and not name.startswith("grad_"):
             sink.add(loc, f"'{name}' is never used; remove it or map a kernel output to '_'")
-    chunks = b.backward_row_chunks
-    if isinstance(chunks, str) and (chunks not in attrs or attrs[chunks].kind != "int"):
-        sink.add(b.loc, f"backward_row_chunks '{chunks}' names no int attr")
+    values = {**forward_env, **env}
+    saved = tuple(name for name, _ in b.save) + tuple(p.name for p in b.params)
+    chunks = None
+    if b.backward_row_chunks is not None:
+        chunks = _chunked_backward(b, backward, values, saved, grads, attrs, sink)
     sink.raise_if_any()
-    return CheckedBlock(b, forward, backward, {**forward_env, **env}, tuple(grads))
+    return CheckedBlock(b, forward, backward, values, saved, tuple(grads), chunks)
+
+
+def _chunked_backward(b: Block, backward: tuple[Call, ...], values: dict, saved: tuple[str, ...],
+                      grads: list[str], attrs: dict, sink) -> ChunkedBackward | None:
+    """The backward over row chunks: values with the token dimension are sliced by rows, gradients with it
+    concatenated, the others summed; a chunk's values are dropped before the next chunk makes its own."""
+    rows = b.backward_row_chunks
+    if not b.backward:
+        sink.add(b.loc, "backward_row_chunks is given but the block has no backward; remove it")
+        return None
+    if isinstance(rows, str) and (rows not in attrs or attrs[rows].kind != "int"):
+        sink.add(b.loc, f"backward_row_chunks '{rows}' names no int attr")
+        return None
+    upstream = [f"grad_{o.name}" for o in b.outputs if o.grad]
+    sliced = tuple(n for n in (*saved, *upstream) if n in values and values[n].dims[:1] == (TOKENS,))
+    if not sliced:
+        sink.add(b.loc, "backward_row_chunks needs a saved value or an output gradient with the token dimension "
+                        "M to cut into chunks; remove backward_row_chunks or save such a value")
+        return None
+    made = [g for g in grads if g in values]  # a missing gradient is reported already
+    concatenated = tuple(g for g in made if values[g].dims[:1] == (TOKENS,))
+    summed = tuple(g for g in made if g not in concatenated)
+    # a summed gradient that a plain GEMM makes and no step reads is accumulated by that GEMM (ChunkSum)
+    read = {a.value for c in backward for a in c.args if a.is_name}
+    summed_by_gemm = tuple(c.outs[0] for c in backward
+                           if c.op == "matmul" and c.outs[0] in summed and c.outs[0] not in read)
+    dropped = tuple(dict.fromkeys(o for c in backward for o in c.outs if o not in summed_by_gemm))
+    return ChunkedBackward(Arg("rows", rows, isinstance(rows, str)), sliced, concatenated, summed, summed_by_gemm,
+                           dropped)
 
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
@@ -174,14 +179,14 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
     if missing:
         sink.add(step.loc, f"kernel '{kernel.name}' call is missing {', '.join(missing)}")
         return None
-    sizes: dict[str, Dimx] = {}
+    sizes: dict[str, BlockDim] = {}
     ok = True
     args = []
     for i in kernel.inputs:
         ref = step.args[i.name]
         if i.role is InputRole.HOST_SCALAR:
             ok &= _number(ref, b, loc_of(i.name), f"{kernel.name}.{i.name}", sink, ("float", "int"))
-            args.append(ref)
+            args.append(Arg(i.name, ref, isinstance(ref, str)))
             continue
         v = env.get(ref) if isinstance(ref, str) else None
         if v is None:
@@ -189,7 +194,7 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
             ok = False
             continue
         used.add(ref)
-        args.append(ref)
+        args.append(Arg(i.name, ref, True))
         want = _KDTYPE.get(i.dtype)
         if want != v.dtype:
             sink.add(loc_of(i.name), f"{kernel.name}.{i.name} takes dtype {want or i.dtype.value}, "
@@ -217,7 +222,7 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
     return Call(kernel.name, True, tuple(args), tuple(outs), step.loc)
 
 
-def _bind(kd: Dim, bd: Dimx, sizes: dict, loc, what: str, ref: str, sink) -> bool:
+def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink) -> bool:
     factor = {Dim.N_HALF: Fraction(2), Dim.N_DOUBLE: Fraction(1, 2)}.get(kd, Fraction(1))
     key = {Dim.N_HALF: "N", Dim.N_DOUBLE: "N"}.get(kd, kd.value)
     value = bd.scaled(factor)
@@ -230,7 +235,7 @@ def _bind(kd: Dim, bd: Dimx, sizes: dict, loc, what: str, ref: str, sink) -> boo
     return True
 
 
-def _unbind(d: Dim, sizes: dict) -> Dimx:
+def _unbind(d: Dim, sizes: dict) -> BlockDim:
     base = sizes["N"] if d.width else sizes[d.value]
     return base.scaled({Dim.N_HALF: Fraction(1, 2), Dim.N_DOUBLE: Fraction(2)}.get(d, Fraction(1)))
 
@@ -260,7 +265,6 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
         ref = step.args.get(name)
         if ref is None:
             if kind.endswith("?"):
-                args.append(None if kind == "size?" else "none")
                 continue
             sink.add(step.loc, f"{step.op} is missing '{name}'")
             ok = False
@@ -273,24 +277,24 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
                 continue
             used.add(ref)
             vals[name] = v
-            args.append(ref)
+            args.append(Arg(name, ref, True))
         elif kind in ("size", "size?"):
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("int",))
-            args.append(ref)
+            args.append(Arg(name, ref, isinstance(ref, str)))
         elif kind == "number":
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))
-            args.append(ref)
+            args.append(Arg(name, ref, isinstance(ref, str)))
         elif kind == "choice":
             a = b.attr(ref) if isinstance(ref, str) else None
             if ref not in REDUCTIONS and not (a and a.kind == "choice" and set(a.choices) <= set(REDUCTIONS)):
                 sink.add(loc_of(name), f"{step.op}.{name} must be 'mean', 'sum' or an attr choosing between them")
                 ok = False
-            args.append(ref)
+            args.append(Arg(name, ref, a is not None))
         elif kind == "transpose?":
             if ref not in TRANSPOSES:
                 sink.add(loc_of(name), f"matmul.transpose must be 'none', 'a' or 'b', got '{ref}'")
                 ok = False
-            args.append(ref)
+            args.append(Arg(name, ref, False))
         else:  # out
             if not isinstance(ref, str):
                 sink.add(loc_of(name), f"{step.op}.{name} must be a new value name")
@@ -306,7 +310,7 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
     return Call(step.op, False, tuple(args), tuple(ref for ref, _ in outs), step.loc)
 
 
-def _finish_types(step: BlockStep, vals: dict, args: list, sink) -> list[Value] | None:
+def _finish_types(step: BlockStep, vals: dict, args: list[Arg], sink) -> list[Value] | None:
     op = step.op
     loc = step.loc
     if op in ("rstd", "sum_tiles", "logsumexp_tiles"):
@@ -326,7 +330,7 @@ def _finish_types(step: BlockStep, vals: dict, args: list, sink) -> list[Value] 
     if len(a.dims) != 2 or len(b_.dims) != 2:
         sink.add(loc, f"matmul operands must be matrices, got {_fmt(a.dims)} and {_fmt(b_.dims)}")
         return None
-    transpose = args[2]
+    transpose = next((a.value for a in args if a.param == "transpose"), "none")
     ad = a.dims[::-1] if transpose == "a" else a.dims
     bd = b_.dims[::-1] if transpose == "b" else b_.dims
     if ad[1] != bd[0]:

@@ -1,107 +1,24 @@
-"""Block specs: kernel calls and finish steps composed into a forward and a backward, what is saved between
-them, and the module's constructor arguments and parameters. This file holds the model and the loader;
-blockcheck.py the rules across steps."""
+"""The loader of block specs (kernel calls and finish steps composed into a forward and a backward, what is
+saved between them, the module's constructor arguments and parameters): YAML nodes -> the block model of
+blockmodel.py. The rules across steps are blockcheck.py's."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from fractions import Fraction
 
+from .blockmodel import TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor
 from .errors import ErrorSink
 from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
 from .yamlnodes import Node
 
-# Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
-FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
-    # (argument, kind): value = a block value; size/number = an attr or a literal; out = defines a value
-    "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
-    "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
-    "logsumexp_tiles": (("x", "value"), ("out", "out")),
-    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"),
-                      ("ignore_index", "size"), ("reduction", "choice"), ("loss", "out"), ("weights", "out")),
-    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
-}
-REDUCTIONS = ("mean", "sum")
-TRANSPOSES = ("none", "a", "b")
 _CHOICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _DIM = re.compile(r"(?:(\d+)\*)?([a-z][a-z0-9_]*)(?:/(\d+))?|(\d+)|M")
 
 
-@dataclass(frozen=True)
-class Dimx:
-    """A block dimension: coef * symbol, the symbol an int attr, 'M' (tokens) or a tile count; or a constant."""
-
-    coef: Fraction
-    symbol: str | None
-
-    def expr(self, times: str = "*", divide: str = "/") -> str:
-        """As written in specs (2*ffn_dim, qkv_dim/2), or as Python with times=" * ", divide=" // "."""
-        if self.symbol is None:
-            return str(self.coef)
-        num, den = self.coef.numerator, self.coef.denominator
-        return (f"{num}{times}" if num != 1 else "") + self.symbol + (f"{divide}{den}" if den != 1 else "")
-
-    def __str__(self) -> str:
-        return self.expr()
-
-    def scaled(self, f: Fraction) -> "Dimx":
-        return Dimx(self.coef * f, self.symbol)
-
-
-TOKENS = Dimx(Fraction(1), "M")
-
-
-@dataclass(frozen=True)
-class Attr:
-    name: str
-    kind: str  # "int", "float", "choice"
-    default: object
-    choices: tuple[str, ...]
-    loc: Location
-
-
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    dims: tuple[Dimx, ...]
-    dtype: str  # "T", "float32", "index"
-    grad: bool
-    alias: str | None  # an output that is an input passed through (its gradient flows back to that input)
-    loc: Location
-
-
-@dataclass(frozen=True)
-class BlockStep:
-    op: str  # a kernel name or a finish op
-    args: dict  # argument (a callee input or output) -> value name, attr name or literal
-    loc: Location
-    arg_locs: dict = field(default_factory=dict, compare=False)
-
-
-@dataclass(frozen=True)
-class Block:
-    name: str
-    doc: str
-    attrs: tuple[Attr, ...]
-    params: tuple[Tensor, ...]
-    inputs: tuple[Tensor, ...]
-    outputs: tuple[Tensor, ...]
-    forward: tuple[BlockStep, ...]
-    save: tuple[tuple[str, Location], ...]
-    backward: tuple[BlockStep, ...]
-    backward_row_chunks: str | int | None  # backward runs on chunks of rows of this many (an attr or a number)
-    source: str
-    sha256: str
-    loc: Location
-
-    def attr(self, name: str) -> Attr | None:
-        return next((a for a in self.attrs if a.name == name), None)
-
-
-def parse_dim(text: object) -> Dimx | None:
+def parse_dim(text: object) -> BlockDim | None:
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return Dimx(Fraction(text), None)
+        return BlockDim(Fraction(text), None)
     if not isinstance(text, str):
         return None
     m = _DIM.fullmatch(text)
@@ -110,9 +27,9 @@ def parse_dim(text: object) -> Dimx | None:
     if text == "M":
         return TOKENS
     if m.group(4):
-        return Dimx(Fraction(int(m.group(4))), None)
+        return BlockDim(Fraction(int(m.group(4))), None)
     coef = Fraction(int(m.group(1) or 1), int(m.group(3) or 1))
-    return Dimx(coef, m.group(2)) if coef > 0 else None
+    return BlockDim(coef, m.group(2)) if coef > 0 else None
 
 
 def parse_block(root: Node, path: str, sha256: str) -> Block:
@@ -184,7 +101,7 @@ def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
     return tuple(out)
 
 
-def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -> tuple[Tensor, ...]:
+def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -> tuple[BlockTensor, ...]:
     if node is None or not _is_mapping(node, what, sink):
         return ()
     out = []
@@ -227,7 +144,7 @@ def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -
             dims.append(dim)
         if None in dims:
             continue
-        out.append(Tensor(name, tuple(dims), dtype, grad and dtype != "index", alias, loc))
+        out.append(BlockTensor(name, tuple(dims), dtype, grad and dtype != "index", alias, loc))
     return tuple(out)
 
 

@@ -12,7 +12,7 @@ MANAGED = ("__init__.py", "kernels", "blocks")  # what `build` owns under the ou
 
 
 @dataclass
-class Plan:
+class OutputFiles:
     """Everything one build would write: relative path -> content."""
 
     files: dict[str, str] = field(default_factory=dict)
@@ -45,15 +45,15 @@ def _managed_files(out: Path) -> list[str]:
     return found
 
 
-def diff(plan: Plan, out: Path) -> Diff:
+def diff(files: OutputFiles, out: Path) -> Diff:
     stale, missing = [], []
-    for rel, content in sorted(plan.files.items()):
+    for rel, content in sorted(files.files.items()):
         p = out / rel
         if not p.is_file():
             missing.append(rel)
         elif p.read_bytes() != content.encode("utf-8"):  # bytes: a file that is not UTF-8 is simply stale
             stale.append(rel)
-    extra = [rel for rel in _managed_files(out) if rel not in plan.files]
+    extra = [rel for rel in _managed_files(out) if rel not in files.files]
     return Diff(stale, missing, extra)
 
 
@@ -77,12 +77,12 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def write(plan: Plan, out: Path) -> tuple[list[str], list[str]]:
-    """Bring `out` in line with the plan; returns the files written and the files removed. Refuses, before
+def write(files: OutputFiles, out: Path) -> tuple[list[str], list[str]]:
+    """Bring `out` in line with `files`; returns the files written and the files removed. Refuses, before
     touching anything, to overwrite or delete a file that codagen did not write."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"the output folder {out} is a file; choose another --out or move the file away")
-    d = diff(plan, out)
+    d = diff(files, out)
     foreign = [rel for rel in (*d.stale, *d.extra) if not _ours(out / rel)]
     if foreign:
         raise FileExistsError(
@@ -102,7 +102,7 @@ def write(plan: Plan, out: Path) -> tuple[list[str], list[str]]:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                f.write(plan.files[rel])
+                f.write(files.files[rel])
             os.chmod(tmp, mode)  # mkstemp makes files private (0600); generated files are ordinary source
             os.replace(tmp, target)
         except BaseException:

@@ -469,8 +469,8 @@ def test_accepted_docs_give_valid_python(tmp_path, doc):
     import yaml
 
     path = _write(tmp_path, "doc_ok", spec(doc=yaml.safe_dump(doc, width=1000).strip().removesuffix("\n...")))
-    plan = api.plan([path], out=tmp_path / "gen")
-    assert plan.files, "nothing planned"
-    for rel, source in plan.files.items():
+    generated = api.generate([path], out=tmp_path / "gen")
+    assert generated.files, "nothing generated"
+    for rel, source in generated.files.items():
         compile(source, rel, "exec")
-    assert doc in plan.files["kernels/k1.py"]
+    assert doc in generated.files["kernels/k1.py"]

@@ -1,9 +1,15 @@
 """Block specs are validated like kernel specs: each mistake is reported at its file:line:col."""
+import importlib
+import re
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-from codagen import api
+from codagen import api, runtime  # noqa: F401  (runtime: Triton's interpreter where there is no GPU)
+from codagen.blockmodel import CheckedBlock
 from codagen.errors import ValidationFailed
 
 KERNEL = """\
@@ -97,3 +103,128 @@ def test_valid_block_builds(tmp_path):
     (tmp_path / "b.yaml").write_text(text)
     checked = api.load([tmp_path])
     assert {type(c).__name__ for c in checked} == {"Checked", "CheckedBlock"}
+
+
+LINEAR_KERNEL = """\
+kernel: plain_mm
+doc: A GEMM and nothing else.
+gemm: {a: a, b: w}
+inputs:
+  a: [M, K]
+  w: [N, K]
+outputs:
+  res: [M, N]
+epilogue:
+  - store: {x: acc, to: res}
+"""
+
+# `transpose: a` is the literal 'a' although a value is named `a` too; the backward runs in row chunks
+LINEAR = """\
+block: linear
+doc: A linear layer whose backward runs in chunks of rows.
+attrs:
+  dim: int
+  width: int
+  chunk: 5
+params:
+  w: [width, dim]
+inputs:
+  a: [M, dim]
+outputs:
+  res: [M, width]
+forward:
+  - plain_mm: {a: a, w: w, res: res}
+save: [a]
+backward_row_chunks: chunk
+backward:
+  - matmul: {a: grad_res, b: w, out: grad_a}
+  - matmul: {a: grad_res, b: a, transpose: a, out: grad_w}
+"""
+
+
+def test_chunked_backward_is_decided_by_the_check(tmp_path):
+    (tmp_path / "k.yaml").write_text(LINEAR_KERNEL)
+    (tmp_path / "b.yaml").write_text(LINEAR)
+    (block,) = [c for c in api.load([tmp_path]) if isinstance(c, CheckedBlock)]
+    chunks = block.chunks
+    assert (chunks.rows.value, chunks.rows.is_name) == ("chunk", True)
+    assert chunks.sliced == ("a", "grad_res")
+    assert (chunks.concatenated, chunks.summed, chunks.summed_by_gemm) == (("grad_a",), ("grad_w",), ("grad_w",))
+    assert chunks.dropped == ("grad_a",)
+    transpose = [arg for arg in block.backward[1].args if arg.param == "transpose"]
+    assert [(arg.value, arg.is_name) for arg in transpose] == [("a", False)]
+
+
+def test_generated_block_runs_its_chunked_backward(tmp_path):
+    """The generated module of LINEAR against float64 autograd, with a ragged token count over 5-row chunks."""
+    (tmp_path / "k.yaml").write_text(LINEAR_KERNEL)
+    (tmp_path / "b.yaml").write_text(LINEAR)
+    api.build([tmp_path], out=tmp_path / "cg_linear_block")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.invalidate_caches()
+        module = importlib.import_module("cg_linear_block.blocks.linear")
+    finally:
+        sys.path.remove(str(tmp_path))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = module.Linear(24, 40, device=device, dtype=torch.float32)
+    with torch.no_grad():
+        layer.w.normal_()
+    a = torch.randn(13, 24, device=device, requires_grad=True)
+    upstream = torch.randn(13, 40, device=device)
+    res = layer(a)
+    got = [res, *torch.autograd.grad(res, [a, layer.w], upstream)]
+    a64, w64 = a.detach().double().requires_grad_(), layer.w.detach().double().requires_grad_()
+    res64 = a64 @ w64.T
+    want = [res64, *torch.autograd.grad(res64, [a64, w64], upstream.double())]
+    for name, g, w in zip(["res", "grad a", "grad w"], got, want):
+        assert ((g.double() - w).norm() / w.norm()).item() < 1e-5, name
+
+
+NO_ROWS = """\
+block: no_rows
+doc: A block whose backward has nothing with the token dimension to cut into chunks.
+attrs:
+  dim: int
+params:
+  w: [dim, dim]
+inputs:
+  a: {shape: [M, dim], grad: false}
+outputs:
+  res: {shape: [M, dim], grad: false}
+forward:
+  - plain_mm: {a: a, w: w, res: res}
+backward_row_chunks: 4
+backward:
+  - matmul: {a: w, b: w, out: grad_w}
+"""
+
+FORWARD_ONLY = LINEAR.split("save:")[0].replace("  res: [M, width]", "  res: {shape: [M, width], grad: false}") \
+    + "backward_row_chunks: chunk\n"
+
+
+@pytest.mark.parametrize("block_text, words", [
+    (LINEAR.replace("backward_row_chunks: chunk", "backward_row_chunks: width_x"),
+     "backward_row_chunks 'width_x' names no int attr"),
+    (NO_ROWS, "needs a saved value or an output gradient with the token dimension M"),
+    (FORWARD_ONLY, "backward_row_chunks is given but the block has no backward"),
+])
+def test_chunked_backward_mistakes(tmp_path, block_text, words):
+    (tmp_path / "k.yaml").write_text(LINEAR_KERNEL)
+    (tmp_path / "b.yaml").write_text(block_text)
+    with pytest.raises(ValidationFailed) as e:
+        api.load([tmp_path])
+    assert any(words in err.message for err in e.value.errors), e.value
+
+
+def test_generated_block_modules_keep_lines_short_and_pass_arguments_by_keyword():
+    """Below the provenance header: lines of at most 120 characters, and every kernel or finish call by keyword."""
+    blocks = sorted((Path(__file__).resolve().parent.parent / "generated" / "blocks").glob("[!_]*.py"))
+    assert blocks
+    for path in blocks:
+        lines = path.read_text().splitlines()
+        assert all(len(line) <= 120 for line in lines[1:]), path.name
+        calls = re.findall(r"(?:kernels\.\w+\.\w+|finish\.\w+|\.add_matmul)\(([^()]*)\)", path.read_text())
+        assert calls, path.name
+        for args in calls:
+            assert all(re.fullmatch(r"\w+=\S+", a.strip()) for a in args.split(",") if a.strip()), (path.name, args)

@@ -1,91 +1,119 @@
 """A checked block -> its generated module: a torch.autograd.Function whose forward and backward call the
-generated kernels and finish steps, and the nn.Module that owns the parameters."""
+generated kernels and finish steps, and the nn.Module that owns the parameters. blockcheck.py decided what
+runs and how the backward is chunked; this module only prints it, within the line width."""
 from __future__ import annotations
 
-from ..blockcheck import Call, CheckedBlock
-from ..blockspec import TOKENS
+import textwrap
+
+from ..blockmodel import Arg, Call, CheckedBlock
+from .kernel import wrap
 from .templates import render
 
-_FINISH = {"rstd": "finish.rstd", "sum_tiles": "finish.sum_tiles", "logsumexp_tiles": "finish.logsumexp_tiles",
-           "cross_entropy": "finish.cross_entropy", "matmul": "finish.matmul"}
+WIDTH = 120  # the longest line of a generated block module, header aside
 
 
 def class_name(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
-def _arg_src(a, names: set[str], rename: dict[str, str]) -> str:
-    """A value or attr by name (values renamed to their row slices in a chunked backward), else a literal."""
-    if isinstance(a, str) and a in names:
-        return rename.get(a, a)
-    return repr(a)
+def _enclosed(head: str, items: list[str], tail: str, indent: int) -> list[str]:
+    """`head` + items + `tail` on one line when it fits at `indent`, else the items on lines of their own
+    between `head` (ending in an opening bracket) and `tail` (starting with the closing one)."""
+    one = head + ", ".join(items) + tail
+    if indent + len(one) <= WIDTH:
+        return [one]
+    return [head, *(f"    {line}" for line in wrap(items, indent + 4, WIDTH)), tail]
 
 
-def _call_lines(c: Call, names: set[str], rename: dict[str, str],
-                summed_by_gemm: set[str] = frozenset()) -> list[str]:
-    args = ", ".join(_arg_src(a, names, rename) for a in c.args)
+def _tuple(prefix: str, items: list[str], suffix: str, indent: int, parens: bool = False) -> list[str]:
+    """A tuple (`a, b = ...`, `x = (a,)`), in parentheses over several lines when it is too long."""
+    text = ", ".join(items) + ("," if len(items) == 1 else "")
+    one = prefix + (f"({text})" if parens else text) + suffix
+    if indent + len(one) <= WIDTH:
+        return [one]
+    return _enclosed(prefix + "(", items, ")" + suffix, indent)
+
+
+def _statement(keyword: str, items: list[str], indent: int) -> list[str]:
+    """`return` or `del` of the items."""
+    return [f"{keyword} {items[0]}"] if len(items) == 1 else _tuple(f"{keyword} ", items, "", indent)
+
+
+def _docstring(paragraphs: list[str], indent: int) -> str:
+    """A docstring at `indent`: one line when it fits, else wrapped paragraphs and the closing quotes alone."""
+    if len(paragraphs) == 1 and indent + len(paragraphs[0]) + 6 <= WIDTH:
+        return f'"""{paragraphs[0]}"""'
+    lines = []
+    for i, text in enumerate(paragraphs):
+        lines += [""] if i else []
+        lines += textwrap.wrap(('"""' if i == 0 else "") + text, WIDTH - indent, break_long_words=False,
+                               break_on_hyphens=False)
+    return "\n".join(" " * indent + line if line and i else line for i, line in enumerate(lines + ['"""']))
+
+
+def _value(a: Arg, rows: set[str] = frozenset()) -> str:
+    """A name in scope (a value renamed to its row slice in a chunked backward), else a literal."""
+    if not a.is_name:
+        return repr(a.value)
+    return f"{a.value}_rows" if a.value in rows else str(a.value)
+
+
+def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tuple[str, ...] = ()) -> list[str]:
+    """One step, its arguments by keyword."""
+    args = [f"{a.param}={_value(a, rows)}" for a in c.args]
     if c.outs[0] in summed_by_gemm:  # a parameter's gradient over row chunks: the GEMM sums it
-        return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{c.outs[0]}_sum.add_matmul({args})"]
-    fn = f"kernels.{c.op}.{c.op}" if c.kernel else _FINISH[c.op]
-    return [f"# {c.loc.file}:{c.loc.line}  {c.op}", f"{', '.join(c.outs)} = {fn}({args})"]
+        return _enclosed(f"{c.outs[0]}_sum.add_matmul(", args, ")", indent)
+    fn = f"kernels.{c.op}.{c.op}" if c.kernel else f"finish.{c.op}"
+    return _enclosed(f"{', '.join(c.outs)} = {fn}(", args, ")", indent)
 
 
 def render_block(cb: CheckedBlock, regenerate: str) -> str:
-    b = cb.block
-    names = {a.name for a in b.attrs} | set(cb.values)
-    forward = [line for c in cb.forward for line in _call_lines(c, names, {})]
-    saved = [name for name, _ in b.save] + [p.name for p in b.params]
-    outputs = [f"{o.alias}.view_as({o.alias})" if o.alias else o.name for o in b.outputs]
-    non_diff = [o.name for o in b.outputs if not o.grad and not o.alias]
+    b, chunks = cb.block, cb.chunks
+    body = 12 if chunks else 8  # the backward's steps run inside the loop over chunks
+    kernels = sorted({c.op for c in (*cb.forward, *cb.backward) if c.kernel})
+    passes = "The forward and backward run" if cb.backward else "The forward runs"
     grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
-    returns = [g or "None" for g in cb.grads] + ["None"] * len(b.attrs)
-    chunked = b.backward_row_chunks is not None
-    sliced, row_grads, summed_grads, rename = [], [], [], {}
-    if chunked:
-        # in a chunked backward, values with a token dimension are sliced by rows; the gradients with one
-        # are concatenated, the others (parameters') summed
-        sliced = [n for n in (*saved, *grad_params) if n in cb.values and cb.values[n].dims[:1] == (TOKENS,)]
-        rename = {n: f"{n}_rows" for n in sliced}
-        for g in filter(None, cb.grads):
-            (row_grads if cb.values[g].dims[:1] == (TOKENS,) else summed_grads).append(g)
-    # a summed gradient that a plain GEMM makes and no step reads is accumulated by that GEMM (ChunkSum)
-    read = {a for c in cb.backward for a in c.args if isinstance(a, str)}
-    summed_by_gemm = {c.outs[0] for c in cb.backward
-                      if c.op == "matmul" and c.outs[0] in summed_grads and c.outs[0] not in read}
-    backward = [line for c in cb.backward for line in _call_lines(c, names, rename, summed_by_gemm)]
-    # a chunk's values are dropped before the next chunk makes its own, so that two never coexist
-    chunk_values = list(dict.fromkeys(o for c in cb.backward for o in c.outs if o not in summed_by_gemm))
-    first_row_value = sliced[0] if sliced else None
+    inputs = [t.name for t in b.inputs]
+    non_diff = [o.name for o in b.outputs if not o.grad and not o.alias]
+    init_params = ["self", *(a.name if a.default is None else f"{a.name}={_default(a)}" for a in b.attrs),
+                   "*", "device=None", "dtype=None"]
     return render(
         "block.py.j2",
         b=b,
         cls=class_name(b.name),
-        kernels=sorted({c.op for c in (*cb.forward, *cb.backward) if c.kernel}),
-        inputs=[t.name for t in b.inputs],
-        params=b.params,
-        param_shapes={p.name: "(" + ", ".join(d.expr(" * ", " // ") for d in p.dims) + ("," if len(p.dims) == 1 else "") + ")"
-                      for p in b.params},
-        attrs=b.attrs,
-        attr_names=[a.name for a in b.attrs],
-        forward=forward,
-        saved=saved,
-        outputs=outputs,
-        non_diff=non_diff,
-        grad_params=grad_params,
-        backward=backward,
-        returns=returns,
-        chunk=_arg_src(b.backward_row_chunks, names, {}) if chunked else None,
-        sliced=sliced,
-        first_row_value=first_row_value,
-        row_grads=row_grads,
-        summed_grads=summed_grads,
-        added_grads=[g for g in summed_grads if g not in summed_by_gemm],
-        chunk_values=chunk_values if chunked else [],
+        module_doc=_docstring([f"{b.name}: {b.doc}", f"{passes} generated GEMM-epilogue kernels "
+                               f"({', '.join(kernels)}) and finish steps (codagen.runtime.finish); plain GEMMs "
+                               "go to cuBLAS through torch.matmul."], 0),
+        class_doc=_docstring([b.doc], 4),
+        forward_def=_enclosed("def forward(", ["ctx", *inputs, *(p.name for p in b.params),
+                                               *(a.name for a in b.attrs)], "):", 4),
+        forward=[line for c in cb.forward for line in _call(c, 8)],
+        save=_enclosed("ctx.save_for_backward(", list(cb.saved), ")", 8) if cb.saved else [],
+        attrs=_tuple("ctx.attrs = ", [a.name for a in b.attrs], "", 8, parens=True) if b.attrs else [],
+        unpack_attrs=_tuple("", [a.name for a in b.attrs], " = ctx.attrs", 8) if b.attrs else [],
+        non_diff=_enclosed("ctx.mark_non_differentiable(", non_diff, ")", 8) if non_diff else [],
+        outputs=_statement("return", [f"{o.alias}.view_as({o.alias})" if o.alias else o.name for o in b.outputs], 8),
+        backward_def=_enclosed("def backward(", ["ctx", *grad_params], "):", 4),
+        unpack_saved=_tuple("", list(cb.saved), " = ctx.saved_tensors", 8) if cb.saved else [],
+        chunks=chunks,
+        rows=_value(chunks.rows) if chunks else None,
+        backward=[line for c in cb.backward for line in
+                  _call(c, body, set(chunks.sliced) if chunks else set(), chunks.summed_by_gemm if chunks else ())],
+        drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
+        returns=_statement("return", [g or "None" for g in cb.grads] + ["None"] * len(b.attrs), 8),
+        init_def=_enclosed("def __init__(", init_params, "):", 4),
+        param_shapes={p.name: _shape(p.dims) for p in b.params},
+        module_forward_def=_enclosed("def forward(", ["self", *inputs], "):", 4),
+        apply_args=[*wrap(inputs, 12, WIDTH), *wrap([f"self.{p.name}" for p in b.params], 12, WIDTH),
+                    *wrap([f"self.{a.name}" for a in b.attrs], 12, WIDTH)],
         regenerate=regenerate,
-        apply_args=[line for line in (
-            ", ".join(t.name for t in b.inputs) + ",",
-            "".join(f"self.{p.name}, " for p in b.params).rstrip(),
-            "".join(f"self.{a.name}, " for a in b.attrs).rstrip(),
-        ) if line],
-        signature=", ".join([t.name for t in b.inputs] + [p.name for p in b.params] + [a.name for a in b.attrs]),
     )
+
+
+def _shape(dims) -> str:
+    """A parameter's shape as a Python tuple of attr expressions."""
+    return "(" + ", ".join(d.expr(" * ", " // ") for d in dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _default(a) -> str:
+    return f'"{a.default}"' if a.kind == "choice" else repr(a.default)

@@ -63,7 +63,7 @@ class ChunkSum:
         self._start_total()
         self._total.add_(part)
 
-    def add_matmul(self, a: torch.Tensor, b: torch.Tensor, transpose: str) -> None:
+    def add_matmul(self, a: torch.Tensor, b: torch.Tensor, transpose: str = "none") -> None:
         """add(finish.matmul(a, b, transpose)). From the second chunk on, on a GPU, the GEMM accumulates into
         the fp32 total itself (cuBLAS: bf16/fp16 operands, fp32 C = A @ B + C, as Megatron's gradient
         accumulation fusion does), so that no chunk's product is written out and added in another pass."""

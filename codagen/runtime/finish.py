@@ -60,19 +60,22 @@ def _reduce_tiles(x: torch.Tensor, op: int, scale: float = 1.0, eps: float = 0.0
     return out
 
 
-def rstd(partial_sumsq: torch.Tensor, size: int, eps: float) -> torch.Tensor:
-    """RMSNorm's per-row 1 / sqrt(mean(x^2) + eps) from per-tile partial sums of squares."""
-    return _reduce_tiles(partial_sumsq, _RSTD, 1.0 / size, eps)
+# Parameters are named as the finish steps' arguments in block specs: generated blocks pass them by keyword.
+
+def rstd(x: torch.Tensor, size: int, eps: float) -> torch.Tensor:
+    """RMSNorm's per-row 1 / sqrt(mean(v^2) + eps) from the per-tile partial sums of squares `x` of rows of
+    `size` values."""
+    return _reduce_tiles(x, _RSTD, 1.0 / size, eps)
 
 
-def sum_tiles(partial: torch.Tensor, divide_by: int | None = None) -> torch.Tensor:
+def sum_tiles(x: torch.Tensor, divide_by: int | None = None) -> torch.Tensor:
     """Sum of the per-tile partials of each row (or column), optionally divided by a size."""
-    return _reduce_tiles(partial, _SUM, 1.0 / divide_by if divide_by else 1.0)
+    return _reduce_tiles(x, _SUM, 1.0 / divide_by if divide_by else 1.0)
 
 
-def logsumexp_tiles(partial: torch.Tensor) -> torch.Tensor:
+def logsumexp_tiles(x: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(.))) of each row from per-tile log-sum-exp partials."""
-    return _reduce_tiles(partial, _LOGSUMEXP)
+    return _reduce_tiles(x, _LOGSUMEXP)
 
 
 @triton.jit
@@ -119,6 +122,7 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
     return loss, weights
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, transpose: str) -> torch.Tensor:
-    """A plain GEMM (weight gradients, data gradients with no epilogue): cuBLAS through torch."""
+def matmul(a: torch.Tensor, b: torch.Tensor, transpose: str = "none") -> torch.Tensor:
+    """A plain GEMM (weight gradients, data gradients with no epilogue), a @ b with the operand named by
+    `transpose` ('a', 'b' or 'none') transposed: cuBLAS through torch."""
     return torch.matmul(a.T if transpose == "a" else a, b.T if transpose == "b" else b)

@@ -2,8 +2,8 @@
 # Regenerate with: codagen build specs/
 """lm_head_loss: Final RMSNorm, LM head and cross-entropy loss, without materializing the logits between passes.
 
-Forward and backward run generated GEMM-epilogue kernels (lm_head_ce_grad, lm_head_logsumexp, norm_dgrad) and finish steps
-(codagen.runtime.finish); plain GEMMs go to cuBLAS through torch.matmul.
+The forward and backward run generated GEMM-epilogue kernels (lm_head_ce_grad, lm_head_logsumexp, norm_dgrad) and finish
+steps (codagen.runtime.finish); plain GEMMs go to cuBLAS through torch.matmul.
 """
 import torch
 from torch import nn
@@ -21,14 +21,13 @@ SHA256 = "ed74b8ab0019f3ed5affbf02fd29a9072da8a39837c4b537faf4156b272643af"
 class LmHeadLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, rstd, target, wn, w_vocab, dim, vocab, ignore_index, reduction, chunk_rows):
-        # specs/blocks/lm_head_loss.yaml:23  lm_head_logsumexp
-        lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(h, w_vocab, rstd, target)
-
-        # specs/blocks/lm_head_loss.yaml:25  logsumexp_tiles
-        lse = finish.logsumexp_tiles(lse_part)
-
-        # specs/blocks/lm_head_loss.yaml:26  cross_entropy
-        loss, weights = finish.cross_entropy(lse, target_logit, target, ignore_index, reduction)
+        lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(
+            h=h, w_vocab=w_vocab, rstd=rstd, target=target,
+        )
+        lse = finish.logsumexp_tiles(x=lse_part)
+        loss, weights = finish.cross_entropy(
+            lse=lse, target_logit=target_logit, target=target, ignore_index=ignore_index, reduction=reduction,
+        )
 
         ctx.save_for_backward(x, h, rstd, target, lse, weights, wn, w_vocab)
         ctx.attrs = (dim, vocab, ignore_index, reduction, chunk_rows)
@@ -49,21 +48,16 @@ class LmHeadLossFunction(torch.autograd.Function):
             target_rows = target[rows]
             lse_rows = lse[rows]
             weights_rows = weights[rows]
-
-            # specs/blocks/lm_head_loss.yaml:31  lm_head_ce_grad
-            dz, zdz_part = kernels.lm_head_ce_grad.lm_head_ce_grad(h_rows, w_vocab, rstd_rows, lse_rows, target_rows, weights_rows, grad_loss)
-
-            # specs/blocks/lm_head_loss.yaml:33  sum_tiles
-            zdz = finish.sum_tiles(zdz_part, dim)
-
-            # specs/blocks/lm_head_loss.yaml:34  norm_dgrad
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz, w_vocab, x_rows, rstd_rows, wn, zdz)
-
-            # specs/blocks/lm_head_loss.yaml:36  sum_tiles
-            grad_wn = finish.sum_tiles(dwn_part, None)
-
-            # specs/blocks/lm_head_loss.yaml:37  matmul
-            grad_w_vocab_sum.add_matmul(dz, normed, 'a')
+            dz, zdz_part = kernels.lm_head_ce_grad.lm_head_ce_grad(
+                h=h_rows, w_vocab=w_vocab, rstd=rstd_rows, lse=lse_rows, target=target_rows, weights=weights_rows,
+                grad_loss=grad_loss,
+            )
+            zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
+                dz=dz, w=w_vocab, x=x_rows, rstd=rstd_rows, wn=wn, zdz=zdz,
+            )
+            grad_wn = finish.sum_tiles(x=dwn_part)
+            grad_w_vocab_sum.add_matmul(a=dz, b=normed, transpose='a')
             grad_x_chunks.append(grad_x)
             grad_wn_sum.add(grad_wn)
             del dz, zdz_part, zdz, grad_x, dwn_part, normed, grad_wn

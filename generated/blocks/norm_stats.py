@@ -2,8 +2,8 @@
 # Regenerate with: codagen build specs/
 """norm_stats: RMSNorm statistics (x * wn and rstd) of the embeddings, for the first pre-attention block.
 
-Forward and backward run generated GEMM-epilogue kernels (rmsnorm_stats) and finish steps
-(codagen.runtime.finish); plain GEMMs go to cuBLAS through torch.matmul.
+The forward runs generated GEMM-epilogue kernels (rmsnorm_stats) and finish steps (codagen.runtime.finish); plain GEMMs
+go to cuBLAS through torch.matmul.
 """
 import torch
 from torch import nn
@@ -21,11 +21,8 @@ SHA256 = "fa32963c84b994193e7ab285cd629d95f4b556e4231607458b4055c3620937dd"
 class NormStatsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wn, dim, eps):
-        # specs/blocks/norm_stats.yaml:15  rmsnorm_stats
-        h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x, wn)
-
-        # specs/blocks/norm_stats.yaml:16  rstd
-        rstd = finish.rstd(ss, dim, eps)
+        h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
+        rstd = finish.rstd(x=ss, size=dim, eps=eps)
 
         ctx.attrs = (dim, eps)
         ctx.mark_non_differentiable(h, rstd)

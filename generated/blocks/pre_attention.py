@@ -2,8 +2,8 @@
 # Regenerate with: codagen build specs/
 """pre_attention: RMSNorm, QKV projection and RoPE of a Llama layer, forward and backward as GEMM-epilogue kernels.
 
-Forward and backward run generated GEMM-epilogue kernels (norm_dgrad_residual, qkv_norm_rope, rope_bwd_rowdot) and finish steps
-(codagen.runtime.finish); plain GEMMs go to cuBLAS through torch.matmul.
+The forward and backward run generated GEMM-epilogue kernels (norm_dgrad_residual, qkv_norm_rope, rope_bwd_rowdot) and
+finish steps (codagen.runtime.finish); plain GEMMs go to cuBLAS through torch.matmul.
 """
 import torch
 from torch import nn
@@ -21,8 +21,7 @@ SHA256 = "938a1b4481901c061db9eb7f7bb44d9bb043cac002e6c2ff47f8ae95f3d46262"
 class PreAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, rstd, positions, freqs, wn, w_qkv, dim, qkv_dim):
-        # specs/blocks/pre_attention.yaml:23  qkv_norm_rope
-        qkv = kernels.qkv_norm_rope.qkv_norm_rope(h, w_qkv, rstd, positions, freqs)
+        qkv = kernels.qkv_norm_rope.qkv_norm_rope(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
 
         ctx.save_for_backward(x, rstd, positions, freqs, qkv, wn, w_qkv)
         ctx.attrs = (dim, qkv_dim)
@@ -32,21 +31,15 @@ class PreAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_x_out, grad_qkv):
         x, rstd, positions, freqs, qkv, wn, w_qkv = ctx.saved_tensors
         dim, qkv_dim = ctx.attrs
-
-        # specs/blocks/pre_attention.yaml:26  rope_bwd_rowdot
-        dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(qkv, grad_qkv, positions, freqs)
-
-        # specs/blocks/pre_attention.yaml:28  sum_tiles
-        zdz = finish.sum_tiles(zdz_part, dim)
-
-        # specs/blocks/pre_attention.yaml:29  norm_dgrad_residual
-        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(dz, w_qkv, x, rstd, wn, zdz, grad_x_out)
-
-        # specs/blocks/pre_attention.yaml:31  sum_tiles
-        grad_wn = finish.sum_tiles(dwn_part, None)
-
-        # specs/blocks/pre_attention.yaml:32  matmul
-        grad_w_qkv = finish.matmul(dz, normed, 'a')
+        dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(
+            qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs,
+        )
+        zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
+        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
+            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x_out,
+        )
+        grad_wn = finish.sum_tiles(x=dwn_part)
+        grad_w_qkv = finish.matmul(a=dz, b=normed, transpose='a')
 
         return grad_x, None, None, None, None, grad_wn, grad_w_qkv, None, None
 

@@ -1,0 +1,149 @@
+"""The typed block model: a block spec as loaded (Block), and as checked (CheckedBlock: each step resolved
+against its callee, every value typed, the backward's row chunks laid out). blockspec.py builds the first,
+blockcheck.py the second; emit/block.py prints the second."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .model import Location
+
+# Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
+FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
+    # (argument, kind): value = a block value; size/number = an attr or a literal; out = defines a value;
+    # a kind ending in '?' may be left out
+    "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
+    "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
+    "logsumexp_tiles": (("x", "value"), ("out", "out")),
+    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"),
+                      ("ignore_index", "size"), ("reduction", "choice"), ("loss", "out"), ("weights", "out")),
+    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
+}
+REDUCTIONS = ("mean", "sum")
+TRANSPOSES = ("none", "a", "b")
+
+
+@dataclass(frozen=True)
+class BlockDim:
+    """A block dimension: coef * symbol, the symbol an int attr, 'M' (tokens) or a tile count; or a constant."""
+
+    coef: Fraction
+    symbol: str | None
+
+    def expr(self, times: str = "*", divide: str = "/") -> str:
+        """As written in specs (2*ffn_dim, qkv_dim/2), or as Python with times=" * ", divide=" // "."""
+        if self.symbol is None:
+            return str(self.coef)
+        num, den = self.coef.numerator, self.coef.denominator
+        return (f"{num}{times}" if num != 1 else "") + self.symbol + (f"{divide}{den}" if den != 1 else "")
+
+    def __str__(self) -> str:
+        return self.expr()
+
+    def scaled(self, f: Fraction) -> "BlockDim":
+        return BlockDim(self.coef * f, self.symbol)
+
+
+TOKENS = BlockDim(Fraction(1), "M")
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: str  # "int", "float", "choice"
+    default: object
+    choices: tuple[str, ...]
+    loc: Location
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A parameter, input or output of a block."""
+
+    name: str
+    dims: tuple[BlockDim, ...]
+    dtype: str  # "T", "float32", "index"
+    grad: bool
+    alias: str | None  # an output that is an input passed through (its gradient flows back to that input)
+    loc: Location
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    op: str  # a kernel name or a finish op
+    args: dict  # argument (a callee input or output) -> value name, attr name or literal
+    loc: Location
+    arg_locs: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    doc: str
+    attrs: tuple[Attr, ...]
+    params: tuple[BlockTensor, ...]
+    inputs: tuple[BlockTensor, ...]
+    outputs: tuple[BlockTensor, ...]
+    forward: tuple[BlockStep, ...]
+    save: tuple[tuple[str, Location], ...]
+    backward: tuple[BlockStep, ...]
+    backward_row_chunks: str | int | None  # backward runs on chunks of rows of this many (an attr or a number)
+    source: str
+    sha256: str
+    loc: Location
+
+    def attr(self, name: str) -> Attr | None:
+        return next((a for a in self.attrs if a.name == name), None)
+
+
+@dataclass(frozen=True)
+class Value:
+    """The type of a block value."""
+
+    dims: tuple[BlockDim, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a resolved step: the callee's parameter and what is passed, either a name in scope
+    (a block value or an attr) or a literal."""
+
+    param: str
+    value: object
+    is_name: bool
+
+
+@dataclass(frozen=True)
+class Call:
+    """A resolved step: `op` applied to `args` (in the callee's order; optional ones the spec left out are
+    absent), defining `outs` (block value names in the callee's output order; '_' discards)."""
+
+    op: str
+    kernel: bool
+    args: tuple[Arg, ...]
+    outs: tuple[str, ...]
+    loc: Location
+
+
+@dataclass(frozen=True)
+class ChunkedBackward:
+    """A backward run over chunks of rows, so that at most one chunk's intermediate values exist at a time."""
+
+    rows: Arg  # rows per chunk: an int attr or a number
+    sliced: tuple[str, ...]  # saved values and upstream gradients with the token dimension, sliced per chunk
+    concatenated: tuple[str, ...]  # gradients with the token dimension: one piece per chunk
+    summed: tuple[str, ...]  # the other gradients (parameters'): summed over chunks in fp32
+    summed_by_gemm: tuple[str, ...]  # of `summed`, made by a plain GEMM no step reads: the GEMM accumulates
+    dropped: tuple[str, ...]  # what a chunk makes, deleted before the next chunk makes its own
+
+
+@dataclass(frozen=True)
+class CheckedBlock:
+    block: Block
+    forward: tuple[Call, ...]
+    backward: tuple[Call, ...]
+    values: dict  # name -> Value, forward and backward
+    saved: tuple[str, ...]  # what the forward saves for the backward: the spec's save list, then the parameters
+    grads: tuple[str, ...]  # what backward returns, in forward-argument order ('' for None)
+    chunks: ChunkedBackward | None  # set when the spec gives backward_row_chunks
