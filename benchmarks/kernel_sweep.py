@@ -96,7 +96,7 @@ def host_us(fn, calls=100):
 
 def main():
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
-    kernels = {c.kernel.name: c.kernel for c in api.load(["specs/"]) if hasattr(c, "kernel")}
+    checked = {c.kernel.name: c for c in api.load(["specs/"]) if hasattr(c, "kernel")}
 
     module = importlib.import_module("generated.kernels.out_proj_residual_norm")
     args = make_inputs(module, 16384, 2048, 2048)
@@ -105,7 +105,7 @@ def main():
 
     for name, (m, n, k) in SHAPES.items():
         module = importlib.import_module(f"generated.kernels.{name}")
-        kernel = kernels[name]
+        kernel = checked[name].kernel
         args = make_inputs(module, m, n, k)
         a, b = args[kernel.gemm.a], args[kernel.gemm.b]
         b_op = b.T if kernel.gemm.b_layout.value == "nk" else b
@@ -117,7 +117,7 @@ def main():
             try:
                 outs = make_outputs(kernel, CHECK_ROWS, n, k, config)
                 module.launch(*rows.values(), **outs, config=config)
-                truth = reference.run(kernel, rows, config.block_m, config.epilogue_n)
+                truth = reference.run(kernel, checked[name].types, rows, config.block_m, config.epilogue_n)
                 err = max(((outs[o].double() - truth[o]).norm() / truth[o].norm()).item() for o in outs)
                 full = make_outputs(kernel, m, n, k, config, 0.0)
                 ms = graph_ms(lambda: module.launch(*args.values(), **full, config=config))

@@ -6,10 +6,10 @@ import difflib
 import hashlib
 from pathlib import Path
 
-from . import ops
 from .errors import ErrorSink, SpecError, ValidationFailed
 from .model import ACC, BLayout, Dim, DType, Gemm, Input, InputRole, Kernel, Literal, Location, Output, Step
 from .names import name_problem
+from .primitives import PRIMITIVES
 from .yamlnodes import MAX_BYTES, Node, load, too_large
 
 MAX_STEPS = 512
@@ -285,9 +285,9 @@ def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
                                f"such as '- add: {{x: acc, y: x, out: x1}}', got {found}")
             continue
         (op, body), = item.value.items()
-        if op not in ops.SIGNATURES:
-            sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}';{_did_you_mean(op, ops.SIGNATURES)} "
-                                        f"expected one of: {', '.join(sorted(ops.SIGNATURES))}")
+        if op not in PRIMITIVES:
+            sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}';{_did_you_mean(op, PRIMITIVES)} "
+                                        f"expected one of: {', '.join(sorted(PRIMITIVES))}")
             continue
         step = _step(op, body, item.key_locs[op], sink)
         if step:
@@ -298,16 +298,13 @@ def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
 def _step(op: str, body: Node, loc: Location, sink: ErrorSink) -> Step | None:
     if not _is_mapping(body, f"{op}", sink):
         return None
-    signature = ops.SIGNATURES[op]
+    signature = PRIMITIVES[op].args
     m = _Mapping(body, op, sink)
     args, arg_locs, out, target, ok = {}, {}, None, None, True
     for arg in signature:
-        n = m.take(arg.name, required=arg.default is None)
+        n = m.take(arg.name)
         if n is None:
-            if arg.default is None:
-                ok = False
-            else:
-                args[arg.name] = arg.default
+            ok = False
             continue
         arg_locs[arg.name] = n.loc
         what = f"{op}.{arg.name}"

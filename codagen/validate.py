@@ -1,13 +1,14 @@
 """Rules across a kernel's parts: names, the GEMM's operands, the type of every step, and that each value is
-defined once, before use, and used; each output written exactly once. All errors are reported together."""
+defined once, before use, and used; each output written exactly once. All errors are reported together.
+Each primitive's own type rule lives with it (codagen/primitives) and runs through a StepCheck."""
 from __future__ import annotations
 
 import difflib
 
-from . import ops
 from .errors import ErrorSink
-from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output,
-                    ValueType, Width, dims_type, type_dims)
+from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output, Step,
+                    ValueType, Width, dims_type)
+from .primitives import PRIMITIVES
 
 _SCALAR = ValueType(Kind.SCALAR)
 _ROW = ValueType(Kind.ROW)
@@ -15,11 +16,6 @@ _ROW = ValueType(Kind.ROW)
 
 def _fmt(dims: tuple[Dim, ...]) -> str:
     return "[" + ", ".join(d.value for d in dims) + "]"
-
-
-def partial_dims(axis: str, t: ValueType) -> tuple[Dim, ...]:
-    """Shape of the partial-reduction buffer of a tile value: per row and N-tile, or per column and M-tile."""
-    return (Dim.M, Dim.TILES_N) if axis == "cols" else (Dim.for_width(t.width), Dim.TILES_M)
 
 
 def check_kernel(k: Kernel) -> dict[str, ValueType]:
@@ -131,118 +127,65 @@ def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
     return None
 
 
-def _check_step(k, step, sink, types, defined_at, used, written):
-    op, a = step.op, step.args
-    loc_of = lambda arg: step.arg_locs.get(arg, step.loc)  # noqa: E731
+class StepCheck:
+    """What a primitive's type rule (codagen/primitives) sees of one step: its operands' types, the kernel, and
+    where to report. Reading an operand marks it used; `target` records the output the step writes."""
 
-    def typed(arg: str) -> ValueType | None:
-        ref = a.get(arg)
+    def __init__(self, k: Kernel, step: Step, sink: ErrorSink, types: dict, used: set, written: dict):
+        self.kernel, self.step = k, step
+        self._sink, self._types, self._used, self._written = sink, types, used, written
+
+    def loc(self, arg: str | None) -> Location:
+        return self.step.arg_locs.get(arg, self.step.loc) if arg else self.step.loc
+
+    def error(self, arg: str | None, message: str) -> None:
+        """Report at the argument `arg`, or at the step when None."""
+        self._sink.add(self.loc(arg), message)
+
+    def use(self, name: str) -> None:
+        self._used.add(name)
+
+    def typed(self, arg: str) -> ValueType | None:
+        """The type of an operand; None when it cannot be read (reported) or its defining step failed."""
+        k, op, ref = self.kernel, self.step.op, self.step.args.get(arg)
         if isinstance(ref, Literal):
             return _SCALAR
-        if ref == ACC and ACC not in types:
-            sink.add(loc_of(arg), f"{op}.{arg}: 'acc' exists only in kernels with a gemm")
+        if ref == ACC and ACC not in self._types:
+            self.error(arg, f"{op}.{arg}: 'acc' exists only in kernels with a gemm")
             return None
         inp = k.input(ref)
         if inp and inp.role in (InputRole.GEMM_A, InputRole.GEMM_B):
-            sink.add(loc_of(arg), f"{op}.{arg}: '{ref}' is a gemm operand and cannot be read in the epilogue")
+            self.error(arg, f"{op}.{arg}: '{ref}' is a gemm operand and cannot be read in the epilogue")
             return None
-        if ref not in types:
-            sink.add(loc_of(arg), f"{op}.{arg}: {_undefined(k, step, ref, types)}")
+        if ref not in self._types:
+            self.error(arg, f"{op}.{arg}: {_undefined(k, self.step, ref, self._types)}")
             return None
-        used.add(ref)
-        return types[ref]  # None when the step that defined it had an error: reported there, not again
+        self._used.add(ref)
+        return self._types[ref]  # None when the step that defined it had an error: reported there, not again
 
-    def need(arg: str, t: ValueType | None, kinds: tuple[Kind, ...], what: str) -> bool:
+    def need(self, arg: str, t: ValueType | None, kinds: tuple[Kind, ...], what: str) -> bool:
+        """Whether `t` is known and of one of `kinds`; reports `what` the argument must be when it is not."""
         if t is not None and t.kind not in kinds:
-            sink.add(loc_of(arg), f"{op}.{arg} must be {what}, got {t} '{a[arg]}'")
+            self.error(arg, f"{self.step.op}.{arg} must be {what}, got {t} '{self.step.args[arg]}'")
             return False
         return t is not None
 
-    result: ValueType | None = None
-    if op in ops.UNARY or op == "cast":
-        result = typed("x")
-        if op == "cast" and a["dtype"] == "T" and k.t_input is None:
-            sink.add(loc_of("dtype"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none; "
-                                      "name a dtype (float32, float16, bfloat16)")
-    elif op in ops.BINARY:
-        x, y = typed("x"), typed("y")
-        if x and y:
-            result = _broadcast(x, y)
-            if result is None:
-                sink.add(step.loc, f"{op}: cannot combine {x} '{a['x']}' with {y} '{a['y']}'; widths differ")
-        if isinstance(a["x"], Literal) and isinstance(a["y"], Literal):
-            sink.add(step.loc, f"{op}: both operands are numbers; write the result as one number")
-            result = None
-    elif op == "scale":
-        x, by = typed("x"), typed("by")
-        if need("x", x, (Kind.TILE,), "a tile") & need("by", by, (Kind.ROW, Kind.COL, Kind.SCALAR),
-                                                          "a row vector, column vector or scalar"):
-            result = _broadcast(x, by)
-            if result is None:
-                sink.add(loc_of("by"), f"scale.by: {by} '{a['by']}' does not match {x} '{a['x']}'")
-    elif op in ops.GATED:
-        x = typed("x")
-        if need("x", x, (Kind.TILE,), "a tile of interleaved (gate, up) pairs"):
-            if x.width.half is None:
-                sink.add(loc_of("x"), f"{op}.x: '{a['x']}' is a {x}, already halved: {op} turns each (gate, up) "
-                                      f"pair into one value, so it needs a [M, N] or [M, 2*N] tile of pairs")
-            else:
-                result = ValueType(Kind.TILE, x.width.half)
-    elif op in ops.GATED_BWD:
-        dy, x = typed("dy"), typed("x")
-        if need("dy", dy, (Kind.TILE,), "a tile (the gradient of the gated output)") & need(
-                "x", x, (Kind.TILE,), "a tile of the saved (gate, up) pairs"):
-            if dy.width.double != x.width:
-                want = dy.width.double.value if dy.width.double else "none"
-                sink.add(loc_of("x"), f"{op}.x must be twice as wide as dy ([M, {want}]), got {x} '{a['x']}'")
-            else:
-                result = x
-    elif op in ops.ROTARY:
-        x, pos, freqs = typed("x"), typed("positions"), typed("freqs")
-        ok = need("x", x, (Kind.TILE,), "a tile of interleaved pairs")
-        ok &= need("positions", pos, (Kind.ROW,), "a row vector [M] of positions")
-        ok &= need("freqs", freqs, (Kind.COL,), "a column vector of per-pair frequencies")
-        if ok:
-            if x.width.half is None or freqs.width != x.width.half:
-                want = x.width.half.value if x.width.half else "?"
-                sink.add(loc_of("freqs"), f"{op}.freqs must have one frequency per pair, [{want}] for a {x}, "
-                                          f"got {freqs} '{a['freqs']}'; declare it as [{want}]")
-            else:
-                result = x
-    elif op == "reduce":
-        x = typed("x")
-        ok = need("x", x, (Kind.TILE,), "a tile")
-        _check_target(k, step, sink, written, partial_dims(a["axis"], x) if ok else None, inplace=False)
-    elif op == "select":
-        x = typed("x")
-        idx = k.input(a["index"])
-        if idx is None:
-            sink.add(loc_of("index"), f"select.index: '{a['index']}' is not an input; declare it under inputs "
-                                      f"as '{a['index']}: {{shape: [M], dtype: index}}'")
-        elif idx.dtype is not DType.INDEX:
-            sink.add(loc_of("index"), f"select.index: input '{idx.name}' has dtype {idx.dtype.value}, but select "
-                                      f"needs integer column indices; declare it as "
-                                      f"'{idx.name}: {{shape: [M], dtype: index}}'")
-            used.add(idx.name)
-        else:
-            used.add(idx.name)
-        ok = need("x", x, (Kind.TILE,), "a tile")
-        _check_target(k, step, sink, written, (Dim.M,) if ok else None, inplace=False)
-    elif op == "one_hot":
-        idx = k.input(a["index"])
-        if idx is None or idx.dtype is not DType.INDEX:
-            sink.add(loc_of("index"), f"one_hot.index must be an input of dtype index and shape [M], "
-                                      f"got '{a['index']}'")
-        else:
-            used.add(idx.name)
-            result = ValueType(Kind.TILE, Width.FULL)
-    elif op in ("store", "accumulate"):
-        x = typed("x")
-        ok = need("x", x, (Kind.TILE, Kind.ROW, Kind.COL), "a tile, row vector or column vector")
-        _check_target(k, step, sink, written, type_dims(x) if ok else None, inplace=op == "accumulate")
+    @staticmethod
+    def broadcast(x: ValueType, y: ValueType) -> ValueType | None:
+        return _broadcast(x, y)
 
+    def target(self, want: tuple[Dim, ...] | None, inplace: bool = False, partial: bool = False,
+               what: str = "") -> None:
+        """Record that the step writes its target and check how: `want` is the shape it writes (None when the
+        written value's type is unknown, an error already reported: the shape is not checked, and the output
+        counts as written); `partial`: it writes partial reductions, `what` says how, for the messages."""
+        _check_target(self.kernel, self.step, self._sink, self._written, want, inplace, partial, what)
+
+
+def _check_step(k, step, sink, types, defined_at, used, written):
+    result = PRIMITIVES[step.op].check(StepCheck(k, step, sink, types, used, written))
     if step.out is not None:
-        name, where = step.out, loc_of("out")
+        op, name, where = step.op, step.out, step.arg_locs.get("out", step.loc)
         if name == _kernel_function(k):
             sink.add(where, f"{op}.out: '{name}' is the name of the generated Triton kernel; choose another name")
         elif name == ACC:
@@ -277,11 +220,9 @@ def _undefined(k: Kernel, step, ref: str, types: dict) -> str:
     return f"'{ref}' is not defined: it is not an input and no earlier step defines it{hint}"
 
 
-def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[Dim, ...] | None,
-                  inplace: bool):
-    """Record that the step writes its target and check how. `want` is None when the written value's type
-    is unknown (an error already reported): the shape is not checked, and the output counts as written."""
-    arg = "into" if step.op == "accumulate" else "to"
+def _check_target(k: Kernel, step: Step, sink: ErrorSink, written: dict, want: tuple[Dim, ...] | None,
+                  inplace: bool, partial: bool, what: str):
+    arg = PRIMITIVES[step.op].target.name
     loc = step.arg_locs.get(arg, step.loc)
     out: Output | None = k.output(step.target)
     if out is None:
@@ -294,19 +235,17 @@ def _check_target(k: Kernel, step, sink: ErrorSink, written: dict, want: tuple[D
                       "each output is written once")
         return
     written[out.name] = loc
-    partial = Dim.TILES_M in out.dims or Dim.TILES_N in out.dims  # an inplace partial is reported on its own
-    if partial and step.op != "reduce":
+    holds_partials = Dim.TILES_M in out.dims or Dim.TILES_N in out.dims  # an inplace one is reported on its own
+    if holds_partials and not partial:
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' holds partial reductions {_fmt(out.dims)}; write it "
                       f"with '- reduce: {{op: ..., x: ..., axis: ..., to: {out.name}}}'")
         return
-    if out.inplace != inplace and not partial:
+    if out.inplace != inplace and not holds_partials:
         if inplace:
-            sink.add(loc, f"accumulate.into: output '{out.name}' must be declared with 'inplace: true'")
+            sink.add(loc, f"{step.op}.{arg}: output '{out.name}' must be declared with 'inplace: true'")
         else:
             sink.add(loc, f"{step.op}.{arg}: output '{out.name}' is inplace; update it with 'accumulate'")
     if want is not None and out.dims != want:
-        what = {("reduce", "cols"): "one partial per row and N-tile",
-                ("reduce", "rows"): "one partial per column and M-tile"}.get((step.op, step.args.get("axis")))
         what = f" ({what})" if what else ""
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' has shape {_fmt(out.dims)}, but this step writes "
                       f"{_fmt(want)}{what}; declare '{out.name}' as {_fmt(want)}")

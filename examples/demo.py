@@ -24,10 +24,11 @@ y, w_o, x, wn = (torch.randn(*s, device=device) for s in ((m, k), (n, k), (m, n)
 start = time.perf_counter()
 x_out, h, ss = out_proj_residual_norm.out_proj_residual_norm(y, w_o, x, wn)
 elapsed = time.perf_counter() - start
-(kernel,) = [c.kernel for c in api.load(["specs/out_proj_residual_norm.yaml"])]
-config = runtime.pick_config(kernel.name, out_proj_residual_norm.SHA256, out_proj_residual_norm.TUNING, m, n, k,
+(checked,) = api.load(["specs/out_proj_residual_norm.yaml"])
+kernel = checked.kernel
+config = runtime.pick_config(kernel.name, out_proj_residual_norm.FINGERPRINT, out_proj_residual_norm.TUNING, m, n, k,
                              torch.device(device))
-truth = reference.run(kernel, {"y": y, "w_o": w_o, "x": x, "wn": wn}, config.block_m, config.block_n)
+truth = reference.run(kernel, checked.types, {"y": y, "w_o": w_o, "x": x, "wn": wn}, config.block_m, config.block_n)
 print(f"\nout_proj_residual_norm {m}x{n}x{k} ({elapsed:.2f} s):")
 for name, value in (("x_out", x_out), ("h", h), ("ss", ss)):
     print(f"  {name:6s} {tuple(value.shape)}  relative error vs float64: {rel(value, truth[name]):.1e}")

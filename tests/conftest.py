@@ -50,23 +50,28 @@ def test_kernels(tmp_path_factory) -> Callable[[str], object]:
     sys.path.remove(str(root))
 
 
-_MODELS: dict[str, object] = {}
+_CHECKED: dict[str, api.Checked] = {}
 
 
-def _models() -> dict:
-    if not _MODELS:
-        _MODELS.update({c.kernel.name: c.kernel for c in api.load([TEST_SPECS])})
-    return _MODELS
+def _checked() -> dict[str, api.Checked]:
+    if not _CHECKED:
+        _CHECKED.update({c.kernel.name: c for c in api.load([TEST_SPECS])})
+    return _CHECKED
 
 
 def kernel_model(name: str):
     """The checked kernel model (codagen.model.Kernel) of a test kernel, loaded with codagen.api.load."""
-    return _models()[name]
+    return _checked()[name].kernel
+
+
+def kernel_types(name: str) -> dict:
+    """The value types of a test kernel's values, as the validator found them."""
+    return _checked()[name].types
 
 
 def all_test_kernels() -> list[str]:
     """Names of the test kernels (the specs of tests/specs/), sorted."""
-    return sorted(_models())
+    return sorted(_checked())
 
 
 @pytest.fixture(scope="session")

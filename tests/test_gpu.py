@@ -229,12 +229,12 @@ def unfused_run(kernel, args: dict, block_m: int, block_n: int, dtype: torch.dty
     if kernel.gemm:
         a, b = args[kernel.gemm.a], args[kernel.gemm.b]
         env[ACC] = (a @ (b.T if kernel.gemm.b_layout is BLayout.NK else b)).double()
-    outs: dict[str, torch.Tensor] = {}
+    evaluation = reference.Evaluation(kernel, types, args, block_m, block_n, torch.float64, env)
     for step in kernel.steps:
-        reference._step(kernel, step, env, types, outs, args, block_m, block_n, torch.float64)
+        evaluation.step(step)
         if every_step and step.out is not None and types[step.out].kind is Kind.TILE:
             env[step.out] = env[step.out].to(dtype).double()
-    return outs
+    return evaluation.outs
 
 
 def rounded(outs: dict, module, dtype: torch.dtype) -> dict:
@@ -270,7 +270,7 @@ def test_kernel_at_llama_shapes(name, use, dtype):
     for out_name, out in outputs.items():
         assert not torch.isnan(out).any(), f"{name}: NaN in {int(torch.isnan(out).sum())} of {out.numel()} " \
                                            f"elements of '{out_name}'"
-    truth = reference.run(kernel, args, config.block_m, config.epilogue_n)
+    truth = reference.run(kernel, check_kernel(kernel), args, config.block_m, config.epilogue_n)
     assert set(truth) == set(outputs)
     for out_name, out in outputs.items():
         assert out.shape == truth[out_name].shape, out_name

@@ -1,5 +1,5 @@
-"""Every epilogue primitive of codagen.ops, run through a generated kernel on the CPU (Triton's interpreter)
-and compared with the float64 reference interpreter of the spec (codagen.reference).
+"""Every epilogue primitive of the registry (codagen.primitives), run through a generated kernel on the CPU
+(Triton's interpreter) and compared with the float64 reference interpreter of the spec (codagen.reference).
 
 Test kernels live in tests/specs/ (one spec per family of primitives; see the table in each spec's comment).
 Each is run for float32, float16 and bfloat16 on three shapes: a ragged one that fits one tile, a ragged one
@@ -30,8 +30,7 @@ import torch
 from codagen import reference
 from codagen.model import Dim, Width
 from codagen.runtime import Config
-from codagen.validate import check_kernel
-from conftest import DEVICE, all_test_kernels, draw_args, kernel_model
+from conftest import DEVICE, all_test_kernels, draw_args, kernel_model, kernel_types
 
 # numpy warnings from the interpreter, harmless: sigmoid (in tanh, gelu) of large arguments overflows exp to
 # inf and gives 0 or 1 as it should; logsumexp partials of masked-off rows take log(0) and are not stored.
@@ -64,7 +63,7 @@ SPECIAL = {
 
 def _needs_even_n(kernel) -> bool:
     """Whether columns come in pairs: some value or tensor is N/2 wide."""
-    return any(t.width is Width.HALF for t in check_kernel(kernel).values()) or \
+    return any(t.width is Width.HALF for t in kernel_types(kernel.name).values()) or \
         any(Dim.N_HALF in d.dims for d in (*kernel.inputs, *kernel.outputs))
 
 
@@ -99,7 +98,7 @@ def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dty
     args = draw_args(module, sizes, dtype, config, strided=strided, generator=g, index_dtype=index_dtype,
                      special=SPECIAL)
     module.launch(**args.kwargs, config=config)
-    expected = reference.run(kernel, args.inputs, config.block_m, config.epilogue_n)
+    expected = reference.run(kernel, kernel_types(kernel.name), args.inputs, config.block_m, config.epilogue_n)
     assert set(expected) == set(args.outputs)
     errors = {}
     for name, out in args.outputs.items():

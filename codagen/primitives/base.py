@@ -1,0 +1,79 @@
+"""What a primitive is: its arguments, type rule, emitters per backend, float64 reference and description.
+The family modules build the primitives; codagen/primitives/__init__.py lists them."""
+from __future__ import annotations
+
+import importlib
+import string
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from ..model import Step, ValueType
+
+if TYPE_CHECKING:
+    from ..emit.epilogue import EpilogueEmitter
+    from ..reference import Evaluation
+    from ..validate import StepCheck
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    # value: a value name (or a number where `number` is set); index: an index input's name;
+    # enum: one of `choices`; out: the value this step defines; target: the output it writes
+    kind: str
+    number: bool = False
+    choices: tuple[str, ...] = ()
+
+
+X = Arg("x", "value")
+OUT = Arg("out", "out")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+EmitFn = Callable[["EpilogueEmitter", Step], None]
+
+
+@dataclass(frozen=True)
+class Primitive:
+    name: str
+    args: tuple[Arg, ...]
+    doc: str  # what it computes, in a sentence: the schema's hover text and the docs' table
+    typing: str  # what its arguments must be and what it defines or writes
+    example: str  # one step in flow style, without the leading '- '
+    check: Callable[["StepCheck"], ValueType | None]  # the type of the value it defines (None: error, or none)
+    reference: Callable[["Evaluation", Step], object]  # the value it defines, or the tensor it writes
+    emitters: Mapping[str, EmitFn] = field(default_factory=dict)  # backend name -> emitter
+
+    @property
+    def target(self) -> Arg | None:
+        """The argument naming the output this primitive writes, if it writes one."""
+        return next((a for a in self.args if a.kind == "target"), None)
+
+
+def same_type(c: "StepCheck") -> ValueType | None:
+    """The rule of elementwise steps on one value: the result has the kind and width of x."""
+    return c.typed("x")
+
+
+def expression(template: str) -> EmitFn:
+    """An emitter for `out = template`, elementwise (once per half of a pair), where `{x}`, `{y}`, ... stand for
+    the step's value arguments and `{lang}` for the backend's language module (`tl`)."""
+    names = [f for _, f, _, _ in string.Formatter().parse(template) if f and f != "lang"]
+
+    def emit(e: "EpilogueEmitter", s: Step) -> None:
+        e.elementwise(s, template.replace("{lang}", e.lang), {name: s.args[name] for name in names})
+    return emit
+
+
+class _Lazy:
+    """A module imported on first use: loading and checking specs must not import torch."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _Lazy("torch")
+F = _Lazy("torch.nn.functional")
+

@@ -1,0 +1,138 @@
+"""Elementwise primitives: unary functions, binary operators with broadcasting, `scale` and `cast`. Every value
+is fp32 in registers; a value of interleaved pairs is computed on as its two halves."""
+from __future__ import annotations
+
+import math
+
+from ..model import Kind, Literal, ValueType
+from .base import OUT, X, Arg, F, FLOAT_DTYPES, Primitive, expression, same_type, torch
+
+UNARY_TYPING = "x: any value; out has its kind and width."
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def unary(name: str, tl: str, fn, doc: str, example: str) -> Primitive:
+    """A unary primitive: `tl` is its Triton expression of `{x}`, `fn` its PyTorch function."""
+    return Primitive(name, (X, OUT), doc, UNARY_TYPING, example, check=same_type,
+                     reference=lambda r, s: fn(r.tensor(s.args["x"])), emitters={"tl": expression(tl)})
+
+
+UNARY = (
+    unary("silu", "tile.silu({x})", lambda x: F.silu(x), "out = x · σ(x)", "silu: {x: acc, out: act}"),
+    unary("sigmoid", "{lang}.sigmoid({x})", lambda x: torch.sigmoid(x), "out = σ(x) = 1 / (1 + e^(−x))",
+          "sigmoid: {x: acc, out: gate}"),
+    unary("gelu_tanh", "tile.gelu_tanh({x})", gelu_tanh, "out = ½ x (1 + tanh(√(2/π) (x + 0.044715 x³)))",
+          "gelu_tanh: {x: acc, out: act}"),
+    unary("tanh", "tile.tanh({x})", lambda x: torch.tanh(x), "out = tanh(x), computed as 2σ(2x) − 1",
+          "tanh: {x: acc, out: th}"),
+    unary("relu", "{lang}.maximum({x}, 0.0)", lambda x: torch.relu(x), "out = max(x, 0)",
+          "relu: {x: acc, out: act}"),
+    unary("exp", "{lang}.exp({x})", lambda x: torch.exp(x), "out = eˣ", "exp: {x: shifted, out: p}"),
+    unary("log", "{lang}.log({x})", lambda x: torch.log(x), "out = ln x", "log: {x: p, out: logp}"),
+    unary("square", "{x} * {x}", lambda x: torch.square(x), "out = x²", "square: {x: acc, out: sq}"),
+    unary("rsqrt", "{lang}.rsqrt({x})", lambda x: torch.rsqrt(x), "out = 1 / √x", "rsqrt: {x: ms_eps, out: r}"),
+    unary("neg", "-{x}", lambda x: torch.neg(x), "out = −x", "neg: {x: acc, out: minus}"),
+    unary("abs", "{lang}.abs({x})", lambda x: torch.abs(x), "out = |x|", "abs: {x: acc, out: mag}"),
+)
+
+
+# -- binary -------------------------------------------------------------------------------------------------
+BINARY_ARGS = (Arg("x", "value", number=True), Arg("y", "value", number=True), OUT)
+BINARY_TYPING = "x, y: values or numbers, not both numbers; out has their broadcast type (row with column: a tile)."
+
+
+def _check_binary(c) -> ValueType | None:
+    op, a = c.step.op, c.step.args
+    x, y = c.typed("x"), c.typed("y")
+    result = None
+    if x and y:
+        result = c.broadcast(x, y)
+        if result is None:
+            c.error(None, f"{op}: cannot combine {x} '{a['x']}' with {y} '{a['y']}'; widths differ")
+    if isinstance(a["x"], Literal) and isinstance(a["y"], Literal):
+        c.error(None, f"{op}: both operands are numbers; write the result as one number")
+        result = None
+    return result
+
+
+def binary(name: str, tl: str, fn, doc: str, example: str) -> Primitive:
+    """A binary primitive: `tl` is its Triton expression of `{x}` and `{y}`, `fn` its PyTorch function."""
+    def reference(r, s):
+        into = r.types[s.out]  # a row vector meets a column vector as [:, None] and [None, :]
+        return fn(r.tensor(s.args["x"], into), r.tensor(s.args["y"], into))
+    return Primitive(name, BINARY_ARGS, doc, BINARY_TYPING, example, check=_check_binary, reference=reference,
+                     emitters={"tl": expression(tl)})
+
+
+BINARY = (
+    binary("add", "{x} + {y}", lambda x, y: torch.add(x, y), "out = x + y", "add: {x: acc, y: bias, out: biased}"),
+    binary("sub", "{x} - {y}", lambda x, y: torch.sub(x, y), "out = x − y",
+           "sub: {x: acc, y: shift, out: centered}"),
+    binary("mul", "{x} * {y}", lambda x, y: torch.mul(x, y), "out = x · y",
+           "mul: {x: mean, y: w_colsum, out: shift}"),
+    binary("div", "{x} / {y}", lambda x, y: torch.div(x, y), "out = x / y", "div: {x: acc, y: 4, out: quarter}"),
+    binary("maximum", "{lang}.maximum({x}, {y})", lambda x, y: torch.maximum(x, y), "out = max(x, y)",
+           "maximum: {x: acc, y: -1.0, out: lo}"),
+    binary("minimum", "{lang}.minimum({x}, {y})", lambda x, y: torch.minimum(x, y), "out = min(x, y)",
+           "minimum: {x: 1.0, y: lo, out: clamped}"),
+)
+
+
+# -- scale --------------------------------------------------------------------------------------------------
+def _check_scale(c):
+    a = c.step.args
+    x, by = c.typed("x"), c.typed("by")
+    if c.need("x", x, (Kind.TILE,), "a tile") & c.need("by", by, (Kind.ROW, Kind.COL, Kind.SCALAR),
+                                                        "a row vector, column vector or scalar"):
+        result = c.broadcast(x, by)
+        if result is None:
+            c.error("by", f"scale.by: {by} '{a['by']}' does not match {x} '{a['x']}'")
+        return result
+    return None
+
+
+SCALE = Primitive(
+    "scale", (X, Arg("by", "value", number=True), OUT),
+    "out = x · by, by[:, None] for a row and by[None, :] for a column: mul restricted to a tile times a vector or "
+    "scalar, which catches a mistyped operand early.",
+    "x: a tile; by: a row vector ([M]), a column vector of the tile's width, a scalar or a number; out: a tile "
+    "of x's width.",
+    "scale: {x: acc, by: rstd, out: z}",
+    check=_check_scale,
+    reference=lambda r, s: torch.mul(r.tensor(s.args["x"], r.types[s.out]), r.tensor(s.args["by"], r.types[s.out])),
+    emitters={"tl": expression("{x} * {by}")})
+
+
+# -- cast ---------------------------------------------------------------------------------------------------
+def _check_cast(c):
+    if c.step.args["dtype"] == "T" and c.kernel.t_input is None:
+        c.error("dtype", "cast.dtype T is the type of the kernel's matrix inputs, and it has none; name a dtype "
+                         "(float32, float16, bfloat16)")
+    return c.typed("x")
+
+
+def _emit_cast(e, s):
+    # round to the narrower type and back: models where an unfused program would store that type
+    dtype = s.args["dtype"]
+    to = f"{e.kernel.t_input}_ptr.dtype.element_ty" if dtype == "T" else f"{e.lang}.{dtype}"
+    e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
+
+
+def _cast_reference(r, s):
+    dtype = s.args["dtype"]
+    rounded = r.args[r.kernel.t_input].dtype if dtype == "T" else getattr(torch, dtype)
+    return r.tensor(s.args["x"]).to(rounded).to(r.dtype)
+
+
+CAST = Primitive(
+    "cast", (X, Arg("dtype", "enum", choices=("T", *FLOAT_DTYPES)), OUT),
+    "out = x rounded to dtype and converted back to fp32: a value that an unfused program would have stored "
+    "in that dtype and reloaded.",
+    "x: any value; out has its kind and width. dtype T: the kernel's type at the launch.",
+    "cast: {x: acc, dtype: bfloat16, out: acc_bf16}",
+    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast})
+
+PRIMITIVES = (*UNARY, *BINARY, SCALE, CAST)

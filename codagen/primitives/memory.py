@@ -1,0 +1,42 @@
+"""Primitives that write a value to an output: `store` (cast to the output's dtype) and `accumulate` (a
+read-modify-write in fp32 of an inplace output). A row vector is written by the first N-tile of each row, a
+column vector by the first M-tile of each column, so that every element is written once."""
+from __future__ import annotations
+
+from ..model import Kind, type_dims
+from .base import X, Arg, Primitive
+
+WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL)
+
+
+def _check(inplace: bool):
+    def check(c) -> None:
+        x = c.typed("x")
+        ok = c.need("x", x, WRITABLE, "a tile, row vector or column vector")
+        c.target(type_dims(x) if ok else None, inplace=inplace)
+    return check
+
+
+def _emit_store(e, s):
+    e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({s.target}_ptr.dtype.element_ty), mask={{mask}})")
+
+
+def _emit_accumulate(e, s):
+    e.write(s, "tile.accumulate({ptr}, {x}, {mask})")
+
+
+PRIMITIVES = (
+    Primitive(
+        "store", (X, Arg("to", "target")),
+        "Write x to an output, cast to the output's dtype, masked at the ragged edges.",
+        "x: a tile, row or column value; to: a non-inplace output of the same shape.",
+        "store: {x: x_new, to: x_out}",
+        check=_check(inplace=False), reference=lambda r, s: r.value(s.args["x"]), emitters={"tl": _emit_store}),
+    Primitive(
+        "accumulate", (X, Arg("into", "target")),
+        "into += x: a read-modify-write that adds in fp32 and stores the sum cast to the output's dtype.",
+        "x: a tile, row or column value; into: an output declared with 'inplace: true' of the same shape.",
+        "accumulate: {x: dxn, into: dx2}",
+        check=_check(inplace=True), reference=lambda r, s: r.args[s.target].to(r.dtype) + r.value(s.args["x"]),
+        emitters={"tl": _emit_accumulate}),
+)

@@ -1,0 +1,90 @@
+"""`reduce`: partial reductions of a tile, one value per (row, N-tile) or per (column, M-tile), masked and
+deterministic (plain stores, no atomics). Finishing them (combining the partials) is not a kernel step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..model import Dim, Kind, ValueType, Width
+from .base import X, Arg, Primitive, torch
+
+
+@dataclass(frozen=True)
+class Reduction:
+    name: str
+    code: int  # partial_reduce's OP in codagen/runtime/tile.py
+    partial: str  # over the in-range elements of one tile, for the docs
+    combine: str  # how the partials combine into the full reduction, for the docs
+    fill: float  # what masked-off elements count as
+    reference: Callable  # [rows, tiles, block] -> [rows, tiles]
+
+
+REDUCTIONS = (
+    Reduction("sum", 0, "Σ x", "sum", 0.0, lambda t: t.sum(-1)),
+    Reduction("sumsq", 1, "Σ x²", "sum", 0.0, lambda t: (t * t).sum(-1)),
+    Reduction("max", 2, "max x", "max", float("-inf"), lambda t: t.amax(-1)),
+    Reduction("logsumexp", 3, "m + ln Σ exp(x − m), m = max x", "logsumexp", float("-inf"),
+              lambda t: torch.logsumexp(t, -1)),
+)
+_BY_NAME = {r.name: r for r in REDUCTIONS}
+AXES = ("cols", "rows")
+_WRITES = {"cols": "one partial per row and N-tile", "rows": "one partial per column and M-tile"}
+
+
+def partial_dims(axis: str, t: ValueType) -> tuple[Dim, ...]:
+    """Shape of the partial-reduction buffer of a tile value: per row and N-tile, or per column and M-tile."""
+    return (Dim.M, Dim.TILES_N) if axis == "cols" else (Dim.for_width(t.width), Dim.TILES_M)
+
+
+def _check(c) -> None:
+    axis = c.step.args["axis"]
+    x = c.typed("x")
+    ok = c.need("x", x, (Kind.TILE,), "a tile")
+    c.target(partial_dims(axis, x) if ok else None, partial=True, what=_WRITES[axis])
+
+
+def _emit(e, s):
+    x, t = s.args["x"], e.types[s.args["x"]]
+    e.need_width(t.width, tile=True)
+    to, code, mask = s.target, _BY_NAME[s.args["op"]].code, e.tile_mask(t.width)
+    if s.args["axis"] == "cols":
+        # one partial per row and N-tile (or slice of one); a slice wholly past N, which the last tile
+        # split for its epilogue can have, has no slot in tiles(N) and stores nothing
+        ptr = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t"
+        if e.is_pair(x):
+            partial = f"tile.partial_reduce_pairs({', '.join(e.halves(x))}, {mask}, OP={code})"
+        else:
+            partial = f"tile.partial_reduce({e.ref(x)}, {mask}, OP={code}, AXIS=1)"
+        e.guarded("pid_n * BLOCK_N < N", f"{e.lang}.store({ptr}, {partial}, mask=row_mask)")
+        return
+    # one partial per column and M-tile
+    for value, cols in e.columns(x, t.width):
+        e.line(f"{e.lang}.store({to}_ptr + {cols} * stride_{to}_n + pid_m * stride_{to}_t, "
+               f"tile.partial_reduce({value}, {mask}, OP={code}, AXIS=0), mask={e.col_mask(t.width)})")
+
+
+def _reference(r, s):
+    """Per tile: along columns in groups of the tile's width (one value per row and tile), or along rows."""
+    x, axis = r.value(s.args["x"]), s.args["axis"]
+    if axis == "rows":
+        x, block = x.T, r.block_m
+    else:
+        block = int(r.block_n * {Width.HALF: 0.5, Width.FULL: 1, Width.DOUBLE: 2}[r.types[s.args["x"]].width])
+    reduction = _BY_NAME[s.args["op"]]
+    rows, cols = x.shape
+    tiles = -(-cols // block)
+    padded = torch.full((rows, tiles * block), reduction.fill, dtype=x.dtype, device=x.device)
+    padded[:, :cols] = x
+    return reduction.reference(padded.reshape(rows, tiles, block))
+
+
+REDUCE = Primitive(
+    "reduce", (Arg("op", "enum", choices=tuple(r.name for r in REDUCTIONS)), X, Arg("axis", "enum", choices=AXES),
+               Arg("to", "target")),
+    "Partial reduction of a tile, per tile, masked, deterministic (no atomics): op over the columns of each N-tile "
+    "(axis cols) or the rows of each M-tile (axis rows); the logsumexp partial is max + ln Σ exp(x − max).",
+    "x: a tile of width w; to: a float32 output [M, tiles(N)] for axis cols, [w, tiles(M)] for axis rows.",
+    "reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",
+    check=_check, reference=_reference, emitters={"tl": _emit})
+
+PRIMITIVES = (REDUCE,)
