@@ -23,9 +23,11 @@ test: $(BIN)/codagen
 
 build: $(BIN)/codagen
 	$(BIN)/codagen build specs/
+	$(BIN)/python -m codagen.primitives.docs
 
 check: $(BIN)/codagen
 	$(BIN)/codagen build specs/ --check
+	$(BIN)/python -m codagen.primitives.docs --check
 
 clean:
 	rm -rf $(VENV) .pytest_cache
