@@ -25,7 +25,7 @@ def check_fp32(fused: dict, plain) -> None:
 
 
 def check_low(fused: dict, plain, dtype: torch.dtype) -> None:
-    """DESIGN.md §6: each fused output and gradient at most 2x the error of plain(dtype) against float64."""
+    """Each fused output and gradient at most 2x the error of plain(dtype) against float64 (docs/design.md)."""
     truth, unfused = plain(torch.float64), plain(dtype)
     for name, value in fused.items():
         assert not value.isnan().any(), name

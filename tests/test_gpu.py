@@ -1,6 +1,6 @@
 """GPU tests (marker `gpu`; skipped without CUDA): every generated kernel and every generated block at
 Llama-3-1B shapes in bf16 and fp16, and the example 2-layer Llama training in bf16, each judged by the rule
-of DESIGN.md §6: the fused computation's error against float64 must be no worse than about 2x the error of
+of docs/design.md: the fused computation's error against float64 must be no worse than about 2x the error of
 the same computation done by unfused PyTorch in the same low precision.
 
 Run on the GPU machine (each test prints one line per output; -s shows them):
