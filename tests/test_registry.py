@@ -82,3 +82,52 @@ def test_reference_examples_are_valid_specs(tmp_path):
     for i, block in enumerate(blocks):
         (tmp_path / f"example_{i}.yaml").write_text(block, encoding="utf-8")
     assert len(api.load([tmp_path])) == len(blocks)
+
+
+def test_reduce_ops_are_named_constants_of_tile():
+    from codagen.primitives.reduce import REDUCTIONS
+    from codagen.runtime import tile
+
+    values = {r.name: getattr(tile, r.constant.removeprefix("tile.")).value for r in REDUCTIONS}
+    assert len(set(values.values())) == len(values), f"two reductions share a code: {values}"
+
+
+def _long_names_spec() -> str:
+    """A spec whose names have the most characters a name may have (48), to test line wrapping."""
+    n = lambda s: (s + "_" + "q" * 48)[:48]  # noqa: E731
+    x, pos, freqs, rot, z = n("x_in"), n("positions"), n("freqs"), n("rot"), n("zz")
+    return f"""kernel: long_names
+doc: Every generated line of a kernel with long names fits in 120 columns.
+gemm: {{a: a, b: b}}
+inputs: {{a: [M, K], b: [N, K], {x}: [M, 2*N], {pos}: {{shape: [M], dtype: index}}, {freqs}: [N]}}
+outputs: {{{n('out')}: [M, 2*N], {n('sums')}: [M, tiles(N)], {n('picked')}: [M], {n('by_rows')}: [N, tiles(M)]}}
+epilogue:
+  - rope: {{x: {x}, positions: {pos}, freqs: {freqs}, out: {rot}}}
+  - store: {{x: {rot}, to: {n('out')}}}
+  - reduce: {{op: logsumexp, x: {rot}, axis: cols, to: {n('sums')}}}
+  - select: {{x: {rot}, index: {pos}, to: {n('picked')}}}
+  - add: {{x: acc, y: {freqs}, out: {z}}}
+  - reduce: {{op: sumsq, x: {z}, axis: rows, to: {n('by_rows')}}}
+"""
+
+
+def test_epilogue_lines_fit_and_comments_show_the_steps(tmp_path):
+    """Every epilogue line fits in 120 columns once the template indents it by 4, the code still parses, and
+    each step's comment is the step as written (no line numbers: inserting a step changes no other line)."""
+    from codagen.emit.epilogue import emit_epilogue
+    from codagen.primitives import step_text
+
+    (tmp_path / "long_names.yaml").write_text(_long_names_spec(), encoding="utf-8")
+    checked = [c for c in api.load([REPO / "specs", TEST_SPECS, tmp_path]) if isinstance(c, api.Checked)]
+    for c in checked:
+        lines = emit_epilogue(c.kernel, c.types)
+        too_long = [line for line in lines if len(line) > 116]
+        assert not too_long, f"{c.kernel.name}: {too_long}"
+        compile("def epilogue():\n" + "\n".join(f"    {line}" for line in lines), c.kernel.name, "exec")
+        comments = [[]]
+        for line in lines:
+            if line.startswith("# "):
+                comments.append([line[2:]])
+            elif line.lstrip().startswith("# "):
+                comments[-1].append(line.lstrip()[2:])
+        assert [" ".join(parts) for parts in comments[1:]] == [step_text(s) for s in c.kernel.steps]

@@ -39,7 +39,7 @@ backend)` lists the steps a backend cannot lower yet, so that a build can name t
 Adding a primitive: docs/contributing.md."""
 from __future__ import annotations
 
-from ..model import Kernel, Step
+from ..model import Kernel, Literal, Step
 from . import elementwise, indexing, memory, pairwise, reduce
 from .base import Arg, Primitive
 
@@ -47,9 +47,17 @@ FAMILIES = (elementwise, pairwise, reduce, indexing, memory)
 PRIMITIVES: dict[str, Primitive] = {p.name: p for family in FAMILIES for p in family.PRIMITIVES}
 
 
+def step_text(step: Step) -> str:
+    """The step as a spec writes it, in flow style: `reduce: {op: sumsq, x: x_new, axis: cols, to: ss}`."""
+    def value(arg: Arg) -> str:
+        v = step.out if arg.kind == "out" else step.target if arg.kind == "target" else step.args[arg.name]
+        return repr(v.value) if isinstance(v, Literal) else v
+    return f"{step.op}: {{" + ", ".join(f"{a.name}: {value(a)}" for a in PRIMITIVES[step.op].args) + "}"
+
+
 def unsupported_steps(kernel: Kernel, backend: str) -> list[Step]:
     """The steps of `kernel` whose primitive has no emitter for `backend`, in program order."""
     return [s for s in kernel.steps if backend not in PRIMITIVES[s.op].emitters]
 
 
-__all__ = ["Arg", "FAMILIES", "PRIMITIVES", "Primitive", "unsupported_steps"]
+__all__ = ["Arg", "FAMILIES", "PRIMITIVES", "Primitive", "step_text", "unsupported_steps"]

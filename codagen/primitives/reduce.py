@@ -12,18 +12,22 @@ from .base import X, Arg, Primitive, torch
 @dataclass(frozen=True)
 class Reduction:
     name: str
-    code: int  # partial_reduce's OP in codagen/runtime/tile.py
     partial: str  # over the in-range elements of one tile, for the docs
     combine: str  # how the partials combine into the full reduction, for the docs
     fill: float  # what masked-off elements count as
     reference: Callable  # [rows, tiles, block] -> [rows, tiles]
 
+    @property
+    def constant(self) -> str:
+        """partial_reduce's OP for it, a constant of codagen/runtime/tile.py."""
+        return f"tile.{self.name.upper()}"
+
 
 REDUCTIONS = (
-    Reduction("sum", 0, "Σ x", "sum", 0.0, lambda t: t.sum(-1)),
-    Reduction("sumsq", 1, "Σ x²", "sum", 0.0, lambda t: (t * t).sum(-1)),
-    Reduction("max", 2, "max x", "max", float("-inf"), lambda t: t.amax(-1)),
-    Reduction("logsumexp", 3, "m + ln Σ exp(x − m), m = max x", "logsumexp", float("-inf"),
+    Reduction("sum", "Σ x", "sum", 0.0, lambda t: t.sum(-1)),
+    Reduction("sumsq", "Σ x²", "sum", 0.0, lambda t: (t * t).sum(-1)),
+    Reduction("max", "max x", "max", float("-inf"), lambda t: t.amax(-1)),
+    Reduction("logsumexp", "m + ln Σ exp(x − m), m = max x", "logsumexp", float("-inf"),
               lambda t: torch.logsumexp(t, -1)),
 )
 _BY_NAME = {r.name: r for r in REDUCTIONS}
@@ -46,21 +50,21 @@ def _check(c) -> None:
 def _emit(e, s):
     x, t = s.args["x"], e.types[s.args["x"]]
     e.need_width(t.width, tile=True)
-    to, code, mask = s.target, _BY_NAME[s.args["op"]].code, e.tile_mask(t.width)
+    to, op, mask = s.target, _BY_NAME[s.args["op"]].constant, e.tile_mask(t.width)
     if s.args["axis"] == "cols":
         # one partial per row and N-tile (or slice of one); a slice wholly past N, which the last tile
         # split for its epilogue can have, has no slot in tiles(N) and stores nothing
         ptr = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t"
         if e.is_pair(x):
-            partial = f"tile.partial_reduce_pairs({', '.join(e.halves(x))}, {mask}, OP={code})"
+            partial = f"tile.partial_reduce_pairs({', '.join(e.halves(x))}, {mask}, OP={op})"
         else:
-            partial = f"tile.partial_reduce({e.ref(x)}, {mask}, OP={code}, AXIS=1)"
+            partial = f"tile.partial_reduce({e.ref(x)}, {mask}, OP={op}, AXIS=1)"
         e.guarded("pid_n * BLOCK_N < N", f"{e.lang}.store({ptr}, {partial}, mask=row_mask)")
         return
     # one partial per column and M-tile
     for value, cols in e.columns(x, t.width):
         e.line(f"{e.lang}.store({to}_ptr + {cols} * stride_{to}_n + pid_m * stride_{to}_t, "
-               f"tile.partial_reduce({value}, {mask}, OP={code}, AXIS=0), mask={e.col_mask(t.width)})")
+               f"tile.partial_reduce({value}, {mask}, OP={op}, AXIS=0), mask={e.col_mask(t.width)})")
 
 
 def _reference(r, s):

@@ -5,6 +5,12 @@ those two halves directly, so no register shuffle is needed."""
 import triton
 import triton.language as tl
 
+# Which reduction partial_reduce computes (its OP): the reduce primitive's ops (codagen/primitives/reduce.py)
+SUM = tl.constexpr(0)
+SUMSQ = tl.constexpr(1)
+MAX = tl.constexpr(2)
+LOGSUMEXP = tl.constexpr(3)
+
 
 @triton.jit
 def tanh(x):
@@ -139,12 +145,12 @@ def _expand(v, AXIS: tl.constexpr):
 @triton.jit
 def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
     """Reduce a tile along AXIS (1: over columns, one value per row; 0: over rows), ignoring masked-off
-    elements. OP: 0 sum, 1 sum of squares, 2 max, 3 logsumexp."""
-    if OP == 0:
+    elements. OP: SUM, SUMSQ (sum of squares), MAX or LOGSUMEXP."""
+    if OP == SUM:
         out = tl.sum(tl.where(mask, x, 0.0), axis=AXIS)
-    elif OP == 1:
+    elif OP == SUMSQ:
         out = tl.sum(tl.where(mask, x * x, 0.0), axis=AXIS)
-    elif OP == 2:
+    elif OP == MAX:
         out = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
     else:
         # online-softmax partial: max, then the sum of exponentials below it, folded into one number
@@ -159,14 +165,14 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
 def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     """partial_reduce over columns (one value per row) of a tile held as its even and odd columns; the mask
     is the pairs'."""
-    if OP == 3:
+    if OP == LOGSUMEXP:
         big = tl.maximum(tl.max(tl.where(mask, even, float("-inf")), axis=1),
                          tl.max(tl.where(mask, odd, float("-inf")), axis=1))
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = (tl.sum(tl.where(mask, tl.exp(even - safe[:, None]), 0.0), axis=1)
                  + tl.sum(tl.where(mask, tl.exp(odd - safe[:, None]), 0.0), axis=1))
         out = safe + tl.log(tl.maximum(total, 1.0))
-    elif OP == 2:
+    elif OP == MAX:
         out = tl.maximum(partial_reduce(even, mask, OP, 1), partial_reduce(odd, mask, OP, 1))
     else:
         out = partial_reduce(even, mask, OP, 1) + partial_reduce(odd, mask, OP, 1)

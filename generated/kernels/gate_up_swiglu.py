@@ -42,22 +42,24 @@ def gate_up_swiglu_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/gate_up_swiglu.yaml:16  scale
+    # scale: {x: acc, by: rstd, out: zv}
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     zv = acc * rstd[:, None]
 
-    # specs/gate_up_swiglu.yaml:17  store
+    # store: {x: zv, to: z}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, zv.to(z_ptr.dtype.element_ty),
+             mask=tile_mask)
 
-    # specs/gate_up_swiglu.yaml:18  swiglu
+    # swiglu: {x: zv, out: yv}
     yv = tile.swiglu(zv)
 
-    # specs/gate_up_swiglu.yaml:19  store
+    # store: {x: yv, to: y}
     cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     col_mask_half = cols_half < N // 2
     tile_mask_half = row_mask[:, None] & col_mask_half[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask_half)
+    tl.store(y_ptr + rows[:, None] * stride_y_m + cols_half[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty),
+             mask=tile_mask_half)
 
 
 @triton.jit

@@ -49,45 +49,47 @@ def lm_head_ce_grad_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/backward/lm_head_ce_grad.yaml:20  scale
+    # scale: {x: acc, by: rstd, out: z}
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     z = acc * rstd[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:21  sub
+    # sub: {x: z, y: lse, out: shifted}
     lse = tl.load(lse_ptr + rows * stride_lse_m, mask=row_mask, other=0.0).to(tl.float32)
     shifted = z - lse[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:22  exp
+    # exp: {x: shifted, out: probs}
     probs = tl.exp(shifted)
 
-    # specs/backward/lm_head_ce_grad.yaml:23  one_hot
+    # one_hot: {index: target, out: is_target}
     target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
     is_target = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
 
-    # specs/backward/lm_head_ce_grad.yaml:24  sub
+    # sub: {x: probs, y: is_target, out: dlogits}
     dlogits = probs - is_target
 
-    # specs/backward/lm_head_ce_grad.yaml:25  scale
+    # scale: {x: dlogits, by: weights, out: weighted}
     weights = tl.load(weights_ptr + rows * stride_weights_m, mask=row_mask, other=0.0).to(tl.float32)
     weighted = dlogits * weights[:, None]
 
-    # specs/backward/lm_head_ce_grad.yaml:26  scale
+    # scale: {x: weighted, by: grad_loss, out: dzv}
     grad_loss = tl.load(grad_loss_ptr).to(tl.float32)
     dzv = weighted * grad_loss
 
-    # specs/backward/lm_head_ce_grad.yaml:27  store
+    # store: {x: dzv, to: dz}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
+             mask=tile_mask)
 
-    # specs/backward/lm_head_ce_grad.yaml:28  cast
+    # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored = dzv.to(h_ptr.dtype.element_ty).to(tl.float32)
 
-    # specs/backward/lm_head_ce_grad.yaml:29  mul
+    # mul: {x: z, y: dz_stored, out: dot}
     dot = z * dz_stored
 
-    # specs/backward/lm_head_ce_grad.yaml:30  reduce
+    # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
+                 tile.partial_reduce(dot, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
 
 
 @triton.jit

@@ -44,18 +44,20 @@ def lm_head_logsumexp_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/lm_head_logsumexp.yaml:16  scale
+    # scale: {x: acc, by: rstd, out: logits}
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     logits = acc * rstd[:, None]
 
-    # specs/lm_head_logsumexp.yaml:17  reduce
+    # reduce: {op: logsumexp, x: logits, axis: cols, to: lse_part}
     tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
-        tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t, tile.partial_reduce(logits, tile_mask, OP=3, AXIS=1), mask=row_mask)
+        tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t,
+                 tile.partial_reduce(logits, tile_mask, OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
 
-    # specs/lm_head_logsumexp.yaml:18  select
+    # select: {x: logits, index: target, to: target_logit}
     target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
-    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask, pid_n == 0)
+    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask,
+                        pid_n == 0)
 
 
 @triton.jit

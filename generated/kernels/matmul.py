@@ -38,9 +38,10 @@ def matmul_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/matmul.yaml:12  store
+    # store: {x: acc, to: out_tile}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(out_tile_ptr + rows[:, None] * stride_out_tile_m + cols[None, :] * stride_out_tile_n, acc.to(out_tile_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(out_tile_ptr + rows[:, None] * stride_out_tile_m + cols[None, :] * stride_out_tile_n,
+             acc.to(out_tile_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit

@@ -52,44 +52,49 @@ def norm_dgrad_residual_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/backward/norm_dgrad_residual.yaml:22  scale
+    # scale: {x: x, by: rstd, out: xn}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     xn = x * rstd[:, None]
 
-    # specs/backward/norm_dgrad_residual.yaml:23  scale
+    # scale: {x: acc, by: wn, out: acc_wn}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
     acc_wn = acc * wn[None, :]
 
-    # specs/backward/norm_dgrad_residual.yaml:24  scale
+    # scale: {x: xn, by: zdz, out: xn_zdz}
     zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
     xn_zdz = xn * zdz[:, None]
 
-    # specs/backward/norm_dgrad_residual.yaml:25  sub
+    # sub: {x: acc_wn, y: xn_zdz, out: centered}
     centered = acc_wn - xn_zdz
 
-    # specs/backward/norm_dgrad_residual.yaml:26  scale
+    # scale: {x: centered, by: rstd, out: dnorm}
     dnorm = centered * rstd[:, None]
 
-    # specs/backward/norm_dgrad_residual.yaml:27  add
-    grad_x = tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    # add: {x: grad_x, y: dnorm, out: dxv}
+    grad_x = tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask,
+                     other=0.0).to(tl.float32)
     dxv = grad_x + dnorm
 
-    # specs/backward/norm_dgrad_residual.yaml:28  store
-    tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: dxv, to: dx}
+    tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty),
+             mask=tile_mask)
 
-    # specs/backward/norm_dgrad_residual.yaml:29  mul
+    # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
 
-    # specs/backward/norm_dgrad_residual.yaml:30  reduce
-    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t, tile.partial_reduce(wn_terms, tile_mask, OP=0, AXIS=0), mask=col_mask)
+    # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_part}
+    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
+             tile.partial_reduce(wn_terms, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
 
-    # specs/backward/norm_dgrad_residual.yaml:31  scale
+    # scale: {x: xn, by: wn, out: nv}
     nv = xn * wn[None, :]
 
-    # specs/backward/norm_dgrad_residual.yaml:32  store
-    tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n, nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: nv, to: normed}
+    tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n,
+             nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit

@@ -46,24 +46,28 @@ def out_proj_residual_norm_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/out_proj_residual_norm.yaml:17  add
+    # add: {x: acc, y: x, out: x_new}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     x_new = acc + x
 
-    # specs/out_proj_residual_norm.yaml:18  store
-    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: x_new, to: x_out}
+    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n,
+             x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/out_proj_residual_norm.yaml:19  reduce
+    # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x_new, tile_mask, OP=1, AXIS=1), mask=row_mask)
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
+                 tile.partial_reduce(x_new, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
-    # specs/out_proj_residual_norm.yaml:20  scale
+    # scale: {x: x_new, by: wn, out: hv}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
     hv = x_new * wn[None, :]
 
-    # specs/out_proj_residual_norm.yaml:21  store
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: hv, to: h}
+    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty),
+             mask=tile_mask)
 
 
 @triton.jit

@@ -44,20 +44,21 @@ def qkv_norm_rope_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/qkv_norm_rope.yaml:17  scale
+    # scale: {x: acc, by: rstd, out: z}
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     z = acc * rstd[:, None]
 
-    # specs/qkv_norm_rope.yaml:18  rope
+    # rope: {x: z, positions: positions, freqs: freqs, out: rotated}
     positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     col_mask_half = cols_half < N // 2
     freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
     rotated = tile.rope(z, positions.to(tl.float32), freqs, INVERSE=False)
 
-    # specs/qkv_norm_rope.yaml:19  store
+    # store: {x: rotated, to: qkv}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, rotated.to(qkv_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n,
+             rotated.to(qkv_ptr.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit

@@ -42,18 +42,21 @@ def rmsnorm_stats_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/rmsnorm_stats.yaml:12  reduce
+    # reduce: {op: sumsq, x: x, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     if pid_n * BLOCK_N < N:
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t, tile.partial_reduce(x, tile_mask, OP=1, AXIS=1), mask=row_mask)
+        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
+                 tile.partial_reduce(x, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
-    # specs/rmsnorm_stats.yaml:13  scale
+    # scale: {x: x, by: wn, out: hv}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
     hv = x * wn[None, :]
 
-    # specs/rmsnorm_stats.yaml:14  store
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: hv, to: h}
+    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty),
+             mask=tile_mask)
 
 
 @triton.jit

@@ -46,25 +46,30 @@ def rope_bwd_rowdot_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/backward/rope_bwd_rowdot.yaml:15  rope_bwd
+    # rope_bwd: {x: grad_qkv, positions: positions, freqs: freqs, out: dzv}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    grad_qkv = tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+    grad_qkv = tl.load(
+        grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
+        other=0.0).to(tl.float32)
     positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     col_mask_half = cols_half < N // 2
     freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
     dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
 
-    # specs/backward/rope_bwd_rowdot.yaml:16  store
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: dzv, to: dz}
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
+             mask=tile_mask)
 
-    # specs/backward/rope_bwd_rowdot.yaml:17  mul
-    qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0).to(tl.float32)
+    # mul: {x: qkv, y: grad_qkv, out: dot}
+    qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask,
+                  other=0.0).to(tl.float32)
     dot = qkv * grad_qkv
 
-    # specs/backward/rope_bwd_rowdot.yaml:18  reduce
+    # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce(dot, tile_mask, OP=0, AXIS=1), mask=row_mask)
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
+                 tile.partial_reduce(dot, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
 
 
 @triton.jit

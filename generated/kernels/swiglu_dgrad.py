@@ -44,35 +44,41 @@ def swiglu_dgrad_epilogue(
     row_mask = rows < M
     col_mask = cols < N
 
-    # specs/backward/swiglu_dgrad.yaml:16  swiglu_bwd
+    # swiglu_bwd: {dy: acc, x: z, out: dzv}
     tile_mask = row_mask[:, None] & col_mask[None, :]
     cols_even = 2 * cols
     cols_odd = cols_even + 1
-    z_even = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_even[None, :] * stride_z_n, mask=tile_mask, other=0.0).to(tl.float32)
-    z_odd = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_odd[None, :] * stride_z_n, mask=tile_mask, other=0.0).to(tl.float32)
+    z_even = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_even[None, :] * stride_z_n, mask=tile_mask,
+                     other=0.0).to(tl.float32)
+    z_odd = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_odd[None, :] * stride_z_n, mask=tile_mask,
+                    other=0.0).to(tl.float32)
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
-    # specs/backward/swiglu_dgrad.yaml:17  store
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_even[None, :] * stride_dz_n, dzv_even.to(dz_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_odd[None, :] * stride_dz_n, dzv_odd.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: dzv, to: dz}
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_even[None, :] * stride_dz_n,
+             dzv_even.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_odd[None, :] * stride_dz_n,
+             dzv_odd.to(dz_ptr.dtype.element_ty), mask=tile_mask)
 
-    # specs/backward/swiglu_dgrad.yaml:18  cast
+    # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored_even = dzv_even.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
     dz_stored_odd = dzv_odd.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
 
-    # specs/backward/swiglu_dgrad.yaml:19  mul
+    # mul: {x: z, y: dz_stored, out: dot}
     dot_even = z_even * dz_stored_even
     dot_odd = z_odd * dz_stored_odd
 
-    # specs/backward/swiglu_dgrad.yaml:20  reduce
+    # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t, tile.partial_reduce_pairs(dot_even, dot_odd, tile_mask, OP=0), mask=row_mask)
+        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
+                 tile.partial_reduce_pairs(dot_even, dot_odd, tile_mask, OP=tile.SUM), mask=row_mask)
 
-    # specs/backward/swiglu_dgrad.yaml:21  swiglu
+    # swiglu: {x: z, out: yv}
     yv = tile.swiglu_pairs(z_even, z_odd)
 
-    # specs/backward/swiglu_dgrad.yaml:22  store
-    tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty), mask=tile_mask)
+    # store: {x: yv, to: y}
+    tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty),
+             mask=tile_mask)
 
 
 @triton.jit
