@@ -89,17 +89,6 @@ def run_post_attention(m, dim, ffn, dtype):
     return fused, plain
 
 
-@pytest.mark.parametrize("m", [37, 64])
-def test_post_attention_fp32(m):
-    fused, plain = run_post_attention(m, 48, 40, torch.float32)
-    check_fp32(fused, plain)
-
-
-def test_post_attention_fp16():
-    fused, plain = run_post_attention(29, 64, 48, torch.float16)
-    check_low(fused, plain, torch.float16)
-
-
 # ---- pre_attention ---------------------------------------------------------------------------------------
 
 def run_pre_attention(m, dim, heads, dtype):
@@ -131,15 +120,23 @@ def run_pre_attention(m, dim, heads, dtype):
     return fused, plain
 
 
-@pytest.mark.parametrize("m", [37, 70])
-def test_pre_attention_fp32(m):
-    fused, plain = run_pre_attention(m, 40, 2, torch.float32)
-    check_fp32(fused, plain)
+# (runner, tokens, width, FFN width or number of heads, dtype): ragged token counts
+LAYER_CASES = [
+    (run_post_attention, 37, 48, 40, torch.float32), (run_post_attention, 64, 48, 40, torch.float32),
+    (run_post_attention, 29, 64, 48, torch.float16),
+    (run_pre_attention, 37, 40, 2, torch.float32), (run_pre_attention, 70, 40, 2, torch.float32),
+    (run_pre_attention, 45, 32, 2, torch.float16),
+]
 
 
-def test_pre_attention_fp16():
-    fused, plain = run_pre_attention(45, 32, 2, torch.float16)
-    check_low(fused, plain, torch.float16)
+@pytest.mark.parametrize("run, m, dim, width, dtype", LAYER_CASES,
+                         ids=[f"{c[0].__name__[4:]}-{c[1]}-{str(c[4])[6:]}" for c in LAYER_CASES])
+def test_layer_blocks(run, m, dim, width, dtype):
+    fused, plain = run(m, dim, width, dtype)
+    if dtype == torch.float32:
+        check_fp32(fused, plain)
+    else:
+        check_low(fused, plain, dtype)
 
 
 def test_norm_stats_matches_rmsnorm():
