@@ -1,6 +1,7 @@
-"""Per-kernel sweep on a GPU: the host time of one op call, then every Llama kernel in a few configurations,
-each checked against the float64 reference on NaN-prefilled outputs and timed by CUDA-graph replay (no host
-overhead) against the cuBLAS GEMM of the same shape. Report: benchmarks/results/h200-kernels.md.
+"""Per-kernel sweep on a GPU: the host time of one op call, then every GEMM kernel where the block specs first
+run it (the llama3-1b preset, 16k tokens) in a few configurations, each checked against the float64 reference
+on NaN-prefilled outputs and timed by CUDA-graph replay (no host overhead) against the cuBLAS GEMM of the same
+shape. Report: benchmarks/results/h200-kernels.md.
 
     python benchmarks/kernel_sweep.py
 """
@@ -14,18 +15,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from codagen import api, reference  # noqa: E402
+from codagen.presets import PRESETS  # noqa: E402
 from codagen.runtime import Config  # noqa: E402
+from codagen.tune.shapes import block_uses  # noqa: E402
 
-SHAPES = {  # Llama-3-1B at 16k tokens (the CE backward runs on 8192-row chunks)
-    "matmul": (16384, 2048, 2048),
-    "out_proj_residual_norm": (16384, 2048, 2048),
-    "gate_up_swiglu": (16384, 16384, 2048),
-    "qkv_norm_rope": (16384, 3072, 2048),
-    "swiglu_dgrad": (16384, 8192, 2048),
-    "norm_dgrad_residual": (16384, 2048, 16384),
-    "lm_head_logsumexp": (16384, 128256, 2048),
-    "lm_head_ce_grad": (8192, 128256, 2048),
-}
+PRESET, TOKENS = "llama3-1b", 16384  # each GEMM kernel at its first place in the blocks, at 16k tokens
 CONFIGS = {
     "p128x128": Config(128, 128, 64, 8, 8, 3),
     "t128x256p": Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
@@ -94,16 +88,27 @@ def host_us(fn, calls=100):
     return 1e6 * (time.perf_counter() - start) / calls
 
 
+def sweep_shapes(specs) -> dict[str, tuple[int, int, int]]:
+    """(M, N, K) of each GEMM kernel where the block specs first run it at the preset (the backward in row
+    chunks on chunk_rows rows)."""
+    first = {}
+    for use in block_uses(specs, PRESETS[PRESET], (TOKENS,)):
+        first.setdefault(use.kernel, use.shape)
+    return {name: (s.m, s.n, s.k) for name, s in first.items() if s.k}
+
+
 def main():
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
-    checked = {c.kernel.name: c for c in api.load(["specs/"]) if hasattr(c, "kernel")}
+    specs = api.load(["specs/"])
+    checked = {c.kernel.name: c for c in specs if isinstance(c, api.Checked)}
+    shapes = sweep_shapes(specs)
 
     module = importlib.import_module("generated.kernels.out_proj_residual_norm")
-    args = make_inputs(module, 16384, 2048, 2048)
+    args = make_inputs(module, *shapes["out_proj_residual_norm"])
     print(f"host: eager call {host_us(lambda: module.out_proj_residual_norm(*args.values())):.0f} us, "
           f"custom op {host_us(lambda: module.out_proj_residual_norm_op(*args.values())):.0f} us")
 
-    for name, (m, n, k) in SHAPES.items():
+    for name, (m, n, k) in shapes.items():
         module = importlib.import_module(f"generated.kernels.{name}")
         kernel = checked[name].kernel
         args = make_inputs(module, m, n, k)

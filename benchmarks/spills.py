@@ -26,8 +26,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from codagen import tune  # noqa: E402
 from codagen.runtime.configs import Config  # noqa: E402
+from codagen.tune.candidates import ELEMENTWISE_CANDIDATES, GEMM_CANDIDATES  # noqa: E402
+from codagen.tune.command import load_module  # noqa: E402
+from codagen.tune.harness import scalar_names  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 
@@ -37,7 +39,7 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     kernel = getattr(module, f"{module.NAME}_kernel")
     params = list(inspect.signature(kernel.fn).parameters)
     decls = {d.name: d for d in module.DECLS}
-    scalars = set(tune.scalar_names(module))
+    scalars = set(scalar_names(module))
     descs = [p for p in params if p.endswith("_desc")]
     sig = {}
     for p in params:
@@ -95,15 +97,15 @@ def main() -> None:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton "
              f"{triton.__version__}; bf16 tensors; command: `python benchmarks/spills.py`",
              "- REG: registers per thread (255 is the most there are); STACK: bytes of stack per thread, mostly "
-             "spilled registers (0: no spill). Each kernel in each candidate of `codagen.tune`.",
+             "spilled registers (0: no spill). Each kernel in each candidate of `codagen tune`.",
              "- `ws` rows: whether this compile warp-specializes for sm_90 is not established (in the first "
              "run, on triton 3.9, every `ws` row equalled its twin without `ws`).", ""]
     for name in names:
-        module = tune.load_module(ROOT / "generated", name)
+        module = load_module(ROOT / "generated", name)
         has_gemm = any(p.endswith("_desc") for p in inspect.signature(
             getattr(module, f"{name}_kernel").fn).parameters)
         lines += [f"## {name}", "", "| configuration | REG | STACK |", "|---|---|---|"]
-        for config in (tune.GEMM_CANDIDATES if has_gemm else tune.ELEMENTWISE_CANDIDATES):
+        for config in (GEMM_CANDIDATES if has_gemm else ELEMENTWISE_CANDIDATES):
             u = usage(module, config, args.arch)
             row = f"| {config.label()} | " + (f"{u['REG']} | {u['STACK']} |" if isinstance(u, dict) else f"{u} | |")
             print(f"{name}: {row}", flush=True)

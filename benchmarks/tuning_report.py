@@ -1,4 +1,4 @@
-"""The committed tuning tables of one GPU as a report: per preset, kernel and place in the Llama block, the
+"""The committed tuning tables of one GPU as a report: per preset, kernel and place in the blocks, the
 chosen configuration, its time and the cuBLAS GEMM of the same shape, both measured by `codagen tune`
 (triton.testing.do_bench medians, L2 flushed). The plain `matmul` rows are the mainloop against cuBLAS.
 
@@ -13,21 +13,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from codagen import api, tune  # noqa: E402
+from codagen import api  # noqa: E402
+from codagen.presets import PRESETS  # noqa: E402
 from codagen.runtime.configs import Config, table_path  # noqa: E402
+from codagen.tune.shapes import block_uses  # noqa: E402
 
 
 def rows(gpu: str, tuning_dir: Path) -> dict[str, list[tuple]]:
-    """preset -> [(kernel, use, shape, entry or None)] in LLAMA_USES order."""
-    kernels = {c.kernel.name: c.kernel for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
+    """preset -> [(kernel, where, shape, entry or None)] in block order, for the presets the tables hold any
+    shape of."""
+    specs = api.load([ROOT / "specs"])
+    tables: dict[str, dict] = {}
     out: dict[str, list[tuple]] = {}
-    for preset, widths in tune.PRESETS.items():
-        found = out.setdefault(preset, [])
-        for name in tune.LLAMA_USES:
-            path = table_path(tuning_dir, gpu, name)
-            table = json.loads(path.read_text())["shapes"] if path.is_file() else {}
-            for shape, use in tune.use_shapes(kernels[name], widths).items():
-                found.append((name, use.where, shape, table.get(shape.bucket)))
+    for preset, model in PRESETS.items():
+        found = []
+        for use in block_uses(specs, model):
+            if use.kernel not in tables:
+                path = table_path(tuning_dir, gpu, use.kernel)
+                tables[use.kernel] = json.loads(path.read_text())["shapes"] if path.is_file() else {}
+            found.append((use.kernel, use.where, use.shape, tables[use.kernel].get(use.shape.bucket)))
+        if any(entry is not None for *_, entry in found):
+            out[preset] = found
     return out
 
 

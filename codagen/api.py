@@ -14,6 +14,7 @@ from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
 from .loader import parse_kernel, read_spec
 from .model import Kernel, Location, ValueType
+from .tune.tables import stale_tables
 from .validate import check_kernel
 from .writer import Diff, OutputFiles, diff, write
 
@@ -98,9 +99,7 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
 def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFiles:
     """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show)."""
     checked = load(paths)
-    shown_paths = " ".join(sorted(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths))
-    shown_out = display_path(Path(out))
-    regenerate = f"codagen build {shown_paths}" + ("" if shown_out == "generated" else f" --out {shown_out}")
+    regenerate = f"codagen build {_command_args(paths, out)}"
     result = OutputFiles()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
@@ -122,3 +121,25 @@ def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[
 
 def check(paths: list[str | Path], out: str | Path = "generated") -> Diff:
     return diff(generate(paths, out), Path(out))
+
+
+def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
+    """The tuning tables under `out`/tuning/ that no kernel of the specs can use, each as a message that says
+    why and what to do. A comment or doc edit to a spec keeps its tables in use; an edit to what the kernel
+    computes makes them stale."""
+    kernels = [c.kernel for c in load(paths) if isinstance(c, Checked)]
+    messages = []
+    for t in stale_tables(Path(out) / "tuning", kernels):
+        fix = "delete it"
+        if t.kernel is not None and t.buckets:
+            fix = (f"re-run on a {t.gpu} GPU: codagen tune {_command_args(paths, out)} --kernels {t.kernel.name} "
+                   f"--shapes {','.join(t.buckets)}")
+        messages.append(f"stale tuning table {display_path(t.path)}: {t.problem}; {fix}")
+    return messages
+
+
+def _command_args(paths: list[str | Path], out: str | Path) -> str:
+    """The paths and --out of a codagen command, as a reader would type them: 'specs/ --out gen'."""
+    shown = " ".join(sorted(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths))
+    shown_out = display_path(Path(out))
+    return shown + ("" if shown_out == "generated" else f" --out {shown_out}")

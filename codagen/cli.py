@@ -50,6 +50,10 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
             if not d.clean:
                 click.echo(f"{out}/ is out of date; run: codagen build {' '.join(paths)}"
                            + ("" if out == "generated" else f" --out {out}"), err=True)
+            tables = api.stale_tuning_tables(list(paths), out)
+            for message in tables:
+                click.echo(message, err=True)
+            if not d.clean or tables:
                 sys.exit(1)
             click.echo(f"{out}/ is up to date")
             return
@@ -83,14 +87,14 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
 def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
          missing_only: bool) -> None:
     """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
-    from . import tune as tuning  # torch and triton load only for this command
+    from .tune import TuneError, command  # torch and triton load only for this command
 
     try:
-        tuning.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens,
-                   missing_only=missing_only, log=click.echo)
+        command.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens,
+                    missing_only=missing_only, log=click.echo)
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)
-    except tuning.TuneError as e:
+    except TuneError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)

@@ -8,26 +8,12 @@ codagen's pairwise epilogue steps work on interleaved column pairs (2j, 2j+1), s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .presets import LlamaShape
 
-@dataclass(frozen=True)
-class LlamaShape:
-    dim: int
-    ffn_dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_layers: int
-    vocab: int
-    rope_theta: float = 10000.0
-    eps: float = 1e-6
-
-    @property
-    def qkv_dim(self) -> int:
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+__all__ = ["LlamaShape", "from_hf", "heads_to_halves", "heads_to_interleaved", "interleave_rows", "rope_freqs",
+           "split_rows", "to_hf"]
 
 
 def _pairs_order(head_dim: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ start-up. The float64 references are ~16 TFLOP of GEMMs (~0.3 s at ~50 TFLOP/s) 
 memory-bound passes over 2 GB tensors (< 1 s). A run that tunes untuned shapes at run time compiles several
 candidates per kernel and shape; CODAGEN_NO_TUNE=1 runs the default config instead.
 
-Shapes (Llama-3-1B): D = 2048, FFN = 8192, QKV = 3072 (32 heads and 8 KV heads of 64), vocab = 128256.
+Shapes: the llama3-1b preset (codagen/presets.py: D = 2048, FFN = 8192, QKV = 3072, vocab = 128256), each
+kernel at the N and K of every place where the block specs run it (codagen.tune.shapes.block_uses).
 M = 4096 + 37 tokens (ragged for every tile shape); kernels and blocks with a vocab-wide GEMM use
 M = 2048 + 37, so that their float64 references stay at ~2 GB per M x vocab tensor.
 
@@ -73,7 +74,10 @@ import torch.nn.functional as F
 
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
+from codagen.blockmodel import CheckedBlock
 from codagen.model import ACC, BLayout, Kind
+from codagen.presets import PRESETS
+from codagen.tune.shapes import block_uses
 from codagen.validate import check_kernel
 from examples.llama import CodagenLlama, PlainLlama
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
@@ -85,8 +89,7 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"
-LLAMA_1B = LlamaShape(dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, head_dim=64, n_layers=16, vocab=128256,
-                      rope_theta=500000.0, eps=1e-5)
+LLAMA_1B = PRESETS["llama3-1b"]
 D, FFN, QKV, VOCAB = LLAMA_1B.dim, LLAMA_1B.ffn_dim, LLAMA_1B.qkv_dim, LLAMA_1B.vocab
 M_TOKENS = 4096 + 37  # ragged for every tile shape
 M_VOCAB = 2048 + 37  # for vocab-wide GEMMs: float64 M x vocab tensors of 2.1 GB
@@ -99,29 +102,24 @@ KERNEL_FLOOR = 1e-5  # absolute slack: fp32 outputs of the fused kernel carry fp
 BLOCK_FLOOR = 1e-4  # as in tests/test_blocks.py
 LLAMA_DTYPE = torch.bfloat16  # of the Llama training test
 
-KERNELS = {c.kernel.name: c.kernel for c in api.load([REPO / "specs"]) if isinstance(c, api.Checked)}
+SPECS = api.load([REPO / "specs"])
+KERNELS = {c.kernel.name: c.kernel for c in SPECS if isinstance(c, api.Checked)}
 
 
 def kernel_shapes() -> dict[str, dict[str, tuple[int, int]]]:
-    """Kernel -> {use: (N, K)} as the blocks of specs/blocks/ run it (K = 0: no GEMM). A kernel missing here
-    runs at (D, D) under the use 'default'."""
-    return {
-        "out_proj_residual_norm": {"o_proj": (D, D), "down_proj": (D, FFN)},
-        "gate_up_swiglu": {"gate_up": (2 * FFN, D)},
-        "qkv_norm_rope": {"qkv": (QKV, D)},
-        "rmsnorm_stats": {"embed": (D, 0)},
-        "lm_head_logsumexp": {"lm_head": (VOCAB, D)},
-        "lm_head_ce_grad": {"lm_head": (VOCAB, D)},
-        "norm_dgrad": {"lm_head": (D, VOCAB)},  # dz [M, vocab] @ w_vocab [vocab, D]
-        "norm_dgrad_residual": {"qkv": (D, QKV), "gate_up": (D, 2 * FFN)},
-        "swiglu_dgrad": {"down_proj": (FFN, D)},  # grad_x [M, D] @ w_down [D, FFN]
-        "rope_bwd_rowdot": {"qkv": (QKV, 0)},
-        "matmul": {"down_proj": (D, FFN)},  # in no block yet: the down projection's shape
-    }
+    """Kernel -> {'NxK': (N, K)} at every place where the block specs run it for the preset (K = 0: no GEMM);
+    a kernel that no block calls (the plain matmul), at the first of the GEMM shapes it is tuned at."""
+    called = {c.op for b in SPECS if isinstance(b, CheckedBlock) for c in (*b.forward, *b.backward) if c.kernel}
+    shapes: dict[str, dict[str, tuple[int, int]]] = {}
+    for use in block_uses(SPECS, LLAMA_1B, (M_TOKENS,)):
+        found = shapes.setdefault(use.kernel, {})
+        if use.kernel in called or not found:
+            found[f"{use.shape.n}x{use.shape.k}"] = (use.shape.n, use.shape.k)
+    return shapes
 
 
 KERNEL_CASES = [pytest.param(name, use, id=f"{name}-{use}")
-                for name in sorted(KERNELS) for use in kernel_shapes().get(name, {"default": None})]
+                for name in sorted(KERNELS) for use in kernel_shapes()[name]]
 
 
 @pytest.fixture(autouse=True)
@@ -250,11 +248,11 @@ def test_kernel_at_llama_shapes(name, use, dtype):
     kernel = KERNELS[name]
     module = importlib.import_module(f"generated.kernels.{name}")
     assert module.SHA256 == kernel.sha256, f"generated/kernels/{name}.py is stale: run `codagen build specs/`"
-    n, k = kernel_shapes().get(name, {"default": (D, D)})[use]
+    n, k = kernel_shapes()[name][use]
     m = M_VOCAB if VOCAB in (n, k) else M_TOKENS
     t = LOW[dtype]
     sizes = {"M": m, "N": n, "K": k}
-    pick = lambda: runtime.pick_config(module.NAME, module.SHA256, module.TUNING, m, n,  # noqa: E731
+    pick = lambda: runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, m, n,  # noqa: E731
                                        k if kernel.gemm else 0, torch.device(DEVICE))
     config = pick()  # sizes the partial-reduction outputs, as the kernel's op does
     inputs, outputs, scalars = draw_inputs(kernel, module, sizes, t, config, generator(f"{name}/{use}/{dtype}"))

@@ -1,8 +1,54 @@
-"""Runtime helpers that generated launchers rely on."""
+"""Runtime helpers that generated launchers rely on, and what importing the runtime and generated code pulls
+in (each in a fresh interpreter: imports are process-wide)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from codagen import runtime
+from conftest import REPO
+
+
+def python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python at the repository root, with TRITON_INTERPRET unset as a user would have it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_runtime_does_not_import_the_generator():
+    result = python("import sys, codagen.runtime\n"
+                    "print(sorted(m for m in ('jinja2', 'yaml', 'click', 'codagen.api', 'codagen.emit') "
+                    "if m in sys.modules))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n"
+
+
+# A generated kernel, launched after each of these imports: the API, the blocks, the kernels themselves.
+FIRST_IMPORTS = ["import codagen; codagen.load", "import generated.blocks", "import generated.kernels.matmul"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter switch of a machine without CUDA")
+@pytest.mark.parametrize("first", FIRST_IMPORTS)
+def test_generated_code_works_whatever_is_imported_first(first):
+    result = python(f"{first}\n"
+                    "import torch\n"
+                    "from generated.kernels import matmul\n"
+                    "a, b = torch.randn(37, 29, dtype=torch.float64), torch.randn(50, 29, dtype=torch.float64)\n"
+                    "out = matmul.matmul(a.float(), b.float())\n"
+                    "print(f'{((out.double() - a @ b.T).norm() / (a @ b.T).norm()).item():.1e}')\n")
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter switch of a machine without CUDA")
+def test_triton_imported_before_the_runtime_is_refused_clearly():
+    """Triton's own @triton.jit helpers are already compiled-mode: the interpreter cannot be switched on."""
+    result = python("import triton.language\nimport codagen.runtime\n")
+    assert result.returncode == 1
+    assert "ImportError: triton was imported before codagen.runtime on a machine without a GPU" in result.stderr
 
 
 def test_tensors_without_storage_are_refused():

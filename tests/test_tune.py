@@ -9,16 +9,21 @@ import dataclasses
 import functools
 import importlib
 import json
+import re
+import shutil
 import types
 
 import pytest
 import torch
 import triton
-import yaml
 from click.testing import CliRunner
 
-from codagen import api, tune
+from codagen import api
+from codagen.blockmodel import CheckedBlock
 from codagen.cli import main
+from codagen.fingerprint import fingerprint
+from codagen.presets import PRESETS
+from codagen.tune import TuneError, command, harness, shapes, tables
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, draw_args
@@ -92,64 +97,90 @@ class FakeTimer:
         return 0.5 if self.last is None else self.times.get(self.last, 1.0)
 
 
-# -- presets ----------------------------------------------------------------------------------------------
-def test_preset_table_covers_every_kernel_of_specs():
-    kernels = [c.kernel for c in api.load([SPECS]) if isinstance(c, api.Checked)]
-    missing = sorted(k.name for k in kernels if k.name not in tune.LLAMA_USES)
-    assert not missing, f"add these kernels to LLAMA_USES in codagen/tune.py: {missing}"
-    assert not set(tune.LLAMA_USES) - {k.name for k in kernels}, "LLAMA_USES names kernels that no spec defines"
-    for k in kernels:
-        for use in tune.LLAMA_USES[k.name]:
-            assert (use.k == "-") == (k.gemm is None), f"{k.name}: K {use.k!r} but gemm {k.gemm}"
-        for preset in tune.PRESETS:
-            shapes = tune.preset_shapes(preset, k)
-            assert shapes and all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in shapes)
+# -- shapes: presets through the block specs ----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def all_specs() -> tuple:
+    return tuple(api.load([SPECS]))
+
+
+def kernels_of_specs() -> list:
+    return [c.kernel for c in all_specs() if isinstance(c, api.Checked)]
+
+
+def test_presets_give_every_kernel_of_specs_its_shapes():
+    for k in kernels_of_specs():
+        for preset in PRESETS:
+            found = shapes.preset_shapes(all_specs(), preset, k)
+            assert found and all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in found), (preset, k.name)
 
 
 def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():
-    # the mainloop's ratio to cuBLAS is reported per preset shape: matmul must cover them all
-    kernels = [c.kernel for c in api.load([SPECS]) if isinstance(c, api.Checked)]
-    matmul = next(k for k in kernels if k.name == "matmul")
-    for preset in tune.PRESETS:
-        have = {s.bucket for s in tune.preset_shapes(preset, matmul)}
-        for k in kernels:
-            if k.gemm:
-                assert {s.bucket for s in tune.preset_shapes(preset, k)} <= have, (preset, k.name)
+    # no block calls matmul; its ratio to cuBLAS is reported at every GEMM shape the blocks run
+    matmul = checked("matmul").kernel
+    for preset in PRESETS:
+        have = {s.bucket for s in shapes.preset_shapes(all_specs(), preset, matmul)}
+        for k in kernels_of_specs():
+            if k.gemm and k.name != "matmul":
+                assert {s.bucket for s in shapes.preset_shapes(all_specs(), preset, k)} <= have, (preset, k.name)
 
 
-def test_chunk_rows_match_the_lm_head_block():
-    spec = yaml.safe_load((SPECS / "blocks" / "lm_head_loss.yaml").read_text())
-    assert tune.CE_CHUNK_ROWS == spec["attrs"]["chunk_rows"]
-
-
-def test_preset_shapes_follow_the_llama_block():
-    buckets = lambda name, preset="llama3-1b": [s.bucket for s in tune.parse_shapes(  # noqa: E731
-        preset, checked(name).kernel)]
+def test_preset_shapes_follow_the_block_specs():
+    buckets = lambda name, preset="llama3-1b": [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+        preset, checked(name).kernel, all_specs())]
     assert buckets("out_proj_residual_norm") == ["8192x2048x2048", "32768x2048x2048", "8192x2048x8192",
-                                                 "32768x2048x8192"]
+                                                 "32768x2048x8192"]  # out-projection, then down projection
     assert buckets("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
-    assert buckets("norm_dgrad_residual") == ["8192x2048x3072", "32768x2048x3072", "8192x2048x16384",
-                                              "32768x2048x16384"]
+    assert buckets("norm_dgrad_residual") == ["8192x2048x16384", "32768x2048x16384", "8192x2048x3072",
+                                              "32768x2048x3072"]  # post_attention's, then pre_attention's
     assert buckets("lm_head_ce_grad") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
+    assert buckets("lm_head_logsumexp") == ["8192x128256x2048", "32768x128256x2048"]  # the forward is not chunked
     assert buckets("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
     assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0"]
     assert buckets("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
+    where = {(u.kernel, u.shape.bucket): u.where for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"])}
+    assert where["out_proj_residual_norm", "8192x2048x8192"] == "post_attention forward: y1 @ w_down^T"
+    assert where["rmsnorm_stats", "8192x2048x0"] == "norm_stats forward: rmsnorm_stats(x, wn)"
+    assert where["matmul", "2048x2048x128256"] == "the GEMM of lm_head_loss backward: dz @ w_vocab"
+
+
+def test_shapes_follow_edits_to_the_block_specs(tmp_path):
+    """Chunk sizes and widths come from the specs: edit them, and the tuning shapes follow."""
+    specs = tmp_path / "specs"
+    shutil.copytree(SPECS, specs)
+    lm_head = specs / "blocks" / "lm_head_loss.yaml"
+    lm_head.write_text(lm_head.read_text().replace("chunk_rows: 2048", "chunk_rows: 1024"))
+    loaded = api.load([specs])
+    ce_grad = next(c.kernel for c in loaded if isinstance(c, api.Checked) and c.kernel.name == "lm_head_ce_grad")
+    assert [s.bucket for s in shapes.preset_shapes(loaded, "tiny", ce_grad, (100, 3000))] == ["128x1000x64",
+                                                                                               "1024x1000x64"]
+    assert [str(s) for s in shapes.preset_shapes(loaded, "tiny", ce_grad, (100,))] == ["100x1000x64"]
+
+
+def test_presets_need_the_block_specs():
+    kernel = checked("gate_up_swiglu").kernel
+    only_kernels = [c for c in all_specs() if isinstance(c, api.Checked)]
+    with pytest.raises(TuneError, match="hold no block spec"):
+        shapes.parse_shapes("llama3-1b", kernel, only_kernels)
+    rms = checked("rmsnorm_stats").kernel  # no GEMM, and no block calls it but norm_stats
+    no_norm_stats = [c for c in all_specs() if not (isinstance(c, CheckedBlock) and c.block.name == "norm_stats")]
+    with pytest.raises(TuneError, match="no block among the specs given"):
+        shapes.parse_shapes("llama3-1b", rms, no_norm_stats)
 
 
 def test_literal_shapes_apply_to_every_kernel():
-    assert [s.bucket for s in tune.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
+    assert [s.bucket for s in shapes.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
         "128x64x32", "8x8x8"]  # 100 and 128 rows share a bucket
-    assert [str(s) for s in tune.parse_shapes("100x64x32", checked("rmsnorm_stats").kernel)] == ["100x64"]
+    assert [str(s) for s in shapes.parse_shapes("100x64x32", checked("rmsnorm_stats").kernel)] == ["100x64"]
     for bad in ("llama3-70b", "12x34", "0x8x8"):
-        with pytest.raises(tune.TuneError):
-            tune.parse_shapes(bad, checked("matmul").kernel)
-    with pytest.raises(tune.TuneError):
-        tune.parse_tokens("8k")
+        with pytest.raises(TuneError):
+            shapes.parse_shapes(bad, checked("matmul").kernel, all_specs())
+    with pytest.raises(TuneError):
+        shapes.parse_tokens("8k")
 
 
 def test_inputs_look_like_a_models():
     c = checked("lm_head_ce_grad")
-    args = tune.make_inputs(c.kernel, module("lm_head_ce_grad"), tune.Shape(40, 64, 32), CPU)
+    args = harness.make_inputs(c.kernel, module("lm_head_ce_grad"), shapes.Shape(40, 64, 32), CPU)
     assert set(args) == {"h", "w_vocab", "rstd", "lse", "target", "weights", "grad_loss"}
     assert args["h"].dtype == torch.bfloat16 and (args["h"] != 0).float().mean() > 0.9
     assert args["w_vocab"].float().std() < 0.5  # a weight: scaled by K**-0.5
@@ -170,7 +201,7 @@ def sabotaged(real, wrong: Config, fails: Config, unwritten: Config):
             kwargs[first].view(-1)[0] += 1000.0
         if config == unwritten:
             kwargs[first][-1].fill_(float("nan"))
-    return types.SimpleNamespace(NAME=real.NAME, SHA256=real.SHA256, DECLS=real.DECLS, launch=launch)
+    return types.SimpleNamespace(NAME=real.NAME, SHA256=real.FINGERPRINT, DECLS=real.DECLS, launch=launch)
 
 
 def test_wrong_and_failing_candidates_are_discarded_never_chosen(monkeypatch):
@@ -178,7 +209,7 @@ def test_wrong_and_failing_candidates_are_discarded_never_chosen(monkeypatch):
     fake = sabotaged(module("out_proj_residual_norm"), wrong, fails, unwritten)
     timer = FakeTimer({wrong: 0.1, fails: 0.1, unwritten: 0.1, right: 2.0})  # the saboteurs look fastest
     timer.watch(monkeypatch, fake)
-    outcome = tune.tune_shape(checked("out_proj_residual_norm"), fake, tune.Shape(45, 40, 24), CPU,
+    outcome = harness.tune_shape(checked("out_proj_residual_norm"), fake, shapes.Shape(45, 40, 24), CPU,
                               pool=(right, wrong, fails, unwritten), timer=timer, check_rows=37)
     assert outcome.best == right and outcome.ms == 2.0 and outcome.complete
     why = dict(outcome.discarded)
@@ -193,14 +224,14 @@ def test_every_generated_kernel_passes_its_check():
     """The check itself is right: the real kernels of specs/ pass it with a ragged slice of rows (bf16)."""
     for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked)):
         mod = module(c.kernel.name)
-        shape = tune.Shape(45, 40, 24 if c.kernel.gemm else 0)
-        inputs = tune.make_inputs(c.kernel, mod, shape, CPU)
-        check = tune.Checker(c, mod, inputs, 37, CPU)
+        shape = shapes.Shape(45, 40, 24 if c.kernel.gemm else 0)
+        inputs = harness.make_inputs(c.kernel, mod, shape, CPU)
+        check = harness.Checker(c, mod, inputs, 37, CPU)
         assert check(POOL[1], shape) is None, c.kernel.name
 
 
 def test_budget_stops_cleanly():
-    outcome = tune.tune_shape(checked("rmsnorm_stats"), module("rmsnorm_stats"), tune.Shape(40, 32, 0), CPU,
+    outcome = harness.tune_shape(checked("rmsnorm_stats"), module("rmsnorm_stats"), shapes.Shape(40, 32, 0), CPU,
                               pool=POOL, timer=FakeTimer(), deadline=0.0)
     assert not outcome.complete and outcome.best is None and not outcome.timed
 
@@ -216,20 +247,83 @@ def test_table_is_deterministic_merges_and_touches_nothing_else(tmp_path):
     (tmp_path / "test-gpu").mkdir()
     other = tmp_path / "test-gpu" / "other.json"
     other.write_text("{}\n")
-    assert tune.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})
+    assert tables.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})
     first = path.read_text()
     assert first.endswith("}\n") and first == json.dumps(json.loads(first), indent=1, sort_keys=True) + "\n"
-    assert not tune.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})  # unchanged
+    assert not tables.write_table(path, k, "test-gpu", "3.9.0", {"64x64x32": entry(POOL[0], 1.5)})  # unchanged
     assert path.read_text() == first
-    tune.write_table(path, k, "test-gpu", "3.9.0", {"128x64x32": entry(POOL[1], 2.5)})
+    tables.write_table(path, k, "test-gpu", "3.9.0", {"128x64x32": entry(POOL[1], 2.5)})
     data = json.loads(path.read_text())
     assert set(data["shapes"]) == {"64x64x32", "128x64x32"}
-    assert (data["kernel"], data["spec"], data["spec_sha256"], data["triton"], data["gpu"]) == (
-        "matmul", k.source, k.sha256, "3.9.0", "test-gpu")
-    tune.write_table(path, k, "test-gpu", "3.9.1", {"8x64x32": entry(POOL[2], 0.5)})  # another Triton
+    assert (data["kernel"], data["spec"], data["fingerprint"], data["triton"], data["gpu"]) == (
+        "matmul", k.source, fingerprint(k), "3.9.0", "test-gpu")
+    tables.write_table(path, k, "test-gpu", "3.9.1", {"8x64x32": entry(POOL[2], 0.5)})  # another Triton
     assert set(json.loads(path.read_text())["shapes"]) == {"8x64x32"}
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["matmul.json", "other.json", "test-gpu"]
     assert other.read_text() == "{}\n"
+
+
+def test_a_comment_edit_keeps_the_table_in_use_and_a_semantic_edit_makes_it_stale(tmp_path, monkeypatch, as_gpu):
+    """Tables are keyed by what the kernel computes (codagen.fingerprint), not by the spec file's bytes: a
+    comment, doc or layout edit keeps the table in use; a change to the computation makes `build --check`
+    report it, with the command that re-tunes it, and pick_config no longer reads it."""
+    shutil.copytree(SPECS, tmp_path / "specs")
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "specs" / "out_proj_residual_norm.yaml"
+    table = tmp_path / "generated" / "tuning" / "test-gpu" / "out_proj_residual_norm.json"
+    tuning = tmp_path / "generated" / "tuning"
+
+    def rebuild() -> tuple[api.Checked, str]:
+        api.build(["specs"], "generated")
+        (c,) = [c for c in api.load([spec]) if isinstance(c, api.Checked)]
+        module = (tmp_path / "generated" / "kernels" / "out_proj_residual_norm.py").read_text()
+        (key,) = re.findall(r'^FINGERPRINT = "([0-9a-f]{64})"', module, re.M)
+        return c, key
+
+    def check():
+        return CliRunner().invoke(main, ["build", "specs/", "--check"])
+
+    before, key = rebuild()
+    tables.write_table(table, before.kernel, "test-gpu", triton.__version__, {"64x40x24": entry(POOL[1], 1.0)})
+    assert check().exit_code == 0 and key == fingerprint(before.kernel)
+    assert configs.pick_config("out_proj_residual_norm", key, tuning, 45, 40, 24, CPU) == POOL[1]
+
+    text = spec.read_text()
+    edited = ("# a comment\n" + text.replace("doc: Attention", "doc: The attention")
+              .replace("{x: acc, y: x, out: x_new}", "{y: x, x: acc, out: x_new}"))  # same step, keys reordered
+    assert edited != text
+    spec.write_text(edited)
+    after, key_after = rebuild()
+    assert after.kernel.sha256 != before.kernel.sha256 and key_after == key
+    result = check()
+    assert result.exit_code == 0, result.output
+    configs.clear_caches()
+    assert configs.pick_config("out_proj_residual_norm", key_after, tuning, 45, 40, 24, CPU) == POOL[1]
+
+    spec.write_text(edited.replace("op: sumsq", "op: max"))
+    semantic, key_semantic = rebuild()
+    assert key_semantic != key
+    result = check()
+    assert result.exit_code == 1
+    assert ("stale tuning table generated/tuning/test-gpu/out_proj_residual_norm.json: tuned for a different "
+            "computation than specs/out_proj_residual_norm.yaml now describes; re-run on a test-gpu GPU: "
+            "codagen tune specs/ --kernels out_proj_residual_norm --shapes 64x40x24") in result.output
+    assert "is out of date" not in result.output  # generated/ itself is up to date
+    configs.clear_caches()
+    assert configs.pick_config("out_proj_residual_norm", key_semantic, tuning, 45, 40, 24, CPU) == GPU_DEFAULT
+
+
+def test_check_reports_tables_of_kernels_no_spec_defines(tmp_path):
+    tuning = tmp_path / "tuning" / "test-gpu"
+    tables.write_table(tuning / "matmul.json", checked("matmul").kernel, "test-gpu", "3.9.0",
+                       {"64x64x32": entry(POOL[0], 1.5)})
+    (tuning / "gone.json").write_text((tuning / "matmul.json").read_text())
+    (tuning / "broken.json").write_text("{")
+    (tmp_path / "tuning" / "notes.txt").write_text("not a table\n")
+    stale = tables.stale_tables(tmp_path / "tuning", kernels_of_specs())
+    assert [(t.path.name, t.problem) for t in stale] == [
+        ("broken.json", "not a tuning table (no JSON object with shapes)"),
+        ("gone.json", "no spec defines a kernel 'gone'")]
 
 
 def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
@@ -238,7 +332,7 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     timer.watch(monkeypatch, module("matmul"))
     timer.watch(monkeypatch, module("rmsnorm_stats"))
     log: list[str] = []
-    written = tune.run([SPECS / "matmul.yaml", SPECS / "rmsnorm_stats.yaml"], "45x40x24", device=CPU,
+    written = command.run([SPECS / "matmul.yaml", SPECS / "rmsnorm_stats.yaml"], "45x40x24", device=CPU,
                        gpu="test-gpu", tuning_dir=tmp_path, timer=timer, check_rows=37,
                        pools={"matmul": POOL, "rmsnorm_stats": POOL}, log=log.append)
     assert written == [tmp_path / "test-gpu" / "matmul.json", tmp_path / "test-gpu" / "rmsnorm_stats.json"]
@@ -247,16 +341,16 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     mm = module("matmul")
     assert triton.__version__ == json.loads(written[0].read_text())["triton"]
     for m in (33, 45, 64):  # one bucket
-        assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU) == best
+        assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU) == best
     rs = module("rmsnorm_stats")
-    assert configs.pick_config(rs.NAME, rs.SHA256, tmp_path, 45, 40, 0, CPU) == best
-    # another bucket, another spec hash: not in the table; without `run`, the default, untuned
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 65, 40, 24, CPU) == GPU_DEFAULT
+    assert configs.pick_config(rs.NAME, rs.FINGERPRINT, tmp_path, 45, 40, 0, CPU) == best
+    # another bucket, another fingerprint: not in the table; without `run`, the default, untuned
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 65, 40, 24, CPU) == GPU_DEFAULT
     assert configs.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
     assert not as_gpu.trials
     # --missing-only: the shape is in the table now, so nothing is timed again
     timer.calls = 0
-    assert tune.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path,
+    assert command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path,
                     timer=timer, missing_only=True, log=log.append) == []
     assert timer.calls == 0 and "matmul 45x40x24: in the table already (bucket 64x40x24), skipped" in log
 
@@ -264,14 +358,14 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
 def test_codagen_no_tune_uses_the_default(tmp_path, as_gpu, monkeypatch):
     mm = module("matmul")
     k = checked("matmul").kernel
-    tune.write_table(tmp_path / "test-gpu" / "matmul.json", k, "test-gpu", triton.__version__,
+    tables.write_table(tmp_path / "test-gpu" / "matmul.json", k, "test-gpu", triton.__version__,
                      {"64x40x24": entry(POOL[1], 1.0)})
     monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
     run = lambda c: pytest.fail("CODAGEN_NO_TUNE=1 must not tune")  # noqa: E731
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 999, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 999, 40, 24, CPU, decls=mm.DECLS, run=run) == GPU_DEFAULT
     monkeypatch.delenv("CODAGEN_NO_TUNE")
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU) == POOL[1]
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == POOL[1]
 
 
 # -- tuning at run time -----------------------------------------------------------------------------------
@@ -281,7 +375,7 @@ def launch_with_hook(mod, args, tuning_dir):
     values = args.kwargs
     sizes = {"M": 45, "N": 40, "K": 24}
     k = sizes["K"] if any("K" in d.dims for d in mod.DECLS) else 0
-    config = configs.pick_config(mod.NAME, mod.SHA256, tuning_dir, sizes["M"], sizes["N"], k, CPU,
+    config = configs.pick_config(mod.NAME, mod.FINGERPRINT, tuning_dir, sizes["M"], sizes["N"], k, CPU,
                                  decls=mod.DECLS, values=values, run=lambda c: mod.launch(**values, config=c))
     mod.launch(**values, config=config)
     return config
@@ -296,10 +390,10 @@ def test_untuned_shape_is_tuned_once_per_process(tmp_path, as_gpu):
     assert launch_with_hook(mod, args, tmp_path) == faster
     assert as_gpu.trials == list(configs.RUNTIME_GEMM_CANDIDATES)  # each candidate launched on these arguments
     want = args.inputs["a"].double() @ args.inputs["b"].double().T
-    assert tune.relative_error(args.outputs["out_tile"], want) < 1e-5
+    assert harness.relative_error(args.outputs["out_tile"], want) < 1e-5
     as_gpu.trials.clear()
     assert launch_with_hook(mod, args, tmp_path) == faster and not as_gpu.trials  # once per process
-    assert configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
+    assert configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
 
 
 def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, monkeypatch):
@@ -321,7 +415,7 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
     # without decls, pick_config cannot tell, so it keeps the default tile shape too
     configs.clear_caches()
     as_gpu.trials.clear()
-    configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
+    configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
     assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
                                  for c in as_gpu.trials)
 
@@ -337,9 +431,9 @@ def test_epilogue_split_halves_what_tiles_n_counts_in():
 def test_no_tuning_without_run_under_compile_or_capture(tmp_path, as_gpu, monkeypatch):
     mm = module("matmul")
     run = lambda c: as_gpu.trials.append(c)  # noqa: E731 - would record a trial
-    pick = lambda m: configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU,  # noqa: E731
+    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
                                          decls=mm.DECLS, run=run)
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT  # no run: inplace
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT  # no run: inplace
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         assert pick(45) == GPU_DEFAULT
@@ -359,11 +453,11 @@ def test_no_tuning_when_an_output_aliases_an_input(tmp_path, as_gpu):
                      generator=torch.Generator().manual_seed(2))
     values = {**args.kwargs, "x_out": args.kwargs["x"]}
     want = args.inputs["x"].double() + args.inputs["y"].double() @ args.inputs["w_o"].double().T
-    config = configs.pick_config(mod.NAME, mod.SHA256, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, values=values,
+    config = configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, values=values,
                                  run=lambda c: mod.launch(**values, config=c))
     assert config == GPU_DEFAULT and not as_gpu.trials and not configs._tuned
     mod.launch(**values, config=config)
-    assert tune.relative_error(values["x"], want) < 1e-5
+    assert harness.relative_error(values["x"], want) < 1e-5
 
 
 def test_failing_runtime_candidates_are_skipped(tmp_path, as_gpu, monkeypatch):
@@ -375,7 +469,7 @@ def test_failing_runtime_candidates_are_skipped(tmp_path, as_gpu, monkeypatch):
         return 1.0
 
     monkeypatch.setattr(configs, "measure", measure)
-    pick = lambda m: configs.pick_config(mm.NAME, mm.SHA256, tmp_path, m, 40, 24, CPU,  # noqa: E731
+    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
                                          decls=mm.DECLS, run=lambda c: None)
     assert pick(45) == configs.RUNTIME_GEMM_CANDIDATES[3]
     monkeypatch.setattr(configs, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("no")))
@@ -384,7 +478,7 @@ def test_failing_runtime_candidates_are_skipped(tmp_path, as_gpu, monkeypatch):
 
 def test_interpreter_ignores_tables(tmp_path):
     mm = module("matmul")
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 45, 40, 24, CPU, run=pytest.fail) == (
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=pytest.fail) == (
         configs.INTERPRETER_DEFAULT)
 
 
@@ -397,14 +491,14 @@ def test_cli_needs_a_gpu():
 
 @pytest.fixture
 def tune_on_cpu(monkeypatch, tmp_path):
-    """The command's tune.run, on the CPU with a fake timer, writing under tmp_path."""
-    real = tune.run
+    """The command's command.run, on the CPU with a fake timer, writing under tmp_path."""
+    real = command.run
 
     def run(paths, shapes, **kw):
         return real(paths, shapes, device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=FakeTimer(),
                     check_rows=37, **kw)
 
-    monkeypatch.setattr(tune, "run", run)
+    monkeypatch.setattr(command, "run", run)
     return tmp_path
 
 
@@ -432,7 +526,7 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     dev = torch.device("cuda")
     pool = (GPU_DEFAULT, Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True), Config(64, 128, 64, 8, 4, 4))
     log: list[str] = []
-    written = tune.run([SPECS / "matmul.yaml", SPECS / "out_proj_residual_norm.yaml"], "2048x1024x512",
+    written = command.run([SPECS / "matmul.yaml", SPECS / "out_proj_residual_norm.yaml"], "2048x1024x512",
                        tuning_dir=tmp_path, pools={"matmul": pool, "out_proj_residual_norm": pool}, budget=300,
                        log=log.append)
     print("\n".join(log))
@@ -441,15 +535,15 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     entry = json.loads(written[0].read_text())["shapes"]["2048x1024x512"]
     assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
     mm = module("matmul")
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
 
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(3000, 512, device=dev, dtype=torch.bfloat16, generator=g)
     b = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16, generator=g)
     out = torch.full((3000, 1024), float("nan"), device=dev, dtype=torch.bfloat16)
-    config = configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
+    config = configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
                                  run=lambda c: mm.launch(a, b, out_tile=out, config=c))
     assert config in configs.RUNTIME_GEMM_CANDIDATES
-    assert configs.pick_config(mm.NAME, mm.SHA256, tmp_path, 4000, 1024, 512, dev) == config  # remembered
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 512, dev) == config  # remembered
     mm.launch(a, b, out_tile=out, config=config)
-    assert tune.relative_error(out, a.double() @ b.double().T) < 1e-2
+    assert harness.relative_error(out, a.double() @ b.double().T) < 1e-2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..fingerprint import fingerprint
 from ..model import Dim, DType, Input, InputRole, Kernel, Output, ValueType, Width
 from .epilogue import emit_epilogue
 from .templates import render
@@ -107,7 +108,16 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         has_k=k.gemm is not None,
         even_n=any(t.width is Width.HALF for t in types.values()),
         regenerate=regenerate,
+        fingerprint=fingerprint(k),
+        tune_at_launch=tunes_at_launch(k),
     )
+
+
+def tunes_at_launch(k: Kernel) -> bool:
+    """Whether the launcher may time candidate configs on the caller's own arguments (an untuned shape, once
+    per process): each trial launch must overwrite every output (an inplace accumulation would be applied
+    once per trial) and be repeatable from the tensors alone (host scalars are not among them)."""
+    return not any(o.inplace for o in k.outputs) and not any(i.role is InputRole.HOST_SCALAR for i in k.inputs)
 
 
 def wrap(items: list[str], indent: int, width: int = 116) -> list[str]:

@@ -5,10 +5,15 @@ GPU: there, Triton's interpreter is switched on (unless TRITON_INTERPRET is alre
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if "triton.language" in sys.modules:  # its @triton.jit helpers are compiled-mode already: kernels would fail
+        raise ImportError("triton was imported before codagen.runtime on a machine without a GPU, too late to "
+                          "switch on Triton's interpreter; import codagen.runtime (or generated code) first, or "
+                          "set TRITON_INTERPRET=1 before starting Python")
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -21,7 +26,8 @@ from .checks import Decl, bind, check_tiles  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature", "check_storage", "Plan", "row_chunks", "ChunkSum"]
+           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature",
+           "check_storage", "LaunchPlan", "row_chunks", "ChunkSum"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -137,7 +143,7 @@ def check_storage(kernel: str, values: dict) -> None:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     """Everything about a launch that follows from the arguments' signature."""
 
     config: Config
@@ -159,7 +165,7 @@ class Plan:
 
     @classmethod
     def make(cls, config: Config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
-             gemm: tuple[int, int] | None = None) -> "Plan":
+             gemm: tuple[int, int] | None = None) -> "LaunchPlan":
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         dot = dot_settings(t_dtype)
         return cls(

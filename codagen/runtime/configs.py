@@ -81,7 +81,7 @@ GPU_DEFAULT = Config(128, 128, 64, 8, 8, 3, persistent=True, tma=True)
 # launch), which leaves block_k, warps, stages and the grid to choose.
 RUNTIME_GEMM_CANDIDATES = (
     GPU_DEFAULT,
-    Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),  # DESIGN.md §7's fastest mainloop
+    Config(128, 256, 64, 8, 8, 3, persistent=True, tma=True),  # the fastest plain mainloop measured
     Config(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
     Config(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
     Config(128, 128, 64, 8, 8, 4, persistent=False, tma=True),  # fastest for heavy epilogues on the H200
@@ -112,17 +112,17 @@ def table_path(tuning_dir: Path, gpu: str, kernel: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _table(path: str, sha256: str, triton_version: str) -> dict:
+def _table(path: str, fingerprint: str, triton_version: str) -> dict:
     p = Path(path)
     if not p.is_file():
         return {}
     data = json.loads(p.read_text())
-    if data.get("spec_sha256") != sha256 or data.get("triton") != triton_version:
-        return {}  # tuned for another version of the spec or of Triton: use the defaults
+    if data.get("fingerprint") != fingerprint or data.get("triton") != triton_version:
+        return {}  # tuned for another computation or another Triton: use the defaults
     return {key: Config(**value["config"]) for key, value in data["shapes"].items()}
 
 
-_tuned: dict[tuple, Config] = {}  # (kernel, sha256, gpu, bucket) -> what run-time tuning chose
+_tuned: dict[tuple, Config] = {}  # (kernel, fingerprint, gpu, bucket) -> what run-time tuning chose
 _tuning = threading.Lock()
 
 
@@ -201,9 +201,10 @@ def _aliased(decls, values: dict) -> bool:
                for d in decls if d.output for t in [values.get(d.name)])
 
 
-def pick_config(kernel: str, sha256: str, tuning_dir: Path, m, n, k, device: torch.device, *,
+def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, *,
                 run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None) -> Config:
-    """The configuration of a launch of `kernel` on an [m, n] (x k) problem.
+    """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
+    module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
     `run(config)` launches the kernel on the caller's arguments with `config`; given, an untuned shape is
     tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
@@ -218,10 +219,10 @@ def pick_config(kernel: str, sha256: str, tuning_dir: Path, m, n, k, device: tor
 
     gpu = gpu_key(device)
     bucket = shape_bucket(m, n, k)
-    hit = _table(str(table_path(tuning_dir, gpu, kernel)), sha256, triton.__version__).get(bucket)
+    hit = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__).get(bucket)
     if hit is not None:
         return hit
-    key = (kernel, sha256, gpu, bucket)
+    key = (kernel, fingerprint, gpu, bucket)
     hit = _tuned.get(key)
     if hit is not None or run is None or not _may_tune():
         return hit or GPU_DEFAULT

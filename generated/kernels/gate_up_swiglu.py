@@ -7,15 +7,18 @@ acc[M, N] = h[M, K] @ w_gate_up[N, K]^T in fp32, then the epilogue of the spec, 
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "gate_up_swiglu"
 SPEC = "specs/gate_up_swiglu.yaml"
 SHA256 = "20b8876485b00a669b6953f888b658c6f6ae7af9e4f365ef25240d8507b4019d"
+FINGERPRINT = "3e4202714eb589f3a858dd110ef3a93d84d1df50acecb93097e5793883b2111f"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -176,15 +179,15 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("h", "w_gate_up", "rstd", "z", "y"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(h, w_gate_up, rstd):

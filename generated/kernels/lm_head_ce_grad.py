@@ -7,15 +7,18 @@ acc[M, N] = h[M, K] @ w_vocab[N, K]^T in fp32, then the epilogue of the spec, on
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "lm_head_ce_grad"
 SPEC = "specs/backward/lm_head_ce_grad.yaml"
 SHA256 = "90aa769c11db0dce8cdef01255fd996a3e0c6dea99cb20dbd97ba0dd2077ac26"
+FINGERPRINT = "47293ceabccfc01fcdd9a5d7788e56c2c07fc09ec92858fc346041b9780a5f14"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -215,16 +218,16 @@ def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, c
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("h", "w_vocab", "rstd", "lse", "target", "weights", "grad_loss", "dz", "zdz_part"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(h, w_vocab, rstd, lse, target, weights, grad_loss):
@@ -232,7 +235,7 @@ def _allocate(h, w_vocab, rstd, lse, target, weights, grad_loss):
     values = {"h": h, "w_vocab": w_vocab, "rstd": rstd, "lse": lse, "target": target, "weights": weights, "grad_loss": grad_loss}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -7,15 +7,18 @@ acc[M, N] = h[M, K] @ w_vocab[N, K]^T in fp32, then the epilogue of the spec, on
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "lm_head_logsumexp"
 SPEC = "specs/lm_head_logsumexp.yaml"
 SHA256 = "abba02c34220d14a29c8669dcdb739088b194441fa6a6c12f4365e9203b75340"
+FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -177,16 +180,16 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("h", "w_vocab", "rstd", "target", "lse_part", "target_logit"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(h, w_vocab, rstd, target):
@@ -194,7 +197,7 @@ def _allocate(h, w_vocab, rstd, target):
     values = {"h": h, "w_vocab": w_vocab, "rstd": rstd, "target": target}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((M,), dtype=torch.float32, device=device),

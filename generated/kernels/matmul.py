@@ -7,15 +7,18 @@ acc[M, N] = a[M, K] @ b[N, K]^T in fp32, then the epilogue of the spec, on each 
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "matmul"
 SPEC = "specs/matmul.yaml"
 SHA256 = "5ae18fab5ff0feb8e88929d260eec76c83fa7e98318089c9dafd61fd5e3fc983"
+FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("a", ("M", "K"), "T"),
@@ -152,15 +155,15 @@ def launch(a, b, *, out_tile, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("a", "b", "out_tile"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(a, b):

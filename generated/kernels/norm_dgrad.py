@@ -7,15 +7,18 @@ acc[M, N] = dz[M, K] @ w[K, N] in fp32, then the epilogue of the spec, on each t
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "norm_dgrad"
 SPEC = "specs/backward/norm_dgrad.yaml"
 SHA256 = "73f122dbe6ee1ca1d32981dab815e1ca4ca33deea9c9b6a66fc574c3adb9c804"
+FINGERPRINT = "ef1489b993d151f9df2b60b99037d58ea861e7fccf5c99396f03763ab6114836"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
@@ -216,16 +219,16 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("dz", "w", "x", "rstd", "wn", "zdz", "dx", "dwn_part", "normed"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(dz, w, x, rstd, wn, zdz):
@@ -233,7 +236,7 @@ def _allocate(dz, w, x, rstd, wn, zdz):
     values = {"dz": dz, "w": w, "x": x, "rstd": rstd, "wn": wn, "zdz": zdz}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:6], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),

@@ -7,15 +7,18 @@ acc[M, N] = dz[M, K] @ w[K, N] in fp32, then the epilogue of the spec, on each t
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "norm_dgrad_residual"
 SPEC = "specs/backward/norm_dgrad_residual.yaml"
 SHA256 = "b9fee814a5ac0e7f9c9d7f885ac722c9447d8db71eff1eaa78deefa50e08a5d7"
+FINGERPRINT = "c20c9c2e1b629a2e8b62287d00bf031eef57c97ef4ec333d83a95bd5c989e444"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
@@ -226,16 +229,16 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("dz", "w", "x", "rstd", "wn", "zdz", "grad_x", "dx", "dwn_part", "normed"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(dz, w, x, rstd, wn, zdz, grad_x):
@@ -243,7 +246,7 @@ def _allocate(dz, w, x, rstd, wn, zdz, grad_x):
     values = {"dz": dz, "w": w, "x": x, "rstd": rstd, "wn": wn, "zdz": zdz, "grad_x": grad_x}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),

@@ -7,15 +7,18 @@ acc[M, N] = y[M, K] @ w_o[N, K]^T in fp32, then the epilogue of the spec, on eac
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "out_proj_residual_norm"
 SPEC = "specs/out_proj_residual_norm.yaml"
 SHA256 = "9bbf75a958ae5b3948ef2e11c71c578b23fb472e817ab727e4c20da26ae7e1cb"
+FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),
@@ -190,16 +193,16 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("y", "w_o", "x", "wn", "x_out", "h", "ss"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(y, w_o, x, wn):
@@ -207,7 +210,7 @@ def _allocate(y, w_o, x, wn):
     values = {"y": y, "w_o": w_o, "x": x, "wn": wn}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, N), dtype=t_dtype, device=device),

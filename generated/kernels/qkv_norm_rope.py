@@ -7,15 +7,18 @@ acc[M, N] = h[M, K] @ w_qkv[N, K]^T in fp32, then the epilogue of the spec, on e
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "qkv_norm_rope"
 SPEC = "specs/qkv_norm_rope.yaml"
 SHA256 = "139c912fa1278b3fc9239d89442f60f62e21513c3b43d30402e7d8bb1bb1111c"
+FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -178,15 +181,15 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("h", "w_qkv", "rstd", "positions", "freqs", "qkv"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(h, w_qkv, rstd, positions, freqs):

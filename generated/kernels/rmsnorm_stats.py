@@ -7,15 +7,18 @@ An elementwise kernel over [M, N] tiles: the epilogue of the spec, with no GEMM.
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "rmsnorm_stats"
 SPEC = "specs/rmsnorm_stats.yaml"
 SHA256 = "ab523c149512a0c58bbd8b6737409c30f8e086230c74a0a04be0327b2a17dbba"
+FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
@@ -129,16 +132,16 @@ def launch(x, wn, *, h, ss, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("x", "wn", "h", "ss"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
 
 
 def _allocate(x, wn):
@@ -146,7 +149,7 @@ def _allocate(x, wn):
     values = {"x": x, "wn": wn}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -7,15 +7,18 @@ An elementwise kernel over [M, N] tiles: the epilogue of the spec, with no GEMM.
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "rope_bwd_rowdot"
 SPEC = "specs/backward/rope_bwd_rowdot.yaml"
 SHA256 = "a58dcf73c114035e5a16861366a06e7c80f42cbf60db76c6ae08f83e56cb7c4e"
+FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("qkv", ("M", "N"), "T"),
@@ -148,16 +151,16 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("qkv", "grad_qkv", "positions", "freqs", "dz", "zdz_part"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
 
 
 def _allocate(qkv, grad_qkv, positions, freqs):
@@ -165,7 +168,7 @@ def _allocate(qkv, grad_qkv, positions, freqs):
     values = {"qkv": qkv, "grad_qkv": grad_qkv, "positions": positions, "freqs": freqs}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -7,15 +7,18 @@ acc[M, N] = grad_y[M, K] @ w_down[K, N] in fp32, then the epilogue of the spec, 
 from pathlib import Path
 
 import torch
+
+# codagen.runtime before triton: on a machine without a GPU, it switches on Triton's interpreter, which has to
+# happen before triton loads
+from codagen import runtime
 import triton
 import triton.language as tl
-
-from codagen import runtime
 from codagen.runtime import tile
 
 NAME = "swiglu_dgrad"
 SPEC = "specs/backward/swiglu_dgrad.yaml"
 SHA256 = "16f4d73bdc7dff65728470da9ac07b679fc589328fb1c4209fc0f44a7162d34b"
+FINGERPRINT = "f02884dec3aba223a84e2f16a6946a83c7dda3511359fd4df4c30974a1c15b86"  # key of the tuning tables
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
@@ -198,16 +201,16 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
         )
 
 
-def _plan(tensors, config) -> runtime.Plan:
+def _plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip(("grad_y", "w_down", "z", "dz", "zdz_part", "y"), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.Plan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
 
 
 def _allocate(grad_y, w_down, z):
@@ -215,7 +218,7 @@ def _allocate(grad_y, w_down, z):
     values = {"grad_y": grad_y, "w_down": w_down, "z": z}
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, SHA256, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
         torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

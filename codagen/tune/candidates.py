@@ -1,0 +1,57 @@
+"""The tile configurations `codagen tune` tries: for Hopper GPUs (H100/H200) and bf16 operands."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..model import Kernel
+from ..runtime import configs
+from ..runtime.configs import Config
+
+
+def _c(bm, bn, bk, warps, stages, persistent, tma) -> Config:
+    return Config(bm, bn, bk, 8, warps, stages, persistent=persistent, tma=tma)
+
+
+# For Hopper (H100/H200: 228 KB of shared memory per SM, wgmma on 64-row warpgroups) and bf16 operands.
+# Centred on what the H200 measured for the plain GEMM: a persistent grid with TMA operands and 128x256x64
+# tiles matched cuBLAS's mainloop, but epilogues add registers and shared memory, so smaller N-tiles and
+# fewer stages stay in. 128x256 tiles use 8 warps (two warpgroups); 64-wide tiles use 4. Shared memory per stage is
+# (BM + BN) * BK * 2 bytes: 48 KB for 128x256x64, so 4 stages is the most that fits next to an epilogue.
+# Pointer loads (tma=False) and one-program-per-tile grids stay in for layouts and shapes where TMA or
+# persistence lose. Candidates that do not fit are discarded by the check, not chosen.
+GEMM_CANDIDATES = (
+    #   BM   BN   BK  warps stages persistent tma
+    _c(128, 256, 64, 8, 3, True, True),  # the fastest plain mainloop measured
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), flatten=True),  # won most GEMM shapes on the H200
+    _c(128, 128, 64, 8, 4, True, True),  # runtime.configs.GPU_DEFAULT
+    dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), flatten=True),
+    # warp-specialized: the loads in producer warps, the epilogue overlapping them (won 10 of the 36 matmul
+    # shapes on the H200)
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), warp_specialize=True),
+    _c(128, 128, 64, 8, 4, False, True),  # one program per tile: the epilogue of one overlaps the next's loads
+    _c(128, 64, 64, 4, 4, False, True),  # narrow tiles: heavy epilogues, few registers to spare
+    _c(64, 128, 64, 4, 4, False, True),
+    _c(64, 64, 64, 4, 4, False, True),  # wide inputs in the epilogue (2*N columns) need the smallest tiles
+    # ... or the epilogue on a half or a quarter of the tile at a time, fewer registers live at once: on the
+    # H200 (2026-12-02) these won 26 of the 36 shapes of the fused GEMM kernels, all of swiglu_dgrad's and
+    # lm_head_logsumexp's
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=2),
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=2),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=2),
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=4),
+    dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=4),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=4),
+)
+# Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
+# benchmarks/results/h200-kernels.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
+# No GEMM, no K loop: only the tile shape and the warps matter; the rest is the default's.
+ELEMENTWISE_CANDIDATES = tuple(
+    dataclasses.replace(configs.GPU_DEFAULT, block_m=bm, block_n=bn, num_warps=w)
+    for bm, bn, w in ((128, 128, 8), (64, 128, 4), (32, 256, 4))
+)
+
+
+def candidates(kernel: Kernel) -> tuple[Config, ...]:
+    return GEMM_CANDIDATES if kernel.gemm else ELEMENTWISE_CANDIDATES
+

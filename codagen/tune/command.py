@@ -1,0 +1,149 @@
+"""The `codagen tune` run: select kernels and shapes, tune each shape within the budget, write the tables."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import api
+from ..api import Checked
+from ..fingerprint import fingerprint
+from ..runtime import configs
+from . import TuneError
+from .candidates import candidates
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, tune_shape
+from .shapes import TOKENS, Shape, parse_shapes, parse_tokens
+from .tables import read_table, write_table
+
+
+def load_module(out: Path, name: str):
+    """generated/kernels/<name>.py, imported as part of its package (importing a second copy would register
+    its torch.library op twice)."""
+    pkg = Path(out).resolve()
+    if not (pkg / "kernels" / f"{name}.py").is_file():
+        raise TuneError(f"{out}/kernels/{name}.py does not exist; run codagen build first")
+    loaded = sys.modules.get(pkg.name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg:
+        raise TuneError(f"another package named '{pkg.name}' is already imported ({loaded.__file__})")
+    if str(pkg.parent) not in sys.path:
+        sys.path.insert(0, str(pkg.parent))
+    return importlib.import_module(f"{pkg.name}.kernels.{name}")
+
+
+@dataclass
+class Job:
+    checked: Checked
+    module: object
+    shapes: list[Shape]
+    table: Path
+
+
+def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None = None, tokens: str | None = None,
+         tuning_dir: str | Path | None = None, gpu: str = "gpu") -> list[Job]:
+    """What a run would tune: the selected kernels of the specs under `paths`, their shapes and tables."""
+    out = Path(out)
+    tuning_dir = Path(tuning_dir) if tuning_dir is not None else out / "tuning"
+    specs = api.load(list(paths))
+    found = sorted((c for c in specs if isinstance(c, Checked)), key=lambda c: c.kernel.name)
+    if kernels:
+        wanted = [k.strip() for k in kernels.split(",") if k.strip()]
+        names = {c.kernel.name for c in found}
+        unknown = [k for k in wanted if k not in names]
+        if unknown:
+            raise TuneError(f"--kernels: no spec defines {', '.join(unknown)}; "
+                            f"the specs given define {', '.join(sorted(names))}")
+        found = [c for c in found if c.kernel.name in wanted]
+    toks = parse_tokens(tokens) if tokens else TOKENS
+    selected = []
+    for c in found:
+        module = load_module(out, c.kernel.name)
+        if getattr(module, "FINGERPRINT", None) != fingerprint(c.kernel):
+            raise TuneError(f"{out}/kernels/{c.kernel.name}.py does not compute what {c.kernel.source} describes "
+                            "now; run codagen build first")
+        selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks),
+                            configs.table_path(tuning_dir, gpu, c.kernel.name)))
+    return selected
+
+
+def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | None = None, kernels: str | None = None,
+        tokens: str | None = None, missing_only: bool = False, tuning_dir: str | Path | None = None,
+        device: torch.device | None = None, gpu: str | None = None,
+        timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
+        pools: dict | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
+    """Tune and write tables; returns the tables written. `device`, `gpu`, `timer`, `check_rows` and
+    `pools` (kernel name -> candidates) exist for tests on the CPU; the command runs on the current GPU."""
+    import triton
+
+    log = log or functools.partial(print, flush=True)  # progress shows as it happens, even through a pipe
+    start = time.monotonic()
+    deadline = start + budget if budget is not None else None
+    if device is None:
+        if not torch.cuda.is_available():
+            raise TuneError("codagen tune times kernels on a CUDA GPU, and this machine has none")
+        device = torch.device("cuda", torch.cuda.current_device())
+    gpu = gpu or configs.gpu_key(device)
+    selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu)
+    runs = sum(len(j.shapes) * len((pools or {}).get(j.checked.kernel.name, candidates(j.checked.kernel)))
+               for j in selected)
+    log(f"tuning {len(selected)} kernel(s) at {sum(len(j.shapes) for j in selected)} shape(s) on {gpu} "
+        f"(triton {triton.__version__}): {runs} candidate runs"
+        + (f", budget {budget:.0f} s" if budget is not None else ""))
+    written: list[Path] = []
+    stopped = None
+    for job in selected:
+        kernel = job.checked.kernel
+        have = read_table(job.table, kernel, triton.__version__) if missing_only else {}
+        for shape in job.shapes:
+            label = f"{kernel.name} {shape}"
+            if shape.bucket in have:
+                log(f"{label}: in the table already (bucket {shape.bucket}), skipped")
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                stopped = label
+                break
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                outcome = tune_shape(job.checked, job.module, shape, device, pool=(pools or {}).get(kernel.name),
+                                     timer=timer, check_rows=check_rows, deadline=deadline)
+            _report(label, outcome, log)
+            if not outcome.complete:
+                stopped = label
+                break
+            if outcome.best is not None:
+                if write_table(job.table, kernel, gpu, triton.__version__, {shape.bucket: outcome.entry()}):
+                    configs.clear_caches()  # this process reads the new table from now on
+                    if job.table not in written:
+                        written.append(job.table)
+        if stopped:
+            break
+    elapsed = time.monotonic() - start
+    if stopped:
+        log(f"budget of {budget:.0f} s spent at {stopped} after {elapsed:.0f} s: that shape and the rest are not "
+            "tuned; run the same command with --missing-only to continue")
+    for path in written:
+        log(f"wrote {path}")
+    log(f"{len(written)} table(s) written in {elapsed:.0f} s")
+    return written
+
+
+def _report(label: str, outcome: Outcome, log) -> None:
+    if not outcome.complete:
+        log(f"{label}: stopped by the budget after {len(outcome.timed) + len(outcome.discarded)} candidate(s); "
+            "not written")
+    elif outcome.best is None:
+        log(f"{label}: every candidate was discarded; nothing written")
+    else:
+        vs = ""
+        if outcome.cublas_ms:
+            vs = f", cuBLAS {outcome.cublas_ms:.4f} ms ({outcome.ms / outcome.cublas_ms:.2f}x)"
+        log(f"{label}: {outcome.ms:.4f} ms  {outcome.best.label()}  "
+            f"({len(outcome.timed)} timed, {len(outcome.discarded)} discarded{vs})")
+    for config, why in outcome.discarded:
+        log(f"  discarded {config.label()}: {why}")
+

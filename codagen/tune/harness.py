@@ -1,0 +1,254 @@
+"""One kernel at one shape: arguments that look like a model's, the float64 check of a candidate, and the
+timing of those that pass."""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import reference
+from ..api import Checked
+from ..model import BLayout, Kernel
+from ..runtime import configs
+from ..runtime.configs import Config
+from .candidates import candidates
+from .shapes import Shape
+
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CHECK_ROWS = 1024 + 48  # ragged for every BM of 64, 128 and 256, yet a multiple of 16: Triton specializes
+# integer arguments on divisibility by 16, so the check compiles the very kernel that the full shape times
+TOLERANCE = 1e-2  # relative norm error vs float64: a few bf16 roundings (2**-8 each); wrong tiles give O(1)
+
+
+def _sizes(shape: Shape) -> dict[str, int]:
+    return {"M": shape.m, "N": shape.n, "K": shape.k}
+
+
+def _dims(dims: tuple[str, ...], sizes: dict, config: Config) -> tuple[int, ...]:
+    m, n = sizes["M"], sizes["N"]
+    table = {"M": m, "N": n, "K": sizes["K"], "N/2": n // 2, "2*N": 2 * n,
+             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}
+    return tuple(table[d] for d in dims)
+
+
+def scalar_names(module) -> list[str]:
+    """Host-scalar parameters of `launch`: neither a declared tensor nor config."""
+    decls = {d.name for d in module.DECLS}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, p in inspect.signature(module.launch).parameters.items()
+            if p.kind in named and name not in decls and name != "config"]
+
+
+def inplace_names(kernel: Kernel) -> set[str]:
+    return {o.name for o in kernel.outputs if o.inplace}
+
+
+def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtype=torch.bfloat16,
+                seed: int = 0) -> dict:
+    """Random arguments that look like a model's, never zeros: T tensors from randn (the GEMM's B operand
+    scaled by K**-0.5, like a weight, so that the accumulator is O(1) and exp() stays finite), float32
+    vectors and scalars positive like rstd, index tensors within [0, N), host scalars in [0.5, 1.5), and the
+    initial values of inplace outputs from randn."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    sizes = _sizes(shape)
+    inplace = inplace_names(kernel)
+    b_name = kernel.gemm.b if kernel.gemm else None
+    args: dict = {}
+    for d in module.DECLS:
+        if d.output and d.name not in inplace:
+            continue
+        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT)
+        if d.dtype == "index":
+            args[d.name] = torch.randint(0, max(shape.n, 1), dims, generator=g, device=device)
+            continue
+        dt = dtype if d.dtype == "T" else FLOATS[d.dtype]
+        if d.dtype != "T" and len(dims) <= 1:
+            t = 0.5 + torch.rand(dims, generator=g, device=device)
+        else:
+            t = torch.randn(dims, generator=g, device=device)
+            if d.name == b_name:
+                t *= shape.k ** -0.5
+        args[d.name] = t.to(dt)
+    for s in scalar_names(module):
+        args[s] = 0.5 + torch.rand((), generator=g, device=device).item()
+    return args
+
+
+def new_outputs(kernel: Kernel, module, shape: Shape, config: Config, device, dtype=torch.bfloat16,
+                initial: dict | None = None) -> dict:
+    """Outputs for one launch: NaN-prefilled, so that an element the kernel does not write shows; inplace
+    outputs as copies of their initial values."""
+    sizes = _sizes(shape)
+    outs = {}
+    for d in module.DECLS:
+        if not d.output:
+            continue
+        if initial is not None and d.name in initial:
+            outs[d.name] = initial[d.name].clone()
+            continue
+        dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, torch.int64)
+        outs[d.name] = torch.full(_dims(d.dims, sizes, config), float("nan") if dt.is_floating_point else -1,
+                                  dtype=dt, device=device)
+    return outs
+
+
+def _rows(module, args: dict, rows: int) -> dict:
+    """The first `rows` rows of every argument that has an M dimension (views: the base stays aligned)."""
+    sliced = dict(args)
+    for d in module.DECLS:
+        if d.name in args and "M" in d.dims:
+            index = tuple(slice(0, rows) if x == "M" else slice(None) for x in d.dims)
+            sliced[d.name] = args[d.name][index]
+    return sliced
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = next((t.strip() for t in text if t.strip()), "")
+    return f"{type(e).__name__}: {line[:200]}" if line else type(e).__name__
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    scale = want.norm().item()
+    return (got - want).norm().item() / (scale if scale > 0 else 1.0)
+
+
+# -- one kernel at one shape -----------------------------------------------------------------------------------
+def do_bench_timer(fn: Callable[[], None]) -> float:
+    """Median milliseconds of fn through triton.testing.do_bench (which flushes L2 between runs)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, return_mode="median"))
+
+
+@dataclass
+class Outcome:
+    shape: Shape
+    best: Config | None = None
+    ms: float | None = None
+    cublas_ms: float | None = None
+    timed: list[tuple[Config, float]] = field(default_factory=list)
+    discarded: list[tuple[Config, str]] = field(default_factory=list)
+    complete: bool = True  # False: the budget ran out before every candidate was tried
+
+    def entry(self) -> dict:
+        e = {"config": self.best.as_dict(), "ms": _round(self.ms)}
+        if self.cublas_ms is not None:
+            e["cuBLAS_ms"] = _round(self.cublas_ms)
+        return e
+
+
+def _round(ms: float) -> float:
+    return float(f"{ms:.4g}")
+
+
+class Checker:
+    """Runs candidates on the first rows and compares every output with the float64 reference, which is
+    computed once per tile shape (partial reductions are per tile) and kept."""
+
+    def __init__(self, checked: Checked, module, inputs: dict, rows: int, device, dtype=torch.bfloat16):
+        self.kernel, self.module, self.device, self.dtype = checked.kernel, module, device, dtype
+        self.types = checked.types
+        self.inputs = _rows(module, inputs, rows)
+        self.rows = rows
+        self._truth: dict[tuple[int, int], dict] = {}
+
+    def truth(self, config: Config) -> dict:
+        key = (config.block_m, config.epilogue_n) if self.kernel.tile_dependent else (0, 0)
+        if key not in self._truth:
+            self._truth[key] = reference.run(self.kernel, self.types, self.inputs, config.block_m, config.epilogue_n)
+        return self._truth[key]
+
+    def __call__(self, config: Config, shape: Shape) -> str | None:
+        """None when the candidate is right; else why not."""
+        sub = Shape(self.rows, shape.n, shape.k)
+        initial = {n: self.inputs[n] for n in inplace_names(self.kernel)}
+        outs = new_outputs(self.kernel, self.module, sub, config, self.device, self.dtype, initial)
+        launch_args = {n: v for n, v in self.inputs.items() if n not in initial}
+        self.module.launch(**launch_args, **outs, config=config)
+        _sync(self.device)
+        truth = self.truth(config)
+        for name, got in outs.items():
+            want = truth[name]
+            if tuple(got.shape) != tuple(want.shape):
+                return f"'{name}' has shape {tuple(got.shape)}, the reference {tuple(want.shape)}"
+            if got.is_floating_point() and torch.isnan(got).any():
+                return f"'{name}' holds NaN on {self.rows} rows (elements left unwritten, or computed wrong)"
+            err = relative_error(got, want)
+            if not err <= TOLERANCE:
+                return f"'{name}' is wrong on {self.rows} rows: relative error {err:.1e} > {TOLERANCE:.0e}"
+        return None
+
+
+def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
+               timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
+               deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
+    """Check and time every candidate of `pool` (default: candidates(kernel)) at `shape`; stop early, with
+    an incomplete outcome, once time.monotonic() passes `deadline`."""
+    kernel = checked.kernel
+    pool = candidates(kernel) if pool is None else pool
+    outcome = Outcome(shape)
+    inputs = make_inputs(kernel, module, shape, device, dtype, seed)
+    check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)
+    for config in pool:
+        if deadline is not None and time.monotonic() > deadline:
+            outcome.complete = False
+            break
+        try:
+            why, ms = _try(checked, module, config, shape, inputs, check, timer, device, dtype)
+        except Exception as e:  # noqa: BLE001 - a candidate that fails in any way is out, and reported
+            why, ms = _short(e), None
+        if why is None:
+            outcome.timed.append((config, ms))
+        else:
+            outcome.discarded.append((config, why))
+    if outcome.timed:
+        outcome.best, outcome.ms = min(outcome.timed, key=lambda t: t[1])  # ties: the earlier candidate
+        if kernel.gemm and outcome.complete:
+            outcome.cublas_ms = time_cublas(kernel, inputs, timer)
+    del inputs, check
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return outcome
+
+
+def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, check: Checker, timer, device,
+         dtype) -> tuple[str | None, float | None]:
+    """(why the candidate is out, None), or (None, its time at the full shape). The first full-shape launch
+    writes NaN-prefilled outputs, which must hold no NaN afterwards (every tile of the grid was written)."""
+    why = check(config, shape)
+    if why is not None:
+        return why, None
+    inplace = inplace_names(checked.kernel)
+    outs = new_outputs(checked.kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
+    launch_args = {n: v for n, v in inputs.items() if n not in inplace}
+
+    def fn():
+        module.launch(**launch_args, **outs, config=config)
+
+    fn()
+    _sync(device)
+    unwritten = [n for n, t in outs.items() if n not in inplace and t.is_floating_point() and torch.isnan(t).any()]
+    if unwritten:
+        return f"{', '.join(unwritten)} left NaN at the full shape {shape}", None
+    return None, timer(fn)
+
+
+def time_cublas(kernel: Kernel, inputs: dict, timer) -> float | None:
+    """The plain GEMM of the same shape through torch.matmul (cuBLAS on a GPU): the speed of light."""
+    a, b = inputs[kernel.gemm.a], inputs[kernel.gemm.b]
+    b = b.T if kernel.gemm.b_layout is BLayout.NK else b
+    try:
+        return timer(lambda: torch.matmul(a, b))
+    except Exception:  # noqa: BLE001 - the yardstick is optional
+        return None
+

@@ -1,0 +1,166 @@
+"""The shapes to tune a kernel at: literal MxNxK, or a preset's, which the block specs give. A block spec
+says which kernel each step calls with which values, and the values' dims are in the block's int attrs
+(dim, ffn_dim, ...); a preset (codagen/presets.py) gives the attrs, the token counts give M, and a backward
+in row chunks (backward_row_chunks) runs its kernels on at most that many rows."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..api import Checked
+from ..blockmodel import Block, BlockDim, Call, CheckedBlock
+from ..model import BLayout, Dim, InputRole, Kernel
+from ..presets import PRESETS, LlamaShape
+from ..runtime.configs import shape_bucket
+from . import TuneError
+
+TOKENS = (8192, 32768)  # the token counts (M) that presets are tuned at by default
+
+
+@dataclass(frozen=True)
+class Shape:
+    m: int
+    n: int
+    k: int  # 0: no GEMM
+
+    @property
+    def bucket(self) -> str:
+        return shape_bucket(self.m, self.n, self.k)
+
+    def __str__(self) -> str:
+        return f"{self.m}x{self.n}x{self.k}" if self.k else f"{self.m}x{self.n}"
+
+
+@dataclass(frozen=True)
+class Use:
+    """A kernel at one shape, and the block step that runs it so."""
+
+    kernel: str
+    shape: Shape
+    where: str  # e.g. "post_attention forward: y1 @ w_down^T"
+
+
+def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
+    """Every kernel at every shape where the blocks among `specs` (api.load's result) run it for `model`, in
+    block and step order, each with the first step that gives it. A GEMM kernel that no block calls (a plain
+    GEMM) gets every GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one
+    bucket count once per kernel."""
+    kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
+    uses: dict[tuple[str, str], Use] = {}
+    for cb in sorted((c for c in specs if isinstance(c, CheckedBlock)), key=lambda c: c.block.name):
+        attrs = _attr_values(cb.block, model)
+        chunk_rows = None
+        if cb.chunks is not None:
+            rows = cb.chunks.rows
+            chunk_rows = attrs[rows.value] if rows.is_name else rows.value
+        for pass_name, calls in (("forward", cb.forward), ("backward", cb.backward)):
+            for call in (c for c in calls if c.kernel):
+                kernel = kernels[call.op]
+                where = f"{cb.block.name} {pass_name}: {_step_text(kernel, call)}"
+                for t in tokens:
+                    rows = min(t, chunk_rows) if pass_name == "backward" and chunk_rows else t
+                    shape = _call_shape(kernel, call, cb, attrs, rows)
+                    uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
+    called = {u.kernel for u in uses.values()}
+    gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
+    for kernel in sorted(kernels.values(), key=lambda k: k.name):
+        if kernel.gemm and kernel.name not in called:
+            for u in gemm_uses:
+                uses.setdefault((kernel.name, u.shape.bucket), Use(kernel.name, u.shape, f"the GEMM of {u.where}"))
+    return list(uses.values())
+
+
+def _attr_values(block: Block, model: LlamaShape) -> dict:
+    """The block's attrs as the model gives them (by name), else their defaults; required attrs the model
+    lacks stay out, and are reported if a dimension needs them."""
+    given = model.attrs()
+    return {a.name: given.get(a.name, a.default) for a in block.attrs if a.name in given or a.default is not None}
+
+
+def _size(d: BlockDim, attrs: dict, rows: int, block: Block) -> Fraction:
+    if d.symbol is None:
+        return d.coef
+    if d.symbol == "M":
+        return d.coef * rows
+    if d.symbol not in attrs:
+        raise TuneError(f"block '{block.name}' ({block.source}) has a dimension in its attr '{d.symbol}', which "
+                        f"model presets do not give; they give {', '.join(LlamaShape.__dataclass_fields__)}, "
+                        "qkv_dim (codagen/presets.py)")
+    return d.coef * attrs[d.symbol]
+
+
+_PER_N = {Dim.N_HALF: Fraction(2), Dim.N: Fraction(1), Dim.N_DOUBLE: Fraction(1, 2)}  # N per column of a dim
+
+
+def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows: int) -> Shape:
+    """M, N and K of one call of `kernel`, from the dims of the values it is given."""
+    sizes: dict[str, Fraction] = {}
+    for arg in call.args:
+        inp = kernel.input(arg.param)
+        if inp is None or inp.role is InputRole.HOST_SCALAR or not arg.is_name:
+            continue
+        for kd, bd in zip(inp.dims, cb.values[arg.value].dims):
+            size = _size(bd, attrs, rows, cb.block)
+            if kd in (Dim.M, Dim.K):
+                sizes.setdefault(kd.value, size)
+            elif kd.width is not None:
+                sizes.setdefault("N", size * _PER_N[kd])
+    return Shape(int(sizes["M"]), int(sizes["N"]), int(sizes["K"]) if kernel.gemm else 0)
+
+
+def _step_text(kernel: Kernel, call: Call) -> str:
+    """A call as a reader recognizes it: its GEMM (y1 @ w_down^T), else the kernel and its tensors."""
+    names = {a.param: a.value for a in call.args}
+    if kernel.gemm:
+        nk = "^T" if kernel.gemm.b_layout is BLayout.NK else ""
+        return f"{names[kernel.gemm.a]} @ {names[kernel.gemm.b]}{nk}"
+    tensors = [str(a.value) for a in call.args
+               if a.is_name and kernel.input(a.param).role is not InputRole.HOST_SCALAR]
+    return f"{kernel.name}({', '.join(tensors)})"
+
+
+def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS) -> list[Shape]:
+    """The shapes of block_uses for `kernel` at a preset."""
+    shapes = [u.shape for u in block_uses(specs, PRESETS[preset], tokens) if u.kernel == kernel.name]
+    if not shapes:
+        blocks = [c.block.name for c in specs if isinstance(c, CheckedBlock)]
+        why = (f"no block among the specs given ({', '.join(blocks)}) calls it" if blocks else
+               "the specs given hold no block spec (specs/blocks/) to take shapes from")
+        raise TuneError(f"kernel '{kernel.name}' ({kernel.source}) has no shapes at preset {preset}: {why}; pass "
+                        "the block specs along, or literal shapes (--shapes MxNxK)")
+    return shapes
+
+
+_LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
+
+
+def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS) -> list[Shape]:
+    """`--shapes`: comma-separated presets and literal MxNxK (MxN for kernels without a GEMM); a literal
+    applies to every kernel (K is dropped for those without a GEMM). Shapes of one bucket count once."""
+    shapes: dict[str, Shape] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if item in PRESETS:
+            found = preset_shapes(specs, item, kernel, tokens)
+        elif (match := _LITERAL.fullmatch(item)) is not None:
+            m, n, k = (int(g or 0) for g in match.groups())
+            if m < 1 or n < 1 or (kernel.gemm and k < 1):
+                raise TuneError(f"shape {item!r}: M, N and K must be positive (kernel '{kernel.name}' has "
+                                f"{'a' if kernel.gemm else 'no'} GEMM)")
+            found = [Shape(m, n, k if kernel.gemm else 0)]
+        else:
+            raise TuneError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}) nor MxNxK, "
+                            "e.g. 8192x2048x2048")
+        for s in found:
+            shapes.setdefault(s.bucket, s)
+    return list(shapes.values())
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise TuneError(f"--tokens {text!r}: expected positive integers separated by commas, e.g. 8192,32768")
+    return tokens
