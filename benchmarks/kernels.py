@@ -1,5 +1,6 @@
-"""Each generated kernel at its places in a preset's Llama block (codagen.tune.LLAMA_USES), against the cuBLAS
-GEMM of the same shape and operands: the "fused kernels" section of bench.py's report.
+"""Each generated kernel at its places in a preset's blocks (codagen.tune.shapes.block_uses: where the block
+specs run it), against the cuBLAS GEMM of the same shape and operands: the "fused kernels" section of
+bench.py's report.
 
 A kernel runs with the configuration its launcher would pick (the committed tuning table of this GPU, else
 the default; no tuning at run time, so that the row says what the table gives). Before it is timed, its
@@ -14,7 +15,11 @@ from typing import Callable
 
 import torch
 
-from codagen import api, runtime, tune
+from codagen import api, runtime
+from codagen.presets import PRESETS
+from codagen.tune import harness
+from codagen.tune.command import load_module
+from codagen.tune.shapes import Shape, block_uses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,58 +40,51 @@ class KernelRow:
         return asdict(self)
 
 
-def widths(preset) -> tune.Widths:
-    """bench.Preset -> the widths of codagen.tune's presets."""
-    return tune.Widths(dim=preset.d, ffn=preset.ffn, qkv=(preset.n_q + 2 * preset.n_kv) * preset.head_dim,
-                       vocab=preset.vocab)
-
-
-def run(preset, tokens: int, device: torch.device, dtype: torch.dtype,
+def run(preset: str, tokens: int, device: torch.device, dtype: torch.dtype,
         timer: Callable[[Callable[[], None]], float], log=print) -> list[KernelRow]:
-    checked = {c.kernel.name: c for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
-    w = widths(preset)
+    specs = api.load([ROOT / "specs"])
+    checked = {c.kernel.name: c for c in specs if isinstance(c, api.Checked)}
     rows = []
-    for name in tune.LLAMA_USES:
-        c = checked[name]
-        module = tune.load_module(ROOT / "generated", name)
-        for shape, use in tune.use_shapes(c.kernel, w, (tokens,)).items():
-            row = KernelRow(preset.name, tokens, name, use.where, str(shape))
-            rows.append(row)
-            try:
-                _measure(row, c, module, shape, device, dtype, timer)
-            except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the report
-                first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-                row.error = f"{type(e).__name__}: {first[:200]}"
-            log(f"   {name:<24} {str(shape):<22} {row.config:<44} "
-                + (row.error or f"{row.ms:.4f} ms" + (f"  cuBLAS {row.cublas_ms:.4f} ms  x{row.ms / row.cublas_ms:.2f}"
-                                                      if row.cublas_ms else "")))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    for use in block_uses(specs, PRESETS[preset], (tokens,)):
+        c = checked[use.kernel]
+        module = load_module(ROOT / "generated", use.kernel)
+        row = KernelRow(preset, tokens, use.kernel, use.where, str(use.shape))
+        rows.append(row)
+        try:
+            _measure(row, c, module, use.shape, device, dtype, timer)
+        except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the report
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            row.error = f"{type(e).__name__}: {first[:200]}"
+        log(f"   {use.kernel:<24} {str(use.shape):<22} {row.config:<44} "
+            + (row.error or f"{row.ms:.4f} ms" + (f"  cuBLAS {row.cublas_ms:.4f} ms  x{row.ms / row.cublas_ms:.2f}"
+                                                  if row.cublas_ms else "")))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def _measure(row: KernelRow, c: api.Checked, module, shape: tune.Shape, device, dtype, timer) -> None:
+def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype, timer) -> None:
     kernel = c.kernel
-    config = runtime.pick_config(module.NAME, module.SHA256, module.TUNING, shape.m, shape.n, shape.k, device)
+    config = runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n, shape.k, device)
     row.config = config.label()
-    inputs = tune.make_inputs(kernel, module, shape, device, dtype)
-    why = tune.Checker(c, module, inputs, min(tune.CHECK_ROWS, shape.m), device, dtype)(config, shape)
+    inputs = harness.make_inputs(kernel, module, shape, device, dtype)
+    why = harness.Checker(c, module, inputs, min(harness.CHECK_ROWS, shape.m), device, dtype)(config, shape)
     if why is not None:
         row.error = f"wrong: {why}"
         return
-    inplace = tune.inplace_names(kernel)
-    outs = tune.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
+    inplace = harness.inplace_names(kernel)
+    outs = harness.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
     launch_args = {n: v for n, v in inputs.items() if n not in inplace}
     row.ms = timer(lambda: module.launch(**launch_args, **outs, config=config))
     if kernel.gemm:
-        row.cublas_ms = tune.time_cublas(kernel, inputs, timer)
+        row.cublas_ms = harness.time_cublas(kernel, inputs, timer)
 
 
 def report_lines(rows: list[KernelRow]) -> list[str]:
     if not rows:
         return []
     lines = ["## Fused kernels vs the cuBLAS GEMM of the same shape", "",
-             "Each kernel where the Llama block runs it (codagen.tune.LLAMA_USES), with the configuration its "
+             "Each kernel where the block specs run it (codagen.tune.shapes.block_uses), with the configuration its "
              "launcher picks (this GPU's tuning table, else the default), checked against float64 on the first "
              "rows before timing; cuBLAS = torch.matmul of the same operands; ratio = time / cuBLAS time "
              "(1.00: the epilogue is free; for `matmul`, which has none, the mainloop against cuBLAS).", ""]

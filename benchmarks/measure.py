@@ -1,0 +1,96 @@
+"""Measurement: errors against a reference, times (do_bench on a GPU, the host clock on the CPU), peak memory."""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+
+import torch
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (fp32 on the GPU, in chunks, to bound memory)."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shape {tuple(a.shape)} vs reference {tuple(b.shape)}")
+    acc = torch.float64 if a.device.type == "cpu" else torch.float32
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    num = den = 0.0
+    chunk = 1 << 26
+    for i in range(0, max(a.numel(), 1), chunk):
+        aa, bb = a[i:i + chunk].to(acc), b[i:i + chunk].to(acc)
+        num += float(torch.sum((aa - bb) ** 2))
+        den += float(torch.sum(bb * bb))
+        if not math.isfinite(num):
+            return float("nan")
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return math.sqrt(num / den)
+
+
+def compare(named: dict, ref: dict) -> tuple:
+    """(max relative error, name of the worst tensor, {name: err})."""
+    errs = {}
+    for k, r in ref.items():
+        if k not in named:
+            raise KeyError(f"variant output lacks {k!r} (has {sorted(named)})")
+        errs[k] = rel_err(named[k], r)
+    worst = max(errs, key=lambda k: (math.isnan(errs[k]), errs[k]))
+    return errs[worst], worst, errs
+
+
+def detach_named(named: dict) -> dict:
+    return {k: v.detach() for k, v in named.items()}
+
+
+def bench_ms(fn, device, warmup_ms, rep_ms) -> float:
+    if device.type == "cuda":
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    # CPU: host clock around synchronous calls, median
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    for i in range(1000):
+        fn()
+        if i >= 1 and time.perf_counter() > t_end:
+            break
+    times, t_end = [], time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 1000):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def one_call(fn, device) -> tuple:
+    """Run once; return (ms, peak bytes allocated above what was allocated before)."""
+    sync(device)
+    if device.type == "cuda":
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize(device)
+        return e0.elapsed_time(e1), torch.cuda.max_memory_allocated(device) - base
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3, None
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def l2_bytes(device) -> int:
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) or (60 << 20))
+    return 32 << 20
+
