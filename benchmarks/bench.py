@@ -69,9 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for <gpu>.md/.json/.png")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--quick", action="store_true", help="smoke test: tokens 2048 (CPU: 128), short timing, first preset only")
-    ap.add_argument("--patterns", nargs="+", help="only patterns matching these (substring or glob), e.g. block lm_ce.fwd; "
-                                                  "'kernels' selects the fused-kernel section")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: tokens 2048 (CPU: 128), short timing, first preset only")
+    ap.add_argument("--patterns", nargs="+", help="only patterns matching these (substring or glob), e.g. block "
+                                                  "lm_ce.fwd; 'kernels' selects the fused-kernel section")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip the section of fused kernels vs the cuBLAS GEMM of the same shape")
     ap.add_argument("--variants", nargs="+",
@@ -135,7 +136,8 @@ def main(argv=None):
     torch.backends.cudnn.allow_tf32 = False
 
     env = environment(args)
-    log(f"codagen bench: {env['gpu']}; torch {env['torch']}, triton {env['triton']}, liger-kernel {env['liger-kernel']}")
+    log(f"codagen bench: {env['gpu']}; torch {env['torch']}, triton {env['triton']}, "
+        f"liger-kernel {env['liger-kernel']}")
     rows, kernel_rows = [], []
     out = Path(args.out)
     for pname in args.preset:

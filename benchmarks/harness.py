@@ -157,7 +157,8 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
         for row, _, _ in built:
             if row.ms is None:
                 continue
-            log(f"   {row.variant:22s} {row.ms:9.3f} ms  x{ratio(row.ms, cub):>6s} cuBLAS  x{ratio(row.ms, eag):>6s} eager"
+            log(f"   {row.variant:22s} {row.ms:9.3f} ms  x{ratio(row.ms, cub):>6s} cuBLAS  "
+                f"x{ratio(row.ms, eag):>6s} eager"
                 f"  spread {spread(row.ms_passes)}  peak+ {fmt_mib(row.peak_mib)}"
                 f"  ({sets[0].nbytes() / 2**20:.0f} MiB inputs, {len(sets)} set{'s' if len(sets) > 1 else ''})")
         log(f"   [{pat.key} done in {time.time() - t0:.1f}s]")

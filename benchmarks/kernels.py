@@ -91,7 +91,8 @@ def report_lines(rows: list[KernelRow]) -> list[str]:
     groups = list(dict.fromkeys((r.preset, r.tokens) for r in rows))
     for preset, tokens in groups:
         lines += [f"### {preset}, {tokens} tokens", "",
-                  "| kernel | where | shape | configuration | ms | cuBLAS ms | ratio |", "|---|---|---|---|---|---|---|"]
+                  "| kernel | where | shape | configuration | ms | cuBLAS ms | ratio |",
+                  "|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if (r.preset, r.tokens) == (preset, tokens)):
             if r.ms is None:
                 lines.append(f"| {r.kernel} | {r.where} | {r.shape} | {r.config} | failed: {r.error} | - | - |")

@@ -59,7 +59,8 @@ def from_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.T
         out[f"layers.{i}.pre.w_qkv"] = torch.cat([q, k, sd[p + "self_attn.v_proj.weight"]])
         out[f"layers.{i}.post.w_o"] = sd[p + "self_attn.o_proj.weight"]
         out[f"layers.{i}.post.wn_mlp"] = sd[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.post.w_gate_up"] = interleave_rows(sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"])
+        out[f"layers.{i}.post.w_gate_up"] = interleave_rows(sd[p + "mlp.gate_proj.weight"],
+                                                            sd[p + "mlp.up_proj.weight"])
         out[f"layers.{i}.post.w_down"] = sd[p + "mlp.down_proj.weight"]
     out["head.wn"] = sd["model.norm.weight"]
     out["head.w_vocab"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])

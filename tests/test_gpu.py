@@ -385,7 +385,8 @@ def test_post_attention_block(dtype):
     m = M_TOKENS
     y, x = low(g, dtype, m, D), low(g, dtype, m, D)
     wn_next, wn_mlp = low(g, dtype, D, scale=0.1, offset=1.0), low(g, dtype, D, scale=0.1, offset=1.0)
-    w_o, w_gate, w_up = low(g, dtype, D, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5)
+    w_o = low(g, dtype, D, D, scale=D**-0.5)
+    w_gate, w_up = low(g, dtype, FFN, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5)
     w_down = low(g, dtype, D, FFN, scale=FFN**-0.5)
     upstream = low(g, dtype, m, D)
 

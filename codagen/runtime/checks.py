@@ -76,7 +76,8 @@ def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int) -> None:
     else:
         key, value = dim, size
     if sizes.setdefault(key, value) != value:
-        _fail(kernel, f"'{name}' has {dim} = {size}, which does not match {key} = {sizes[key]} of the earlier arguments")
+        _fail(kernel, f"'{name}' has {dim} = {size}, which does not match {key} = {sizes[key]} of the earlier "
+                      "arguments")
 
 
 def check_tiles(kernel: str, decls: tuple[Decl, ...], values: dict, tiles_m: int, tiles_n: int) -> None:
