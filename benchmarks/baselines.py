@@ -1,4 +1,4 @@
-"""Baselines for the codagen benchmarks: the Llama-block patterns of DESIGN.md section 3, written the
+"""Baselines for the codagen benchmarks: the Llama-layer patterns of docs/design.md, written the
 ordinary way, without codagen.
 
 Three kinds of baseline live here, each a plain function of tensors that returns a tuple of tensors:
@@ -187,7 +187,7 @@ def eager_fns(dm: Dims, impl: str = "eager") -> dict:
         return x2, q, k, v
 
     def block(x0, y0, wo, wn1, wg, wu, w2, wn2, wqkv, cos, sin):
-        """The non-attention part of a Llama block (llama_math.py): (x0, y0) -> (x2, q, k, v)."""
+        """The non-attention part of a Llama layer (K1-K4 of docs/design.md): (x0, y0) -> (x2, q, k, v)."""
         x1, y1 = oproj_swiglu(x0, y0, wo, wn1, wg, wu)
         return down_qkv_rope(x1, y1, w2, wn2, wqkv, cos, sin)
 

@@ -157,7 +157,7 @@ def main(argv=None):
     md = write_report(rows, env, args, out, kernel_rows)
     failed = [r for r in rows if r.error] + [r for r in kernel_rows if r.error]
     log(f"\nwrote {md} (+ .json, .png) in {time.time() - t_start:.0f}s; {len(rows)} rows, {len(failed)} failed")
-    # last: the short table (the device tool returns the tail of the output)
+    # last: the short table (a remote run may return only the tail of the output)
     log(summary(rows))
     return 1 if failed and not any(r.ms for r in rows) else 0
 
