@@ -2,16 +2,18 @@
 torch.library op. The template holds the fixed parts; this file computes what varies, in spec order."""
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from ..fingerprint import fingerprint
-from ..model import Dim, DType, Input, InputRole, Kernel, Output, ValueType, Width
-from .epilogue import emit_epilogue
+from ..model import BLayout, Dim, DType, Input, InputRole, Kernel, Output, ValueType, Width
+from .epilogue import emit_epilogue, fit
 from .templates import render
 
 AXIS = {Dim.M: "m", Dim.K: "k", Dim.N: "n", Dim.N_HALF: "n", Dim.N_DOUBLE: "n", Dim.TILES_M: "t",
         Dim.TILES_N: "t"}
 TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.FLOAT16: "torch.float16", DType.BFLOAT16: "torch.bfloat16"}
+WIDTH = 120  # the longest line of a generated kernel module, its header aside
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,6 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
     scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
     a = k.input(k.gemm.a) if k.gemm else None
     b = k.input(k.gemm.b) if k.gemm else None
-    op_args = [i.name for i in k.inputs] + [o.name for o in k.outputs if o.inplace]
-    returned = [o.name for o in k.outputs if not o.inplace]
-    if len(returned) == 1:
-        returns = "torch.Tensor"
-    elif returned:
-        returns = "tuple[" + ", ".join(["torch.Tensor"] * len(returned)) + "]"
-    else:
-        returns = "None"
     names = [t.name for t in tensors]
     epilogue_tensors = [t for t in tensors if not k.gemm or t.name not in (k.gemm.a, k.gemm.b)]
     epilogue_pointers = [f"{t.name}_ptr" for t in epilogue_tensors]
@@ -82,28 +76,15 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         epilogue_tensors=epilogue_tensors,
         epilogue_pointer_params=wrap(epilogue_pointers, 4),
         epilogue_pointer_args=wrap(epilogue_pointers, 16),
-        launch_params=", ".join(op_args + (["*"] + [t.name for t in tensors if t.output and not t.inplace]
-                                           if returned else []) + ["config=None"]),
-        tensor_names=names,
-        tensor_names_quoted=", ".join(f'"{n}"' for n in names) + ("," if len(names) == 1 else ""),
-        a_index=names.index(k.gemm.a) if k.gemm else None,
-        b_index=names.index(k.gemm.b) if k.gemm else None,
-        values_inputs="{" + ", ".join(f'"{t.name}": {t.name}' for t in tensors if not t.output) + "}",
-        mutated_src="(" + "".join(f'"{n}", ' for n in (o.name for o in k.outputs if o.inplace)).rstrip(" ") + ")",
-        returned_kwargs=", ".join(f"{n}={n}" for n in returned),
         k=k,
         gemm=k.gemm,
         a=a,
         b=b,
         tensors=tensors,
         inputs=[t for t in tensors if not t.output],
-        outputs=[t for t in tensors if t.output],
         allocated=[t for t in tensors if t.output and not t.inplace],
         scalars=scalars,
-        op_args=op_args,
-        op_params=[f"{n}: float" if n in scalars else f"{n}: torch.Tensor" for n in op_args],
-        returned=returned,
-        returns=returns,
+        host=_host_code(k, tensors, scalars),
         epilogue=emit_epilogue(k, types),
         has_k=k.gemm is not None,
         even_n=any(t.width is Width.HALF for t in types.values()),
@@ -111,6 +92,101 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
     )
+
+
+def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str, str]:
+    """The statements of the launcher and the op whose length depends on the spec's names, each within WIDTH
+    columns at its place in the template."""
+    names = [t.name for t in tensors]
+    op_args = [i.name for i in k.inputs] + [o.name for o in k.outputs if o.inplace]
+    args = ", ".join(op_args)
+    returned = [o.name for o in k.outputs if not o.inplace]
+    allocated = [t for t in tensors if t.output and not t.inplace]
+    kernel_k = "K" if k.gemm else "0"
+    gemm = f", gemm=({names.index(k.gemm.a)}, {names.index(k.gemm.b)})" if k.gemm else ""
+    launch_params = op_args + (["*", *returned] if returned else []) + ["config=None"]
+    mutated = "".join(f'"{o.name}", ' for o in k.outputs if o.inplace).rstrip(" ")
+    code = {
+        "module_doc": _doc(f"{k.name}: {k.doc}", 0),
+        "module_about": "\n".join(textwrap.wrap(_about(k), WIDTH)),
+        "launch_def": _fitted(f"def launch({', '.join(launch_params)}) -> None:", 0),
+        "tensors": _fitted(f"tensors = ({', '.join(names)}{',' if len(names) == 1 else ''})", 4),
+        **({"a_desc": _fitted(_descriptor(k.gemm.a, "block_m", "block_k"), 4),
+            "b_desc": _fitted(_descriptor(k.gemm.b, *(("block_n", "block_k") if k.gemm.b_layout is BLayout.NK
+                                                      else ("block_k", "block_n"))), 4)} if k.gemm else {}),
+        "plan_return": _fitted(f"return runtime.LaunchPlan.make(config, device, t_dtype, M, N, {kernel_k}, "
+                               f"tensors{gemm})", 4),
+        "allocate_def": _fitted(f"def _allocate({args}):", 0),
+        "allocate_values": _fitted("values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
+                                                             if not t.output) + ")", 4),
+        "empties": ("\n" + " " * 8).join(
+            _fitted(f"torch.empty({t.alloc_shape}, dtype={t.alloc_dtype}, device=device),", 8) for t in allocated),
+        "run_def": _fitted(f"def _run({args}):", 0),
+        "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
+        "run_return": _fitted(f"return _run({args})", 4),
+        "op_decorator": _fitted(f'@torch.library.custom_op("codagen::{k.name}", mutates_args=({mutated}))', 0),
+        "op_def": _def(f"{k.name}_op", [f"{n}: float" if n in scalars else f"{n}: torch.Tensor" for n in op_args],
+                       _returns(len(returned))),
+        "op_doc": _doc(k.doc, 4, close=True),
+        "fake_def": _fitted(f"def _({args}):", 0),
+        "public_def": _def(k.name, op_args, _returns(len(returned)) if returned else None),
+        "public_doc": _doc(k.doc, 4),
+        "public_op_return": _fitted(f"return {k.name}_op({args})", 8),
+    }
+    if returned:
+        targets = f"({returned[0]},)" if len(returned) == 1 else ", ".join(returned)
+        code["run_allocate"] = _fitted(f"{targets} = _allocate({args})", 4)
+        plain = f"return {', '.join(returned)}"
+        code["run_result"] = plain if 4 + len(plain) <= WIDTH else _fitted(f"return ({', '.join(returned)})", 4)
+        code["fake_return"] = _fitted(f"return _allocate({args}){'[0]' if len(returned) == 1 else ''}", 4)
+    return code
+
+
+def _about(k: Kernel) -> str:
+    """What the kernel computes, for the module docstring."""
+    if not k.gemm:
+        return "An elementwise kernel over [M, N] tiles: the epilogue of the spec, with no GEMM."
+    b = "[N, K]^T" if k.gemm.b_layout is BLayout.NK else "[K, N]"
+    return (f"acc[M, N] = {k.gemm.a}[M, K] @ {k.gemm.b}{b} in fp32, then the epilogue of the spec, on each tile "
+            "while it is in registers.")
+
+
+def _descriptor(name: str, rows: str, cols: str) -> str:
+    """The TMA descriptor of a GEMM operand, with its block shape from the launch's config."""
+    return f"{name}_desc = runtime.descriptor({name}, plan.config.{rows}, plan.config.{cols}) if tma else None"
+
+
+def _fitted(statement: str, indent: int) -> str:
+    """`statement` at `indent`, broken at the commas of its calls into lines of at most WIDTH columns, as the
+    template prints it after its own indentation (the first line carries none)."""
+    return "\n".join(fit(" " * indent + statement, WIDTH))[indent:]
+
+
+def _returns(n: int, col: int = 5) -> str:
+    """The annotation of n returned tensors (None for none), continued under its first item when a tuple is
+    too long for the line it starts on at `col` (after ') -> ')."""
+    if n <= 1:
+        return "torch.Tensor" if n else "None"
+    inner = col + len("tuple[")
+    return "tuple[" + ("\n" + " " * inner).join(wrap(["torch.Tensor"] * n, inner, WIDTH - 2))[:-1] + "]"
+
+
+def _def(name: str, params: list[str], returns: str | None) -> str:
+    """`def name(params) -> returns:` on one line when it fits, else the parameters on lines of their own."""
+    arrow = f" -> {returns}" if returns else ""
+    one = f"def {name}({', '.join(params)}){arrow}:"
+    if len(one) <= WIDTH and "\n" not in one:
+        return one
+    return f"def {name}(\n" + "".join(f"    {line}\n" for line in wrap(params, 4, WIDTH)) + f"){arrow}:"
+
+
+def _doc(text: str, indent: int, close: bool = False) -> str:
+    """A docstring's first paragraph at `indent`, wrapped within WIDTH columns; with `close`, the whole
+    docstring: on one line when it fits, else with the closing quotes on a line of their own."""
+    if close and indent + len(text) + 6 <= WIDTH:
+        return f'"""{text}"""'
+    lines = textwrap.wrap('"""' + text, WIDTH - indent, break_long_words=False, break_on_hyphens=False)
+    return ("\n" + " " * indent).join(lines + ['"""'] if close else lines)
 
 
 def tunes_at_launch(k: Kernel) -> bool:

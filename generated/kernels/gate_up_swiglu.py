@@ -180,7 +180,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("h", "w_gate_up", "rstd", "z", "y"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -192,7 +192,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(h, w_gate_up, rstd):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"h": h, "w_gate_up": w_gate_up, "rstd": rstd}
+    values = dict(h=h, w_gate_up=w_gate_up, rstd=rstd)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
@@ -209,9 +209,7 @@ def _run(h, w_gate_up, rstd):
 
 @torch.library.custom_op("codagen::gate_up_swiglu", mutates_args=())
 def gate_up_swiglu_op(
-    h: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    rstd: torch.Tensor,
+    h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns."""
     return _run(h, w_gate_up, rstd)

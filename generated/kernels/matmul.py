@@ -156,7 +156,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("a", "b", "out_tile"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -168,7 +168,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(a, b):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"a": a, "b": b}
+    values = dict(a=a, b=b)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
@@ -183,10 +183,7 @@ def _run(a, b):
 
 
 @torch.library.custom_op("codagen::matmul", mutates_args=())
-def matmul_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-) -> torch.Tensor:
+def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type."""
     return _run(a, b)
 

@@ -220,7 +220,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("dz", "w", "x", "rstd", "wn", "zdz", "dx", "dwn_part", "normed"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -233,7 +233,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(dz, w, x, rstd, wn, zdz):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"dz": dz, "w": w, "x": x, "rstd": rstd, "wn": wn, "zdz": zdz}
+    values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:6], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
@@ -252,12 +252,7 @@ def _run(dz, w, x, rstd, wn, zdz):
 
 @torch.library.custom_op("codagen::norm_dgrad", mutates_args=())
 def norm_dgrad_op(
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    x: torch.Tensor,
-    rstd: torch.Tensor,
-    wn: torch.Tensor,
-    zdz: torch.Tensor,
+    dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it."""
     return _run(dz, w, x, rstd, wn, zdz)

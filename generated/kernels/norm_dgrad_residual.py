@@ -230,7 +230,7 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("dz", "w", "x", "rstd", "wn", "zdz", "grad_x", "dx", "dwn_part", "normed"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -243,7 +243,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(dz, w, x, rstd, wn, zdz, grad_x):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"dz": dz, "w": w, "x": x, "rstd": rstd, "wn": wn, "zdz": zdz, "grad_x": grad_x}
+    values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
@@ -262,12 +262,7 @@ def _run(dz, w, x, rstd, wn, zdz, grad_x):
 
 @torch.library.custom_op("codagen::norm_dgrad_residual", mutates_args=())
 def norm_dgrad_residual_op(
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    x: torch.Tensor,
-    rstd: torch.Tensor,
-    wn: torch.Tensor,
-    zdz: torch.Tensor,
+    dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
     grad_x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it, plus the residual gradient."""

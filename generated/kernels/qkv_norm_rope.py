@@ -182,7 +182,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("h", "w_qkv", "rstd", "positions", "freqs", "qkv"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -194,7 +194,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(h, w_qkv, rstd, positions, freqs):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"h": h, "w_qkv": w_qkv, "rstd": rstd, "positions": positions, "freqs": freqs}
+    values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
@@ -210,11 +210,7 @@ def _run(h, w_qkv, rstd, positions, freqs):
 
 @torch.library.custom_op("codagen::qkv_norm_rope", mutates_args=())
 def qkv_norm_rope_op(
-    h: torch.Tensor,
-    w_qkv: torch.Tensor,
-    rstd: torch.Tensor,
-    positions: torch.Tensor,
-    freqs: torch.Tensor,
+    h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
 ) -> torch.Tensor:
     """QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs."""
     return _run(h, w_qkv, rstd, positions, freqs)

@@ -133,7 +133,7 @@ def launch(x, wn, *, h, ss, config=None) -> None:
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("x", "wn", "h", "ss"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
@@ -146,7 +146,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(x, wn):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"x": x, "wn": wn}
+    values = dict(x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
@@ -163,10 +163,7 @@ def _run(x, wn):
 
 
 @torch.library.custom_op("codagen::rmsnorm_stats", mutates_args=())
-def rmsnorm_stats_op(
-    x: torch.Tensor,
-    wn: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced."""
     return _run(x, wn)
 

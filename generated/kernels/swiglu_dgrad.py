@@ -202,7 +202,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
 
 
 def _plan(tensors, config) -> runtime.LaunchPlan:
-    values = dict(zip(("grad_y", "w_down", "z", "dz", "zdz_part", "y"), tensors))
+    values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
@@ -215,7 +215,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(grad_y, w_down, z):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = {"grad_y": grad_y, "w_down": w_down, "z": z}
+    values = dict(grad_y=grad_y, w_down=w_down, z=z)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
@@ -234,9 +234,7 @@ def _run(grad_y, w_down, z):
 
 @torch.library.custom_op("codagen::swiglu_dgrad", mutates_args=())
 def swiglu_dgrad_op(
-    grad_y: torch.Tensor,
-    w_down: torch.Tensor,
-    z: torch.Tensor,
+    grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output."""
     return _run(grad_y, w_down, z)
