@@ -7,6 +7,7 @@ import click
 
 from . import api
 from .errors import ValidationFailed
+from .presets import PRESETS
 
 
 def _report(e: ValidationFailed) -> None:
@@ -74,8 +75,8 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--shapes", required=True, metavar="PRESET|MxNxK,...",
-              help="Presets (llama3-1b, llama3-8b: every kernel at the shapes of the Llama block) and/or literal "
-                   "MxNxK shapes applied to every selected kernel, comma-separated.")
+              help=f"Model presets ({', '.join(PRESETS)}: each kernel at the shapes where the block specs among "
+                   "PATHS run it) and/or literal MxNxK shapes applied to every selected kernel, comma-separated.")
 @click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
               help="Folder of the generated package; tables go to OUT/tuning/<gpu>/.")
 @click.option("--budget", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
