@@ -1,6 +1,7 @@
-"""Tile configurations: the committed tuning table of this GPU when it has the shape (`codagen tune` writes
-generated/tuning/<gpu>/<kernel>.json); otherwise, once per process and shape bucket, the fastest of a few
-built-in candidates, timed on the launch itself; otherwise the default.
+"""Tile configurations: the committed tuning table of this GPU when it has the shape and was tuned for what the
+kernel computes (its fingerprint) with this Triton (`codagen tune` writes generated/tuning/<gpu>/<kernel>.json);
+otherwise, once per process and shape bucket, the fastest of a few built-in candidates, timed on the launch
+itself; otherwise the default.
 
 CODAGEN_NO_TUNE=1 always gives the default: no table, no tuning at run time (reproducible baselines)."""
 from __future__ import annotations
