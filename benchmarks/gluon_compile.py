@@ -1,0 +1,138 @@
+"""The Hopper (Gluon) kernels of generated/kernels/gluon/, compiled for sm_90 on a machine without a GPU:
+registers, spill stack and shared memory of each kernel in each configuration, read back with the `cuobjdump`
+that Triton bundles, and how many HGMMA (Hopper's warpgroup MMA) instructions its SASS holds.
+
+    python benchmarks/gluon_compile.py [--kernels a,b] [--out FILE]
+
+Gluon's API moves between Triton releases: run it with the Triton the GPU machine has (3.6.0 there)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compile for real even where codagen would interpret
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from codagen.runtime.gluon_hopper import HopperConfig  # noqa: E402
+
+POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
+CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=3), HopperConfig(stages=2),
+           HopperConfig(block_m=64, block_n=256, stages=2), HopperConfig(consumer_regs=240))
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
+
+
+def source(module, config: HopperConfig) -> GluonASTSource:
+    """The kernel with bf16 tensors and `config`, as its launcher would call it."""
+    kernel = getattr(module, f"{module.NAME}_kernel")
+    decls = {d.name: d for d in module.DECLS}
+    params = list(inspect.signature(kernel.fn).parameters)
+    descs = [p for p in params if p.endswith("_desc")]
+    meta = config.meta()
+    sig = {}
+    for p in params:
+        if p in descs:
+            if p == descs[0]:
+                block = [config.block_m, config.block_k]
+            elif p == descs[1]:
+                block = [config.block_n, config.block_k] if decls[p[:-5]].dims == ("N", "K") else \
+                    [config.block_k, config.block_n]
+            else:
+                block = [config.block_m, config.block_n]
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+            sig[p] = f"tensordesc<bf16{block},{layout!r}>"
+        elif p.endswith("_ptr"):
+            sig[p] = POINTER[decls[p[:-4]].dtype]
+        elif p in meta:
+            sig[p] = "constexpr"
+        elif p in decls or p in ("M", "N", "K", "NUM_PROGRAMS") or p.startswith("stride_"):
+            sig[p] = "i32"
+        else:
+            sig[p] = "fp32"  # host scalars
+    return GluonASTSource(kernel, sig, {(params.index(k),): v for k, v in meta.items()})
+
+
+def compile_kernel(module, config: HopperConfig):
+    return triton.compile(source(module, config), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def usage(compiled) -> dict:
+    """REG, STACK, SHARED (cuobjdump's, static only) and the kernel's dynamic shared memory, HGMMA count."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
+    found["SMEM"] = compiled.metadata.shared
+    found["HGMMA"] = len(re.findall(r"\bHGMMA\.", sass))
+    found["SETMAXREG"] = sorted({int(v, 16) for v in re.findall(r"SETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)})
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", help="comma-separated kernel names (default: every module of generated/kernels/gluon)")
+    ap.add_argument("--out", type=Path, help="write the report here (markdown)")
+    args = ap.parse_args()
+    lines = ["# Hopper (Gluon) kernels compiled for sm_90 without a GPU", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton "
+             f"{triton.__version__}; bf16 tensors; command: `python benchmarks/gluon_compile.py`",
+             "- REG: registers per thread at the kernel's entry (warp-specialized kernels re-divide them per "
+             "partition with setmaxnreg: SETMAXREG lists the counts its SASS sets); STACK: bytes of stack per "
+             "thread, mostly spilled registers (0: no spill); SMEM: bytes of shared memory a program uses; "
+             "HGMMA: warpgroup MMA instructions in the SASS.", ""]
+    for name in (args.kernels.split(",") if args.kernels else names()):
+        module = importlib.import_module(f"generated.kernels.gluon.{name}")
+        lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | SETMAXREG |", "|---|---|---|---|---|---|"]
+        for config in CONFIGS:
+            try:
+                u = usage(compile_kernel(module, config))
+                row = (f"| {config.label()} | {u['REG']} | {u['STACK']} | {u['SMEM']} | {u['HGMMA']} | "
+                       f"{', '.join(map(str, u['SETMAXREG']))} |")
+            except Exception as e:  # noqa: BLE001 - reported per configuration
+                row = f"| {config.label()} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | | | | |"
+            print(f"{name}: {row}", flush=True)
+            lines.append(row)
+        lines.append("")
+    if args.out:
+        args.out.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def ttgir(module, config: HopperConfig, arch: int = 90) -> str:
+    """The kernel lowered as far as TTGIR for sm_`arch` (Gluon's own stage), without LLVM and ptxas: what the
+    CPU tests check, since it is quick."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    src = source(module, config)
+    options = backend.parse_options({"num_warps": 4})
+    stages = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    return str(stages["ttgir"](mod, {}))

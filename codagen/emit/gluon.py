@@ -1,0 +1,235 @@
+"""A checked kernel -> the source of its Hopper module (generated/kernels/gluon/<name>.py): a persistent,
+warp-specialized Gluon kernel (codagen/runtime/gluon_hopper.py describes the schedule) and its launcher.
+
+The epilogue is the spec's steps, as for the tl kernel, with three differences of lowering:
+
+- tile inputs of type T arrive by TMA into shared memory while the tile's mainloop runs, and are read from
+  there into the accumulator's register layout when the epilogue starts;
+- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`);
+- the rest is the registry's "tl" text: Triton's builtins, called from a @gluon.jit function, run with
+  Gluon's semantics, and element-wise arithmetic, reductions, masked loads and stores of row and column
+  vectors all take their layouts from `rows` and `cols`, which the kernel creates in slices of the
+  accumulator's layout.
+
+What cannot be lowered yet (`unlowered`) keeps the kernel on the tl path alone; the build says which step and
+why, and the package's docstring lists it."""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
+from ..primitives import PRIMITIVES, step_text
+from .epilogue import EpilogueEmitter, fit
+from .kernel import AXIS, wrap
+from .templates import render
+
+# Primitives whose registry "tl" emitter compiles inside a Gluon kernel (checked by compiling every spec's
+# kernel for sm_90: tests/test_gluon.py), on values of full width. The others need a "gluon" emitter first:
+# `select` calls tile.store_selected, whose tl.zeros_like has no layout under Gluon.
+TL_TEXT_RUNS = ("exp", "log", "sigmoid", "silu", "gelu_tanh", "gelu", "tanh", "relu", "square", "neg",
+                "add", "sub", "mul", "div", "maximum", "minimum", "scale", "cast", "reduce", "one_hot")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A kernel that keeps the tl path only, and why: the step (None: the kernel as a whole)."""
+
+    kernel: Kernel
+    step: Step | None
+    reason: str
+
+    def __str__(self) -> str:
+        if self.step is None:
+            return f"{self.kernel.loc}: {self.kernel.name}: {self.reason}; it keeps the tl kernel only"
+        return (f"{self.step.loc}: {step_text(self.step)}: {self.reason}; {self.kernel.name} keeps the tl "
+                "kernel only")
+
+
+def tma_inputs(k: Kernel) -> list[str]:
+    """Tile inputs of type T at full width: loaded by TMA into the epilogue's buffers."""
+    return [i.name for i in k.inputs if i.role is InputRole.TENSOR and i.dtype is DType.T
+            and i.type.kind is Kind.TILE and i.type.width is Width.FULL]
+
+
+def tma_outputs(k: Kernel) -> list[str]:
+    """Outputs stored as tiles of type T at full width: written by TMA from the epilogue's buffers, in the
+    order of their stores."""
+    stored = [s.target for s in k.steps if s.op == "store"]
+    return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
+            and len(o.dims) == 2 and o.dims[1].width is Width.FULL]
+
+
+def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
+    """Why the Hopper backend cannot lower this kernel yet: every step it cannot, or the kernel itself."""
+    if k.gemm is None:
+        return [Fallback(k, None, "no GEMM; the Hopper backend schedules GEMM mainloops only")]
+    found = []
+    for s in k.steps:
+        reason = _unlowered_step(k, types, s)
+        if reason:
+            found.append(Fallback(k, s, reason))
+    return found
+
+
+def _unlowered_step(k: Kernel, types: dict[str, ValueType], s: Step) -> str | None:
+    if s.op == "store":
+        t = types[s.args["x"]]
+        if t.kind is Kind.TILE and s.target not in tma_outputs(k):
+            return "only tiles of type T at full width are stored, through TMA"
+    elif s.op not in TL_TEXT_RUNS:
+        return f"no Gluon lowering of '{s.op}' yet"
+    operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
+    if any(types[v].width in (Width.HALF, Width.DOUBLE) for v in operands):
+        return "no Gluon lowering of pairs (N/2 or 2*N columns) yet"
+    for v in operands:
+        inp = k.input(v)
+        if inp is not None and inp.type.kind is Kind.TILE and v not in tma_inputs(k):
+            return f"tile input '{v}' is not of type T; only those are loaded, through TMA"
+    return None
+
+
+class GluonEpilogueEmitter(EpilogueEmitter):
+    """The epilogue in a Gluon kernel: TMA for tile inputs and tile stores, the registry's tl text for the
+    rest (see the module's docstring)."""
+
+    backend = "gluon"
+
+    def __init__(self, kernel: Kernel, types: dict[str, ValueType], buffers: int):
+        super().__init__(kernel, types)
+        self.tma_inputs = tma_inputs(kernel)
+        self.tma_outputs = tma_outputs(kernel)
+        self.buffers = buffers
+        self.stores = 0  # TMA stores emitted so far
+
+    def load(self, name: str) -> None:
+        if name in self.tma_inputs:  # read from shared memory by the consumer before the epilogue
+            self.loaded.add(name)
+            return
+        super().load(name)
+
+    def emit(self, step: Step) -> None:
+        self.lines.append(f"# {step_text(step)}")
+        if step.op == "store" and step.target in self.tma_outputs:
+            self._store_tile(step)
+        elif step.op == "cast" and step.args["dtype"] == "T":
+            self._cast_to_t(step)
+        else:
+            PRIMITIVES[step.op].emitters["tl"](self, step)
+
+    def _store_tile(self, s: Step) -> None:
+        # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
+        # other buffers' stores in flight (a tile's stores are a multiple of the buffers: see `buffers`)
+        buffer = self.stores % self.buffers
+        self.stores += 1
+        self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
+                          f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
+
+    def _cast_to_t(self, s: Step) -> None:
+        # the tl text names T by the GEMM operand's pointer; here that operand is a TMA descriptor
+        self.elementwise(s, f"{{x}}.to({self.kernel.gemm.a}_desc.dtype).to(tl.float32)", {"x": s.args["x"]})
+
+
+def epilogue_buffers(k: Kernel) -> int:
+    """Shared-memory tiles per consumer: one per tile input (all read before the first store), and two for
+    the stores when their number is even (one in flight while the next is written), else one."""
+    stores = sum(1 for s in k.steps if s.op == "store" and s.target in tma_outputs(k))
+    return max(len(tma_inputs(k)), 2 if stores and stores % 2 == 0 else 1 if stores else 0, 1)
+
+
+def _unused_mask(line: str, lines: list[str]) -> bool:
+    """A row or column mask that no other line reads (TMA stores need none)."""
+    name = line.split(" = ")[0]
+    return name in ("row_mask", "col_mask") and not any(name in other for other in lines if other != line)
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A tensor the epilogue addresses through pointers (row and column vectors, partial reductions)."""
+
+    name: str
+    strides: tuple[str, ...]
+
+    @property
+    def stride_args(self) -> str:
+        return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.strides)))
+
+
+def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
+    buffers = epilogue_buffers(k)
+    e = GluonEpilogueEmitter(k, types, buffers)
+    e.lines.append("row_mask = rows < M")
+    e.need_width(Width.FULL)
+    for step in k.steps:
+        e.emit(step)
+    lines = [line for line in e.lines if not _unused_mask(line, e.lines)]
+    epilogue = [piece for line in lines for piece in fit(line, 116)]
+    ins, outs = tma_inputs(k), tma_outputs(k)
+    gemm_names = (k.gemm.a, k.gemm.b)
+    pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims))
+                for d in (*k.inputs, *k.outputs)
+                if d.name not in (*gemm_names, *ins, *outs) and not getattr(d, "role", None) is InputRole.HOST_SCALAR]
+    scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
+    descs = [f"{n}_desc" for n in (*ins, *outs)]
+    casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
+    consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
+    strides = [s for p in pointers for s in p.strides]
+    names = [i.name for i in k.inputs if i.role is not InputRole.HOST_SCALAR] + [o.name for o in k.outputs]
+    return render(
+        "kernel_gluon.py.j2",
+        k=k,
+        gemm=k.gemm,
+        uses_tl=any("tl." in line for line in epilogue),
+        uses_tile=any("tile." in line for line in epilogue),
+        uses_triton=k.tile_dependent,
+        b_kn=k.gemm.b_layout.value == "kn",
+        regenerate=regenerate,
+        epilogue=epilogue,
+        tma_inputs=ins,
+        tma_outputs=outs,
+        buffers=buffers,
+        pointers=pointers,
+        scalars=scalars,
+        desc_params=wrap(descs, 4),
+        pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
+        stride_params=wrap(strides, 4),
+        epilogue_args=wrap([*ins, "buffers", *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers),
+                            *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
+        consumer_desc_params=wrap(consumer_descs, 4),
+        consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
+                            *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
+                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES"], 12),
+        tensor_names=names,
+        tensor_names_quoted=", ".join(f'"{n}"' for n in names),
+        launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
+        decls=[(t.name, tuple(d.value for d in t.dims), t.dtype.value, t in k.outputs)
+               for t in (*k.inputs, *k.outputs) if not getattr(t, "role", None) is InputRole.HOST_SCALAR],
+    )
+
+
+def render_gluon(kernels: list[tuple[Kernel, dict[str, ValueType]]], regenerate: str) -> dict[str, str]:
+    """The Hopper backend's files, by path under the output folder: a module per kernel it lowers, and the
+    package's __init__.py, which imports none of them and lists the kernels that keep the tl path only."""
+    files = {}
+    lowered, fallbacks = [], []
+    for k, types in kernels:
+        found = unlowered(k, types)
+        fallbacks += found
+        if not found:
+            lowered.append(k)
+            files[f"kernels/gluon/{k.name}.py"] = render_gluon_kernel(k, types, regenerate)
+    files["kernels/gluon/__init__.py"] = _package_init(lowered, fallbacks, regenerate)
+    return files
+
+
+def _package_init(lowered: list[Kernel], fallbacks: list[Fallback], regenerate: str) -> str:
+    lines = ["# @generated by codagen; do not edit.", f"# Regenerate with: {regenerate}",
+             '"""Hopper (sm_90) kernels in Gluon: one module per kernel spec that the Hopper backend lowers, each '
+             "with a", "`launch` that takes the tl kernel's arguments. Import one only on a Hopper GPU; this "
+             "package imports none.", ""]
+    lines += [f"- {k.name} ({k.source})" for k in lowered]
+    if fallbacks:
+        lines += ["", "Kernels that keep the tl path only, and why:", ""]
+        lines += [line for f in fallbacks for line in textwrap.wrap(str(f), 116, initial_indent="- ",
+                                                                    subsequent_indent="  ")]
+    return "\n".join(lines) + '\n"""\n'

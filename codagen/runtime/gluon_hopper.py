@@ -1,0 +1,219 @@
+"""What generated Hopper (Gluon) kernels import: their tile configuration, launch checks, TMA descriptors, and
+the device functions every such kernel shares: the tile order, the producer that fills the ring of operand
+stages, the consumers' mainloop and the TMA store of an epilogue value.
+
+The schedule (generated/kernels/gluon/*.py): a persistent grid, one program per SM. Per program, one producer
+warp loads the GEMM operands with TMA into a ring of STAGES shared-memory stages, each with a `ready` barrier
+(the copy landed) and an `empty` one (the MMAs that read it are done). Two consumer warpgroups take the
+program's tiles in turn, consumer 0 the even ones and consumer 1 the odd ones, and each keeps its tile's
+accumulator in its own registers; a `turn` barrier pair lets only one of them run its mainloop at a time, so
+that while one runs its MMAs the other runs its epilogue ("ping-pong", as in CUTLASS's Hopper kernels). It also
+keeps each consumer's waits on the ring in ring order, which mbarrier phases need: a consumer that waited on a
+stage two fills ahead would take the older fill's phase for its own.
+
+Import this module only where Gluon kernels can run (a Hopper GPU with Triton's Gluon): nothing else does."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+# TMA copies by their Triton 3.6 names, or by the names that replaced them (Triton 3.9 removed the old ones):
+# generated kernels call these, so that they compile with either (the GPU machine has 3.6, CI 3.9)
+if hasattr(tma, "async_load"):
+    tma_load, tma_store = tma.async_load, tma.async_store
+else:
+    tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
+    (BLOCK_M * BLOCK_N / 128 per thread: 128 at 128x128), so tiles are half the width the tl kernels use.
+    Shared memory holds `stages` operand stages and, per consumer, `epilogue_buffers` tiles of the output type
+    (the epilogue's TMA loads and stores), within the 227 KiB a program has on an H200."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 3
+    group_m: int = 8
+    consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
+
+    @property
+    def epilogue_n(self) -> int:
+        """Columns that one partial reduction covers (tiles(N) counts these), as Config.epilogue_n."""
+        return self.block_n
+
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
+                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs}
+
+    def smem_bytes(self, element_size: int, epilogue_buffers: int) -> int:
+        """Shared memory of a program: the ring, both consumers' epilogue buffers and 1 KiB for barriers."""
+        stage = (self.block_m + self.block_n) * self.block_k * element_size
+        return self.stages * stage + 2 * epilogue_buffers * self.block_m * self.block_n * element_size + 1024
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
+
+
+SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
+
+
+def default_config(epilogue_buffers: int) -> HopperConfig:
+    """128x128x64 tiles with as many operand stages, up to 4, as fit beside the epilogue's buffers (16-bit
+    operands)."""
+    config = HopperConfig(stages=4)
+    while config.stages > 2 and config.smem_bytes(2, epilogue_buffers) > SMEM_LIMIT:
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    return config
+
+
+def available(device: torch.device) -> bool:
+    """Whether this device runs the Hopper kernels: an sm_90 GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def check(kernel: str, config: HopperConfig, t_dtype: torch.dtype, k: int, epilogue_buffers: int, values: dict,
+          tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
+    """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
+    not bf16 or fp16, an empty K, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that
+    does not fit in shared memory."""
+    if t_dtype not in GL_DTYPES:
+        raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
+    if k == 0:
+        raise ValueError(f"{kernel}: K is 0; the Hopper kernel's mainloop needs at least one K step")
+    if not available(values[tma_tensors[0]].device):
+        raise ValueError(f"{kernel}: the Hopper kernel runs on an sm_90 GPU only")
+    for name in tma_tensors:
+        t = values[name]
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"{kernel}: TMA cannot address '{name}' (it needs a contiguous last dimension and "
+                             f"16-byte aligned rows; strides {t.stride()})")
+    for name in pointer_tensors:
+        t = values[name]
+        if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
+            raise ValueError(f"{kernel}: '{name}' spans 2**31 elements or more, which the Hopper kernel's 32-bit "
+                             "offsets do not reach")
+    smem = config.smem_bytes(torch.empty((), dtype=t_dtype).element_size(), epilogue_buffers)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{kernel}: {config.label()} needs {smem} bytes of shared memory, more than the "
+                         f"{SMEM_LIMIT} a program has")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    device: torch.device
+    m: int
+    n: int
+    k: int
+    programs: int
+
+    @property
+    def empty(self) -> bool:
+        return self.m == 0 or self.n == 0
+
+    @classmethod
+    def make(cls, device: torch.device, m: int, n: int, k: int, config: HopperConfig) -> "LaunchPlan":
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        return cls(device, m, n, k, programs=max(1, min(tiles, sm_count(device))))
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of `t` in blocks of `block`; per launch, since a tensor's base moves between calls."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"TMA needs a 16-byte aligned base, got a tensor at {t.data_ptr():#x} (a view at an "
+                         "offset?); the tl kernel takes it")
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+@gluon.jit
+def allocate_ring(desc, STAGES: gl.constexpr):
+    """STAGES shared-memory tiles of a TMA descriptor's block, in its layout."""
+    return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """Tile id -> (pid_m, pid_n) in grouped order: GROUP_M row-tiles share each column of B while it is in L2
+    (the tl kernels' order)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, B_KN: gl.constexpr):
+    """The producer: every K step of every tile of this program, in order, into the ring. A stage is
+    refilled once its `empty` barrier says the MMAs that read it are done; barriers start with their phase
+    1 complete, hence the first wait on each stage passes. Edges read zeros (TMA's out-of-bounds fill)."""
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        for k in range(k_steps):
+            stage = step % STAGES
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(stage), a_ring.index(stage))
+            if B_KN:
+                tma_load(b_desc, [k * BLOCK_K, pid_n * BLOCK_N], ready.index(stage), b_ring.index(stage))
+            else:
+                tma_load(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(stage), b_ring.index(stage))
+            step += 1
+
+
+@gluon.jit
+def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
+             ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMER: gl.constexpr, B_KN: gl.constexpr):
+    """One tile's mainloop on ring steps [step, step + k_steps), once the other consumer's mainloop is done
+    (the `turn` barriers); this consumer's `tile_count`-th tile. One wgmma stays in flight: a stage is
+    released as soon as the wgmma after it is issued. Returns the fp32 accumulator."""
+    mbarrier.wait(turn.index(CONSUMER), (tile_count & 1) ^ (1 - CONSUMER))
+    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, ACC)
+    for k in range(k_steps):
+        stage = (step + k) % STAGES
+        mbarrier.wait(ready.index(stage), ((step + k) // STAGES) & 1)
+        a = a_ring.index(stage)
+        b = b_ring.index(stage)
+        if B_KN:
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+        acc, a, b = warpgroup_mma_wait(1, deps=(acc, a, b))
+        mbarrier.arrive(empty.index((step + k + STAGES - 1) % STAGES), pred=k > 0)
+    mbarrier.arrive(turn.index(1 - CONSUMER))
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + k_steps + STAGES - 1) % STAGES))
+    return acc
+
+
+@gluon.jit
+def store_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
+    """TMA store of an epilogue value through a shared-memory buffer, once at most PENDING of this consumer's
+    earlier stores are still reading their buffers (so this buffer's last store is done with it). The copy
+    runs on while the epilogue goes on; TMA skips what lies past the tensor's edges."""
+    tma.store_wait(PENDING)
+    buffer.store(value.to(desc.dtype))
+    fence_async_shared()
+    tma_store(desc, [row, col], buffer)
