@@ -9,6 +9,7 @@ from .blockcheck import check_block
 from .blockmodel import Block, CheckedBlock
 from .blockspec import parse_block
 from .emit.block import render_block
+from .emit.gluon import render_gluon, unlowered
 from .emit.kernel import render_kernel
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
@@ -105,6 +106,8 @@ def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFi
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
     for c in kernels:
         result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate))
+    for rel, content in render_gluon([(c.kernel, c.types) for c in kernels], regenerate).items():
+        result.add(rel, content)  # the Hopper backend: generated/kernels/gluon/
     for c in blocks:
         result.add(f"blocks/{c.block.name}.py", render_block(c, regenerate))
     package = render_package([c.kernel for c in kernels], [c.block for c in blocks], regenerate)
@@ -121,6 +124,11 @@ def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[
 
 def check(paths: list[str | Path], out: str | Path = "generated") -> Diff:
     return diff(generate(paths, out), Path(out))
+
+
+def hopper_fallbacks(paths: list[str | Path]) -> list[str]:
+    """Each step (file:line:col) the Hopper backend cannot lower yet, and why: its kernel keeps the tl path only."""
+    return [str(f) for c in load(paths) if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
 
 
 def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:

@@ -70,6 +70,8 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     for rel in removed:
         click.echo(f"removed {out}/{rel}")
     click.echo(f"{out}/: {len(written)} file(s) written, {len(removed)} removed")
+    for note in api.hopper_fallbacks(list(paths)):
+        click.echo(f"note: {note}", err=True)
 
 
 @main.command()
