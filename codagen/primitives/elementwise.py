@@ -2,16 +2,18 @@
 is fp32 in registers; a value of interleaved pairs is computed on as its two halves."""
 from __future__ import annotations
 
-import math
-
 from ..model import Kind, Literal, ValueType
 from .base import OUT, X, Arg, F, FLOAT_DTYPES, Primitive, expression, same_type, torch
 
 UNARY_TYPING = "x: any value; out has its kind and width."
+# tl.maximum and tl.minimum drop a NaN by default; torch's propagate it, at no extra cost (max.NaN.f32)
+NAN = ", propagate_nan={lang}.PropagateNan.ALL"
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    """½ x (1 + tanh(√(2/π) (x + 0.044715 x³))): torch's own function, whose gradient is PyTorch's at infinities
+    too (autograd through the formula written out gives NaN where PyTorch gives ±inf)."""
+    return F.gelu(x, approximate="tanh")
 
 
 def unary(name: str, tl: str, fn, doc: str, example: str) -> Primitive:
@@ -31,7 +33,7 @@ UNARY = (
           "gelu: {x: acc, out: act}"),
     unary("tanh", "tile.tanh({x})", lambda x: torch.tanh(x), "out = tanh(x), computed as 2σ(2x) − 1",
           "tanh: {x: acc, out: th}"),
-    unary("relu", "{lang}.maximum({x}, 0.0)", lambda x: torch.relu(x), "out = max(x, 0)",
+    unary("relu", "{lang}.maximum({x}, 0.0" + NAN + ")", lambda x: torch.relu(x), "out = max(x, 0)",
           "relu: {x: acc, out: act}"),
     unary("exp", "{lang}.exp({x})", lambda x: torch.exp(x), "out = eˣ", "exp: {x: shifted, out: p}"),
     unary("log", "{lang}.log({x})", lambda x: torch.log(x), "out = ln x", "log: {x: p, out: logp}"),
@@ -77,9 +79,9 @@ BINARY = (
     binary("mul", "{x} * {y}", lambda x, y: torch.mul(x, y), "out = x · y",
            "mul: {x: mean, y: w_colsum, out: shift}"),
     binary("div", "{x} / {y}", lambda x, y: torch.div(x, y), "out = x / y", "div: {x: acc, y: 4, out: quarter}"),
-    binary("maximum", "{lang}.maximum({x}, {y})", lambda x, y: torch.maximum(x, y), "out = max(x, y)",
+    binary("maximum", "{lang}.maximum({x}, {y}" + NAN + ")", lambda x, y: torch.maximum(x, y), "out = max(x, y)",
            "maximum: {x: acc, y: -1.0, out: lo}"),
-    binary("minimum", "{lang}.minimum({x}, {y})", lambda x, y: torch.minimum(x, y), "out = min(x, y)",
+    binary("minimum", "{lang}.minimum({x}, {y}" + NAN + ")", lambda x, y: torch.minimum(x, y), "out = min(x, y)",
            "minimum: {x: 1.0, y: lo, out: clamped}"),
 )
 

@@ -28,10 +28,11 @@ def _reduce_tiles_kernel(
         mask = row_mask[:, None] & (tiles < T)[None, :]
         ptrs = x_ptr + rows[:, None] * stride_x_r + tiles[None, :] * stride_x_t
         if OP == 2:
-            # partials are per-tile log-sum-exps: combine them with a running max, as online softmax does
+            # partials are per-tile log-sum-exps: combine them with a running max, as online softmax does.
+            # The max may drop a NaN partial; the sum keeps it. An infinite max shifts by 0 (torch.logsumexp)
             x = tl.load(ptrs, mask=mask, other=float("-inf"))
             new_max = tl.maximum(running_max, tl.max(x, axis=1))
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            safe = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
             total = total * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
             running_max = new_max
         else:
@@ -41,7 +42,7 @@ def _reduce_tiles_kernel(
     elif OP == 1:
         out = tl.rsqrt(total * scale + eps)
     else:
-        out = running_max + tl.log(tl.maximum(total, 1.0))  # >= 1 on real rows: the max contributes exp(0)
+        out = tl.where(tl.abs(running_max) == float("inf"), 0.0, running_max) + tl.log(total)
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 

@@ -1,7 +1,10 @@
 """Device functions that generated epilogues call on fp32 tiles. Pairs are interleaved columns (2j, 2j+1): a
 tile computed in registers (the accumulator) holds them side by side, and split_pairs separates them; a tile
 loaded from memory twice as wide as N is loaded as its even and odd columns, and the `_pairs` functions take
-those two halves directly, so no register shuffle is needed."""
+those two halves directly, so no register shuffle is needed.
+
+NaN and infinities behave as in PyTorch: a NaN anywhere in what a function reads makes its result NaN, and
+masked-off lanes neither add nor hide one (they are replaced before any arithmetic that could see them)."""
 import triton
 import triton.language as tl
 
@@ -143,21 +146,38 @@ def _expand(v, AXIS: tl.constexpr):
 
 
 @triton.jit
+def maximum_nan(x, y):
+    """max(x, y), NaN if either is NaN (torch.maximum). tl.maximum's default and tl.max drop a NaN; this form
+    costs the same (one max.NaN.f32 on sm_80 and later)."""
+    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _safe_shift(big):
+    # as torch.logsumexp: an infinite (or all -inf) maximum shifts by 0, so that exp(x - shift) stays exact:
+    # +inf then sums to +inf, a row of -inf to 0 (its log: -inf)
+    return tl.where(tl.abs(big) == float("inf"), 0.0, big)
+
+
+@triton.jit
 def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
     """Reduce a tile along AXIS (1: over columns, one value per row; 0: over rows), ignoring masked-off
-    elements. OP: SUM, SUMSQ (sum of squares), MAX or LOGSUMEXP."""
+    elements. OP: SUM, SUMSQ (sum of squares), MAX or LOGSUMEXP. A NaN in the unmasked elements gives NaN."""
     if OP == SUM:
         out = tl.sum(tl.where(mask, x, 0.0), axis=AXIS)
     elif OP == SUMSQ:
         out = tl.sum(tl.where(mask, x * x, 0.0), axis=AXIS)
     elif OP == MAX:
-        out = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
+        # tl.max drops NaN; a reduction by maximum_nan costs the same on a GPU (the interpreter runs it
+        # element by element, slowly)
+        out = tl.reduce(tl.where(mask, x, float("-inf")), AXIS, maximum_nan)
     else:
-        # online-softmax partial: max, then the sum of exponentials below it, folded into one number
+        # online-softmax partial: max, then the sum of exponentials below it, folded into one number. The
+        # max may drop a NaN: the NaN reaches the sum through exp
         big = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
-        safe = tl.where(big == float("-inf"), 0.0, big)
+        safe = _safe_shift(big)
         total = tl.sum(tl.where(mask, tl.exp(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
-        out = safe + tl.log(tl.maximum(total, 1.0))  # total >= 1 on real rows (the max contributes exp(0))
+        out = safe + tl.log(total)  # a row of -inf (or of masked-off lanes): log(0) = -inf
     return out
 
 
@@ -168,12 +188,12 @@ def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     if OP == LOGSUMEXP:
         big = tl.maximum(tl.max(tl.where(mask, even, float("-inf")), axis=1),
                          tl.max(tl.where(mask, odd, float("-inf")), axis=1))
-        safe = tl.where(big == float("-inf"), 0.0, big)
+        safe = _safe_shift(big)
         total = (tl.sum(tl.where(mask, tl.exp(even - safe[:, None]), 0.0), axis=1)
                  + tl.sum(tl.where(mask, tl.exp(odd - safe[:, None]), 0.0), axis=1))
-        out = safe + tl.log(tl.maximum(total, 1.0))
+        out = safe + tl.log(total)
     elif OP == MAX:
-        out = tl.maximum(partial_reduce(even, mask, OP, 1), partial_reduce(odd, mask, OP, 1))
+        out = maximum_nan(partial_reduce(even, mask, OP, 1), partial_reduce(odd, mask, OP, 1))
     else:
         out = partial_reduce(even, mask, OP, 1) + partial_reduce(odd, mask, OP, 1)
     return out
