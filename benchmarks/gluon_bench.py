@@ -39,9 +39,9 @@ RAGGED = (Shape(1037, 1000, 872), Shape(333, 2056, 200))  # no dimension a multi
 LLAMA_1B = Shape(8192, 2048, 2048)
 TIMED = {"1B out-proj": Shape(32768, 2048, 2048), "1B down": Shape(32768, 2048, 8192),
          "8B out-proj": Shape(32768, 4096, 4096), "8B down": Shape(32768, 4096, 14336)}
-CONFIGS = (None,  # the launcher's default: 128x128x64, as many stages as fit
-           hopper.HopperConfig(stages=2), hopper.HopperConfig(stages=3, group_m=16),
-           hopper.HopperConfig(block_m=64, block_n=256, stages=2), hopper.HopperConfig(stages=3, consumer_regs=240))
+CONFIGS = (None,  # the launcher's default: 128x128x64, as many stages as fit (5 for one epilogue buffer)
+           hopper.HopperConfig(stages=4), hopper.HopperConfig(stages=5, group_m=16),
+           hopper.HopperConfig(block_m=64, block_n=256, stages=4), hopper.HopperConfig(stages=5, consumer_regs=240))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -73,7 +73,7 @@ def errors(checked, module, shape: Shape, config, inputs: dict, device, dtype) -
 
 def correctness(checked, tl_module, gl_module, shapes, device, log) -> list[dict]:
     rows = []
-    gl_config = hopper.default_config(gl_module.EPILOGUE_BUFFERS)
+    gl_config = hopper.default_config(gl_module.EPILOGUE)
     for dtype_name, dtype in DTYPES.items():
         for shape in shapes:
             inputs = harness.make_inputs(checked.kernel, gl_module, shape, device, dtype, seed=len(rows) + 1)
@@ -94,8 +94,8 @@ def _fmt(errs: dict) -> str:
     return errs["error"] if "error" in errs else " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 
 
-def timing(checked, tl_module, gl_module, device, configs, log) -> list[dict]:
-    rows = []
+def timing(checked, tl_module, gl_module, device, configs, rows: list, save, log) -> None:
+    """Appends a row per shape to `rows`, and saves after each."""
     for where, shape in TIMED.items():
         tl_config = runtime.pick_config(tl_module.NAME, tl_module.FINGERPRINT, tl_module.TUNING,
                                         shape.m, shape.n, shape.k, device)
@@ -103,7 +103,7 @@ def timing(checked, tl_module, gl_module, device, configs, log) -> list[dict]:
         row = {"kernel": checked.kernel.name, "where": where, "shape": str(shape), "cublas_ms": outcome.cublas_ms,
                "tl": {"config": tl_config.label(), "ms": outcome.ms,
                       "error": "; ".join(why for _, why in outcome.discarded)}, "gluon": []}
-        pool = [c or hopper.default_config(gl_module.EPILOGUE_BUFFERS) for c in configs]
+        pool = [c or hopper.default_config(gl_module.EPILOGUE) for c in configs]
         pool = list(dict.fromkeys(pool))
         started = time.monotonic()
         outcome = harness.tune_shape(checked, gl_module, shape, device, pool=pool)
@@ -118,7 +118,7 @@ def timing(checked, tl_module, gl_module, device, configs, log) -> list[dict]:
         for g in row["gluon"]:
             log(f"      {g['config']:<32} " + (f"{g['ms']:.4f}" if g["ms"] else g["error"]))
         rows.append(row)
-    return rows
+        save()
 
 
 def report(info: dict, checks: list[dict], times: list[dict]) -> str:
@@ -180,20 +180,21 @@ def main() -> None:
         saved.write_text(json.dumps({"info": info, "correctness": checks, "time": times}, indent=1))
         (args.out / "h200-gluon.md").write_text(report(info, checks, times))
 
-    check_names = args.check_kernels.split(",") if args.check_kernels else sorted(
-        p.stem for p in (ROOT / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
+    timed = args.kernels.split(",")
+    check_names = args.check_kernels.split(",") if args.check_kernels else timed + sorted(
+        p.stem for p in (ROOT / "generated" / "kernels" / "gluon").glob("*.py") if p.stem not in ("__init__", *timed))
     for name in check_names if args.phase != "time" else ():
         tl_module = importlib.import_module(f"generated.kernels.{name}")
         gl_module = importlib.import_module(f"generated.kernels.gluon.{name}")
         print(f"correctness: {name}", flush=True)
         checks += correctness(checked[name], tl_module, gl_module, (*RAGGED, LLAMA_1B), device, print)
         save()
-    for name in args.kernels.split(",") if args.phase != "check" else ():
+    for name in timed if args.phase != "check" else ():
         tl_module = importlib.import_module(f"generated.kernels.{name}")
         gl_module = importlib.import_module(f"generated.kernels.gluon.{name}")
         print(f"time: {name}", flush=True)
-        times += timing(checked[name], tl_module, gl_module, device, CONFIGS[:1] if args.quick else CONFIGS, print)
-        save()
+        timing(checked[name], tl_module, gl_module, device, CONFIGS[:1] if args.quick else CONFIGS, times, save,
+               print)
     save()
     print(report(info, checks, times))
 

@@ -29,8 +29,8 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from codagen.runtime.gluon_hopper import HopperConfig  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
-CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=3), HopperConfig(stages=2),
-           HopperConfig(block_m=64, block_n=256, stages=2), HopperConfig(consumer_regs=240))
+CONFIGS = (HopperConfig(stages=5), HopperConfig(stages=4), HopperConfig(stages=2),
+           HopperConfig(block_m=64, block_n=256, stages=4), HopperConfig(consumer_regs=240))
 
 
 def names() -> list[str]:

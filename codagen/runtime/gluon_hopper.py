@@ -37,16 +37,26 @@ else:
 
 
 @dataclass(frozen=True)
+class Epilogue:
+    """What a kernel's epilogue holds in shared memory besides the operand ring: per consumer, `buffers` tiles
+    of type T (its TMA loads and stores), and `scratch` bytes for Triton's own use (a reduction over rows
+    crosses warps through shared memory: 4.2 KB at 128x128 tiles, measured)."""
+
+    buffers: int
+    scratch: int = 0
+
+
+@dataclass(frozen=True)
 class HopperConfig:
     """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
     (BLOCK_M * BLOCK_N / 128 per thread: 128 at 128x128), so tiles are half the width the tl kernels use.
-    Shared memory holds `stages` operand stages and, per consumer, `epilogue_buffers` tiles of the output type
-    (the epilogue's TMA loads and stores), within the 227 KiB a program has on an H200."""
+    Shared memory holds `stages` operand stages and the epilogue's buffers, within the 227 KiB a program has
+    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured)."""
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    stages: int = 3
+    stages: int = 4
     group_m: int = 8
     consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
 
@@ -59,23 +69,25 @@ class HopperConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
                 "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs}
 
-    def smem_bytes(self, element_size: int, epilogue_buffers: int) -> int:
-        """Shared memory of a program: the ring, both consumers' epilogue buffers and 1 KiB for barriers."""
+    def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
+        """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
-        return self.stages * stage + 2 * epilogue_buffers * self.block_m * self.block_n * element_size + 1024
+        buffers = 2 * epilogue.buffers * self.block_m * self.block_n * element_size
+        return self.stages * stage + buffers + epilogue.scratch + 512
 
     def label(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
+MAX_STAGES = 6
 
 
-def default_config(epilogue_buffers: int) -> HopperConfig:
-    """128x128x64 tiles with as many operand stages, up to 4, as fit beside the epilogue's buffers (16-bit
+def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
+    """128x128 tiles with as many operand stages, up to MAX_STAGES, as fit beside the epilogue (16-bit
     operands)."""
-    config = HopperConfig(stages=4)
-    while config.stages > 2 and config.smem_bytes(2, epilogue_buffers) > SMEM_LIMIT:
+    config = HopperConfig(block_k=block_k, stages=MAX_STAGES)
+    while config.stages > 2 and config.smem_bytes(2, epilogue) > SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
     return config
 
@@ -85,7 +97,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def check(kernel: str, config: HopperConfig, t_dtype: torch.dtype, k: int, epilogue_buffers: int, values: dict,
+def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
     not bf16 or fp16, an empty K, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that
@@ -106,7 +118,7 @@ def check(kernel: str, config: HopperConfig, t_dtype: torch.dtype, k: int, epilo
         if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
             raise ValueError(f"{kernel}: '{name}' spans 2**31 elements or more, which the Hopper kernel's 32-bit "
                              "offsets do not reach")
-    smem = config.smem_bytes(torch.empty((), dtype=t_dtype).element_size(), epilogue_buffers)
+    smem = config.smem_bytes(torch.empty((), dtype=t_dtype).element_size(), epilogue)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{kernel}: {config.label()} needs {smem} bytes of shared memory, more than the "
                          f"{SMEM_LIMIT} a program has")

@@ -37,7 +37,7 @@ DECLS = (
 )
 TMA_TENSORS = ("h", "w_vocab", "dz")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "lse", "target", "weights", "grad_loss", "zdz_part")  # by pointers, in the epilogue
-EPILOGUE_BUFFERS = 1  # shared-memory tiles of type T per consumer, for the epilogue's TMA
+EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 
 
 @gluon.jit
@@ -155,7 +155,7 @@ def lm_head_ce_grad_kernel(
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
-    # per consumer, EPILOGUE_BUFFERS tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
     epilogue_buffers = gl.allocate_shared_memory(
         h_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], h_desc.dtype))
@@ -196,7 +196,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(h, w_vocab, rstd, lse, target, weights, grad_loss, *, dz, zdz_part, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE_BUFFERS)
+    config = config or hopper.default_config(EPILOGUE)
     tensors = (h, w_vocab, rstd, lse, target, weights, grad_loss, dz, zdz_part)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -226,6 +226,6 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    hopper.check(NAME, config, t_dtype, K, EPILOGUE_BUFFERS, values, TMA_TENSORS, POINTER_TENSORS)
+    hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     return hopper.LaunchPlan.make(device, M, N, K, config)

@@ -28,7 +28,7 @@ DECLS = (
 )
 TMA_TENSORS = ("a", "b", "out_tile")  # addressed by TMA descriptors
 POINTER_TENSORS = ()  # by pointers, in the epilogue
-EPILOGUE_BUFFERS = 1  # shared-memory tiles of type T per consumer, for the epilogue's TMA
+EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 
 
 @gluon.jit
@@ -97,7 +97,7 @@ def matmul_kernel(
 ):
     a_ring = hopper.allocate_ring(a_desc, STAGES)
     b_ring = hopper.allocate_ring(b_desc, STAGES)
-    # per consumer, EPILOGUE_BUFFERS tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
     epilogue_buffers = gl.allocate_shared_memory(
         a_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], a_desc.dtype))
@@ -134,7 +134,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(a, b, *, out_tile, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE_BUFFERS)
+    config = config or hopper.default_config(EPILOGUE)
     tensors = (a, b, out_tile)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -158,5 +158,5 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    hopper.check(NAME, config, t_dtype, K, EPILOGUE_BUFFERS, values, TMA_TENSORS, POINTER_TENSORS)
+    hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     return hopper.LaunchPlan.make(device, M, N, K, config)

@@ -37,7 +37,7 @@ DECLS = (
 )
 TMA_TENSORS = ("dz", "w", "x", "dx", "normed")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "wn", "zdz", "dwn_part")  # by pointers, in the epilogue
-EPILOGUE_BUFFERS = 2  # shared-memory tiles of type T per consumer, for the epilogue's TMA
+EPILOGUE = hopper.Epilogue(buffers=1, scratch=8192)  # its shared memory
 
 
 @gluon.jit
@@ -72,7 +72,7 @@ def norm_dgrad_epilogue(
     dxv = centered * rstd[:, None]
 
     # store: {x: dxv, to: dx}
-    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
@@ -86,7 +86,7 @@ def norm_dgrad_epilogue(
     nv = xn * wn[None, :]
 
     # store: {x: nv, to: normed}
-    hopper.store_tile(normed_desc, buffers[1], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(normed_desc, buffers[0], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
 
 @gluon.jit
@@ -106,7 +106,7 @@ def norm_dgrad_consumer(
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    buffers = (epilogue_buffers.index(CONSUMER * 2), epilogue_buffers.index(CONSUMER * 2 + 1),)
+    buffers = (epilogue_buffers.index(CONSUMER * 1),)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -157,9 +157,9 @@ def norm_dgrad_kernel(
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
-    # per consumer, EPILOGUE_BUFFERS tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
     epilogue_buffers = gl.allocate_shared_memory(
-        dz_desc.dtype, [2 * 2, BLOCK_M, BLOCK_N],
+        dz_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dz_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -196,7 +196,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE_BUFFERS)
+    config = config or hopper.default_config(EPILOGUE)
     tensors = (dz, w, x, rstd, wn, zdz, dx, dwn_part, normed)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -227,6 +227,6 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    hopper.check(NAME, config, t_dtype, K, EPILOGUE_BUFFERS, values, TMA_TENSORS, POINTER_TENSORS)
+    hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     return hopper.LaunchPlan.make(device, M, N, K, config)

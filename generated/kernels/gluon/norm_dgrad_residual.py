@@ -38,7 +38,7 @@ DECLS = (
 )
 TMA_TENSORS = ("dz", "w", "x", "grad_x", "dx", "normed")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "wn", "zdz", "dwn_part")  # by pointers, in the epilogue
-EPILOGUE_BUFFERS = 2  # shared-memory tiles of type T per consumer, for the epilogue's TMA
+EPILOGUE = hopper.Epilogue(buffers=2, scratch=8192)  # its shared memory
 
 
 @gluon.jit
@@ -164,7 +164,7 @@ def norm_dgrad_residual_kernel(
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
-    # per consumer, EPILOGUE_BUFFERS tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
     epilogue_buffers = gl.allocate_shared_memory(
         dz_desc.dtype, [2 * 2, BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dz_desc.dtype))
@@ -203,7 +203,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE_BUFFERS)
+    config = config or hopper.default_config(EPILOGUE)
     tensors = (dz, w, x, rstd, wn, zdz, grad_x, dx, dwn_part, normed)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -235,6 +235,6 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    hopper.check(NAME, config, t_dtype, K, EPILOGUE_BUFFERS, values, TMA_TENSORS, POINTER_TENSORS)
+    hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     return hopper.LaunchPlan.make(device, M, N, K, config)

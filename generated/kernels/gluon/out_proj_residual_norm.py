@@ -35,7 +35,7 @@ DECLS = (
 )
 TMA_TENSORS = ("y", "w_o", "x", "x_out", "h")  # addressed by TMA descriptors
 POINTER_TENSORS = ("wn", "ss")  # by pointers, in the epilogue
-EPILOGUE_BUFFERS = 2  # shared-memory tiles of type T per consumer, for the epilogue's TMA
+EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 
 
 @gluon.jit
@@ -55,7 +55,7 @@ def out_proj_residual_norm_epilogue(
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}
-    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
@@ -68,7 +68,7 @@ def out_proj_residual_norm_epilogue(
     hv = x_new * wn[None, :]
 
     # store: {x: hv, to: h}
-    hopper.store_tile(h_desc, buffers[1], hv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(h_desc, buffers[0], hv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
 
 @gluon.jit
@@ -88,7 +88,7 @@ def out_proj_residual_norm_consumer(
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    buffers = (epilogue_buffers.index(CONSUMER * 2), epilogue_buffers.index(CONSUMER * 2 + 1),)
+    buffers = (epilogue_buffers.index(CONSUMER * 1),)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -139,9 +139,9 @@ def out_proj_residual_norm_kernel(
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_o_desc, STAGES)
-    # per consumer, EPILOGUE_BUFFERS tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
     epilogue_buffers = gl.allocate_shared_memory(
-        y_desc.dtype, [2 * 2, BLOCK_M, BLOCK_N],
+        y_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -178,7 +178,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE_BUFFERS)
+    config = config or hopper.default_config(EPILOGUE)
     tensors = (y, w_o, x, wn, x_out, h, ss)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -207,6 +207,6 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    hopper.check(NAME, config, t_dtype, K, EPILOGUE_BUFFERS, values, TMA_TENSORS, POINTER_TENSORS)
+    hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     return hopper.LaunchPlan.make(device, M, N, K, config)
