@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .blockmodel import (FINISH_SIGNATURES, REDUCTIONS, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep, Call,
+from .blockmodel import (CHOICES, FINISH_SIGNATURES, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep, Call,
                          CheckedBlock, ChunkedBackward, Value)
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
@@ -284,10 +284,11 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
         elif kind == "number":
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))
             args.append(Arg(name, ref, isinstance(ref, str)))
-        elif kind == "choice":
+        elif kind in ("choice", "choice?"):
             a = b.attr(ref) if isinstance(ref, str) else None
-            if ref not in REDUCTIONS and not (a and a.kind == "choice" and set(a.choices) <= set(REDUCTIONS)):
-                sink.add(loc_of(name), f"{step.op}.{name} must be 'mean', 'sum' or an attr choosing between them")
+            if ref not in CHOICES[name] and not (a and a.kind == "choice" and set(a.choices) <= set(CHOICES[name])):
+                sink.add(loc_of(name), f"{step.op}.{name} must be {', '.join(map(repr, CHOICES[name]))} or an attr "
+                                       "choosing between them")
                 ok = False
             args.append(Arg(name, ref, a is not None))
         elif kind == "transpose?":

@@ -15,11 +15,13 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
     "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
     "logsumexp_tiles": (("x", "value"), ("out", "out")),
-    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"),
-                      ("ignore_index", "size"), ("reduction", "choice"), ("loss", "out"), ("weights", "out")),
+    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"), ("classes", "size"),
+                      ("ignore_index", "size"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
+                      ("weights", "out")),
     "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
 }
-REDUCTIONS = ("mean", "sum")
+# the values of each finish-step argument of kind choice
+CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero")}
 TRANSPOSES = ("none", "a", "b")
 
 

@@ -151,11 +151,11 @@ def test_norm_stats_matches_rmsnorm():
 
 # ---- lm_head_loss ----------------------------------------------------------------------------------------
 
-def run_lm_head(m, dim, vocab, target, reduction, dtype, chunk_rows=8192):
+def run_lm_head(m, dim, vocab, target, reduction, dtype, chunk_rows=8192, empty_mean="nan"):
     x = leaf(m, dim, dtype=dtype)
     wn = leaf(dim, dtype=dtype, scale=0.1, offset=1.0)
     w_vocab = leaf(vocab, dim, dtype=dtype, scale=dim**-0.5 * 3)
-    block = LmHeadLoss(dim, vocab, -100, reduction, chunk_rows, device=DEVICE, dtype=dtype)
+    block = LmHeadLoss(dim, vocab, -100, reduction, chunk_rows, empty_mean, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.detach().requires_grad_()
@@ -195,11 +195,36 @@ def test_lm_head_loss_matches_cross_entropy_fp16():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_lm_head_loss_all_rows_ignored_is_zero(reduction):
-    m, vocab = 12, 40
-    fused, _ = run_lm_head(m, 16, vocab, torch.full((m,), -100, device=DEVICE), reduction, torch.float32)
+@pytest.mark.parametrize("m", [12, 0])
+def test_lm_head_loss_of_no_rows_follows_cross_entropy(reduction, m):
+    """Every target ignored, or no rows at all: F.cross_entropy's loss (NaN for a mean, 0 for a sum) and
+    gradients (0)."""
+    fused, plain = run_lm_head(m, 16, 40, torch.full((m,), -100, device=DEVICE), reduction, torch.float32)
+    truth = plain(torch.float32)
+    assert truth["loss"].isnan().item() is (reduction == "mean")
     for name, value in fused.items():
-        assert torch.count_nonzero(value) == 0, name  # loss 0 (mean: defined as 0, where PyTorch gives nan)
+        torch.testing.assert_close(value, truth[name].to(value.dtype), equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("m", [12, 0])
+def test_lm_head_loss_of_no_rows_is_zero_with_empty_mean_zero(reduction, m):
+    fused, _ = run_lm_head(m, 16, 40, torch.full((m,), -100, device=DEVICE), reduction, torch.float32,
+                           empty_mean="zero")
+    for name, value in fused.items():
+        assert torch.count_nonzero(value) == 0 and not value.isnan().any(), name
+
+
+@pytest.mark.parametrize("bad", [40, 45, -5, -101])
+def test_lm_head_loss_refuses_a_target_out_of_bounds_as_cross_entropy_does(bad):
+    m, dim, vocab = 9, 16, 40
+    target = targets(m, vocab)
+    target[6] = bad
+    with pytest.raises(IndexError) as plain:
+        F.cross_entropy(torch.randn(m, vocab, device=DEVICE), target, ignore_index=-100)
+    with pytest.raises(IndexError) as fused:
+        run_lm_head(m, dim, vocab, target, "mean", torch.float32)
+    assert str(fused.value) == str(plain.value) == f"Target {bad} is out of bounds."
 
 
 def test_lm_head_backward_keeps_no_logits():

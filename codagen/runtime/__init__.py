@@ -48,8 +48,9 @@ def needs_int64(tensors) -> bool:
 
 
 def row_chunks(rows: int, size: int):
-    """Slices of at most `size` rows covering `rows` (chunked backward passes)."""
-    for start in range(0, rows, size):
+    """Slices of at most `size` rows covering `rows` (chunked backward passes); for no rows, one empty slice,
+    so that the gradients still come out, empty or zero."""
+    for start in range(0, max(rows, 1), size):
         yield slice(start, min(rows, start + size))
 
 

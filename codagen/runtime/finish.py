@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import on_device
+from . import INTERPRETED, on_device
 
 _SUM, _RSTD, _LOGSUMEXP = 0, 1, 2
 
@@ -79,11 +79,13 @@ def logsumexp_tiles(x: torch.Tensor) -> torch.Tensor:
     return _reduce_tiles(x, _LOGSUMEXP)
 
 
-@triton.jit
+# debug=True keeps the target check below on a GPU: a failed check is a device-side assert, as in PyTorch's
+# own CUDA cross-entropy, with no host sync (debug also checks this kernel's integer arithmetic: a small pass)
+@triton.jit(debug=True)
 def _cross_entropy_kernel(
     lse_ptr, target_logit_ptr, target_ptr, loss_ptr, weight_ptr,
-    M, ignore_index,
-    MEAN: tl.constexpr, BLOCK: tl.constexpr,
+    M, classes, ignore_index,
+    MEAN: tl.constexpr, EMPTY_NAN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # one program: a deterministic sum over all rows (M is a token count, this is a small pass)
     total = tl.zeros((BLOCK,), tl.float32)
@@ -92,13 +94,16 @@ def _cross_entropy_kernel(
         rows = start + tl.arange(0, BLOCK)
         target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
         valid = (target != ignore_index) & (rows < M)
+        tl.device_assert(((target >= 0) & (target < classes)) | ~valid,
+                         "cross_entropy: a target is outside [0, classes) and is not ignore_index")
         lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
         picked = tl.load(target_logit_ptr + rows, mask=valid, other=0.0)
         total += tl.where(valid, lse - picked, 0.0)
         count += valid.to(tl.int32)
     if MEAN:
-        # with every row ignored the mean is defined as 0 (PyTorch gives nan), and so are its gradients
-        denom = tl.maximum(tl.sum(count), 1).to(tl.float32)
+        # the mean over no rows (every target ignored, or M = 0) is 0 / 0 = NaN, as in PyTorch; EMPTY_NAN
+        # off makes it 0. Either way every row's weight, and so every gradient, is 0.
+        denom = (tl.sum(count) if EMPTY_NAN else tl.maximum(tl.sum(count), 1)).to(tl.float32)
     else:
         denom = 1.0
     tl.store(loss_ptr, tl.sum(total) / denom)
@@ -108,18 +113,33 @@ def _cross_entropy_kernel(
         tl.store(weight_ptr + rows, tl.where(target != ignore_index, 1.0 / denom, 0.0), mask=rows < M)
 
 
+def _check_targets(target: torch.Tensor, classes: int, ignore_index: int) -> None:
+    """Raise PyTorch's IndexError for a target outside [0, classes) that is not ignore_index. On the host, so
+    only where that costs no sync: under the interpreter; on a GPU the kernel's device-side assert checks."""
+    outside = ((target < 0) | (target >= classes)) & (target != ignore_index)
+    if outside.any():
+        raise IndexError(f"Target {target[outside][0].item()} is out of bounds.")
+
+
 def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                  reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss from per-row lse and target logits, and each row's weight in it (d loss / d row loss):
-    1/valid rows for 'mean', 1 for 'sum', 0 for ignored rows."""
+                  reduction: str, *, classes: int, empty_mean: str = "nan") -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss from per-row lse and target logits over `classes` classes, and each row's weight in it
+    (d loss / d row loss): 1/valid rows for 'mean', 1 for 'sum', 0 for ignored rows. A target outside
+    [0, classes) that is not ignore_index is an error. `empty_mean`: the mean over no rows (every target
+    ignored, or none): 'nan' as PyTorch, or 'zero'."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if empty_mean not in ("nan", "zero"):
+        raise ValueError(f"empty_mean must be 'nan' or 'zero', got {empty_mean!r}")
+    if INTERPRETED:
+        _check_targets(target, classes, ignore_index)
     m = target.shape[0]
     loss = torch.empty((), dtype=torch.float32, device=lse.device)
     weights = torch.empty(m, dtype=torch.float32, device=lse.device)
     with on_device(lse.device):
-        _cross_entropy_kernel[(1,)](lse, target_logit, target.contiguous(), loss, weights, m, int(ignore_index),
-                                    MEAN=reduction == "mean", BLOCK=1024)
+        _cross_entropy_kernel[(1,)](lse, target_logit, target.contiguous(), loss, weights, m, int(classes),
+                                    int(ignore_index), MEAN=reduction == "mean", EMPTY_NAN=empty_mean == "nan",
+                                    BLOCK=1024)
     return loss, weights
 
 
