@@ -1,13 +1,14 @@
 """Rules of block specs: each kernel call matches the kernel's arguments and shapes, values exist before
-they are used and are used, saved values are used by the backward, and the backward defines the gradient of
-every differentiable input and parameter. Produces the checked block (blockmodel.CheckedBlock): the resolved
-calls, and for a backward in row chunks what is sliced, concatenated, summed and dropped."""
+they are used and are used, saved values are used by the backward, and the backward (or the forward with
+gradients) defines the gradient of every differentiable input and parameter. Produces the checked block
+(blockmodel.CheckedBlock): the resolved calls, and for steps in row chunks what is sliced, concatenated,
+summed and dropped."""
 from __future__ import annotations
 
 from fractions import Fraction
 
 from .blockmodel import (CHOICES, FINISH_SIGNATURES, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep, Call,
-                         CheckedBlock, ChunkedBackward, Value)
+                         CheckedBlock, GradForward, RowChunks, SUMS, Value)
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
 
@@ -21,12 +22,11 @@ def _fmt(dims) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
-def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
-    sink = ErrorSink()
-    attrs = {a.name: a for a in b.attrs}
+def _scope(attrs: dict, sink):
+    """The values of one pass (name -> Value), where each was defined, and `define`, which reports a name that
+    is reserved, an attr or already defined (values are assigned once)."""
     env: dict[str, Value] = {}
     defined_at: dict[str, Location] = {}
-    used: set[str] = set()
 
     def define(name: str, value: Value, loc: Location) -> None:
         if name == DISCARD:
@@ -38,6 +38,14 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
         else:
             env[name] = value
             defined_at[name] = loc
+    return env, defined_at, define
+
+
+def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
+    sink = ErrorSink()
+    attrs = {a.name: a for a in b.attrs}
+    env, defined_at, define = _scope(attrs, sink)
+    used: set[str] = set()
 
     for t in (*b.params, *b.inputs):
         for d in t.dims:
@@ -69,6 +77,9 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
         if v.dims != o.dims or v.dtype != o.dtype:
             sink.add(o.loc, f"output '{o.name}' is declared {_fmt(o.dims)} {o.dtype} but the forward makes "
                             f"{_fmt(v.dims)} {v.dtype}")
+    if b.grad_forward is not None:  # inputs that only the forward with gradients reads are used
+        g = b.grad_forward
+        used |= {v for s in (*g.before, *g.chunk, *g.after) for v in s.args.values() if isinstance(v, str)}
     for name, loc in defined_at.items():
         if name not in used and name not in dict(b.save):
             sink.add(loc, f"'{name}' is never used; remove it, save it, or map a kernel output to '_'")
@@ -95,8 +106,9 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
     backward = tuple(c for c in (_resolve(s, b, kernels, env, define, used_back, sink) for s in b.backward) if c)
     grads = []
     wanted = [t for t in (*b.inputs, *b.params) if t.grad] if b.backward or differentiable_outputs else []
-    if differentiable_outputs and not b.backward:
-        sink.add(b.loc, "the block has differentiable outputs but no backward; add one or mark them 'grad: false'")
+    if differentiable_outputs and not b.backward and b.grad_forward is None:
+        sink.add(b.loc, "the block has differentiable outputs but no backward; add one (or forward_with_grads) "
+                        "or mark them 'grad: false'")
     for t in (*b.inputs, *b.params):
         if t not in wanted:
             grads.append("")
@@ -120,15 +132,19 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
             sink.add(loc, f"'{name}' is never used; remove it or map a kernel output to '_'")
     values = {**forward_env, **env}
     saved = tuple(name for name, _ in b.save) + tuple(p.name for p in b.params)
-    chunks = None
+    chunks = grad_forward = None
     if b.backward_row_chunks is not None:
         chunks = _chunked_backward(b, backward, values, saved, grads, attrs, sink)
+    if b.grad_forward is not None:
+        grad_forward, grads, grad_values = _grad_forward(b, kernels, attrs, sink)
+        values.update(grad_values)
+        saved = tuple(g for g in grads if g)
     sink.raise_if_any()
-    return CheckedBlock(b, forward, backward, values, saved, tuple(grads), chunks)
+    return CheckedBlock(b, forward, backward, values, saved, tuple(grads), chunks, grad_forward)
 
 
 def _chunked_backward(b: Block, backward: tuple[Call, ...], values: dict, saved: tuple[str, ...],
-                      grads: list[str], attrs: dict, sink) -> ChunkedBackward | None:
+                      grads: list[str], attrs: dict, sink) -> RowChunks | None:
     """The backward over row chunks: values with the token dimension are sliced by rows, gradients with it
     concatenated, the others summed; a chunk's values are dropped before the next chunk makes its own."""
     rows = b.backward_row_chunks
@@ -147,13 +163,105 @@ def _chunked_backward(b: Block, backward: tuple[Call, ...], values: dict, saved:
     made = [g for g in grads if g in values]  # a missing gradient is reported already
     concatenated = tuple(g for g in made if values[g].dims[:1] == (TOKENS,))
     summed = tuple(g for g in made if g not in concatenated)
+    return _row_chunks(rows, backward, sliced, concatenated, summed, Arg("sums", "float32", False))
+
+
+def _row_chunks(rows, calls: tuple[Call, ...], sliced, concatenated, summed, sums: Arg) -> RowChunks:
     # a summed gradient that a plain GEMM makes and no step reads is accumulated by that GEMM (ChunkSum)
-    read = {a.value for c in backward for a in c.args if a.is_name}
-    summed_by_gemm = tuple(c.outs[0] for c in backward
+    read = {a.value for c in calls for a in c.args if a.is_name}
+    summed_by_gemm = tuple(c.outs[0] for c in calls
                            if c.op == "matmul" and c.outs[0] in summed and c.outs[0] not in read)
-    dropped = tuple(dict.fromkeys(o for c in backward for o in c.outs if o not in summed_by_gemm))
-    return ChunkedBackward(Arg("rows", rows, isinstance(rows, str)), sliced, concatenated, summed, summed_by_gemm,
-                           dropped)
+    dropped = tuple(dict.fromkeys(o for c in calls for o in c.outs if o not in summed_by_gemm and o != DISCARD))
+    return RowChunks(Arg("rows", rows, isinstance(rows, str)), tuple(sliced), tuple(concatenated), tuple(summed),
+                     summed_by_gemm, dropped, sums)
+
+
+def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tuple[GradForward | None, list, dict]:
+    """forward_with_grads: the forward to run when a gradient is wanted, which makes the gradients of the one
+    differentiable output, a scalar, for an output gradient of 1; the backward only scales them, which is exact
+    since every gradient is linear in the output's gradient. `before` and `after` run on all rows, `chunk` on
+    each chunk of rows: values with the token dimension from before the loop are sliced, what the loop makes
+    with it for `after` (or as a gradient) is concatenated, parameters' gradients are summed."""
+    g = b.grad_forward
+    if b.backward or b.save or b.backward_row_chunks is not None:
+        sink.add(g.loc, "forward_with_grads makes the gradients in the forward: the block has no backward, save or "
+                        "backward_row_chunks besides")
+    differentiable = [o for o in b.outputs if o.grad and not o.alias]
+    if len(differentiable) != 1 or differentiable[0].dims != ():
+        sink.add(g.loc, "forward_with_grads needs exactly one differentiable output, a scalar (a loss), whose "
+                        f"gradient scales the gradients made in the forward; got {len(differentiable)}")
+        return None, [], {}
+    if isinstance(g.rows, str) and (g.rows not in attrs or attrs[g.rows].kind != "int"):
+        sink.add(g.loc, f"forward_with_grads.row_chunks '{g.rows}' names no int attr")
+    sums = _sums(g.sums, attrs, g.loc, sink)
+    env, defined_at, define = _scope(attrs, sink)
+    used: set[str] = set()
+    for t in (*b.inputs, *b.params):
+        env[t.name] = Value(t.dims, t.dtype)
+    resolve = lambda steps: tuple(c for c in (_resolve(s, b, kernels, env, define, used, sink)  # noqa: E731
+                                              for s in steps) if c)
+    before = resolve(g.before)
+    outer = dict(env)
+    chunk = resolve(g.chunk)
+    made = [n for n in env if n not in outer]
+    read_after: set[str] = set()
+    after = tuple(c for c in (_resolve(s, b, kernels, env, define, read_after, sink) for s in g.after) if c)
+    used |= read_after
+    wanted = [t for t in (*b.inputs, *b.params) if t.grad]
+    grads = []
+    for t in (*b.inputs, *b.params):
+        name = f"grad_{t.name}"
+        if t not in wanted:
+            grads.append("")
+        elif name not in env:
+            sink.add(t.loc, f"forward_with_grads never defines '{name}', the gradient of '{t.name}'; define it or "
+                            "declare the input with 'grad: false'")
+            grads.append("")
+        elif env[name].dims != t.dims:
+            sink.add(defined_at[name], f"'{name}' has shape {_fmt(env[name].dims)} but '{t.name}' has {_fmt(t.dims)}")
+            grads.append("")
+        else:
+            used.add(name)
+            grads.append(name)
+    out = differentiable[0].name
+    for o in b.outputs:
+        if o.alias:
+            continue
+        v = env.get(o.name)
+        if v is None:
+            sink.add(o.loc, f"output '{o.name}' is not defined by forward_with_grads")
+        elif v.dims != o.dims or v.dtype != o.dtype:
+            sink.add(o.loc, f"output '{o.name}' is declared {_fmt(o.dims)} {o.dtype} but forward_with_grads makes "
+                            f"{_fmt(v.dims)} {v.dtype}")
+        used.add(o.name)
+    for name, loc in defined_at.items():
+        if name not in used:
+            sink.add(loc, f"'{name}' is never used; remove it or map a kernel output to '_'")
+    rows_of = lambda n: env[n].dims[:1] == (TOKENS,)  # noqa: E731
+    later = read_after | {g for g in grads if g} | {o.name for o in b.outputs}
+    summed = [n for n in made if n in grads and not rows_of(n)]
+    for n in made:
+        if n in read_after and not rows_of(n) and n not in summed:
+            sink.add(defined_at[n], f"'{n}' is made on each chunk of rows without the token dimension M, so it "
+                                    "cannot be used after the chunks; only gradients of parameters are summed")
+    read_in_chunk = {a.value for c in chunk for a in c.args if a.is_name}
+    sliced = [n for n in outer if n in read_in_chunk and rows_of(n)]
+    concatenated = [n for n in made if n in later and rows_of(n)]
+    if not sliced:
+        sink.add(g.loc, "forward_with_grads.chunk reads no value with the token dimension M to cut into chunks")
+    chunks = _row_chunks(g.rows, chunk, sliced, concatenated, summed, sums)
+    return GradForward(before, chunk, after, chunks, out), grads, env
+
+
+def _sums(ref, attrs: dict, loc, sink) -> Arg:
+    """forward_with_grads.sums: what parameters' gradients are summed over chunks in."""
+    if ref is None or ref in SUMS:
+        return Arg("sums", ref or "float32", False)
+    a = attrs.get(ref)
+    if a is None or a.kind != "choice" or not set(a.choices) <= set(SUMS):
+        sink.add(loc, f"forward_with_grads.sums must be 'float32', 'same' or an attr choosing between them, "
+                      f"got '{ref}'")
+    return Arg("sums", ref, True)
 
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
@@ -320,6 +428,12 @@ def _finish_types(step: BlockStep, vals: dict, args: list[Arg], sink) -> list[Va
             sink.add(loc, f"{op}.x must be a float32 partial-reduction buffer [rows, tiles], got {_fmt(x.dims)} {x.dtype}")
             return None
         return [Value(x.dims[:1], "float32")]
+    if op == "row_weights":
+        t = vals["target"]
+        if t.dims != (TOKENS,) or t.dtype != "index":
+            sink.add(loc, f"row_weights.target must be [M] index, got {_fmt(t.dims)} {t.dtype}")
+            return None
+        return [Value((TOKENS,), "float32")]
     if op == "cross_entropy":
         for name, dtype in (("lse", "float32"), ("target_logit", "float32"), ("target", "index")):
             v = vals[name]

@@ -1,5 +1,5 @@
 """The typed block model: a block spec as loaded (Block), and as checked (CheckedBlock: each step resolved
-against its callee, every value typed, the backward's row chunks laid out). blockspec.py builds the first,
+against its callee, every value typed, passes over row chunks laid out). blockspec.py builds the first,
 blockcheck.py the second; emit/block.py prints the second."""
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"), ("classes", "size"),
                       ("ignore_index", "size"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
                       ("weights", "out")),
+    "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"), ("out", "out")),
     "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
 }
 # the values of each finish-step argument of kind choice
 CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero")}
 TRANSPOSES = ("none", "a", "b")
+SUMS = ("float32", "same")  # what gradients summed over row chunks are summed in: fp32, or their own dtype
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,20 @@ class BlockStep:
 
 
 @dataclass(frozen=True)
+class GradForwardSpec:
+    """`forward_with_grads`: the forward to run when gradients are wanted, in chunks of rows, which also
+    makes the gradients of the block's one differentiable output, a scalar, as if that output's gradient were 1
+    (`before` and `after` run on all rows, `chunk` on each chunk)."""
+
+    rows: str | int  # rows per chunk: an int attr or a number
+    sums: str | None  # 'float32', 'same' or a choice attr between them; None: float32
+    before: tuple[BlockStep, ...]
+    chunk: tuple[BlockStep, ...]
+    after: tuple[BlockStep, ...]
+    loc: Location
+
+
+@dataclass(frozen=True)
 class Block:
     name: str
     doc: str
@@ -90,6 +106,7 @@ class Block:
     save: tuple[tuple[str, Location], ...]
     backward: tuple[BlockStep, ...]
     backward_row_chunks: str | int | None  # backward runs on chunks of rows of this many (an attr or a number)
+    grad_forward: GradForwardSpec | None
     source: str
     sha256: str
     loc: Location
@@ -129,15 +146,28 @@ class Call:
 
 
 @dataclass(frozen=True)
-class ChunkedBackward:
-    """A backward run over chunks of rows, so that at most one chunk's intermediate values exist at a time."""
+class RowChunks:
+    """Steps run over chunks of rows, so that at most one chunk's intermediate values exist at a time."""
 
     rows: Arg  # rows per chunk: an int attr or a number
-    sliced: tuple[str, ...]  # saved values and upstream gradients with the token dimension, sliced per chunk
-    concatenated: tuple[str, ...]  # gradients with the token dimension: one piece per chunk
-    summed: tuple[str, ...]  # the other gradients (parameters'): summed over chunks in fp32
+    sliced: tuple[str, ...]  # values with the token dimension from before the loop, sliced per chunk
+    concatenated: tuple[str, ...]  # what the loop makes with the token dimension for later: one piece per chunk
+    summed: tuple[str, ...]  # the other gradients (parameters'): summed over chunks
     summed_by_gemm: tuple[str, ...]  # of `summed`, made by a plain GEMM no step reads: the GEMM accumulates
     dropped: tuple[str, ...]  # what a chunk makes, deleted before the next chunk makes its own
+    sums: Arg  # what `summed` is summed in: 'float32', 'same' (the gradient's dtype) or a choice attr
+
+
+@dataclass(frozen=True)
+class GradForward:
+    """The checked forward_with_grads: its calls and its loop over row chunks. It saves the gradients it makes
+    (CheckedBlock.grads); the backward scales them by the output's gradient."""
+
+    before: tuple[Call, ...]
+    chunk: tuple[Call, ...]
+    after: tuple[Call, ...]
+    chunks: RowChunks
+    output: str  # the differentiable output, a scalar: its gradient scales the saved gradients
 
 
 @dataclass(frozen=True)
@@ -148,4 +178,15 @@ class CheckedBlock:
     values: dict  # name -> Value, forward and backward
     saved: tuple[str, ...]  # what the forward saves for the backward: the spec's save list, then the parameters
     grads: tuple[str, ...]  # what backward returns, in forward-argument order ('' for None)
-    chunks: ChunkedBackward | None  # set when the spec gives backward_row_chunks
+    chunks: RowChunks | None  # set when the spec gives backward_row_chunks
+    grad_forward: GradForward | None  # set when the spec gives forward_with_grads
+
+    def passes(self) -> tuple[tuple[str, tuple[Call, ...], Arg | None], ...]:
+        """(name, calls, rows per chunk or None) of every pass that runs kernels: the forward, and either the
+        backward or the forward with gradients (its steps on all rows, then those on each chunk)."""
+        if self.grad_forward is not None:
+            g = self.grad_forward
+            return (("forward", self.forward, None), ("forward with gradients", g.before + g.after, None),
+                    ("forward with gradients", g.chunk, g.chunks.rows))
+        return (("forward", self.forward, None),
+                ("backward", self.backward, self.chunks.rows if self.chunks else None))

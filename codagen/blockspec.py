@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from .blockmodel import TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor
+from .blockmodel import TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, GradForwardSpec
 from .errors import ErrorSink
 from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
@@ -38,7 +38,7 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
         sink.raise_if_any()
     top = _Mapping(root, "the block spec", sink)
     keys = ["block", "doc", "attrs", "params", "inputs", "outputs", "forward", "save", "backward",
-            "backward_row_chunks"]
+            "backward_row_chunks", "forward_with_grads"]
     name_node = top.take("block")
     name = _name(name_node, "block", sink) if name_node else None
     doc_node = top.take("doc")
@@ -51,6 +51,7 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
     save_node = top.take("save", required=False)
     backward_node = top.take("backward", required=False)
     chunks_node = top.take("backward_row_chunks", required=False)
+    grad_node = top.take("forward_with_grads", required=False)
     top.finish(keys)
     save: list[tuple[str, Location]] = []
     if save_node is not None:
@@ -62,17 +63,36 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
         else:
             sink.add(save_node.loc, f"save must be a list of value names, got {save_node.type_name}")
     backward = _steps(backward_node, "backward", sink) if backward_node is not None else ()
-    chunks = None
-    if chunks_node is not None:
-        v = chunks_node.value
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0 or isinstance(v, str):
-            chunks = v
-        else:
-            sink.add(chunks_node.loc, f"backward_row_chunks must be a positive number of rows or an int attr, "
-                                      f"got {chunks_node.type_name}")
+    chunks = _rows(chunks_node, "backward_row_chunks", sink) if chunks_node is not None else None
+    grad_forward = _grad_forward(grad_node, sink) if grad_node is not None else None
     sink.raise_if_any()
-    return Block(name, doc, attrs, params, inputs, outputs, forward, tuple(save), backward, chunks, path,
-                 sha256, root.loc)
+    return Block(name, doc, attrs, params, inputs, outputs, forward, tuple(save), backward, chunks, grad_forward,
+                 path, sha256, root.loc)
+
+
+def _rows(node: Node, what: str, sink: ErrorSink) -> str | int | None:
+    v = node.value
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0 or isinstance(v, str):
+        return v
+    sink.add(node.loc, f"{what} must be a positive number of rows or an int attr, got {node.type_name}")
+    return None
+
+
+def _grad_forward(node: Node, sink: ErrorSink) -> GradForwardSpec | None:
+    if not _is_mapping(node, "forward_with_grads", sink):
+        return None
+    m = _Mapping(node, "forward_with_grads", sink)
+    rows_node = m.take("row_chunks")
+    sums_node = m.take("sums", required=False)
+    before, chunk, after = (m.take(key, required=key == "chunk") for key in ("before", "chunk", "after"))
+    m.finish(["row_chunks", "sums", "before", "chunk", "after"])
+    rows = _rows(rows_node, "forward_with_grads.row_chunks", sink) if rows_node is not None else None
+    sums = None
+    if sums_node is not None:
+        sums = _name(sums_node, "forward_with_grads.sums", sink)
+    steps = [_steps(n, f"forward_with_grads.{key}", sink) if n is not None else ()
+             for key, n in (("before", before), ("chunk", chunk), ("after", after))]
+    return GradForwardSpec(rows, sums, *steps, node.loc)
 
 
 def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:

@@ -1,6 +1,7 @@
 """Block specs are validated like kernel specs: each mistake is reported at its file:line:col."""
 import importlib
 import re
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -228,3 +229,52 @@ def test_generated_block_modules_keep_lines_short_and_pass_arguments_by_keyword(
         assert calls, path.name
         for args in calls:
             assert all(re.fullmatch(r"\w+=\S+", a.strip()) for a in args.split(",") if a.strip()), (path.name, args)
+
+
+# -- forward_with_grads ------------------------------------------------------------------------------------
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def test_forward_with_grads_is_decided_by_the_check():
+    """lm_head_loss: what its chunk loop slices, concatenates, sums (the weight's by its GEMM) and saves."""
+    (block,) = [c for c in api.load([SPECS]) if isinstance(c, CheckedBlock) and c.block.name == "lm_head_loss"]
+    g = block.grad_forward
+    assert [c.op for c in g.before] == ["row_weights"] and [c.op for c in g.after] == ["cross_entropy"]
+    chunks = g.chunks
+    assert (chunks.rows.value, chunks.sums.value, chunks.sums.is_name) == ("chunk_rows", "grad_sum", True)
+    assert chunks.sliced == ("x", "h", "rstd", "target", "weights")
+    assert chunks.concatenated == ("target_logit", "lse", "grad_x")
+    assert (chunks.summed, chunks.summed_by_gemm) == (("grad_wn", "grad_w_vocab"), ("grad_w_vocab",))
+    assert g.output == "loss" and block.saved == ("grad_x", "grad_wn", "grad_w_vocab")
+    assert block.grads == ("grad_x", "", "", "", "grad_wn", "grad_w_vocab")
+    assert [name for name, _, rows in block.passes() if rows] == ["forward with gradients"]
+
+
+def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
+    specs = tmp_path / "specs"
+    shutil.copytree(SPECS, specs)
+    path = specs / "blocks" / "lm_head_loss.yaml"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    with pytest.raises(ValidationFailed) as e:
+        api.load([specs])
+    return [f"{err.loc.line}: {err.message}" for err in e.value.errors]
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("  row_chunks: chunk_rows", "  row_chunks: rows_per", "row_chunks 'rows_per' names no int attr"),
+    ("  sums: grad_sum", "  sums: bfloat16", "sums must be 'float32', 'same' or an attr"),
+    ("  sums: grad_sum", "  sums: reduction", "sums must be 'float32', 'same' or an attr"),
+    ("  loss: {shape: [], dtype: float32}\n", "  loss: {shape: [], dtype: float32}\n  per_row: [M]\n",
+     "needs exactly one differentiable output, a scalar"),
+    ("    - matmul: {a: dz, b: normed, transpose: a, out: grad_w_vocab}\n", "",
+     "never defines 'grad_w_vocab'"),
+    ("  after:\n", "  after:\n    - sum_tiles: {x: dwn_part, out: wn_total}\n",
+     "'dwn_part' is made on each chunk of rows without the token dimension M"),
+    ("forward_with_grads:\n", "backward_row_chunks: 4\nforward_with_grads:\n",
+     "the block has no backward, save or backward_row_chunks besides"),
+])
+def test_forward_with_grads_mistakes_are_reported(tmp_path, old, new, words):
+    errors = lm_head_mistake(tmp_path, old, new)
+    assert any(words in e for e in errors), errors

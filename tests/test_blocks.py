@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.convert import interleave_rows
+from generated import kernels
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,11 +152,11 @@ def test_norm_stats_matches_rmsnorm():
 
 # ---- lm_head_loss ----------------------------------------------------------------------------------------
 
-def run_lm_head(m, dim, vocab, target, reduction, dtype, chunk_rows=8192, empty_mean="nan"):
+def run_lm_head(m, dim, vocab, target, reduction, dtype, chunk_rows=8192, empty_mean="nan", grad_sum="float32"):
     x = leaf(m, dim, dtype=dtype)
     wn = leaf(dim, dtype=dtype, scale=0.1, offset=1.0)
     w_vocab = leaf(vocab, dim, dtype=dtype, scale=dim**-0.5 * 3)
-    block = LmHeadLoss(dim, vocab, -100, reduction, chunk_rows, empty_mean, device=DEVICE, dtype=dtype)
+    block = LmHeadLoss(dim, vocab, -100, reduction, chunk_rows, empty_mean, grad_sum, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.detach().requires_grad_()
@@ -180,18 +181,45 @@ def targets(m, vocab):
     return t
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("vocab", [77, 130])  # not multiples of the tile width
-def test_lm_head_loss_fp32(reduction, vocab):
+# (reduction, vocab, rows per chunk) over 37 rows: vocabularies not multiples of the tile width; chunks that
+# do not divide the rows, one chunk of exactly all rows, one larger than all rows
+LM_CASES = [("mean", 77, 16), ("sum", 130, 16), ("mean", 130, 5), ("sum", 77, 37), ("mean", 77, 64)]
+
+
+@pytest.mark.parametrize("reduction, vocab, chunk_rows", LM_CASES)
+def test_lm_head_loss_fp32(reduction, vocab, chunk_rows):
     m = 37
-    fused, plain = run_lm_head(m, 32, vocab, targets(m, vocab), reduction, torch.float32, chunk_rows=16)
+    fused, plain = run_lm_head(m, 32, vocab, targets(m, vocab), reduction, torch.float32, chunk_rows)
     check_fp32(fused, plain)
 
 
-def test_lm_head_loss_matches_cross_entropy_fp16():
+@pytest.mark.parametrize("grad_sum", ["float32", "same"])
+def test_lm_head_loss_matches_cross_entropy_fp16(grad_sum):
     m, vocab = 41, 90
-    fused, plain = run_lm_head(m, 32, vocab, targets(m, vocab), "mean", torch.float16)
+    fused, plain = run_lm_head(m, 32, vocab, targets(m, vocab), "mean", torch.float16, 16, grad_sum=grad_sum)
     check_low(fused, plain, torch.float16)
+
+
+def test_lm_head_loss_without_gradients_makes_none(monkeypatch):
+    """Under no_grad, or with no input that wants a gradient, the forward keeps no logits and makes no
+    gradient: the kernels of the forward with gradients never run, and the loss is the same."""
+    m, dim, vocab = 37, 32, 77
+    block = LmHeadLoss(dim, vocab, chunk_rows=16, device=DEVICE)
+    x, target = torch.randn(m, dim, device=DEVICE), targets(m, vocab)
+    h, rstd = NormStats(dim, EPS)(x, block.wn.detach())
+    with_grads = block(x.requires_grad_(), h, rstd, target).detach()
+    x.requires_grad_(False)
+
+    def refuse(**_):
+        raise AssertionError("the forward with gradients ran")
+    for kernel in (kernels.lm_head_logits, kernels.lm_head_ce_dz):
+        monkeypatch.setattr(kernel, kernel.__name__.rsplit(".", 1)[1], refuse)
+    with torch.no_grad():
+        loss = block(x, h, rstd, target)
+    block.requires_grad_(False)
+    frozen = block(x, h, rstd, target)
+    assert loss.grad_fn is None and frozen.grad_fn is None
+    assert rel(loss, with_grads) < 1e-5 and rel(frozen, with_grads) < 1e-5
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -227,12 +255,16 @@ def test_lm_head_loss_refuses_a_target_out_of_bounds_as_cross_entropy_does(bad):
     assert str(fused.value) == str(plain.value) == f"Target {bad} is out of bounds."
 
 
-def test_lm_head_backward_keeps_no_logits():
-    """Between forward and backward the block holds O(M) floats, not M x V logits."""
+def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
+    """Between forward and backward the block holds the gradients, no logits; the backward scales them in
+    place, so that a second backward through the same graph is refused rather than scaled twice."""
     m, dim, vocab = 37, 16, 300
-    block = LmHeadLoss(dim, vocab, device=DEVICE)
+    block = LmHeadLoss(dim, vocab, chunk_rows=16, device=DEVICE)
     x = torch.randn(m, dim, device=DEVICE, requires_grad=True)
     h, rstd = NormStats(dim, EPS)(x.detach(), block.wn.detach())
     loss = block(x, h, rstd, torch.randint(0, vocab, (m,), device=DEVICE))
     saved = loss.grad_fn.saved_tensors
-    assert sum(t.numel() for t in saved) == x.numel() * 2 + 4 * m + dim + vocab * dim
+    assert sum(t.numel() for t in saved) == x.numel() + dim + vocab * dim
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

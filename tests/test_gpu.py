@@ -48,13 +48,13 @@ printed, not asserted:
                 dtypes, the epilogue exact: the best any unfused implementation can do.
 
 Blocks (bf16). Forward outputs and every gradient of PreAttention (with NormStats in front), PostAttention,
-LmHeadLoss (chunk_rows default) and NormStats, against the same computation in plain PyTorch autograd in
-float64 (truth) and in bf16 (unfused), as Hugging Face's Llama computes it: RMSNorm normalized in fp32 and
-cast back before the weight, RoPE angles in fp32 with cos/sin cast to bf16, logits upcast to fp32 for the
-cross-entropy. (tests/test_blocks.py's plain functions run the norm and the RoPE angles in the low
-precision itself, which at 4k positions is not what PyTorch code does; hence the functions here.) Upstream
-gradients are bf16 tensors, used exactly by all three. Asserted: fused <= 2 * unfused + 1e-4, as in
-tests/test_blocks.py.
+LmHeadLoss (17 row chunks; its weight gradient summed in fp32 and in the weights' dtype) and NormStats,
+against the same computation in plain PyTorch autograd in float64 (truth) and in bf16 (unfused), as Hugging
+Face's Llama computes it: RMSNorm normalized in fp32 and cast back before the weight, RoPE angles in fp32
+with cos/sin cast to bf16, logits upcast to fp32 for the cross-entropy. (tests/test_blocks.py's plain
+functions run the norm and the RoPE angles in the low precision itself, which at 4k positions is not what
+PyTorch code does; hence the functions here.) Upstream gradients are bf16 tensors, used exactly by all
+three. Asserted: fused <= 2 * unfused + 1e-4, as in tests/test_blocks.py.
 
 Llama: examples/llama.py's CodagenLlama against PlainLlama, both bf16, a small 2-layer config, AdamW on one
 fixed batch for a few steps: losses within 2e-2 relative at every step, and both losses fall.
@@ -109,7 +109,8 @@ KERNELS = {c.kernel.name: c.kernel for c in SPECS if isinstance(c, api.Checked)}
 def kernel_shapes() -> dict[str, dict[str, tuple[int, int]]]:
     """Kernel -> {'NxK': (N, K)} at every place where the block specs run it for the preset (K = 0: no GEMM);
     a kernel that no block calls (the plain matmul), at the first of the GEMM shapes it is tuned at."""
-    called = {c.op for b in SPECS if isinstance(b, CheckedBlock) for c in (*b.forward, *b.backward) if c.kernel}
+    called = {c.op for b in SPECS if isinstance(b, CheckedBlock) for _, calls, _ in b.passes() for c in calls
+              if c.kernel}
     shapes: dict[str, dict[str, tuple[int, int]]] = {}
     for use in block_uses(SPECS, LLAMA_1B, (M_TOKENS,)):
         found = shapes.setdefault(use.kernel, {})
@@ -412,8 +413,15 @@ def test_post_attention_block(dtype):
     check_block("PostAttention", dtype, fused, plain, start)
 
 
+# 17 row chunks: as many as 32k tokens make at the default chunk_rows of 2048, for the weight gradient's sum
+LM_CHUNK_ROWS = 128
+
+
+@pytest.mark.parametrize("grad_sum", ["float32", "same"])
 @pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
-def test_lm_head_loss_block(dtype):
+def test_lm_head_loss_block(dtype, grad_sum):
+    """The loss and every gradient, the weight gradient summed over the chunks in fp32 or in the weights' own
+    dtype (grad_sum: same, one rounding per chunk): the 2x rule decides which sum the block may default to."""
     start = time.perf_counter()
     g = generator("lm_head_loss")
     m = M_VOCAB
@@ -424,7 +432,7 @@ def test_lm_head_loss_block(dtype):
     target[1], target[2], target[-1] = 0, VOCAB - 1, -100  # both edge columns and an ignored last row
     upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
 
-    block = LmHeadLoss(D, VOCAB, -100, "mean", device=DEVICE, dtype=dtype)  # chunk_rows: default
+    block = LmHeadLoss(D, VOCAB, -100, "mean", LM_CHUNK_ROWS, grad_sum=grad_sum, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.clone().requires_grad_()
@@ -439,7 +447,7 @@ def test_lm_head_loss_block(dtype):
         lp = F.cross_entropy(logits if cast == torch.float64 else logits.float(), target, ignore_index=-100)
         gp = torch.autograd.grad(lp, [xp, wnp, wp], upstream.to(lp.dtype))
         return {"loss": lp, "grad x": gp[0], "grad wn": gp[1], "grad w_vocab": gp[2]}
-    check_block("LmHeadLoss", dtype, fused, plain, start)
+    check_block(f"LmHeadLoss[grad_sum={grad_sum}]", dtype, fused, plain, start)
 
 
 # ---- the example Llama ------------------------------------------------------------------------------------

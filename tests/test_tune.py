@@ -132,7 +132,7 @@ def test_preset_shapes_follow_the_block_specs():
     assert buckets("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
     assert buckets("norm_dgrad_residual") == ["8192x2048x16384", "32768x2048x16384", "8192x2048x3072",
                                               "32768x2048x3072"]  # post_attention's, then pre_attention's
-    assert buckets("lm_head_ce_grad") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
+    assert buckets("lm_head_logits") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
     assert buckets("lm_head_logsumexp") == ["8192x128256x2048", "32768x128256x2048"]  # the forward is not chunked
     assert buckets("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
     assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0"]
@@ -140,7 +140,7 @@ def test_preset_shapes_follow_the_block_specs():
     where = {(u.kernel, u.shape.bucket): u.where for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"])}
     assert where["out_proj_residual_norm", "8192x2048x8192"] == "post_attention forward: y1 @ w_down^T"
     assert where["rmsnorm_stats", "8192x2048x0"] == "norm_stats forward: rmsnorm_stats(x, wn)"
-    assert where["matmul", "2048x2048x128256"] == "the GEMM of lm_head_loss backward: dz @ w_vocab"
+    assert where["matmul", "2048x2048x128256"] == "the GEMM of lm_head_loss forward with gradients: dz @ w_vocab"
 
 
 def test_shapes_follow_edits_to_the_block_specs(tmp_path):
@@ -150,10 +150,10 @@ def test_shapes_follow_edits_to_the_block_specs(tmp_path):
     lm_head = specs / "blocks" / "lm_head_loss.yaml"
     lm_head.write_text(lm_head.read_text().replace("chunk_rows: 2048", "chunk_rows: 1024"))
     loaded = api.load([specs])
-    ce_grad = next(c.kernel for c in loaded if isinstance(c, api.Checked) and c.kernel.name == "lm_head_ce_grad")
-    assert [s.bucket for s in shapes.preset_shapes(loaded, "tiny", ce_grad, (100, 3000))] == ["128x1000x64",
-                                                                                               "1024x1000x64"]
-    assert [str(s) for s in shapes.preset_shapes(loaded, "tiny", ce_grad, (100,))] == ["100x1000x64"]
+    logits = next(c.kernel for c in loaded if isinstance(c, api.Checked) and c.kernel.name == "lm_head_logits")
+    assert [s.bucket for s in shapes.preset_shapes(loaded, "tiny", logits, (100, 3000))] == ["128x1000x64",
+                                                                                              "1024x1000x64"]
+    assert [str(s) for s in shapes.preset_shapes(loaded, "tiny", logits, (100,))] == ["100x1000x64"]
 
 
 def test_presets_need_the_block_specs():
@@ -179,12 +179,14 @@ def test_literal_shapes_apply_to_every_kernel():
 
 
 def test_inputs_look_like_a_models():
-    c = checked("lm_head_ce_grad")
-    args = harness.make_inputs(c.kernel, module("lm_head_ce_grad"), shapes.Shape(40, 64, 32), CPU)
-    assert set(args) == {"h", "w_vocab", "rstd", "lse", "target", "weights", "grad_loss"}
+    args = harness.make_inputs(checked("lm_head_logits").kernel, module("lm_head_logits"), shapes.Shape(40, 64, 32),
+                               CPU)
+    assert set(args) == {"h", "w_vocab", "rstd", "target"}
     assert args["h"].dtype == torch.bfloat16 and (args["h"] != 0).float().mean() > 0.9
     assert args["w_vocab"].float().std() < 0.5  # a weight: scaled by K**-0.5
-    assert all((args[n] > 0).all() and args[n].dtype == torch.float32 for n in ("rstd", "lse", "weights", "grad_loss"))
+    args = harness.make_inputs(checked("lm_head_ce_dz").kernel, module("lm_head_ce_dz"), shapes.Shape(40, 64, 0), CPU)
+    assert set(args) == {"logits", "lse", "target", "weights"}
+    assert all((args[n] > 0).all() and args[n].dtype == torch.float32 for n in ("lse", "weights"))
     assert ((args["target"] >= 0) & (args["target"] < 64)).all()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..blockmodel import Arg, Call, CheckedBlock
+from ..blockmodel import Arg, Call, CheckedBlock, RowChunks
 from .kernel import wrap
 from .templates import render
 
@@ -58,6 +58,12 @@ def _value(a: Arg, rows: set[str] = frozenset()) -> str:
     return f"{a.value}_rows" if a.value in rows else str(a.value)
 
 
+def _calls(calls, indent: int, chunks: RowChunks | None = None) -> list[str]:
+    """Steps, inside a loop over `chunks` when given."""
+    rows, by_gemm = (set(chunks.sliced), chunks.summed_by_gemm) if chunks else (set(), ())
+    return [line for c in calls for line in _call(c, indent, rows, by_gemm)]
+
+
 def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tuple[str, ...] = ()) -> list[str]:
     """One step, its arguments by keyword."""
     args = [f"{a.param}={_value(a, rows)}" for a in c.args]
@@ -68,10 +74,10 @@ def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tu
 
 
 def render_block(cb: CheckedBlock, regenerate: str) -> str:
-    b, chunks = cb.block, cb.chunks
+    b, chunks, gf = cb.block, cb.chunks, cb.grad_forward
     body = 12 if chunks else 8  # the backward's steps run inside the loop over chunks
-    kernels = sorted({c.op for c in (*cb.forward, *cb.backward) if c.kernel})
-    passes = "The forward and backward run" if cb.backward else "The forward runs"
+    kernels = sorted({c.op for _, calls, _ in cb.passes() for c in calls if c.kernel})
+    passes = "The forward and backward run" if cb.backward or gf else "The forward runs"
     grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
     inputs = [t.name for t in b.inputs]
     non_diff = [o.name for o in b.outputs if not o.grad and not o.alias]
@@ -87,7 +93,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         class_doc=_docstring([b.doc], 4),
         forward_def=_enclosed("def forward(", ["ctx", *inputs, *(p.name for p in b.params),
                                                *(a.name for a in b.attrs)], "):", 4),
-        forward=[line for c in cb.forward for line in _call(c, 8)],
+        forward=_calls(cb.forward, 4 if gf else 8),
         save=_enclosed("ctx.save_for_backward(", list(cb.saved), ")", 8) if cb.saved else [],
         attrs=_tuple("ctx.attrs = ", [a.name for a in b.attrs], "", 8, parens=True) if b.attrs else [],
         unpack_attrs=_tuple("", [a.name for a in b.attrs], " = ctx.attrs", 8) if b.attrs else [],
@@ -97,10 +103,26 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         unpack_saved=_tuple("", list(cb.saved), " = ctx.saved_tensors", 8) if cb.saved else [],
         chunks=chunks,
         rows=_value(chunks.rows) if chunks else None,
-        backward=[line for c in cb.backward for line in
-                  _call(c, body, set(chunks.sliced) if chunks else set(), chunks.summed_by_gemm if chunks else ())],
+        backward=_calls(cb.backward, body, chunks),
         drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
-        returns=_statement("return", [g or "None" for g in cb.grads] + ["None"] * len(b.attrs), 8),
+        returns=_statement("return", [(f"{g}.mul_(grad_{gf.output})" if gf else g) if g else "None"
+                                      for g in cb.grads] + ["None"] * len(b.attrs), 8),
+        gf=gf,
+        gf_before=_calls(gf.before, 8) if gf else [],
+        gf_chunk=_calls(gf.chunk, 12, gf.chunks) if gf else [],
+        gf_after=_calls(gf.after, 8) if gf else [],
+        gf_drop=_statement("del", list(gf.chunks.dropped), 12) if gf else [],
+        gf_rows=_value(gf.chunks.rows) if gf else None,
+        gf_sums=_value(gf.chunks.sums) if gf else None,
+        function=_enclosed(f"def {b.name}(", [*inputs, *(p.name for p in b.params),
+                                              *(a.name if a.default is None else f"{a.name}={_default(a)}"
+                                                for a in b.attrs)], "):", 0),
+        function_doc=_docstring([f"{b.name}'s forward: {class_name(b.name)}Function, which also makes the "
+                                 "gradients, when one is wanted; else the forward alone."], 4),
+        wants_grad=_tuple("if torch.is_grad_enabled() and any(t.requires_grad for t in ",
+                          [t.name for t in (*b.inputs, *b.params) if t.grad], "):", 4, parens=True),
+        apply_all=_enclosed(f"return {class_name(b.name)}Function.apply(", [*inputs, *(p.name for p in b.params),
+                                                                           *(a.name for a in b.attrs)], ")", 8),
         init_def=_enclosed("def __init__(", init_params, "):", 4),
         param_shapes={p.name: _shape(p.dims) for p in b.params},
         module_forward_def=_enclosed("def forward(", ["self", *inputs], "):", 4),

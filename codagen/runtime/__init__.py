@@ -55,13 +55,18 @@ def row_chunks(rows: int, size: int):
 
 
 class ChunkSum:
-    """A gradient summed over row chunks as they come: a running fp32 total (chunking must not cost
-    precision), so that one total is alive at a time rather than every chunk's part."""
+    """A gradient summed over row chunks as they come, so that one total is alive at a time rather than every
+    chunk's part. `sums` says in what: 'float32' (default), a running fp32 total, so that chunking costs no
+    precision; 'same', a total in the parts' own dtype (bf16 or fp16: half the memory of an fp32 total, one
+    rounding per chunk)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sums: str = "float32") -> None:
+        if sums not in ("float32", "same"):
+            raise ValueError(f"ChunkSum sums in 'float32' or 'same', got {sums!r}")
+        self._fp32 = sums == "float32"
         self._dtype: torch.dtype | None = None  # the parts' dtype; None until the first part
-        self._first: torch.Tensor | None = None  # the only part so far
-        self._total: torch.Tensor | None = None  # fp32, from the second part on
+        self._first: torch.Tensor | None = None  # the only part so far, not ours to update
+        self._total: torch.Tensor | None = None  # ours, updated in place
 
     def add(self, part: torch.Tensor) -> None:
         if self._dtype is None:
@@ -71,20 +76,28 @@ class ChunkSum:
         self._total.add_(part)
 
     def add_matmul(self, a: torch.Tensor, b: torch.Tensor, transpose: str = "none") -> None:
-        """add(finish.matmul(a, b, transpose)). From the second chunk on, on a GPU, the GEMM accumulates into
-        the fp32 total itself (cuBLAS: bf16/fp16 operands, fp32 C = A @ B + C, as Megatron's gradient
-        accumulation fusion does), so that no chunk's product is written out and added in another pass."""
+        """add(finish.matmul(a, b, transpose)). On a GPU the GEMM writes the total and then accumulates into it
+        (cuBLAS: bf16/fp16 operands, C = A @ B + C computed in fp32, C in fp32 as Megatron's gradient
+        accumulation fusion does, or in the operands' dtype), so that no chunk's product is written out and
+        added in another pass."""
         a = a.T if transpose == "a" else a
         b = b.T if transpose == "b" else b
-        if self._dtype is None or not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
+        if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
             self.add(torch.matmul(a, b))
-            return
-        self._start_total()
-        torch.addmm(self._total, a, b, out_dtype=torch.float32, out=self._total)
+        elif self._dtype is None:  # the first part is the total, made here: ours to update in place
+            self._dtype = a.dtype
+            self._total = torch.mm(a, b, out_dtype=torch.float32) if self._fp32 else torch.mm(a, b)
+        elif self._fp32:
+            self._start_total()
+            torch.addmm(self._total, a, b, out_dtype=torch.float32, out=self._total)
+        else:
+            self._start_total()
+            self._total.addmm_(a, b)
 
     def _start_total(self) -> None:
         if self._total is None:
-            self._total, self._first = self._first.float(), None
+            self._total = self._first.float() if self._fp32 else self._first.clone()
+            self._first = None
 
     def result(self) -> torch.Tensor:
         """The sum, in the parts' dtype; a single part as it is."""

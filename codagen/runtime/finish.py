@@ -143,6 +143,16 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
     return loss, weights
 
 
+def row_weights(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Each row's weight in a cross-entropy loss, as cross_entropy returns them, from the targets alone (for a
+    forward that makes the gradient before the loss): 1/valid rows for 'mean', 1 for 'sum', 0 for ignored
+    rows. No host sync."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    valid = (target != ignore_index).to(torch.float32)
+    return valid / valid.sum().clamp(min=1.0) if reduction == "mean" else valid
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, transpose: str = "none") -> torch.Tensor:
     """A plain GEMM (weight gradients, data gradients with no epilogue), a @ b with the operand named by
     `transpose` ('a', 'b' or 'none') transposed: cuBLAS through torch."""

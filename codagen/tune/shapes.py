@@ -1,7 +1,7 @@
 """The shapes to tune a kernel at: literal MxNxK, or a preset's, which the block specs give. A block spec
 says which kernel each step calls with which values, and the values' dims are in the block's int attrs
-(dim, ffn_dim, ...); a preset (codagen/presets.py) gives the attrs, the token counts give M, and a backward
-in row chunks (backward_row_chunks) runs its kernels on at most that many rows."""
+(dim, ffn_dim, ...); a preset (codagen/presets.py) gives the attrs, the token counts give M, and steps in row
+chunks (backward_row_chunks, forward_with_grads) run their kernels on at most that many rows."""
 from __future__ import annotations
 
 import re
@@ -50,16 +50,13 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
     uses: dict[tuple[str, str], Use] = {}
     for cb in sorted((c for c in specs if isinstance(c, CheckedBlock)), key=lambda c: c.block.name):
         attrs = _attr_values(cb.block, model)
-        chunk_rows = None
-        if cb.chunks is not None:
-            rows = cb.chunks.rows
-            chunk_rows = attrs[rows.value] if rows.is_name else rows.value
-        for pass_name, calls in (("forward", cb.forward), ("backward", cb.backward)):
+        for pass_name, calls, chunk in cb.passes():
+            chunk_rows = None if chunk is None else attrs[chunk.value] if chunk.is_name else chunk.value
             for call in (c for c in calls if c.kernel):
                 kernel = kernels[call.op]
                 where = f"{cb.block.name} {pass_name}: {_step_text(kernel, call)}"
                 for t in tokens:
-                    rows = min(t, chunk_rows) if pass_name == "backward" and chunk_rows else t
+                    rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _call_shape(kernel, call, cb, attrs, rows)
                     uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
     called = {u.kernel for u in uses.values()}

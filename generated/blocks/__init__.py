@@ -2,7 +2,7 @@
 # Regenerate with: codagen build specs/
 """One module per block spec: a torch.autograd.Function and the nn.Module that owns its parameters.
 
-- LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, without materializing the logits between passes.
+- LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, with the gradients made in the forward over row chunks.
 - NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first pre-attention block.
 - PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output to the next layer's normalized input.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and backward as GEMM-epilogue kernels.

@@ -3,7 +3,8 @@
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
-- lm_head_ce_grad (specs/backward/lm_head_ce_grad.yaml): Cross-entropy gradient of the logits, recomputed tile by tile, with the RMSNorm backward's row partials.
+- lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm backward's row partials.
+- lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits, their log-sum-exp partials and the target logit.
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
 - matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
@@ -15,7 +16,8 @@
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output.
 """
 from . import gate_up_swiglu
-from . import lm_head_ce_grad
+from . import lm_head_ce_dz
+from . import lm_head_logits
 from . import lm_head_logsumexp
 from . import matmul
 from . import norm_dgrad
@@ -26,4 +28,4 @@ from . import rmsnorm_stats
 from . import rope_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = ["gate_up_swiglu", "lm_head_ce_grad", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]
+__all__ = ["gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]

@@ -3,7 +3,6 @@
 """Hopper (sm_90) kernels in Gluon: one module per kernel spec that the Hopper backend lowers, each with a
 `launch` that takes the tl kernel's arguments. Import one only on a Hopper GPU; this package imports none.
 
-- lm_head_ce_grad (specs/backward/lm_head_ce_grad.yaml)
 - matmul (specs/matmul.yaml)
 - norm_dgrad (specs/backward/norm_dgrad.yaml)
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
@@ -15,6 +14,10 @@ Kernels that keep the tl path only, and why:
   the tl kernel only
 - specs/gate_up_swiglu.yaml:19:5: store: {x: yv, to: y}: only tiles of type T at full width are stored, through TMA;
   gate_up_swiglu keeps the tl kernel only
+- specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only;
+  it keeps the tl kernel only
+- specs/lm_head_logits.yaml:22:5: select: {x: zt, index: target, to: target_logit}: no Gluon lowering of 'select'
+  yet; lm_head_logits keeps the tl kernel only
 - specs/lm_head_logsumexp.yaml:18:5: select: {x: logits, index: target, to: target_logit}: no Gluon lowering of
   'select' yet; lm_head_logsumexp keeps the tl kernel only
 - specs/qkv_norm_rope.yaml:18:5: rope: {x: z, positions: positions, freqs: freqs, out: rotated}: no Gluon lowering
