@@ -80,6 +80,12 @@ def test_chunk_gradients_are_summed_in_fp32():
     one = runtime.ChunkSum()
     one.add(parts[0])
     assert one.result() is parts[0]
+    same = runtime.ChunkSum("same")  # in the parts' own dtype: each 2**-9 is rounded away, and no part changes
+    for part in parts:
+        same.add(part)
+    assert same.result().dtype == torch.bfloat16 and same.result()[0].item() == 1.0 and parts[0][0].item() == 1.0
+    with pytest.raises(ValueError, match="'float32' or 'same'"):
+        runtime.ChunkSum("bfloat16")
 
 
 def test_chunk_sum_of_products_matches_one_product():
