@@ -39,9 +39,12 @@ RAGGED = (Shape(1037, 1000, 872), Shape(333, 2056, 200))  # no dimension a multi
 LLAMA_1B = Shape(8192, 2048, 2048)
 TIMED = {"1B out-proj": Shape(32768, 2048, 2048), "1B down": Shape(32768, 2048, 8192),
          "8B out-proj": Shape(32768, 4096, 4096), "8B down": Shape(32768, 4096, 14336)}
-CONFIGS = (None,  # the launcher's default: 128x128x64, as many stages as fit (5 for one epilogue buffer)
-           hopper.HopperConfig(stages=4), hopper.HopperConfig(stages=5, group_m=16),
-           hopper.HopperConfig(block_m=64, block_n=256, stages=4), hopper.HopperConfig(stages=5, consumer_regs=240))
+CONFIGS = {  # None: the launcher's default, 128x128x64 with as many stages as fit (5 for one epilogue buffer)
+    "default": None, "s4": hopper.HopperConfig(stages=4), "g16": hopper.HopperConfig(stages=5, group_m=16),
+    "wide": hopper.HopperConfig(block_m=64, block_n=256, stages=4),
+    "r240": hopper.HopperConfig(stages=5, consumer_regs=240),
+    "k32": hopper.HopperConfig(block_k=32, stages=10),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -125,8 +128,8 @@ def report(info: dict, checks: list[dict], times: list[dict]) -> str:
     lines = ["# Hopper (Gluon) kernels on the H200: correctness and time", "",
              f"- {info['date']}; {info['gpu']} ({info['sms']} SMs), driver {info['driver']}, CUDA {info['cuda']}, "
              f"torch {info['torch']}, triton {info['triton']}; command: `python benchmarks/gluon_bench.py`",
-             "- Correctness: relative error ‖out − ref‖ / ‖ref‖ of each output against codagen's float64 reference, "
-             "outputs NaN-prefilled; the tl kernel's error on the same inputs beside it. PASS: no NaN, each error "
+             "- Correctness: relative error ‖out − ref‖ / ‖ref‖ of each output against codagen's float64 "
+             "reference, outputs NaN-prefilled; the tl kernel's error on the same inputs beside it. PASS: no NaN, each error "
              "≤ 2× the tl kernel's and ≤ 1e-2.",
              "- Time: `triton.testing.do_bench` median in ms, bf16, L2 flushed; the tl kernel in the configuration "
              "its launcher picks (the committed tuning table), the cuBLAS GEMM (`torch.matmul`) of the same shape; "
@@ -165,7 +168,7 @@ def main() -> None:
                     help="check: correctness only; time: timing only, added to the report a check phase wrote")
     ap.add_argument("--check-kernels", help="kernels to check (default: every module of generated/kernels/gluon)")
     ap.add_argument("--kernels", default="matmul,out_proj_residual_norm", help="kernels to time")
-    ap.add_argument("--quick", action="store_true", help="time the default configuration only")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"Gluon configurations to time, of {list(CONFIGS)}")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -193,8 +196,8 @@ def main() -> None:
         tl_module = importlib.import_module(f"generated.kernels.{name}")
         gl_module = importlib.import_module(f"generated.kernels.gluon.{name}")
         print(f"time: {name}", flush=True)
-        timing(checked[name], tl_module, gl_module, device, CONFIGS[:1] if args.quick else CONFIGS, times, save,
-               print)
+        timing(checked[name], tl_module, gl_module, device, [CONFIGS[c] for c in args.configs.split(",")], times,
+               save, print)
     save()
     print(report(info, checks, times))
 

@@ -27,7 +27,7 @@ from .templates import render
 # Primitives whose registry "tl" emitter compiles inside a Gluon kernel (checked by compiling every spec's
 # kernel for sm_90: tests/test_gluon.py), on values of full width. The others need a "gluon" emitter first:
 # `select` calls tile.store_selected, whose tl.zeros_like has no layout under Gluon.
-TL_TEXT_RUNS = ("exp", "log", "sigmoid", "silu", "gelu_tanh", "gelu", "tanh", "relu", "square", "neg",
+TL_TEXT_RUNS = ("abs", "exp", "log", "rsqrt", "sigmoid", "silu", "gelu_tanh", "gelu", "tanh", "relu", "square", "neg",
                 "add", "sub", "mul", "div", "maximum", "minimum", "scale", "cast", "reduce", "one_hot")
 
 

@@ -1,0 +1,158 @@
+"""The Hopper backend (Gluon) on the CPU: its modules are generated, deterministic and valid Python; steps it
+cannot lower are named by file:line and keep their kernel on the tl path; every generated kernel, those of
+specs/ and of tests/specs/, lowers to TTGIR for sm_90 with the installed Triton (warp-specialized, with wgmma
+and TMA); and a launch off a Hopper GPU is refused with the reason. Gluon kernels do not run on the CPU (no
+interpreter): benchmarks/gluon_bench.py checks them against float64 on an H200."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from codagen import api
+from codagen.emit.gluon import TL_TEXT_RUNS, render_gluon, unlowered
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = REPO / "specs"
+TEST_SPECS = REPO / "tests" / "specs"
+
+
+def _kernels(path: Path) -> list:
+    return sorted(((c.kernel, c.types) for c in api.load([path]) if isinstance(c, api.Checked)),
+                  key=lambda t: t[0].name)
+
+
+def test_generated_and_deterministic():
+    first = render_gluon(_kernels(SPECS), "codagen build specs/")
+    assert first == render_gluon(_kernels(SPECS), "codagen build specs/")
+    built = {rel: text for rel, text in api.generate([SPECS]).files.items() if rel.startswith("kernels/gluon/")}
+    assert built.keys() == first.keys()
+    # the kernels the backend lowers today; a spec change that loses one should be noticed
+    assert {"kernels/gluon/matmul.py", "kernels/gluon/out_proj_residual_norm.py"} <= set(first)
+
+
+def test_valid_python_importing_nothing_at_package_level():
+    files = render_gluon(_kernels(SPECS), "codagen build specs/")
+    for rel, text in files.items():
+        tree = ast.parse(text, filename=rel)
+        if rel.endswith("__init__.py"):  # the package must not import the kernels (only Hopper GPUs may)
+            assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body)
+        else:
+            names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            stem = Path(rel).stem
+            assert {f"{stem}_kernel", f"{stem}_consumer", f"{stem}_epilogue", "launch"} <= names
+
+
+def test_unlowered_steps_named_and_kept_on_tl():
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    gate_up = [str(f) for f in unlowered(*kernels["gate_up_swiglu"])]
+    assert any(line.startswith("specs/gate_up_swiglu.yaml:") and "swiglu: {x: zv, out: yv}" in line
+               and "keeps the tl kernel only" in line for line in gate_up)
+    no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
+    assert no_gemm and all("no GEMM" in line for line in no_gemm)
+    files = render_gluon(list(kernels.values()), "codagen build specs/")
+    assert "kernels/gluon/gate_up_swiglu.py" not in files
+    assert "gate_up_swiglu keeps" in files["kernels/gluon/__init__.py"]
+    assert any("gate_up_swiglu.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+
+
+def test_cli_build_notes_the_fallbacks(tmp_path):
+    spec = tmp_path / "specs" / "gated.yaml"
+    spec.parent.mkdir()
+    spec.write_text("kernel: gated\ndoc: A GEMM with SwiGLU.\ngemm: {a: a, b: b, b_layout: nk}\n"
+                    "inputs: {a: [M, K], b: [N, K]}\noutputs: {y: [M, N/2]}\n"
+                    "epilogue:\n  - swiglu: {x: acc, out: s}\n  - store: {x: s, to: y}\n")
+    run = subprocess.run([sys.executable, "-m", "codagen", "build", "specs/"], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr
+    assert "note: specs/gated.yaml:7:5: swiglu: {x: acc, out: s}: no Gluon lowering of 'swiglu' yet" in run.stderr
+    assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated.py").exists()
+
+
+_TTGIR = """
+import importlib.util, json, sys
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile
+from codagen.runtime import gluon_hopper as hopper
+found = {{}}
+for path in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("gluon_" + path.replace("/", "_")[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found[path] = gluon_compile.ttgir(module, hopper.default_config(module.EPILOGUE))
+print(json.dumps(found))
+"""
+
+
+# casts and one_hot in a kernel the backend lowers (tests/specs/ has them beside steps it does not lower yet)
+CAST_ONE_HOT = """\
+kernel: casts_one_hot
+doc: Logits gradient shape, with casts.
+gemm: {a: a, b: b, b_layout: nk}
+inputs: {a: [M, K], b: [N, K], target: {shape: [M], dtype: index}}
+outputs: {dz: [M, N], rounded: [M, N]}
+epilogue:
+  - one_hot: {index: target, out: hit}
+  - sub: {x: acc, y: hit, out: d}
+  - cast: {x: d, dtype: T, out: d_t}
+  - cast: {x: d_t, dtype: float16, out: d_h}
+  - store: {x: d, to: dz}
+  - store: {x: d_h, to: rounded}
+"""
+
+
+def test_lowers_to_ttgir_for_sm90(tmp_path):
+    """Every module the backend generates, for specs/, tests/specs/ and CAST_ONE_HOT (which use every
+    primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90: in a
+    subprocess, since the compiler needs Triton's interpreter off."""
+    paths = sorted(str(p) for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
+    lowered_ops = set()
+    for k, types in _kernels(TEST_SPECS) + _kernels(tmp_path / "specs"):
+        for rel, text in render_gluon([(k, types)], "test").items():
+            if not rel.endswith("__init__.py"):
+                (tmp_path / Path(rel).name).write_text(text)
+                paths.append(str(tmp_path / Path(rel).name))
+                lowered_ops |= {s.op for s in k.steps}
+    for k, types in _kernels(SPECS):
+        if not unlowered(k, types):
+            lowered_ops |= {s.op for s in k.steps}
+    assert set(TL_TEXT_RUNS) <= lowered_ops, "each primitive the backend claims is compiled by some kernel here"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _TTGIR.format(benchmarks=str(REPO / "benchmarks")), *paths],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(found) == sorted(paths)
+    for path, ttgir in found.items():
+        assert "ttg.warp_specialize" in ttgir, path
+        assert "ttng.warp_group_dot" in ttgir, path  # wgmma
+        assert "ttng.async_tma_copy_global_to_local" in ttgir, path
+        assert "ttng.async_tma_copy_local_to_global" in ttgir, path
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"gluon_{name}", REPO / "generated" / "kernels" / "gluon"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_launch_refused_off_hopper():
+    m = _module("out_proj_residual_norm")
+    y, w, x = torch.randn(33, 40), torch.randn(24, 40), torch.randn(33, 24)
+    outs = {"x_out": torch.empty(33, 24), "h": torch.empty(33, 24), "ss": torch.empty(33, 1)}
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        m.launch(y, w, x, torch.randn(24), **outs)
+    half = {k: v.to(torch.bfloat16) if k != "ss" else v for k, v in outs.items()}
+    with pytest.raises(ValueError, match="sm_90 GPU only"):
+        m.launch(y.bfloat16(), w.bfloat16(), x.bfloat16(), torch.randn(24).bfloat16(), **half)
