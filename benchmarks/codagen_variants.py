@@ -16,11 +16,9 @@ from runners import AutogradRunner, Runner, Variant
 
 
 def codagen_variants(preset, tokens, dtype) -> list:
-    """codagen's variants for this preset (Preset), token count and dtype.
-
-    Every pattern except oproj_swiglu.fwdbwd: codagen has no block that ends after gate/up + SwiGLU (its
-    PostAttention block runs on through the down projection), so that partial pattern's backward has no
-    codagen counterpart; post_attn and block cover the same kernels with their backward.
+    """codagen's variants for this preset (Preset), token count and dtype: one per pattern, and for lm_ce.fwdbwd
+    a second one whose weight gradient is summed over the row chunks in the weights' dtype (grad_sum: same)
+    instead of fp32.
 
     The generated modules are imported when a factory runs, so a broken import fails codagen's rows only.
     Weight relayout (interleaved gate/up rows, q/k rows in interleaved-pair order, per-column RoPE
@@ -28,15 +26,17 @@ def codagen_variants(preset, tokens, dtype) -> list:
     to_reference, untimed. The eps of every codagen block is the preset's (as eager uses it)."""
     notes = {
         "oproj_swiglu.fwd": "kernels out_proj_residual_norm -> finish.rstd -> gate_up_swiglu",
+        "oproj_swiglu.fwdbwd": "OprojSwigluFunction (post_attention's first half)",
         "post_attn.fwd": "PostAttentionFunction (n2 = h_next * rstd_next formed untimed, for the check)",
         "down_qkv_rope.fwd": "kernels out_proj_residual_norm -> finish.rstd -> qkv_norm_rope",
         "block.fwd": "PostAttentionFunction -> PreAttentionFunction",
         "block.fwdbwd": "PostAttentionFunction -> PreAttentionFunction",
-        "lm_ce.fwd": "NormStatsFunction -> LmHeadLossFunction",
-        "lm_ce.fwdbwd": "NormStatsFunction -> LmHeadLossFunction (logits recomputed in row chunks)",
+        "lm_ce.fwd": "NormStatsFunction -> lm_head_loss (the forward alone)",
+        "lm_ce.fwdbwd": "NormStatsFunction -> lm_head_loss (gradients made in the forward over row chunks)",
     }
     factories = {
         "oproj_swiglu.fwd": _cg_oproj_swiglu,
+        "oproj_swiglu.fwdbwd": _cg_oproj_swiglu_block,
         "post_attn.fwd": _cg_post_attn,
         "down_qkv_rope.fwd": _cg_down_qkv_rope,
         "block.fwd": _cg_block,
@@ -44,7 +44,12 @@ def codagen_variants(preset, tokens, dtype) -> list:
         "lm_ce.fwd": _cg_lm_ce,
         "lm_ce.fwdbwd": _cg_lm_ce,
     }
-    return [Variant(key, "codagen", factory, note=notes[key]) for key, factory in factories.items()]
+    return [Variant(key, "codagen", factory, note=notes[key]) for key, factory in factories.items()] + [
+        Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: _cg_lm_ce(case, "same"),
+                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype")]
+
+
+SAME_SUM = "codagen grad_sum=same"  # LmHeadLoss with its weight gradient summed over chunks in bf16/fp16
 
 
 # -- codagen's factories and the layout helpers they share ------------------------------------------------
@@ -137,6 +142,18 @@ def _cg_oproj_swiglu(case: Case) -> Runner:
                           args=("x0", "y0", "wo", "wn1", "w_gate_up"))
 
 
+def _cg_oproj_swiglu_block(case: Case) -> Runner:
+    """oproj_swiglu.fwdbwd: the OprojSwiglu block (K1 -> R1 -> K2, then post_attention's backward without the
+    down projection: the SwiGLU backward of the given dy1 with no GEMM, B1 and B0) -> (x1, y1)."""
+    _, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.model.eps
+
+    def fwd(x0, y0, wo, wn1, w_gate_up):
+        return blocks.OprojSwigluFunction.apply(y0, x0, wo, wn1, w_gate_up, dm.d, dm.ffn, eps)
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
+                          args=("x0", "y0", "wo", "wn1", "w_gate_up"), leaves=("x0", "y0", "wo", "wn1", "w_gate_up"))
+
+
 def _cg_post_attn(case: Case) -> Runner:
     """post_attn.fwd: the PostAttention block -> (x2, h2 = x2 * wn2, r2). Eager's n2 is r2 * h2, which the
     next GEMM's epilogue applies in codagen; it is formed here only for the check (untimed)."""
@@ -182,10 +199,11 @@ def _cg_block(case: Case) -> Runner:
                           leaves=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv"))
 
 
-def _cg_lm_ce(case: Case) -> Runner:
-    """lm_ce.fwd / .fwdbwd: NormStats(xf, wnf) -> (h, rstd), then LmHeadLoss(xf, h, rstd, target) with wnf as
-    its norm weight (NormStats applies wnf in the forward; LmHeadLoss's backward computes its gradient and
-    xf's) and its default chunk_rows."""
+def _cg_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
+    """lm_ce.fwd / .fwdbwd: NormStats(xf, wnf) -> (h, rstd), then lm_head_loss(xf, h, rstd, target) with wnf as
+    its norm weight (NormStats applies wnf in the forward; LmHeadLoss computes its gradient and xf's) and its
+    default chunk_rows. lm_head_loss runs the forward alone under no_grad, and otherwise makes the gradients in
+    the forward (LmHeadLossFunction), which autograd.grad then scales by the loss's gradient."""
     import inspect
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps
@@ -193,8 +211,6 @@ def _cg_lm_ce(case: Case) -> Runner:
 
     def fwd(xf, wnf, wv, target):
         h, rstd = blocks.NormStatsFunction.apply(xf, wnf, dm.d, eps)
-        loss = blocks.LmHeadLossFunction.apply(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, -100, "mean",
-                                               chunk_rows)
-        return (loss,)
+        return (blocks.lm_head_loss.lm_head_loss(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, -100, "mean",
+                                                 chunk_rows, grad_sum=grad_sum),)
     return AutogradRunner(case.pattern, fwd)
-

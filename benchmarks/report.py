@@ -100,7 +100,7 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
           "on fp32 inputs (TF32 off; fp64 on the CPU); peak+ = max_memory_allocated during one call minus what was "
           "allocated before it",
           "- variants: eager = plain PyTorch HF-Llama style (baselines.py); torch.compile = the same functions, "
-          "default mode, dynamic=False; liger = Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
+          "default mode, dynamic=False; torch.compile max-autotune = the same with mode='max-autotune'; liger = Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
           "LigerSiLUMulFunction, liger_rotary_pos_emb, liger_fused_linear_cross_entropy); liger+addnorm = also "
           "LigerFusedAddRMSNorm for residual add + RMSNorm",
           ""]
@@ -136,6 +136,7 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
         for v in variants:
             if v not in BASELINES:
                 L += [""] + vs_baselines_table(grows, pats, v)
+        L += peak_table(grows, [pk for pk in pats if pk.startswith(PEAK_PATTERNS)], variants)
         L += ["", "<details><summary>all rows</summary>", "",
               "| pattern | variant | ms | x cuBLAS | x eager | spread | GEMM TFLOP/s | peak+ MiB | err vs eager | "
               "err vs fp32 ref | worst | note |",
@@ -169,6 +170,25 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
 
 def _ms_of(rows, pattern, variant):
     return next((r.ms for r in rows if r.pattern == pattern and r.variant == variant and r.ms), None)
+
+
+PEAK_PATTERNS = ("lm_ce.",)  # patterns whose memory is part of the goal: their peak gets a table of its own
+
+
+def peak_table(grows: list, pats: list, variants: list) -> list:
+    """Markdown lines: peak memory above the inputs (torch.cuda.max_memory_allocated during one call) of every
+    variant of `pats`; none without such patterns or peaks (the CPU)."""
+    have = [v for v in variants if any(r.variant == v and r.pattern in pats and r.peak_mib is not None
+                                       for r in grows)]
+    if not have:
+        return []
+    L = ["", "peak memory above the inputs, MiB (torch.cuda.max_memory_allocated during one call):", "",
+         "| pattern | " + " | ".join(have) + " |", "|---|" + "---|" * len(have)]
+    for pk in pats:
+        cells = [_f(next((r.peak_mib for r in grows if r.pattern == pk and r.variant == v), None), ",.0f")
+                 for v in have]
+        L.append(f"| {pk} | " + " | ".join(cells) + " |")
+    return L
 
 
 def vs_baselines_table(grows: list, pats: list, variant: str) -> list:
@@ -273,5 +293,9 @@ def summary(rows) -> str:
                     ratios = [f"{b}={_div(r.ms, _ms_of(grows, pk, b))}" for b in BASELINES if _ms_of(grows, pk, b)]
                     check = "  CHECK FAILED" if "CHECK" in (r.note or "") else ""
                     lines.append(f"  {'':20s} {r.variant} / " + "  ".join(ratios) + check)
+            peaks = [f"{r.variant}={r.peak_mib:,.0f}" for r in grows
+                     if r.pattern == pk and pk.startswith(PEAK_PATTERNS) and r.peak_mib is not None]
+            if peaks:
+                lines.append(f"  {'':20s} peak MiB: " + "  ".join(peaks))
     return "\n".join(lines)
 

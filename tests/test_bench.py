@@ -12,12 +12,14 @@ from codagen.presets import PRESETS
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import bench  # noqa: E402
 import cases  # noqa: E402
 import codagen_variants  # noqa: E402
 import kernels  # noqa: E402
 import report  # noqa: E402
-from harness import Row  # noqa: E402
-from runners import CUBLAS  # noqa: E402
+import runners  # noqa: E402
+from harness import Row, run_case  # noqa: E402
+from runners import CUBLAS, MAX_AUTOTUNE  # noqa: E402
 
 
 def test_every_model_preset_runs_as_batches_of_sequences():
@@ -32,14 +34,44 @@ def test_every_model_preset_runs_as_batches_of_sequences():
 
 def test_codagen_variants_run_known_patterns():
     variants = codagen_variants.codagen_variants(cases.PRESETS["tiny"], 128, torch.bfloat16)
-    assert variants and {v.pattern for v in variants} <= set(cases.PATTERN_BY_KEY)
-    assert {v.name for v in variants} == {"codagen"}
+    assert {v.pattern for v in variants if v.name == "codagen"} == set(cases.PATTERN_BY_KEY)  # every pattern
+    assert {(v.pattern, v.name) for v in variants if v.name != "codagen"} == {("lm_ce.fwdbwd",
+                                                                                codagen_variants.SAME_SUM)}
+
+
+def test_torch_compile_runs_in_both_modes_on_every_pattern():
+    args = bench.parse_args(["--device", "cpu", "--compile"])
+    variants = runners.builtin_variants(args)
+    for mode in ("torch.compile", MAX_AUTOTUNE):
+        assert {v.pattern for v in variants if v.name == mode} == set(cases.PATTERN_BY_KEY), mode
+
+
+def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
+    """oproj_swiglu.fwdbwd and the LM head's rows (both weight-gradient sums) built, run and checked against
+    eager and the float64 reference as bench.py does, in fp32 on the tiny preset: codagen matches to ~1e-6."""
+    args = bench.parse_args(["--device", "cpu", "--quick", "--dtype", "float32", "--variants", "codagen",
+                             "--patterns", "oproj_swiglu.fwdbwd", "lm_ce", "--passes", "1", "--rep", "1",
+                             "--warmup", "1", "--min-iters", "1"])
+    preset = cases.PRESETS["tiny"]
+    variants = runners.builtin_variants(args) + codagen_variants.codagen_variants(preset, 128, torch.float32)
+    rows = run_case(preset, 128, args, variants, [])
+    checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
+    assert set(checked) == {("oproj_swiglu.fwdbwd", "codagen"), ("lm_ce.fwd", "codagen"),
+                            ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}
+    for key, row in checked.items():
+        assert not row.error and row.ms is not None, (key, row.error)
+        assert row.err_ref < 1e-5 and row.err_eager < 1e-5, (key, row.errs)
+    assert {n for n in checked["oproj_swiglu.fwdbwd", "codagen"].errs if "@" not in n} == {
+        "x1", "y1", "dx0", "dy0", "dwo", "dwn1", "dwg", "dwu"}
 
 
 def test_rows_become_the_report(tmp_path):
     title = cases.PATTERN_BY_KEY["block.fwd"].title
     rows = [Row("tiny", 128, "block.fwd", title, variant, ms=ms, ms_passes=[ms * 0.99, ms * 1.01])
             for variant, ms in ((CUBLAS, 1.0), ("eager", 2.0), ("codagen", 1.5))]
+    lm_title = cases.PATTERN_BY_KEY["lm_ce.fwdbwd"].title
+    rows += [Row("tiny", 128, "lm_ce.fwdbwd", lm_title, variant, ms=1.0, ms_passes=[1.0], peak_mib=peak)
+             for variant, peak in (("liger", 1008.0), ("codagen", 900.4))]
     kernel_rows = [kernels.KernelRow("tiny", 128, "matmul", "the GEMM of x", "128x64x64", "64x64x32", 2.0, 1.0)]
     args = types.SimpleNamespace(quick=True, tag="", warmup=5, rep=20, min_iters=3, max_sets=4, passes=2,
                                  device_obj=torch.device("cpu"), dtype_obj=torch.bfloat16)
@@ -48,9 +80,12 @@ def test_rows_become_the_report(tmp_path):
     md = report.write_report(rows, env, args, tmp_path, kernel_rows, chart=False)
     text = md.read_text()
     assert md.name == "cpu-quick.md" and "## tiny, 128 tokens" in text
-    assert f"| {title} | 1.000 (1.00x) | 2.000 (2.00x) | 1.500 (1.50x) |" in text
+    assert f"| {title} | 1.000 (1.00x) | 2.000 (2.00x) | - | 1.500 (1.50x) |" in text  # no liger row there
     assert "| block.fwd | 1.500 | 1.50 | 0.75 |" in text  # codagen / cuBLAS, codagen / eager
     assert "| matmul | the GEMM of x | 128x64x64 | 64x64x32 | 2.0000 | 1.0000 | 2.00 |" in text
     data = json.loads((tmp_path / "cpu-quick.json").read_text())
-    assert [r["variant"] for r in data["rows"]] == [CUBLAS, "eager", "codagen"] and data["kernels"][0]["ms"] == 2.0
+    assert [r["variant"] for r in data["rows"]] == [CUBLAS, "eager", "codagen", "liger", "codagen"]
+    assert data["rows"][-1]["peak_mib"] == 900.4 and data["kernels"][0]["ms"] == 2.0
+    assert "| pattern | liger | codagen |\n|---|---|---|\n| lm_ce.fwdbwd | 1,008 | 900 |" in text  # peak memory
     assert "codagen / cuBLAS GEMMs alone=1.50  eager=0.75" in report.summary(rows)
+    assert "peak MiB: liger=1,008  codagen=900" in report.summary(rows)

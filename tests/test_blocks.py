@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.convert import interleave_rows
 from generated import kernels
-from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
+from generated.blocks import LmHeadLoss, NormStats, OprojSwiglu, PostAttention, PreAttention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -90,6 +90,35 @@ def run_post_attention(m, dim, ffn, dtype):
     return fused, plain
 
 
+# ---- oproj_swiglu ----------------------------------------------------------------------------------------
+
+def run_oproj_swiglu(m, dim, ffn, dtype):
+    y, x = leaf(m, dim, dtype=dtype), leaf(m, dim, dtype=dtype)
+    w_o, w_gate, w_up = (leaf(n, dim, dtype=dtype, scale=dim**-0.5) for n in (dim, ffn, ffn))
+    wn_mlp = leaf(dim, dtype=dtype, scale=0.1, offset=1.0)
+    up_x, up_y = torch.randn(m, dim, dtype=torch.float64, device=DEVICE), torch.randn(m, ffn, dtype=torch.float64,
+                                                                                      device=DEVICE)
+    leaves = [y, x, w_o, wn_mlp, w_gate, w_up]
+
+    block = OprojSwiglu(dim, ffn, EPS, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
+    yb, xb = y.detach().requires_grad_(), x.detach().requires_grad_()
+    x1, y1 = block(yb, xb)
+    g = torch.autograd.grad((x1, y1), [yb, xb, block.w_o, block.wn_mlp, block.w_gate_up],
+                            (up_x.to(dtype), up_y.to(dtype)))
+    names = ["x_out", "y_mlp", "y", "x", "w_o", "wn_mlp", "w_gate", "w_up"]
+    fused = dict(zip(names, [x1, y1, *g[:4], g[4][0::2], g[4][1::2]]))
+
+    def plain(cast):
+        yp, xp, wop, wnp, wgp, wup = args = [t.detach().to(cast).requires_grad_() for t in leaves]
+        x1p = xp + yp @ wop.T
+        n1 = rms(x1p, wnp)
+        y1p = F.silu(n1 @ wgp.T) * (n1 @ wup.T)
+        return dict(zip(names, [x1p, y1p, *grads((x1p, y1p), (up_x.to(cast), up_y.to(cast)), args)]))
+    return fused, plain
+
+
 # ---- pre_attention ---------------------------------------------------------------------------------------
 
 def run_pre_attention(m, dim, heads, dtype):
@@ -125,6 +154,7 @@ def run_pre_attention(m, dim, heads, dtype):
 LAYER_CASES = [
     (run_post_attention, 37, 48, 40, torch.float32), (run_post_attention, 64, 48, 40, torch.float32),
     (run_post_attention, 29, 64, 48, torch.float16),
+    (run_oproj_swiglu, 37, 48, 40, torch.float32), (run_oproj_swiglu, 29, 64, 48, torch.float16),
     (run_pre_attention, 37, 40, 2, torch.float32), (run_pre_attention, 70, 40, 2, torch.float32),
     (run_pre_attention, 45, 32, 2, torch.float16),
 ]

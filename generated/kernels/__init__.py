@@ -13,6 +13,7 @@
 - qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
 - rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
 - rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
+- swiglu_bwd_rowdot (specs/backward/swiglu_bwd_rowdot.yaml): SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz.
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output.
 """
 from . import gate_up_swiglu
@@ -26,6 +27,7 @@ from . import out_proj_residual_norm
 from . import qkv_norm_rope
 from . import rmsnorm_stats
 from . import rope_bwd_rowdot
+from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = ["gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_dgrad"]
+__all__ = ["gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bwd_rowdot", "swiglu_dgrad"]

@@ -26,6 +26,8 @@ Kernels that keep the tl path only, and why:
   the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
+- specs/backward/swiglu_bwd_rowdot.yaml:5:1: swiglu_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
+  only; it keeps the tl kernel only
 - specs/backward/swiglu_dgrad.yaml:16:5: swiglu_bwd: {dy: acc, x: z, out: dzv}: no Gluon lowering of 'swiglu_bwd'
   yet; swiglu_dgrad keeps the tl kernel only
 - specs/backward/swiglu_dgrad.yaml:17:5: store: {x: dzv, to: dz}: only tiles of type T at full width are stored,
