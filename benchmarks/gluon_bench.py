@@ -129,8 +129,8 @@ def report(info: dict, checks: list[dict], times: list[dict]) -> str:
              f"- {info['date']}; {info['gpu']} ({info['sms']} SMs), driver {info['driver']}, CUDA {info['cuda']}, "
              f"torch {info['torch']}, triton {info['triton']}; command: `python benchmarks/gluon_bench.py`",
              "- Correctness: relative error ‖out − ref‖ / ‖ref‖ of each output against codagen's float64 "
-             "reference, outputs NaN-prefilled; the tl kernel's error on the same inputs beside it. PASS: no NaN, each error "
-             "≤ 2× the tl kernel's and ≤ 1e-2.",
+             "reference, outputs NaN-prefilled; the tl kernel's error on the same inputs beside it. PASS: no NaN, "
+             "each error ≤ 2× the tl kernel's and ≤ 1e-2.",
              "- Time: `triton.testing.do_bench` median in ms, bf16, L2 flushed; the tl kernel in the configuration "
              "its launcher picks (the committed tuning table), the cuBLAS GEMM (`torch.matmul`) of the same shape; "
              "ratio = time / cuBLAS.", "", "## Correctness", "",

@@ -26,11 +26,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from codagen.runtime.gluon_hopper import HopperConfig  # noqa: E402
+from codagen.runtime.gluon_hopper import HopperConfig, default_config  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
-CONFIGS = (HopperConfig(stages=5), HopperConfig(stages=4), HopperConfig(stages=2),
-           HopperConfig(block_m=64, block_n=256, stages=4), HopperConfig(consumer_regs=240))
+CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
+           HopperConfig(block_k=32, stages=10))  # after each kernel's default (default_config)
 
 
 def names() -> list[str]:
@@ -82,13 +82,14 @@ def usage(compiled) -> dict:
     found = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
     found["SMEM"] = compiled.metadata.shared
     found["HGMMA"] = len(re.findall(r"\bHGMMA\.", sass))
-    found["SETMAXREG"] = sorted({int(v, 16) for v in re.findall(r"SETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)})
+    counts = re.findall(r"SETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)
+    found["SETMAXREG"] = sorted({int(v, 16) for v in counts})
     return found
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernels", help="comma-separated kernel names (default: every module of generated/kernels/gluon)")
+    ap.add_argument("--kernels", help="comma-separated names (default: every module of generated/kernels/gluon)")
     ap.add_argument("--out", type=Path, help="write the report here (markdown)")
     args = ap.parse_args()
     lines = ["# Hopper (Gluon) kernels compiled for sm_90 without a GPU", "",
@@ -97,11 +98,13 @@ def main() -> None:
              "- REG: registers per thread at the kernel's entry (warp-specialized kernels re-divide them per "
              "partition with setmaxnreg: SETMAXREG lists the counts its SASS sets); STACK: bytes of stack per "
              "thread, mostly spilled registers (0: no spill); SMEM: bytes of shared memory a program uses; "
-             "HGMMA: warpgroup MMA instructions in the SASS.", ""]
+             "HGMMA: warpgroup MMA instructions in the SASS. The first row of a kernel is its launcher's default "
+             "(as many operand stages as fit beside its epilogue).", ""]
     for name in (args.kernels.split(",") if args.kernels else names()):
         module = importlib.import_module(f"generated.kernels.gluon.{name}")
-        lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | SETMAXREG |", "|---|---|---|---|---|---|"]
-        for config in CONFIGS:
+        lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | SETMAXREG |",
+                  "|---|---|---|---|---|---|"]
+        for config in dict.fromkeys((default_config(module.EPILOGUE), *CONFIGS)):
             try:
                 u = usage(compile_kernel(module, config))
                 row = (f"| {config.label()} | {u['REG']} | {u['STACK']} | {u['SMEM']} | {u['HGMMA']} | "
