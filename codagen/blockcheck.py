@@ -238,7 +238,7 @@ def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tu
         if name not in used:
             sink.add(loc, f"'{name}' is never used; remove it or map a kernel output to '_'")
     rows_of = lambda n: env[n].dims[:1] == (TOKENS,)  # noqa: E731
-    later = read_after | {g for g in grads if g} | {o.name for o in b.outputs}
+    later = read_after | {n for n in grads if n} | {o.name for o in b.outputs}
     summed = [n for n in made if n in grads and not rows_of(n)]
     for n in made:
         if n in read_after and not rows_of(n) and n not in summed:
