@@ -153,6 +153,8 @@ def test_launch_refused_off_hopper():
     outs = {"x_out": torch.empty(33, 24), "h": torch.empty(33, 24), "ss": torch.empty(33, 1)}
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         m.launch(y, w, x, torch.randn(24), **outs)
+    with pytest.raises(ValueError, match="'wn' must be a torch.Tensor"):
+        m.launch(y, w, x, [1.0] * 24, **outs)
     half = {k: v.to(torch.bfloat16) if k != "ss" else v for k, v in outs.items()}
     with pytest.raises(ValueError, match="sm_90 GPU only"):
         m.launch(y.bfloat16(), w.bfloat16(), x.bfloat16(), torch.randn(24).bfloat16(), **half)

@@ -1,15 +1,17 @@
 """A checked kernel -> the source of its Hopper module (generated/kernels/gluon/<name>.py): a persistent,
 warp-specialized Gluon kernel (codagen/runtime/gluon_hopper.py describes the schedule) and its launcher.
 
-The epilogue is the spec's steps, as for the tl kernel, with three differences of lowering:
+The epilogue is the spec's steps, lowered as for the tl kernel except that
 
 - tile inputs of type T arrive by TMA into shared memory while the tile's mainloop runs, and are read from
   there into the accumulator's register layout when the epilogue starts;
 - stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`);
-- the rest is the registry's "tl" text: Triton's builtins, called from a @gluon.jit function, run with
-  Gluon's semantics, and element-wise arithmetic, reductions, masked loads and stores of row and column
-  vectors all take their layouts from `rows` and `cols`, which the kernel creates in slices of the
-  accumulator's layout.
+- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
+
+The rest is the registry's "tl" text: Triton's builtins, called from a @gluon.jit function, run with Gluon's
+semantics, and element-wise arithmetic, reductions, masked loads and stores of row and column vectors all
+take their layouts from `rows` and `cols`, which the kernel creates in slices of the accumulator's layout.
+What needs a layout of its own (tl.arange, tl.full, tl.zeros_like) does not compile there.
 
 What cannot be lowered yet (`unlowered`) keeps the kernel on the tl path alone; the build says which step and
 why, and the package's docstring lists it."""
@@ -53,8 +55,7 @@ def tma_inputs(k: Kernel) -> list[str]:
 
 
 def tma_outputs(k: Kernel) -> list[str]:
-    """Outputs stored as tiles of type T at full width: written by TMA from the epilogue's buffers, in the
-    order of their stores."""
+    """Outputs stored as tiles of type T at full width: written by TMA from the epilogue's buffers."""
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
             and len(o.dims) == 2 and o.dims[1].width is Width.FULL]
@@ -172,16 +173,15 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     lines = [line for line in e.lines if not _unused_mask(line, e.lines)]
     epilogue = [piece for line in lines for piece in fit(line, 116)]
     ins, outs = tma_inputs(k), tma_outputs(k)
-    gemm_names = (k.gemm.a, k.gemm.b)
-    pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims))
-                for d in (*k.inputs, *k.outputs)
-                if d.name not in (*gemm_names, *ins, *outs) and not getattr(d, "role", None) is InputRole.HOST_SCALAR]
     scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
+    tensors = [d for d in (*k.inputs, *k.outputs) if d.name not in scalars]
+    pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
+                if d.name not in (k.gemm.a, k.gemm.b, *ins, *outs)]
     descs = [f"{n}_desc" for n in (*ins, *outs)]
     casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
     strides = [s for p in pointers for s in p.strides]
-    names = [i.name for i in k.inputs if i.role is not InputRole.HOST_SCALAR] + [o.name for o in k.outputs]
+    names = [d.name for d in tensors]
     return render(
         "kernel_gluon.py.j2",
         k=k,
@@ -210,8 +210,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tensor_names=names,
         tensor_names_quoted=", ".join(f'"{n}"' for n in names),
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
-        decls=[(t.name, tuple(d.value for d in t.dims), t.dtype.value, t in k.outputs)
-               for t in (*k.inputs, *k.outputs) if not getattr(t, "role", None) is InputRole.HOST_SCALAR],
+        decls=[(t.name, tuple(d.value for d in t.dims), t.dtype.value, t in k.outputs) for t in tensors],
     )
 
 

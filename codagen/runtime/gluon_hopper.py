@@ -124,6 +124,15 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
                          f"{SMEM_LIMIT} a program has")
 
 
+def signature(tensors, config: HopperConfig) -> tuple | None:
+    """What a launch plan depends on (as runtime.signature for the tl kernels): the config, and the types,
+    shapes, strides, dtypes and devices of the arguments. None when one is not a tensor: no plan has that key,
+    and making one says which."""
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return (config, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     device: torch.device

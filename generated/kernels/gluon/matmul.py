@@ -136,7 +136,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
     config = config or hopper.default_config(EPILOGUE)
     tensors = (a, b, out_tile)
-    key = runtime.signature(tensors, config)
+    key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return

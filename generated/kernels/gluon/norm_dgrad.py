@@ -198,7 +198,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
     config = config or hopper.default_config(EPILOGUE)
     tensors = (dz, w, x, rstd, wn, zdz, dx, dwn_part, normed)
-    key = runtime.signature(tensors, config)
+    key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return

@@ -180,7 +180,7 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
     config = config or hopper.default_config(EPILOGUE)
     tensors = (y, w_o, x, wn, x_out, h, ss)
-    key = runtime.signature(tensors, config)
+    key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
