@@ -126,7 +126,8 @@ def test_build_then_check(ws):
     result = run("build", "specs", "--out", "gen", cwd=ws)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["wrote gen/__init__.py", "wrote gen/kernels/__init__.py",
-                                          "wrote gen/kernels/scaled.py", "gen/: 3 file(s) written, 0 removed"]
+                                          "wrote gen/kernels/gluon/__init__.py", "wrote gen/kernels/gluon/scaled.py",
+                                          "wrote gen/kernels/scaled.py", "gen/: 5 file(s) written, 0 removed"]
     check = run("build", "specs", "--out", "gen", "--check", cwd=ws)
     assert check.returncode == 0 and check.stdout == "gen/ is up to date\n"
 
