@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import ErrorSink, SpecError, ValidationFailed
 from .model import ACC, BLayout, Dim, DType, Gemm, Input, InputRole, Kernel, Literal, Location, Output, Step
-from .names import name_problem
+from .names import TAKEN_KERNEL_NAMES, name_problem
 from .primitives import PRIMITIVES
 from .yamlnodes import MAX_BYTES, Node, load, too_large
 
@@ -114,6 +114,10 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     keys = ["kernel", "doc", "gemm", "inputs", "outputs", "epilogue"]
     name_node = top.take("kernel")
     name = _name(name_node, "kernel", sink) if name_node else None
+    if name in TAKEN_KERNEL_NAMES:
+        sink.add(name_node.loc, f"kernel: '{name}' is taken: the op torch.ops.codagen.{name} would be an attribute "
+                                "of torch's op namespace; choose another name")
+        name = None
     doc_node = top.take("doc")
     doc = doc_text(doc_node, sink) if doc_node is not None else ""
     gemm_node = top.take("gemm", required=False)

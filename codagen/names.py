@@ -9,14 +9,32 @@ import unicodedata
 
 IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
-# Locals and module names of the generated kernels, launchers and blocks.
+# Every lowercase name that the generated modules (codagen/templates, codagen/emit) use for themselves:
+# modules, locals and parameters of the kernels, launchers and ops, the Hopper backend's schedule, and the
+# blocks. tests/test_bad_specs.py scans the generated sources for any name not listed here.
 INTERNAL = frozenset("""
     tl triton torch math functools runtime tile codagen generated acc pid pid_m pid_n num_pid_m num_pid_n
     num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_even
-    cols_odd row_mask col_mask col_mask_half tile_mask tile_mask_half
+    cols_odd row_mask col_mask col_mask_half tile_mask tile_mask_half first_row first_col part
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
+    gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers
+    inputs_ready block_mn k_steps step tile_count i
+    nn kernels finish
 """.split())
+# Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves
+# of pairs, emit/epilogue.py), stride_x_m and the like, offs_*
+RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd")
+RESERVED_PREFIXES = ("stride_", "offs_")
+# What a kernel named k defines besides k itself: checked against the kernel's own names (validate.py)
+KERNEL_FUNCTIONS = ("kernel", "epilogue", "consumer", "op")
+# torch.ops.codagen.<kernel> is an attribute of an op namespace, which has one public attribute of its own
+TAKEN_KERNEL_NAMES = frozenset({"name"})
+
+
+def kernel_functions(kernel: str) -> tuple[str, ...]:
+    """The names the generated module of `kernel` gives its functions: k_kernel, k_epilogue, ..."""
+    return tuple(f"{kernel}_{f}" for f in KERNEL_FUNCTIONS)
 
 
 def name_problem(name: object) -> str | None:
@@ -30,9 +48,9 @@ def name_problem(name: object) -> str | None:
     if hasattr(builtins, name):
         return f"'{name}' is a Python builtin; choose another name"
     # *_even and *_odd: the halves of a value of interleaved pairs (see emit/epilogue.py)
-    if name in INTERNAL or name.endswith(("_ptr", "_ptrs", "_even", "_odd")) or name.startswith(("stride_", "offs_")):
-        return (f"'{name}' is reserved for generated code (names such as acc, tl, *_ptr, *_even, *_odd, stride_* "
-                "and offs_* are taken); choose another name")
+    if name in INTERNAL or name.endswith(RESERVED_SUFFIXES) or name.startswith(RESERVED_PREFIXES):
+        return (f"'{name}' is reserved for generated code (names such as acc, tl, part, *_ptr, *_desc, *_even, "
+                "*_odd, stride_* and offs_* are taken); choose another name")
     return None
 
 

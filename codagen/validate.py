@@ -8,6 +8,7 @@ import difflib
 from .errors import ErrorSink
 from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output, Step,
                     ValueType, Width, dims_type)
+from .names import kernel_functions
 from .primitives import PRIMITIVES
 
 _SCALAR = ValueType(Kind.SCALAR)
@@ -51,8 +52,9 @@ def _check_declarations(k, sink, types, defined_at):
         if decl.name in seen:
             sink.add(decl.loc, f"'{decl.name}' is declared twice (first at line {seen[decl.name].line}); "
                                "inputs and outputs share one namespace")
-        elif decl.name == _kernel_function(k):
-            sink.add(decl.loc, f"'{decl.name}' is the name of the generated Triton kernel; choose another name")
+        elif decl.name in kernel_functions(k.name):
+            sink.add(decl.loc, f"'{decl.name}' is the name of a function of the generated kernel module; choose "
+                               "another name")
         seen[decl.name] = decl.loc
     g = k.gemm
     if g:
@@ -104,10 +106,6 @@ def _check_declarations(k, sink, types, defined_at):
     if not g and not any(d.dims and d.dims[0] is Dim.M and len(d.dims) == 2 for d in (*k.inputs, *k.outputs)
                          if dims_type(d.dims) and dims_type(d.dims).kind is Kind.TILE):
         sink.add(k.loc, "a kernel without a gemm needs a matrix input or output [M, N] to set its grid")
-
-
-def _kernel_function(k: Kernel) -> str:
-    return f"{k.name}_kernel"
 
 
 def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
@@ -186,8 +184,10 @@ def _check_step(k, step, sink, types, defined_at, used, written):
     result = PRIMITIVES[step.op].check(StepCheck(k, step, sink, types, used, written))
     if step.out is not None:
         op, name, where = step.op, step.out, step.arg_locs.get("out", step.loc)
-        if name == _kernel_function(k):
-            sink.add(where, f"{op}.out: '{name}' is the name of the generated Triton kernel; choose another name")
+        if name in kernel_functions(k.name):
+            sink.add(where, f"{op}.out: '{name}' is the name of a function of the generated kernel module; choose "
+                            "another name")
+            types[name] = None  # reported here, not again at each use
         elif name == ACC:
             sink.add(where, f"{op}.out: 'acc' is the GEMM accumulator; choose another name for this value")
         elif k.output(name):

@@ -12,6 +12,7 @@ column). `words` must all appear in the message. `count` is how many errors the 
 mistake should give one error, not a cascade."""
 from __future__ import annotations
 
+import ast
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,10 @@ import pytest
 
 from codagen import api
 from codagen.errors import SpecError, ValidationFailed
+from codagen.names import IDENTIFIER, kernel_functions, name_problem
+from conftest import REPO, TEST_SPECS
+
+BLOCK_SUFFIXES = ("rows", "chunks", "sum")
 
 STEPS = [
     "add: {x: acc, y: x, out: x_new}",                        # 7
@@ -191,7 +196,23 @@ CASES = [
     c("name_reserved_launch", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], launch: [N]}"), (4, "launch"),
       "'launch' is reserved"),
     c("name_of_generated_kernel", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], k1_kernel: [M]}"),
-      (4, "k1_kernel"), "'k1_kernel' is the name of the generated Triton kernel", count=2),  # and: never used
+      (4, "k1_kernel"), "'k1_kernel' is the name of a function of the generated kernel module", count=2),  # unused
+    # names the generated code gives its own variables: a spec name equal to one would be overwritten by it
+    c("name_reserved_part", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], part: scalar}"),
+      (4, "part"), "'part' is reserved for generated code"),
+    c("name_reserved_first_row", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: first_row}",
+                                                         "store: {x: first_row, to: h}"]),
+      (10, "first_row"), "'first_row' is reserved for generated code", count=2),
+    c("name_reserved_first_col", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], first_col: scalar}"),
+      (4, "first_col"), "'first_col' is reserved for generated code"),
+    c("name_reserved_desc_suffix", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], y_desc: scalar}"),
+      (4, "y_desc"), "'y_desc' is reserved for generated code", "*_desc"),
+    c("name_of_generated_epilogue", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [N], k1_epilogue: scalar}"),
+      (4, "k1_epilogue"), "'k1_epilogue' is the name of a function of the generated kernel module", count=2),
+    c("value_named_like_generated_op", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: wn, out: k1_op}",
+                                                               "store: {x: k1_op, to: h}"]),
+      (10, "k1_op"), "scale.out: 'k1_op' is the name of a function of the generated kernel module"),
+    c("kernel_named_name", spec(kernel="name"), (1, "name"), "'name' is taken", "torch.ops.codagen.name"),
     # -- doc text: it goes into docstrings -----------------------------------------------------------------
     c("doc_triple_quote", spec(doc="'Adds \"\"\" + __import__(\"os\").system(\"ls\") + \"\"\"'"), (2, "'"),
       'triple quote (""")', "docstring"),
@@ -474,3 +495,60 @@ def test_accepted_docs_give_valid_python(tmp_path, doc):
     for rel, source in generated.files.items():
         compile(source, rel, "exec")
     assert doc in generated.files["kernels/k1.py"]
+
+
+# -- names the generated code takes for itself --------------------------------------------------------------
+def _own_names(c) -> set[str]:
+    """The names a spec gives (and the validators check for clashes) in the module generated from it."""
+    if isinstance(c, api.Checked):
+        k = c.kernel
+        return {k.name, *(d.name for d in (*k.inputs, *k.outputs)), *(s.out for s in k.steps if s.out),
+                *kernel_functions(k.name)}
+    b = c.block
+    values = {b.name, *(a.name for a in b.attrs), *(t.name for t in (*b.params, *b.inputs, *b.outputs)), *c.values}
+    # the backward's names made from value names: gradients, and in row chunks the slices, the concatenated
+    # pieces and the sums; blockcheck refuses value names of these forms
+    return values | {f"grad_{v}" for v in values} | {f"{v}_{part}" for v in values for part in BLOCK_SUFFIXES}
+
+
+def _variables(source: str) -> set[str]:
+    """Every name a module binds or reads as a variable: not attributes, keywords or method names, nor the
+    variables of a lambda or comprehension where they are bound (no spec name is read there)."""
+    found = set()
+
+    def visit(node, local: frozenset, in_class: bool = False):
+        if isinstance(node, ast.Lambda):
+            local |= {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            local |= {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Name) and node.id not in local:
+            found.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not in_class:
+            found.add(node.name)
+        elif isinstance(node, ast.arg) and node.arg not in local:
+            found.add(node.arg)
+        elif isinstance(node, ast.alias):
+            found.add((node.asname or node.name).split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child, local, isinstance(node, ast.ClassDef))
+
+    visit(ast.parse(source), frozenset())
+    return found
+
+
+def test_generated_code_takes_no_name_a_spec_can_give():
+    """Each variable of each generated module (kernels, their Hopper variants, blocks, the packages) is
+    either a name of its own spec or one that no spec may use (codagen/names.py): a new internal name in a
+    template fails here until it is reserved."""
+    checked = api.load([REPO / "specs", TEST_SPECS])
+    own = {("kernels", c.kernel.name) if isinstance(c, api.Checked) else ("blocks", c.block.name): _own_names(c)
+           for c in checked}
+    kernel_names = {c.kernel.name for c in checked if isinstance(c, api.Checked)}
+    unreserved = {}
+    for rel, source in api.generate([REPO / "specs", TEST_SPECS]).files.items():
+        folder, stem = rel.split("/")[0], rel.rsplit("/", 1)[-1].removesuffix(".py")
+        mine = own.get((folder, stem), kernel_names if rel == "kernels/__init__.py" else set())
+        names = {n for n in _variables(source) - mine if IDENTIFIER.fullmatch(n) and name_problem(n) is None}
+        if names:
+            unreserved[rel] = sorted(names)
+    assert not unreserved, f"add these to codagen/names.py INTERNAL: {unreserved}"

@@ -1,6 +1,7 @@
 """What is generated from the registry outside the kernels: the step section of the JSON Schema
-(codagen/schema/kernel.schema.json, `$defs.step`) and the tables of primitives and of reductions in
-docs/spec-reference.md (between `<!-- generated: NAME -->` and `<!-- end: NAME -->`).
+(codagen/schema/kernel.schema.json, `$defs.step`; its reserved names come from codagen/names.py) and the
+tables of primitives and of reductions in docs/spec-reference.md (between `<!-- generated: NAME -->` and
+`<!-- end: NAME -->`).
 
     python -m codagen.primitives.docs           rewrite them
     python -m codagen.primitives.docs --check   fail, naming the files, if they are out of date (CI runs this)"""
@@ -10,8 +11,10 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
+from .. import names
 from . import PRIMITIVES, Primitive
 from .base import Arg
 from .reduce import REDUCTIONS
@@ -45,9 +48,18 @@ def step_schema() -> dict:
 
 
 def render_schema(text: str) -> str:
-    """The schema with its step section replaced by the registry's."""
+    """The schema with its step section replaced by the registry's, and the names it refuses by
+    codagen/names.py's."""
     schema = json.loads(text)
     schema["$defs"]["step"] = step_schema()
+    schema["$defs"]["reserved_generated"]["enum"] = sorted(names.INTERNAL)
+    affixes = [f"{re.escape(s)}$" for s in names.RESERVED_SUFFIXES] + [f"^{p}" for p in names.RESERVED_PREFIXES]
+    name = schema["$defs"]["name"]
+    name["not"]["anyOf"][2]["pattern"] = "|".join(affixes)
+    shown = ", ".join([*(f"*{s}" for s in names.RESERVED_SUFFIXES), *(f"{p}*" for p in names.RESERVED_PREFIXES)])
+    name["description"] = ("A name: lowercase ASCII letters, digits and '_', starting with a letter, at most 48 "
+                           "characters; not a Python keyword or builtin, not a name the generated code uses (acc, "
+                           f"tl, part, ... ; {shown}).")
     return _json(schema, 0, 0) + "\n"
 
 
@@ -101,7 +113,25 @@ def reduction_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"primitives": primitive_table, "reductions": reduction_table}
+def reserved_names() -> str:
+    """The names of codagen/names.py, as a list."""
+    def item(text: str) -> str:
+        return textwrap.fill(text, 110, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+    internal = " ".join(f"`{n}`" for n in sorted(names.INTERNAL))
+    suffixes = ", ".join(f"`{s}`" for s in names.RESERVED_SUFFIXES)
+    prefixes = " or ".join(f"`{p}`" for p in names.RESERVED_PREFIXES)
+    functions = ", ".join(f"`<kernel>_{f}`" for f in names.KERNEL_FUNCTIONS)
+    taken = ", ".join(f"`{n}`" for n in sorted(names.TAKEN_KERNEL_NAMES))
+    return "\n".join([
+        item(f"names the generated code uses (`codagen/names.py` holds the list): {internal};"),
+        item(f"names ending in {suffixes} (pointers, TMA descriptors, the halves of a `2*N`-wide value), or "
+             f"starting with {prefixes};"),
+        item(f"in a kernel, {functions}: the functions of its generated module;"),
+        item(f"as a kernel's name, {taken}: an attribute of torch's op namespace `torch.ops.codagen`."),
+    ])
+
+
+TABLES = {"primitives": primitive_table, "reductions": reduction_table, "reserved": reserved_names}
 
 
 def render_reference(text: str, path: str = REFERENCE) -> str:
