@@ -23,11 +23,11 @@ inputs:
   r: {shape: [M], dtype: float32}
 outputs:
   res: [M, N]
-  part: [M, tiles(N)]
+  parts: [M, tiles(N)]
 epilogue:
   - scale: {x: acc, by: r, out: v}
   - store: {x: v, to: res}
-  - reduce: {op: sum, x: v, axis: cols, to: part}
+  - reduce: {op: sum, x: v, axis: cols, to: parts}
 """
 
 GOOD = """\
@@ -44,8 +44,8 @@ inputs:
 outputs:
   res: [M, width]
 forward:
-  - scale_rows: {a: a, w: w, r: r, res: res, part: part}
-  - sum_tiles: {x: part, out: total}
+  - scale_rows: {a: a, w: w, r: r, res: res, parts: parts}
+  - sum_tiles: {x: parts, out: total}
 save: [a, r, total]
 backward:
   - matmul: {a: grad_res, b: w, out: grad_a}
@@ -70,13 +70,13 @@ def test_good_block_is_valid_apart_from_what_it_never_uses(tmp_path):
 
 @pytest.mark.parametrize("old, new, line, words", [
     ("  - scale_rows: {a: a,", "  - scale_rowz: {a: a,", 14, "unknown kernel or finish step 'scale_rowz'"),
-    ("r: r, res: res, part: part}", "r: r, res: res, part: part, extra: a}", 14, "has no argument 'extra'"),
-    ("r: r, res: res, part: part}", "r: r, res: res}", 14, "missing part"),
+    ("r: r, res: res, parts: parts}", "r: r, res: res, parts: parts, extra: a}", 14, "has no argument 'extra'"),
+    ("r: r, res: res, parts: parts}", "r: r, res: res}", 14, "missing parts"),
     ("{a: a, w: w, r: r,", "{a: a, w: w, r: later,", 14, "'later' is not defined before this step"),
     ("  a: [M, dim]", "  a: [M, width]", 14, "earlier arguments make"),
     ("  r: {shape: [M], dtype: float32, grad: false}", "  r: {shape: [M], grad: false}", 14,
      "takes dtype float32"),
-    ("- sum_tiles: {x: part, out: _}", "- sum_tiles: {x: res, out: _}", 15,
+    ("- sum_tiles: {x: parts, out: _}", "- sum_tiles: {x: res, out: _}", 15,
      "partial-reduction buffer"),
     ("save: [a, r, total]", "save: [a, r, total, nothing]", 16, "'nothing' is not a forward value"),
     ("  - matmul: {a: grad_res, b: w, out: grad_a}", "  - matmul: {a: grad_res, b: w, out: grad_q}", 9,
@@ -85,8 +85,8 @@ def test_good_block_is_valid_apart_from_what_it_never_uses(tmp_path):
     ("  width: int", "  width: [x, y]", 7, "dimension 'width' names no int attr"),
 ])
 def test_block_mistakes_are_located(tmp_path, old, new, line, words):
-    text = GOOD.replace("save: [a, r, total]", "save: [a]").replace("  - sum_tiles: {x: part, out: total}\n",
-                                                                       "  - sum_tiles: {x: part, out: _}\n")
+    text = GOOD.replace("save: [a, r, total]", "save: [a]").replace("  - sum_tiles: {x: parts, out: total}\n",
+                                                                       "  - sum_tiles: {x: parts, out: _}\n")
     if old.startswith("save:"):
         text = text.replace("save: [a]", new)
     else:
@@ -98,8 +98,8 @@ def test_block_mistakes_are_located(tmp_path, old, new, line, words):
 
 
 def test_valid_block_builds(tmp_path):
-    text = GOOD.replace("save: [a, r, total]", "save: [a]").replace("  - sum_tiles: {x: part, out: total}\n",
-                                                                       "  - sum_tiles: {x: part, out: _}\n")
+    text = GOOD.replace("save: [a, r, total]", "save: [a]").replace("  - sum_tiles: {x: parts, out: total}\n",
+                                                                       "  - sum_tiles: {x: parts, out: _}\n")
     (tmp_path / "k.yaml").write_text(KERNEL)
     (tmp_path / "b.yaml").write_text(text)
     checked = api.load([tmp_path])
