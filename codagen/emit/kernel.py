@@ -6,7 +6,8 @@ import textwrap
 from dataclasses import dataclass
 
 from ..fingerprint import fingerprint
-from ..model import BLayout, Dim, DType, Input, InputRole, Kernel, Output, ValueType, Width
+from ..model import BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Output, ValueType, Width
+from ..primitives import PRIMITIVES
 from .epilogue import emit_epilogue, fit
 from .templates import render
 
@@ -26,16 +27,25 @@ class Tensor:
     strides: tuple[str, ...]  # kernel parameter names, one per dim
     output: bool
     inplace: bool
+    in_place_of: tuple[str, ...]  # the inputs this output may be passed as, to update them in place
     alloc_shape: str  # Python source of the shape, for allocated outputs
     alloc_dtype: str
 
     @property
-    def dims_src(self) -> str:
-        return "(" + ", ".join(f'"{d}"' for d in self.dims) + ("," if len(self.dims) == 1 else "") + ")"
+    def decl_src(self) -> str:
+        """The runtime.Decl of this argument, as the launcher checks it."""
+        return (f'runtime.Decl("{self.name}", {_strings(self.dims)}, "{self.dtype}"'
+                + (", output=True" if self.output else "")
+                + (f", in_place_of={_strings(self.in_place_of)}" if self.in_place_of else "") + ")")
 
     @property
     def stride_args(self) -> str:
         return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.dims)))
+
+
+def _strings(items: tuple[str, ...]) -> str:
+    """A tuple of strings as Python source."""
+    return "(" + ", ".join(f'"{i}"' for i in items) + ("," if len(items) == 1 else "") + ")"
 
 
 def _size_expr(d: Dim) -> str:
@@ -43,7 +53,7 @@ def _size_expr(d: Dim) -> str:
             Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.epilogue_n)"}[d]
 
 
-def _tensor(decl: Input | Output, output: bool) -> Tensor:
+def _tensor(decl: Input | Output, output: bool, in_place_of: tuple[str, ...] = ()) -> Tensor:
     shape = ", ".join(_size_expr(d) for d in decl.dims)
     dtype = "t_dtype" if decl.dtype is DType.T else TORCH_DTYPES.get(decl.dtype, "")
     return Tensor(
@@ -53,6 +63,7 @@ def _tensor(decl: Input | Output, output: bool) -> Tensor:
         strides=tuple(f"stride_{decl.name}_{AXIS[d]}" for d in decl.dims),
         output=output,
         inplace=output and decl.inplace,
+        in_place_of=in_place_of,
         alloc_shape=f"({shape},)" if len(decl.dims) == 1 else f"({shape})",
         alloc_dtype=dtype,
     )
@@ -60,7 +71,8 @@ def _tensor(decl: Input | Output, output: bool) -> Tensor:
 
 def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
     tensors = [_tensor(i, False) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
-    tensors += [_tensor(o, True) for o in k.outputs]
+    in_place = in_place_inputs(k)
+    tensors += [_tensor(o, True, in_place.get(o.name, ())) for o in k.outputs]
     scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
     a = k.input(k.gemm.a) if k.gemm else None
     b = k.input(k.gemm.b) if k.gemm else None
@@ -91,7 +103,31 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         regenerate=regenerate,
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
+        mutated=any(o.inplace for o in k.outputs),
     )
+
+
+def in_place_inputs(k: Kernel) -> dict[str, tuple[str, ...]]:
+    """For each output, the inputs a caller may pass as it, the very same view, to update them in place: tile
+    inputs of its shape and dtype (each element read by the one program that writes it: no GEMM operand, no
+    vector) that every value stored to it is computed from, so that each element is read before it is
+    overwritten."""
+    tiles = {i.name for i in k.inputs if i.role is InputRole.TENSOR and i.type.kind is Kind.TILE}
+    sources: dict[str, set[str]] = {}  # value -> the tile inputs it is computed from
+    stored: dict[str, list[set[str]]] = {}  # output -> the sources of each value stored to it
+    for s in k.steps:
+        used: set[str] = set()
+        for arg in PRIMITIVES[s.op].args:
+            v = s.args.get(arg.name)
+            if arg.kind in ("value", "index") and isinstance(v, str):
+                used |= sources.get(v, {v} & tiles)
+        if s.out:
+            sources[s.out] = used
+        if s.target:
+            stored.setdefault(s.target, []).append(used)
+    return {o.name: tuple(i.name for i in k.inputs if i.name in set.intersection(*stored[o.name])
+                          and (i.dims, i.dtype) == (o.dims, o.dtype))
+            for o in k.outputs if not o.inplace and o.name in stored}
 
 
 def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str, str]:
@@ -115,7 +151,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
             "b_desc": _fitted(_descriptor(k.gemm.b, *(("block_n", "block_k") if k.gemm.b_layout is BLayout.NK
                                                       else ("block_k", "block_n"))), 4)} if k.gemm else {}),
         "plan_return": _fitted(f"return runtime.LaunchPlan.make(config, device, t_dtype, M, N, {kernel_k}, "
-                               f"tensors{gemm})", 4),
+                               f"tensors, runtime.Aliasing(NAME, DECLS, tensors){gemm})", 4),
         "allocate_def": _fitted(f"def _allocate({args}):", 0),
         "allocate_values": _fitted("values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
                                                              if not t.output) + ")", 4),
@@ -131,7 +167,13 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "fake_def": _fitted(f"def _({args}):", 0),
         "public_def": _def(k.name, op_args, _returns(len(returned)) if returned else None),
         "public_doc": _doc(k.doc, 4),
+        "public_about": ("\n" + " " * 4).join(textwrap.wrap(
+            f"Under torch.compile, or where autograd would record the call, this is the op "
+            f"`torch.ops.codagen.{k.name}`, which has no backward; other eager calls skip the dispatcher, which "
+            "costs about 0.2 ms a call, and run the kernel directly.", WIDTH - 4, break_on_hyphens=False)),
         "public_op_return": _fitted(f"return {k.name}_op({args})", 8),
+        "public_through_op": _fitted("if torch.compiler.is_compiling() or runtime.wants_grad("
+                                     f"{', '.join(n for n in op_args if n not in scalars)}):", 4),
     }
     if returned:
         targets = f"({returned[0]},)" if len(returned) == 1 else ", ".join(returned)

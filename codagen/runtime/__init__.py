@@ -20,14 +20,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from .checks import Decl, bind, check_tiles  # noqa: E402
+from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
 
-__all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "pick_config", "dot_settings", "needs_int64",
-           "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned", "descriptor", "signature",
-           "check_storage", "LaunchPlan", "row_chunks", "ChunkSum"]
+__all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "host_scalar", "Aliasing", "pick_config",
+           "dot_settings", "needs_int64", "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned",
+           "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "no_backward", "row_chunks",
+           "ChunkSum"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -137,10 +139,15 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def signature(tensors, config) -> tuple:
+def signature(tensors, config) -> tuple | None:
     """What a launch plan depends on: types, shapes, strides, dtypes and devices of the arguments, and the
-    config."""
-    return (config, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    config. None when an argument is not a tensor: no plan has that key, and making one says which."""
+    if config is not None and type(config) is not Config:
+        raise TypeError(f"config must be a codagen.runtime.Config or None, got {type(config).__name__}")
+    try:
+        return (config, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    except AttributeError:
+        return None
 
 
 def check_storage(kernel: str, values: dict) -> None:
@@ -172,6 +179,7 @@ class LaunchPlan:
     dot_precision: str
     int64: bool
     meta: dict
+    aliasing: Aliasing  # the per-call check that outputs share no memory with other arguments
 
     @property
     def empty(self) -> bool:
@@ -179,7 +187,7 @@ class LaunchPlan:
 
     @classmethod
     def make(cls, config: Config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
-             gemm: tuple[int, int] | None = None) -> "LaunchPlan":
+             aliasing: Aliasing, gemm: tuple[int, int] | None = None) -> "LaunchPlan":
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         dot = dot_settings(t_dtype)
         return cls(
@@ -192,7 +200,26 @@ class LaunchPlan:
             int64=needs_int64(tensors),
             # a kernel without a GEMM has no K loop, and so no BLOCK_K or FLATTEN parameter
             meta={k: v for k, v in config.meta().items() if gemm is not None or k not in ("BLOCK_K", "FLATTEN")},
+            aliasing=aliasing,
         )
+
+
+def wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record a call on these tensors: then a kernel runs through its op, whose
+    backward says that kernels are not differentiable (eager calls otherwise skip the dispatcher)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+
+
+def no_backward(kernel: str, module: str):
+    """The autograd formula of a kernel op: an error that points to the differentiable API, the blocks."""
+    blocks = module.rsplit(".", 2)[0] + ".blocks"
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"torch.ops.codagen.{kernel} has no backward: kernel ops are not differentiable. The "
+                           f"differentiable API is the block modules of {blocks} (nn.Modules and their "
+                           "torch.autograd.Functions), whose backward runs the backward kernels; call kernels "
+                           "under torch.no_grad() or on tensors that do not require grad")
+    return backward
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int):
@@ -202,10 +229,15 @@ def descriptor(t: torch.Tensor, rows: int, cols: int):
 
 
 _SAME_DEVICE = contextlib.nullcontext()
+# Triton's interpreter patches triton.language process-wide while it runs a kernel: one launch at a time
+_INTERPRETER = threading.RLock()
 
 
 def on_device(device: torch.device):
-    """Triton launches on the current CUDA device: make it the tensors' device."""
+    """Triton launches on the current CUDA device: make it the tensors' device. Under the interpreter,
+    launches from several threads take turns."""
+    if INTERPRETED:
+        return _INTERPRETER
     if device.type != "cuda" or device.index == torch.cuda.current_device():
         return _SAME_DEVICE
     return torch.cuda.device(device)

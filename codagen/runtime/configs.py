@@ -22,6 +22,9 @@ import torch
 log = logging.getLogger("codagen.tune")
 
 
+MIN_BLOCK, MAX_BLOCK = 16, 512  # tile sizes: tl.dot needs 16 or more, and larger tiles do not fit on chip
+
+
 @dataclass(frozen=True)
 class Config:
     block_m: int = 128
@@ -46,9 +49,33 @@ class Config:
     epilogue_split: int = 1
 
     def __post_init__(self):
+        """Refuse, when it is made, a config no kernel can launch with (Triton would fail deep inside)."""
+        def fail(message: str):
+            raise ValueError(f"Config: {message}")
+
+        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "epilogue_split"):
+            if type(getattr(self, name)) is not int:
+                fail(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("persistent", "tma", "flatten", "warp_specialize"):
+            if type(getattr(self, name)) is not bool:
+                fail(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.epilogue_split not in (1, 2, 4) or self.block_n % (2 * self.epilogue_split):
-            raise ValueError(f"epilogue_split must be 1, 2 or 4, and block_n a multiple of twice it (whole "
-                             f"pairs in each slice), got {self.epilogue_split} with block_n {self.block_n}")
+            fail(f"epilogue_split must be 1, 2 or 4, and block_n a multiple of twice it (whole pairs in each "
+                 f"slice), got {self.epilogue_split} with block_n {self.block_n}")
+        for name in ("block_m", "block_n", "block_k"):
+            size = getattr(self, name)
+            if not (MIN_BLOCK <= size <= MAX_BLOCK and size & (size - 1) == 0):
+                fail(f"{name} must be a power of two from {MIN_BLOCK} to {MAX_BLOCK} (tl.arange and tl.dot "
+                     f"sizes), got {size}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            fail(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+        if self.group_m < 1 or self.num_stages < 1:
+            fail(f"group_m and num_stages must be at least 1, got {self.group_m} and {self.num_stages}")
+        if self.flatten and not self.persistent:
+            fail("flatten pipelines a persistent program's loop over tiles: it needs persistent=True")
+        if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
+            fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
+                 "with descriptor loads), and flatten=False")
 
     @property
     def epilogue_n(self) -> int:

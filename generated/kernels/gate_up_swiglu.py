@@ -155,6 +155,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(h, w_gate_up)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_gate_up_desc = runtime.descriptor(w_gate_up, plan.config.block_n, plan.config.block_k) if tma else None
@@ -187,7 +188,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(h, w_gate_up, rstd):
@@ -220,12 +222,16 @@ def _(h, w_gate_up, rstd):
     return _allocate(h, w_gate_up, rstd)
 
 
+gate_up_swiglu_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def gate_up_swiglu(h, w_gate_up, rstd) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
 
-    Under torch.compile this is the op `torch.ops.codagen.gate_up_swiglu`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.gate_up_swiglu`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(h, w_gate_up, rstd):
         return gate_up_swiglu_op(h, w_gate_up, rstd)
     return _run(h, w_gate_up, rstd)

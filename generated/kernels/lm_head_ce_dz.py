@@ -25,7 +25,7 @@ DECLS = (
     runtime.Decl("lse", ("M",), "float32"),
     runtime.Decl("target", ("M",), "index"),
     runtime.Decl("weights", ("M",), "float32"),
-    runtime.Decl("dz", ("M", "N"), "T", output=True),
+    runtime.Decl("dz", ("M", "N"), "T", output=True, in_place_of=("logits",)),
     runtime.Decl("zdz_part", ("M", "tiles(N)"), "float32", output=True),
 )
 
@@ -146,6 +146,7 @@ def launch(logits, lse, target, weights, *, dz, zdz_part, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
         lm_head_ce_dz_kernel[(plan.programs,)](
             logits, lse, target, weights, dz, zdz_part,
@@ -171,7 +172,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
 def _allocate(logits, lse, target, weights):
@@ -205,12 +206,16 @@ def _(logits, lse, target, weights):
     return _allocate(logits, lse, target, weights)
 
 
+lm_head_ce_dz_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def lm_head_ce_dz(logits, lse, target, weights) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient of stored logits, with the RMSNorm backward's row partials.
 
-    Under torch.compile this is the op `torch.ops.codagen.lm_head_ce_dz`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.lm_head_ce_dz`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(logits, lse, target, weights):
         return lm_head_ce_dz_op(logits, lse, target, weights)
     return _run(logits, lse, target, weights)

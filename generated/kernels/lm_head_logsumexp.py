@@ -156,6 +156,7 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(h, w_vocab)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_vocab_desc = runtime.descriptor(w_vocab, plan.config.block_n, plan.config.block_k) if tma else None
@@ -190,7 +191,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(h, w_vocab, rstd, target):
@@ -224,12 +226,16 @@ def _(h, w_vocab, rstd, target):
     return _allocate(h, w_vocab, rstd, target)
 
 
+lm_head_logsumexp_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def lm_head_logsumexp(h, w_vocab, rstd, target) -> tuple[torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
 
-    Under torch.compile this is the op `torch.ops.codagen.lm_head_logsumexp`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.lm_head_logsumexp`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(h, w_vocab, rstd, target):
         return lm_head_logsumexp_op(h, w_vocab, rstd, target)
     return _run(h, w_vocab, rstd, target)

@@ -133,6 +133,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(a, b)
     a_desc = runtime.descriptor(a, plan.config.block_m, plan.config.block_k) if tma else None
     b_desc = runtime.descriptor(b, plan.config.block_n, plan.config.block_k) if tma else None
@@ -163,7 +164,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(a, b):
@@ -193,12 +195,15 @@ def _(a, b):
     return _allocate(a, b)[0]
 
 
+matmul_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def matmul(a, b) -> torch.Tensor:
     """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 
-    Under torch.compile this is the op `torch.ops.codagen.matmul`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.matmul`, which has
+    no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(a, b):
         return matmul_op(a, b)
     return _run(a, b)

@@ -27,9 +27,9 @@ DECLS = (
     runtime.Decl("rstd", ("M",), "float32"),
     runtime.Decl("wn", ("N",), "T"),
     runtime.Decl("zdz", ("M",), "float32"),
-    runtime.Decl("dx", ("M", "N"), "T", output=True),
+    runtime.Decl("dx", ("M", "N"), "T", output=True, in_place_of=("x",)),
     runtime.Decl("dwn_part", ("N", "tiles(M)"), "float32", output=True),
-    runtime.Decl("normed", ("M", "N"), "T", output=True),
+    runtime.Decl("normed", ("M", "N"), "T", output=True, in_place_of=("x",)),
 )
 
 
@@ -191,6 +191,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(dz, w)
     dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
@@ -228,7 +229,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(dz, w, x, rstd, wn, zdz):
@@ -263,12 +265,16 @@ def _(dz, w, x, rstd, wn, zdz):
     return _allocate(dz, w, x, rstd, wn, zdz)
 
 
+norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def norm_dgrad(dz, w, x, rstd, wn, zdz) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it.
 
-    Under torch.compile this is the op `torch.ops.codagen.norm_dgrad`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.norm_dgrad`, which
+    has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(dz, w, x, rstd, wn, zdz):
         return norm_dgrad_op(dz, w, x, rstd, wn, zdz)
     return _run(dz, w, x, rstd, wn, zdz)

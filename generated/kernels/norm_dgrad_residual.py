@@ -28,9 +28,9 @@ DECLS = (
     runtime.Decl("wn", ("N",), "T"),
     runtime.Decl("zdz", ("M",), "float32"),
     runtime.Decl("grad_x", ("M", "N"), "T"),
-    runtime.Decl("dx", ("M", "N"), "T", output=True),
+    runtime.Decl("dx", ("M", "N"), "T", output=True, in_place_of=("x", "grad_x")),
     runtime.Decl("dwn_part", ("N", "tiles(M)"), "float32", output=True),
-    runtime.Decl("normed", ("M", "N"), "T", output=True),
+    runtime.Decl("normed", ("M", "N"), "T", output=True, in_place_of=("x",)),
 )
 
 
@@ -200,6 +200,7 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(dz, w)
     dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
@@ -238,7 +239,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(dz, w, x, rstd, wn, zdz, grad_x):
@@ -274,12 +276,16 @@ def _(dz, w, x, rstd, wn, zdz, grad_x):
     return _allocate(dz, w, x, rstd, wn, zdz, grad_x)
 
 
+norm_dgrad_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def norm_dgrad_residual(dz, w, x, rstd, wn, zdz, grad_x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it, plus the residual gradient.
 
-    Under torch.compile this is the op `torch.ops.codagen.norm_dgrad_residual`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op
+    `torch.ops.codagen.norm_dgrad_residual`, which has no backward; other eager calls skip the dispatcher, which costs
+    about 0.2 ms a call, and run the kernel directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(dz, w, x, rstd, wn, zdz, grad_x):
         return norm_dgrad_residual_op(dz, w, x, rstd, wn, zdz, grad_x)
     return _run(dz, w, x, rstd, wn, zdz, grad_x)

@@ -26,8 +26,8 @@ DECLS = (
     runtime.Decl("w_o", ("N", "K"), "T"),
     runtime.Decl("x", ("M", "N"), "T"),
     runtime.Decl("wn", ("N",), "T"),
-    runtime.Decl("x_out", ("M", "N"), "T", output=True),
-    runtime.Decl("h", ("M", "N"), "T", output=True),
+    runtime.Decl("x_out", ("M", "N"), "T", output=True, in_place_of=("x",)),
+    runtime.Decl("h", ("M", "N"), "T", output=True, in_place_of=("x",)),
     runtime.Decl("ss", ("M", "tiles(N)"), "float32", output=True),
 )
 
@@ -168,6 +168,7 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(y, w_o)
     y_desc = runtime.descriptor(y, plan.config.block_m, plan.config.block_k) if tma else None
     w_o_desc = runtime.descriptor(w_o, plan.config.block_n, plan.config.block_k) if tma else None
@@ -203,7 +204,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(y, w_o, x, wn):
@@ -238,12 +240,16 @@ def _(y, w_o, x, wn):
     return _allocate(y, w_o, x, wn)
 
 
+out_proj_residual_norm_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def out_proj_residual_norm(y, w_o, x, wn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
 
-    Under torch.compile this is the op `torch.ops.codagen.out_proj_residual_norm`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op
+    `torch.ops.codagen.out_proj_residual_norm`, which has no backward; other eager calls skip the dispatcher, which
+    costs about 0.2 ms a call, and run the kernel directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(y, w_o, x, wn):
         return out_proj_residual_norm_op(y, w_o, x, wn)
     return _run(y, w_o, x, wn)

@@ -156,6 +156,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(h, w_qkv)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
@@ -189,7 +190,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(h, w_qkv, rstd, positions, freqs):
@@ -221,12 +223,16 @@ def _(h, w_qkv, rstd, positions, freqs):
     return _allocate(h, w_qkv, rstd, positions, freqs)[0]
 
 
+qkv_norm_rope_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def qkv_norm_rope(h, w_qkv, rstd, positions, freqs) -> torch.Tensor:
     """QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
 
-    Under torch.compile this is the op `torch.ops.codagen.qkv_norm_rope`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qkv_norm_rope`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(h, w_qkv, rstd, positions, freqs):
         return qkv_norm_rope_op(h, w_qkv, rstd, positions, freqs)
     return _run(h, w_qkv, rstd, positions, freqs)

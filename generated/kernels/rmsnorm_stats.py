@@ -23,7 +23,7 @@ TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
     runtime.Decl("wn", ("N",), "T"),
-    runtime.Decl("h", ("M", "N"), "T", output=True),
+    runtime.Decl("h", ("M", "N"), "T", output=True, in_place_of=("x",)),
     runtime.Decl("ss", ("M", "tiles(N)"), "float32", output=True),
 )
 
@@ -118,6 +118,7 @@ def launch(x, wn, *, h, ss, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
         rmsnorm_stats_kernel[(plan.programs,)](
             x, wn, h, ss,
@@ -141,7 +142,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
 def _allocate(x, wn):
@@ -173,12 +174,16 @@ def _(x, wn):
     return _allocate(x, wn)
 
 
+rmsnorm_stats_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def rmsnorm_stats(x, wn) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
 
-    Under torch.compile this is the op `torch.ops.codagen.rmsnorm_stats`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rmsnorm_stats`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(x, wn):
         return rmsnorm_stats_op(x, wn)
     return _run(x, wn)

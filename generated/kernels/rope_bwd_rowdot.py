@@ -26,7 +26,7 @@ DECLS = (
     runtime.Decl("grad_qkv", ("M", "N"), "T"),
     runtime.Decl("positions", ("M",), "index"),
     runtime.Decl("freqs", ("N/2",), "float32"),
-    runtime.Decl("dz", ("M", "N"), "T", output=True),
+    runtime.Decl("dz", ("M", "N"), "T", output=True, in_place_of=("grad_qkv",)),
     runtime.Decl("zdz_part", ("M", "tiles(N)"), "float32", output=True),
 )
 
@@ -136,6 +136,7 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
         rope_bwd_rowdot_kernel[(plan.programs,)](
             qkv, grad_qkv, positions, freqs, dz, zdz_part,
@@ -161,7 +162,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
 def _allocate(qkv, grad_qkv, positions, freqs):
@@ -195,12 +196,16 @@ def _(qkv, grad_qkv, positions, freqs):
     return _allocate(qkv, grad_qkv, positions, freqs)
 
 
+rope_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
 
-    Under torch.compile this is the op `torch.ops.codagen.rope_bwd_rowdot`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rope_bwd_rowdot`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(qkv, grad_qkv, positions, freqs):
         return rope_bwd_rowdot_op(qkv, grad_qkv, positions, freqs)
     return _run(qkv, grad_qkv, positions, freqs)

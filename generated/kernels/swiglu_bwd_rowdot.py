@@ -23,7 +23,7 @@ TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "N"), "T"),
     runtime.Decl("z", ("M", "2*N"), "T"),
-    runtime.Decl("dz", ("M", "2*N"), "T", output=True),
+    runtime.Decl("dz", ("M", "2*N"), "T", output=True, in_place_of=("z",)),
     runtime.Decl("zdz_part", ("M", "tiles(N)"), "float32", output=True),
 )
 
@@ -133,6 +133,7 @@ def launch(grad_y, z, *, dz, zdz_part, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
         swiglu_bwd_rowdot_kernel[(plan.programs,)](
             grad_y, z, dz, zdz_part,
@@ -156,7 +157,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors)
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
 def _allocate(grad_y, z):
@@ -188,12 +189,16 @@ def _(grad_y, z):
     return _allocate(grad_y, z)
 
 
+swiglu_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def swiglu_bwd_rowdot(grad_y, z) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz.
 
-    Under torch.compile this is the op `torch.ops.codagen.swiglu_bwd_rowdot`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_bwd_rowdot`,
+    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, z):
         return swiglu_bwd_rowdot_op(grad_y, z)
     return _run(grad_y, z)

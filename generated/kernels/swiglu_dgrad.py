@@ -24,7 +24,7 @@ DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
     runtime.Decl("w_down", ("K", "N"), "T"),
     runtime.Decl("z", ("M", "2*N"), "T"),
-    runtime.Decl("dz", ("M", "2*N"), "T", output=True),
+    runtime.Decl("dz", ("M", "2*N"), "T", output=True, in_place_of=("z",)),
     runtime.Decl("zdz_part", ("M", "tiles(N)"), "float32", output=True),
     runtime.Decl("y", ("M", "N"), "T", output=True),
 )
@@ -176,6 +176,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     tma = plan.tma and runtime.aligned(grad_y, w_down)
     grad_y_desc = runtime.descriptor(grad_y, plan.config.block_m, plan.config.block_k) if tma else None
     w_down_desc = runtime.descriptor(w_down, plan.config.block_k, plan.config.block_n) if tma else None
@@ -210,7 +211,8 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
-    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, gemm=(0, 1))
+    return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
+                                   gemm=(0, 1))
 
 
 def _allocate(grad_y, w_down, z):
@@ -245,12 +247,16 @@ def _(grad_y, w_down, z):
     return _allocate(grad_y, w_down, z)
 
 
+swiglu_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
+
+
 def swiglu_dgrad(grad_y, w_down, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output.
 
-    Under torch.compile this is the op `torch.ops.codagen.swiglu_dgrad`; eager calls skip the dispatcher,
-    which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_dgrad`, which
+    has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
+    directly.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, w_down, z):
         return swiglu_dgrad_op(grad_y, w_down, z)
     return _run(grad_y, w_down, z)
