@@ -11,9 +11,13 @@ from .blockmodel import (CHOICES, FINISH_SIGNATURES, TOKENS, TRANSPOSES, Arg, Bl
                          CheckedBlock, GradForward, RowChunks, SUMS, Value)
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
+from .names import MODULE_ATTRIBUTES
 
 DISCARD = "_"
 RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "self", "function", "rows"})
+# what the generated backward makes of a value name v in row chunks: v_rows (its slice), v_chunks (the pieces
+# of a gradient), v_sum (a summed gradient); value names of these forms are refused
+DERIVED_SUFFIXES = ("_rows", "_chunks", "_sum")
 _TILES = {Dim.TILES_M: BlockDim(Fraction(1), "tiles(M)"), Dim.TILES_N: BlockDim(Fraction(1), "tiles(N)")}
 _KDTYPE = {DType.T: "T", DType.FLOAT32: "float32", DType.INDEX: "index"}
 
@@ -31,7 +35,7 @@ def _scope(attrs: dict, sink):
     def define(name: str, value: Value, loc: Location) -> None:
         if name == DISCARD:
             return
-        if name in RESERVED or name in attrs or name.endswith(("_rows", "_chunks")):
+        if name in RESERVED or name in attrs or name.endswith(DERIVED_SUFFIXES):
             sink.add(loc, f"'{name}' is reserved or an attr; choose another value name")
         elif name in env:
             sink.add(loc, f"'{name}' is already defined (line {defined_at[name].line}); values are assigned once")
@@ -47,6 +51,10 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
     env, defined_at, define = _scope(attrs, sink)
     used: set[str] = set()
 
+    for a in (*b.attrs, *b.params):
+        if a.name in MODULE_ATTRIBUTES:
+            sink.add(a.loc, f"'{a.name}' is an attribute of the generated nn.Module (self.{a.name}), which this "
+                            "attr or parameter would replace; choose another name")
     for t in (*b.params, *b.inputs):
         for d in t.dims:
             if d.symbol not in (None, "M") and (d.symbol not in attrs or attrs[d.symbol].kind != "int"):
@@ -90,7 +98,8 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
     defined_at.clear()
     used_back: set[str] = set()
     for p in b.params:
-        define(p.name, forward_env[p.name], p.loc)
+        if p.name in forward_env:  # else refused in the forward, reported there
+            define(p.name, forward_env[p.name], p.loc)
     saved_locs = {}
     for name, loc in b.save:
         if name in saved_locs:

@@ -10,6 +10,7 @@ from .blockmodel import TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, G
 from .errors import ErrorSink
 from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
+from .names import identifier_problem
 from .yamlnodes import Node
 
 _CHOICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -27,7 +28,9 @@ def parse_dim(text: object) -> BlockDim | None:
     if text == "M":
         return TOKENS
     if m.group(4):
-        return BlockDim(Fraction(int(m.group(4))), None)
+        return BlockDim(Fraction(int(m.group(4))), None) if int(m.group(4)) > 0 else None
+    if int(m.group(3) or 1) == 0:
+        return None
     coef = Fraction(int(m.group(1) or 1), int(m.group(3) or 1))
     return BlockDim(coef, m.group(2)) if coef > 0 else None
 
@@ -96,6 +99,8 @@ def _grad_forward(node: Node, sink: ErrorSink) -> GradForwardSpec | None:
 
 
 def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
+    """The attrs in the order of the generated constructor's arguments: those without a default first (Python
+    allows no other order), each group in spec order."""
     if node is None or not _is_mapping(node, "attrs", sink):
         return ()
     out = []
@@ -118,7 +123,7 @@ def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
         else:
             sink.add(value.loc, f"attr '{name}' must be 'int' or 'float' (required), a number (the default) or a "
                                 f"list of choices (the first is the default), got {value.type_name}")
-    return tuple(out)
+    return tuple(sorted(out, key=lambda a: a.default is not None))
 
 
 def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -> tuple[BlockTensor, ...]:
@@ -182,11 +187,15 @@ def _steps(node: Node | None, what: str, sink: ErrorSink) -> tuple[BlockStep, ..
             continue
         (op, body), = item.value.items()
         oploc = item.key_locs[op]
-        if not _is_mapping(body, op, sink):
+        # the step's op and keys name a kernel or finish op and its arguments: identifiers, so that what
+        # reaches a message is printable
+        if _identifier(op, oploc, f"{what} step", sink) is None or not _is_mapping(body, op, sink):
             continue
         args, locs = {}, {}
         for key, value in body.value.items():
             locs[key] = body.key_locs[key]
+            if _identifier(key, locs[key], f"{op} argument", sink) is None:
+                continue
             v = value.value
             if isinstance(v, bool) or not isinstance(v, (str, int, float)):
                 sink.add(value.loc, f"{op}.{key} must be a value name, an attr or a number, got {value.type_name}")
@@ -197,3 +206,11 @@ def _steps(node: Node | None, what: str, sink: ErrorSink) -> tuple[BlockStep, ..
             locs[key] = value.loc
         steps.append(BlockStep(op, args, oploc, locs))
     return tuple(steps)
+
+
+def _identifier(text: str, loc: Location, what: str, sink: ErrorSink) -> str | None:
+    problem = identifier_problem(text)
+    if problem:
+        sink.add(loc, f"{what}: {problem}")
+        return None
+    return text

@@ -31,18 +31,39 @@ KERNEL_FUNCTIONS = ("kernel", "epilogue", "consumer", "op")
 # torch.ops.codagen.<kernel> is an attribute of an op namespace, which has one public attribute of its own
 TAKEN_KERNEL_NAMES = frozenset({"name"})
 
+# A block's attrs and parameters become attributes of its nn.Module (self.<name>): not one of torch.nn.Module's
+# own (tests/test_bad_specs.py compares with the installed torch) nor a method of the generated module
+MODULE_ATTRIBUTES = frozenset("""
+    add_module apply bfloat16 buffers call_super_init children compile cpu cuda double dump_patches eval
+    extra_repr float forward get_buffer get_extra_state get_parameter get_submodule half ipu load_state_dict
+    modules mtia named_buffers named_children named_modules named_parameters parameters register_backward_hook
+    register_buffer register_forward_hook register_forward_pre_hook register_full_backward_hook
+    register_full_backward_pre_hook register_load_state_dict_post_hook register_load_state_dict_pre_hook
+    register_module register_parameter register_state_dict_post_hook register_state_dict_pre_hook requires_grad_
+    set_extra_state set_submodule share_memory state_dict to to_empty train training type xpu zero_grad
+    reset_parameters
+""".split())
+
 
 def kernel_functions(kernel: str) -> tuple[str, ...]:
     """The names the generated module of `kernel` gives its functions: k_kernel, k_epilogue, ..."""
     return tuple(f"{kernel}_{f}" for f in KERNEL_FUNCTIONS)
 
 
-def name_problem(name: object) -> str | None:
-    """Why `name` cannot be a spec identifier, or None when it can."""
+def identifier_problem(name: object) -> str | None:
+    """Why `name` does not match IDENTIFIER (with the name escaped for a message), or None when it does."""
     if not isinstance(name, str):
         return "expected a name"
     if not IDENTIFIER.fullmatch(name):
         return f"'{_shorten(name)}' is not a valid name: {_why_invalid(name)}"
+    return None
+
+
+def name_problem(name: object) -> str | None:
+    """Why `name` cannot be a spec identifier, or None when it can."""
+    problem = identifier_problem(name)
+    if problem:
+        return problem
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         return f"'{name}' is a Python keyword; choose another name"
     if hasattr(builtins, name):

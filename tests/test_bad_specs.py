@@ -552,3 +552,69 @@ def test_generated_code_takes_no_name_a_spec_can_give():
         if names:
             unreserved[rel] = sorted(names)
     assert not unreserved, f"add these to codagen/names.py INTERNAL: {unreserved}"
+
+
+# -- block specs -----------------------------------------------------------------------------------------------
+STATS_KERNEL = (REPO / "specs" / "rmsnorm_stats.yaml").read_text(encoding="utf-8")
+STATS_BLOCK = """\
+block: {name}
+doc: RMSNorm statistics.
+attrs:
+  {attrs}
+{params}inputs:
+  x: [M, {dim}]
+  wn: {{shape: [dim], grad: false}}
+outputs:
+  h: {{shape: [M, dim], grad: false}}
+  rstd: {{shape: [M], dtype: float32, grad: false}}
+forward:
+  - rmsnorm_stats: {{x: x, wn: wn, h: h, ss: {ss}}}
+  - {rstd}: {{x: {ss}, size: dim, eps: eps, out: rstd}}
+"""
+
+
+def stats_block(name="stats", attrs="dim: int, eps: 1.0e-6", params="", dim="dim", ss="ss", rstd="rstd") -> str:
+    """A block around rmsnorm_stats; `attrs` is the flow mapping's inside, `params` whole lines."""
+    return STATS_BLOCK.format(name=name, attrs="{" + attrs + "}", params=params, dim=dim, ss=ss, rstd=rstd) \
+        .replace("attrs:\n  {", "attrs: {")
+
+
+def _block_errors(tmp_path: Path, **blocks: str) -> list[SpecError]:
+    _write(tmp_path, "rmsnorm_stats", STATS_KERNEL)
+    for name, text in blocks.items():
+        _write(tmp_path, name, text)
+    return _errors(tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, line, words", [
+    ({"dim": "dim/0"}, 5, "dimension 'dim/0' must be M, an int attr"),
+    ({"dim": "0*dim"}, 5, "dimension '0*dim' must be M"),
+    ({"params": "params: {eps: [dim]}\n"}, 4, "'eps' is reserved or an attr"),
+    ({"attrs": "dim: int, eps: 1.0e-6, training: 1"}, 3, "'training' is an attribute of the generated nn.Module"),
+    ({"params": "params: {forward: [dim]}\n"}, 4, "'forward' is an attribute of the generated nn.Module"),
+    ({"ss": "ss_sum"}, 11, "'ss_sum' is reserved"),
+    ({"rstd": '"rs\\x1b[31mtd"'}, 12, "'rs\\x1b[31mtd' is not a valid name"),  # a terminal escape code
+], ids=["divide-by-zero", "zero-times", "param-named-like-attr", "attr-training", "param-forward", "derived-sum",
+        "escape-code-op"])
+def test_bad_block(tmp_path, kwargs, line, words):
+    errors = _block_errors(tmp_path, b=stats_block(**kwargs))
+    listing = "\n".join(map(str, errors))
+    assert any(e.loc.line == line and words in e.message for e in errors), listing
+    assert all(e.message.isprintable() for e in errors), listing
+
+
+@pytest.mark.parametrize("first, second, cls", [("stats", "stats_function", "StatsFunction"),
+                                                 ("norm1", "norm_1", "Norm1")])
+def test_block_class_names_must_not_collide(tmp_path, first, second, cls):
+    (err,) = _block_errors(tmp_path, a=stats_block(name=first), b=stats_block(name=second))
+    assert f"block '{second}' generates the class {cls}, as block '{first}'" in err.message
+
+
+def test_attrs_with_and_without_defaults_in_any_order(tmp_path):
+    """A default before a required attr: the constructor takes the required ones first, each group in spec
+    order, and the module compiles."""
+    _write(tmp_path, "rmsnorm_stats", STATS_KERNEL)
+    _write(tmp_path, "b", stats_block(attrs="eps: 1.0e-6, dim: int, chunk: 64, width: int"))
+    source = api.generate([tmp_path], out=tmp_path / "gen").files["blocks/stats.py"]
+    compile(source, "blocks/stats.py", "exec")
+    assert "def __init__(self, dim, width, eps=1e-06, chunk=64, *, device=None, dtype=None):" in source
