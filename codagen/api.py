@@ -8,7 +8,7 @@ from pathlib import Path
 from .blockcheck import check_block
 from .blockmodel import Block, CheckedBlock
 from .blockspec import parse_block
-from .emit.block import render_block
+from .emit.block import class_name, render_block
 from .emit.gluon import render_gluon, unlowered
 from .emit.kernel import render_kernel
 from .emit.package import render_package
@@ -82,12 +82,19 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
         first.setdefault(k.name, k)
     checked_blocks: list[CheckedBlock] = []
     block_first: dict[str, Block] = {}
+    classes: dict[str, Block] = {}
     for b in blocks:
         if b.name in block_first or b.name in first:
             other = block_first.get(b.name) or first[b.name]
             errors.append(SpecError(b.loc, f"'{b.name}' is already defined in {other.source}; names are unique "
                                            "across specs"))
         block_first.setdefault(b.name, b)
+        for cls in (class_name(b.name), f"{class_name(b.name)}Function"):  # blocks/__init__.py imports both
+            other = classes.setdefault(cls, b)
+            if other is not b:
+                errors.append(SpecError(b.loc, f"block '{b.name}' generates the class {cls}, as block '{other.name}' "
+                                               f"({other.source}) does; rename one of them"))
+                break
         try:
             checked_blocks.append(check_block(b, first))
         except ValidationFailed as e:
