@@ -108,7 +108,10 @@ def _ref(node: Node, what: str, sink: ErrorSink, number: bool) -> str | Literal 
 
 def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     sink = ErrorSink()
-    if not _is_mapping(root, "a spec", sink):
+    if not isinstance(root.value, dict):
+        # text is not echoed: a file that is not a spec at all (a link to another file) shows nothing of itself
+        got = "text" if isinstance(root.value, str) else root.type_name
+        sink.add(root.loc, f"a spec must be a mapping, got {got}; a spec starts with 'kernel:' or 'block:'")
         sink.raise_if_any()
     top = _Mapping(root, "the kernel spec", sink)
     keys = ["kernel", "doc", "gemm", "inputs", "outputs", "epilogue"]

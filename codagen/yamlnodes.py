@@ -2,6 +2,7 @@
 aliases, no duplicate keys; bounded in size and depth. Nothing is ever constructed as a Python object."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import yaml
@@ -12,6 +13,8 @@ from .model import Location
 MAX_BYTES = 256 * 1024
 MAX_DEPTH = 16
 MAX_NODES = 20_000
+FLOAT32_MAX = 3.4028234663852886e38  # numbers are fp32 in kernels: larger ones would be inf
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest subnormal; nonzero numbers up to half of it round to 0
 
 _PLAIN_TAGS = {
     "tag:yaml.org,2002:str": "str",
@@ -184,16 +187,29 @@ def _scalar(node: yaml.ScalarNode, kind: str, loc: Location):
     if kind == "null":
         return None
     if kind == "bool":
-        return yaml.SafeLoader.construct_yaml_bool(constructor, node)
+        try:
+            return yaml.SafeLoader.construct_yaml_bool(constructor, node)
+        except KeyError:  # an explicit tag on text that is no boolean: !!bool maybe
+            raise SpecError(loc, f"'{_one_line(node.value)}' is tagged !!bool but is not true or false") from None
+    # an explicit !!int or !!float tag reaches the constructors with any text ("", "0x", "abc"), which they
+    # reject with ValueError or IndexError
     try:
         if kind == "int":
             value = yaml.SafeLoader.construct_yaml_int(constructor, node)
-            float(value)  # numbers become float literals; this raises for ints beyond float range
-            return value
-        value = yaml.SafeLoader.construct_yaml_float(constructor, node)
-    except (ValueError, OverflowError):
-        value = float("inf")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise SpecError(loc, f"number '{_one_line(node.value)}' is not a finite float; "
-                             "numbers in specs must be finite floats")
+            as_float = float(value)  # numbers become float literals; this raises for ints beyond float range
+        else:
+            value = as_float = yaml.SafeLoader.construct_yaml_float(constructor, node)
+    except (ValueError, IndexError):
+        if kind == "int" and re.fullmatch(r"[-+]?[0-9][0-9_]*", node.value):  # too many digits to convert
+            as_float = float("inf")
+        else:
+            raise SpecError(loc, f"'{_one_line(node.value)}' is tagged !!{kind} but is not a number") from None
+    except OverflowError:
+        as_float = float("inf")
+    if not abs(as_float) <= FLOAT32_MAX:
+        raise SpecError(loc, f"number '{_one_line(node.value)}' is not a finite float32; numbers in specs are "
+                             f"fp32 values, at most {FLOAT32_MAX:.7g} in magnitude")
+    if as_float != 0 and abs(as_float) <= FLOAT32_TINY / 2:
+        raise SpecError(loc, f"number '{_one_line(node.value)}' is 0 in float32 (the smallest nonzero float32 is "
+                             f"{FLOAT32_TINY:.3g}); write 0.0 if you mean it")
     return value

@@ -98,6 +98,14 @@ CASES = [
     c("huge_integer", spec(steps=["mul: {x: acc, y: " + "9" * 5000 + ", out: x_new}"] + STEPS[1:]), (7, "999"),
       "number '9999", "finite"),
     c("nan_literal", spec(steps=["mul: {x: acc, y: .nan, out: x_new}"] + STEPS[1:]), (7, ".nan"), "finite"),
+    c("beyond_float32", spec(steps=["mul: {x: acc, y: 1.0e+39, out: x_new}"] + STEPS[1:]), (7, "1.0e+39"),
+      "'1.0e+39' is not a finite float32", "3.402823e+38"),
+    c("zero_in_float32", spec(steps=["mul: {x: acc, y: -1.0e-50, out: x_new}"] + STEPS[1:]), (7, "-1.0e-50"),
+      "'-1.0e-50' is 0 in float32"),
+    c("bool_tag_on_text", spec(kernel="!!bool maybe"), (1, "!!bool"), "'maybe' is tagged !!bool but is not true"),
+    c("int_tag_on_empty_text", spec(kernel='!!int ""'), (1, "!!int"), "'' is tagged !!int but is not a number"),
+    c("float_tag_on_empty_text", spec(steps=['mul: {x: acc, y: !!float "", out: x_new}'] + STEPS[1:]),
+      (7, "!!float"), "'' is tagged !!float but is not a number"),
     # -- malformed YAML and unreadable files ----------------------------------------------------------------
     c("syntax_unclosed_flow_mapping", spec(gemm="{a: y, b: w_o, b_layout: nk"), (4, ":"),
       "YAML syntax error: expected ',' or '}'", "while parsing a flow mapping that starts at line 3, column 7"),
@@ -460,6 +468,21 @@ def test_same_kernel_name_in_two_files_names_both(tmp_path):
     assert "kernel 'same_name' is already defined in" in err.message
     assert str(first) in err.message
     assert "unique" in err.message
+
+
+def test_a_file_that_is_no_spec_shows_nothing_of_itself(tmp_path):
+    """A spec linked to another file (outside the specs folder): the error says what is wrong, at most with
+    the first word of a value, never the file's content."""
+    secret = tmp_path / "secret.txt"
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    for content in ("TOKEN=abc123 hunter2 rest of the line\nsecond line\n",
+                    "kernel: k1\ndoc: [TOKEN=abc123 hunter2 rest]\n"):
+        secret.write_text(content)
+        (specs / "k.yaml").unlink(missing_ok=True)
+        (specs / "k.yaml").symlink_to(secret)
+        errors = _errors(specs)
+        assert errors and not any("hunter2" in e.message for e in errors), "\n".join(map(str, errors))
 
 
 def test_unsafe_spec_path_is_refused(tmp_path):
