@@ -120,7 +120,23 @@ def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFi
     package = render_package([c.kernel for c in kernels], [c.block for c in blocks], regenerate)
     for rel, content in package.items():
         result.add(rel, content)
+    specs = {f"{folder}{c.kernel.name}.py": c.kernel.loc for c in kernels for folder in ("kernels/", "kernels/gluon/")}
+    specs.update({f"blocks/{c.block.name}.py": c.block.loc for c in blocks})
+    _check_compiles(result, specs)
     return result
+
+
+def _check_compiles(files: OutputFiles, specs: dict[str, Location]) -> None:
+    """Every generated module compiles, so that an accepted spec can never be written out as broken Python;
+    one that does not is a bug of codagen's, reported at the spec it came from (`specs`: file -> spec)."""
+    for rel, source in files.files.items():
+        try:
+            compile(source, rel, "exec")
+        except SyntaxError as e:
+            loc = specs.get(rel, Location(rel, e.lineno or 1, e.offset or 1))
+            raise ValidationFailed([SpecError(loc, f"codagen generated {rel}, which does not compile ({e.msg}, "
+                                                   f"line {e.lineno}): a bug in codagen; please report it with "
+                                                   "this spec")]) from None
 
 
 def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[str], list[str]]:

@@ -641,3 +641,19 @@ def test_attrs_with_and_without_defaults_in_any_order(tmp_path):
     source = api.generate([tmp_path], out=tmp_path / "gen").files["blocks/stats.py"]
     compile(source, "blocks/stats.py", "exec")
     assert "def __init__(self, dim, width, eps=1e-06, chunk=64, *, device=None, dtype=None):" in source
+
+
+def test_build_refuses_generated_code_that_does_not_compile(tmp_path, monkeypatch):
+    """Were a template to print broken Python for an accepted spec, the build fails at that spec and writes
+    nothing (a bug of codagen's, reported as such)."""
+    import codagen.api
+
+    path = _write(tmp_path, "k1", spec())
+    render = codagen.api.render_kernel
+    monkeypatch.setattr(codagen.api, "render_kernel", lambda *a: render(*a).replace("def launch(", "def launch(("))
+    with pytest.raises(ValidationFailed) as info:
+        api.build([path], out=tmp_path / "gen")
+    (err,) = info.value.errors
+    assert (err.loc.file, err.loc.line) == (str(path), 1)
+    assert "codagen generated kernels/k1.py, which does not compile" in err.message and "bug" in err.message
+    assert not (tmp_path / "gen").exists()
