@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import shlex
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,23 @@ from .validate import check_kernel
 from .writer import Diff, OutputFiles, diff, write
 
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
+# characters that end a line, or change or hide what is shown: controls (newline, carriage return, escape),
+# format characters (bidirectional overrides), line and paragraph separators, lone surrogates
+_UNSHOWABLE = ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+class PathError(ValueError):
+    """A path that codagen will not print into generated code or messages as it is."""
+
+
+def quote_path(path: str | Path, what: str = "path") -> str:
+    """A path as generated headers and messages show it: quoted for a shell where it needs quotes. A path
+    with a character that could end a line or hide itself is refused (PathError, the path escaped), so that
+    no folder name can change generated source or forge a line of output."""
+    text = str(path)
+    if any(unicodedata.category(c) in _UNSHOWABLE for c in text):
+        raise PathError(f"{what} {ascii(text)} holds a control, format or line-separator character; rename it")
+    return shlex.quote(text)
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,7 @@ def find_specs(paths: list[str | Path]) -> list[tuple[Path, str]]:
         elif p.is_file():
             files = [p]
         else:
-            raise FileNotFoundError(f"{given}: no such file or folder")
+            raise FileNotFoundError(f"{ascii(str(given))}: no such file or folder")
         for f in files:
             found.setdefault(display_path(f), f)
     return sorted((f, shown) for shown, f in found.items())
@@ -107,7 +126,7 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
 def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFiles:
     """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show)."""
     checked = load(paths)
-    regenerate = f"codagen build {_command_args(paths, out)}"
+    regenerate = f"codagen build {command_args(paths, out)}"
     result = OutputFiles()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
@@ -163,14 +182,16 @@ def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") 
     for t in stale_tables(Path(out) / "tuning", kernels):
         fix = "delete it"
         if t.kernel is not None and t.buckets:
-            fix = (f"re-run on a {t.gpu} GPU: codagen tune {_command_args(paths, out)} --kernels {t.kernel.name} "
+            fix = (f"re-run on a {t.gpu} GPU: codagen tune {command_args(paths, out)} --kernels {t.kernel.name} "
                    f"--shapes {','.join(t.buckets)}")
         messages.append(f"stale tuning table {display_path(t.path)}: {t.problem}; {fix}")
     return messages
 
 
-def _command_args(paths: list[str | Path], out: str | Path) -> str:
-    """The paths and --out of a codagen command, as a reader would type them: 'specs/ --out gen'."""
-    shown = " ".join(sorted(display_path(Path(p)) + ("/" if Path(p).is_dir() else "") for p in paths))
-    shown_out = display_path(Path(out))
-    return shown + ("" if shown_out == "generated" else f" --out {shown_out}")
+def command_args(paths: list[str | Path], out: str | Path) -> str:
+    """The paths and --out of a codagen command, as a reader would type them into a shell: 'specs/ --out gen'.
+    Raises PathError for a path that cannot be shown as it is (see `quote_path`)."""
+    args = " ".join(sorted(quote_path(display_path(Path(p)) + ("/" if Path(p).is_dir() else ""), "spec path")
+                           for p in paths))
+    out_arg = quote_path(display_path(Path(out)), "--out")
+    return args + ("" if out_arg == "generated" else f" --out {out_arg}")

@@ -45,12 +45,13 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     try:
         if check_only:
             d = api.check(list(paths), out)
-            for title, rels in (("stale", d.stale), ("missing", d.missing), ("extra", d.extra)):
+            for title, rels in (("stale", d.stale), ("missing", d.missing), ("extra", d.extra),
+                                ("leftover from an interrupted build", d.leftover)):
                 for rel in rels:
                     click.echo(f"{title}: {out}/{rel}", err=True)
             if not d.clean:
-                click.echo(f"{out}/ is out of date; run: codagen build {' '.join(paths)}"
-                           + ("" if out == "generated" else f" --out {out}"), err=True)
+                click.echo(f"{out}/ is out of date; run: codagen build {api.command_args(list(paths), out)}",
+                           err=True)
             tables = api.stale_tuning_tables(list(paths), out)
             for message in tables:
                 click.echo(message, err=True)
@@ -62,8 +63,11 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)
-    except FileExistsError as e:
+    except (FileExistsError, api.PathError) as e:
         click.echo(f"error: {e}; nothing was written", err=True)
+        sys.exit(1)
+    except TimeoutError as e:
+        click.echo(f"error: {e}", err=True)
         sys.exit(1)
     for rel in written:
         click.echo(f"wrote {out}/{rel}")

@@ -132,6 +132,17 @@ def test_build_then_check(ws):
     assert check.returncode == 0 and check.stdout == "gen/ is up to date\n"
 
 
+def test_check_shows_the_command_to_run_as_a_shell_takes_it(ws):
+    """Paths with spaces or quotes come out quoted; one with a newline is refused, shown escaped on one line."""
+    result = run("build", "specs", "--out", "my gen", "--check", cwd=ws)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == "my gen/ is out of date; run: codagen build specs/ --out 'my gen'"
+    result = run("build", "specs", "--out", "gen\nwrote gen/forged.py", "--check", cwd=ws)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["error: --out 'gen\\nwrote gen/forged.py' holds a control, format or "
+                                          "line-separator character; rename it; nothing was written"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--help"], ["Usage:", "validate", "build", "GEMM-epilogue programs"]),
     (["validate", "--help"], ["Usage:", "PATHS", "file:line:col"]),
