@@ -2,11 +2,16 @@
 # Regenerate with: codagen build specs/
 """One module per block spec: a torch.autograd.Function and the nn.Module that owns its parameters.
 
-- LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, with the gradients made in the forward over row chunks.
-- NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first pre-attention block.
-- OprojSwiglu (specs/blocks/oproj_swiglu.yaml): Out-projection + residual, RMSNorm and gate/up + SwiGLU; the first half of post_attention.
-- PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output to the next layer's normalized input.
-- PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and backward as GEMM-epilogue kernels.
+- LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, with the gradients made in
+  the forward over row chunks.
+- NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first
+  pre-attention block.
+- OprojSwiglu (specs/blocks/oproj_swiglu.yaml): Out-projection + residual, RMSNorm and gate/up + SwiGLU; the first half
+  of post_attention.
+- PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output
+  to the next layer's normalized input.
+- PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
+  backward as GEMM-epilogue kernels.
 """
 from .lm_head_loss import LmHeadLoss, LmHeadLossFunction
 from .norm_stats import NormStats, NormStatsFunction
@@ -14,4 +19,7 @@ from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
 from .pre_attention import PreAttention, PreAttentionFunction
 
-__all__ = ["LmHeadLoss", "LmHeadLossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction"]
+__all__ = [
+    "LmHeadLoss", "LmHeadLossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu", "OprojSwigluFunction",
+    "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction",
+]

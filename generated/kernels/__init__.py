@@ -2,19 +2,30 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
-- gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns.
-- lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm backward's row partials.
-- lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits, their log-sum-exp partials and the target logit.
-- lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit.
+- gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
+  interleaved (gate, up) columns.
+- lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm
+  backward's row partials.
+- lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits,
+  their log-sum-exp partials and the target logit.
+- lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile
+  log-sum-exp partials and the target logit.
 - matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
-- norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm before it, plus the residual gradient.
-- out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
-- qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
-- rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
-- rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
-- swiglu_bwd_rowdot (specs/backward/swiglu_bwd_rowdot.yaml): SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz.
-- swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output.
+- norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm
+  before it, plus the residual gradient.
+- out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the
+  RMSNorm statistics and the norm-weight scale.
+- qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on
+  interleaved pairs.
+- rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue
+  produced.
+- rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the
+  per-tile partials of the rows' qkv . dqkv.
+- swiglu_bwd_rowdot (specs/backward/swiglu_bwd_rowdot.yaml): SwiGLU backward of the output gradient and the per-tile
+  partials of the rows' z . dz.
+- swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and
+  the recomputed SwiGLU output.
 """
 from . import gate_up_swiglu
 from . import lm_head_ce_dz
@@ -30,4 +41,8 @@ from . import rope_bwd_rowdot
 from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = ["gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bwd_rowdot", "swiglu_dgrad"]
+__all__ = [
+    "gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad",
+    "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot",
+    "swiglu_bwd_rowdot", "swiglu_dgrad",
+]
