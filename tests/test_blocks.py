@@ -274,6 +274,7 @@ def test_lm_head_loss_of_no_rows_is_zero_with_empty_mean_zero(reduction, m):
 
 
 @pytest.mark.parametrize("bad", [40, 45, -5, -101])
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the check is a device-side assert: the next test")
 def test_lm_head_loss_refuses_a_target_out_of_bounds_as_cross_entropy_does(bad):
     m, dim, vocab = 9, 16, 40
     target = targets(m, vocab)
@@ -283,6 +284,27 @@ def test_lm_head_loss_refuses_a_target_out_of_bounds_as_cross_entropy_does(bad):
     with pytest.raises(IndexError) as fused:
         run_lm_head(m, dim, vocab, target, "mean", torch.float32)
     assert str(fused.value) == str(plain.value) == f"Target {bad} is out of bounds."
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU; run on the device machine")
+def test_lm_head_loss_asserts_on_the_gpu_for_a_target_out_of_bounds():
+    """As PyTorch's CUDA cross-entropy: a device-side assert, with no host sync (in a process of its own,
+    since it leaves the CUDA context unusable)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\nfrom test_blocks import targets, run_lm_head\n"
+            "target = targets(9, 40)\ntarget[6] = 45\n"
+            "run_lm_head(9, 16, 40, target, 'mean', torch.float32)\ntorch.cuda.synchronize()\n")
+    tests = Path(__file__).resolve().parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=tests, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tests.parent)})
+    assert result.returncode != 0
+    assert "cross_entropy: a target is outside [0, classes) and is not ignore_index" in result.stderr
+    assert "device-side assert triggered" in result.stderr
 
 
 def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
