@@ -128,6 +128,10 @@ class EpilogueEmitter:
             return list(zip(self.halves(x), (f"cols_{half}" for half in HALVES)))
         return [(self.ref(x), COLS[w])]
 
+    def t_dtype(self) -> str:
+        """T, the type of the kernel's matrix inputs at the launch, as generated code names it."""
+        return f"{self.kernel.t_input}_ptr.dtype.element_ty"
+
     @staticmethod
     def col_mask(w: Width) -> str:
         """The mask of a width's columns; pairs (2*N) are masked by their index in N."""

@@ -8,30 +8,25 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
 - stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`);
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
 
-The rest is the registry's "tl" text: Triton's builtins, called from a @gluon.jit function, run with Gluon's
-semantics, and element-wise arithmetic, reductions, masked loads and stores of row and column vectors all
-take their layouts from `rows` and `cols`, which the kernel creates in slices of the accumulator's layout.
-What needs a layout of its own (tl.arange, tl.full, tl.zeros_like) does not compile there.
+Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
+are its "tl" text, since Triton's builtins, called from a @gluon.jit function, run with Gluon's semantics, and
+element-wise arithmetic, reductions, masked loads and stores of row and column vectors all take their layouts
+from `rows` and `cols`, which the kernel creates in slices of the accumulator's layout. What needs a layout of
+its own (tl.arange, tl.full, tl.zeros_like) does not compile there; the emitter below provides what differs.
 
-What cannot be lowered yet (`unlowered`) keeps the kernel on the tl path alone; the build says which step and
-why, and the package's docstring lists it."""
+What cannot be lowered yet (`unlowered`: a primitive without a "gluon" emitter, or an operand the emitter has
+no layout or TMA path for) keeps the kernel on the tl path alone; the build says which step and why, and the
+package's docstring lists it."""
 from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
 
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
-from ..primitives import PRIMITIVES, step_text
+from ..primitives import step_text, unsupported_steps
 from .epilogue import EpilogueEmitter, fit
 from .kernel import AXIS, wrap
 from .templates import render
-
-# Primitives whose registry "tl" emitter compiles inside a Gluon kernel (checked by compiling every spec's
-# kernel for sm_90: tests/test_gluon.py), on values of full width. The others need a "gluon" emitter first:
-# `select` calls tile.store_selected, whose tl.zeros_like has no layout under Gluon.
-TL_TEXT_RUNS = ("abs", "exp", "log", "rsqrt", "sigmoid", "silu", "gelu_tanh", "gelu", "tanh", "relu", "square", "neg",
-                "add", "sub", "mul", "div", "maximum", "minimum", "scale", "cast", "reduce", "one_hot")
-
 
 @dataclass(frozen=True)
 class Fallback:
@@ -65,21 +60,19 @@ def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
     """Why the Hopper backend cannot lower this kernel yet: every step it cannot, or the kernel itself."""
     if k.gemm is None:
         return [Fallback(k, None, "no GEMM; the Hopper backend schedules GEMM mainloops only")]
+    missing = unsupported_steps(k, GluonEpilogueEmitter.backend)
     found = []
     for s in k.steps:
-        reason = _unlowered_step(k, types, s)
+        reason = f"no Gluon lowering of '{s.op}' yet" if any(s is m for m in missing) else _beyond_emitter(k, types, s)
         if reason:
             found.append(Fallback(k, s, reason))
     return found
 
 
-def _unlowered_step(k: Kernel, types: dict[str, ValueType], s: Step) -> str | None:
-    if s.op == "store":
-        t = types[s.args["x"]]
-        if t.kind is Kind.TILE and s.target not in tma_outputs(k):
-            return "only tiles of type T at full width are stored, through TMA"
-    elif s.op not in TL_TEXT_RUNS:
-        return f"no Gluon lowering of '{s.op}' yet"
+def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | None:
+    """Why the emitter cannot place a step's operands (a layout or TMA path it lacks), if it cannot."""
+    if s.op == "store" and types[s.args["x"]].kind is Kind.TILE and s.target not in tma_outputs(k):
+        return "only tiles of type T at full width are stored, through TMA"
     operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
     if any(types[v].width in (Width.HALF, Width.DOUBLE) for v in operands):
         return "no Gluon lowering of pairs (N/2 or 2*N columns) yet"
@@ -109,16 +102,8 @@ class GluonEpilogueEmitter(EpilogueEmitter):
             return
         super().load(name)
 
-    def emit(self, step: Step) -> None:
-        self.lines.append(f"# {step_text(step)}")
-        if step.op == "store" and step.target in self.tma_outputs:
-            self._store_tile(step)
-        elif step.op == "cast" and step.args["dtype"] == "T":
-            self._cast_to_t(step)
-        else:
-            PRIMITIVES[step.op].emitters["tl"](self, step)
-
-    def _store_tile(self, s: Step) -> None:
+    def store_tile(self, s: Step) -> None:
+        """A tile of type T at full width, stored to its output through shared memory by TMA."""
         # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
         # other buffers' stores in flight. Several buffers come only with as many tile inputs, and then each
         # tile starts with every store done (before its inputs' TMA loads)
@@ -127,9 +112,9 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
                           f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
 
-    def _cast_to_t(self, s: Step) -> None:
-        # the tl text names T by the GEMM operand's pointer; here that operand is a TMA descriptor
-        self.elementwise(s, f"{{x}}.to({self.kernel.gemm.a}_desc.dtype).to(tl.float32)", {"x": s.args["x"]})
+    def t_dtype(self) -> str:
+        # the tl text names T by an input's pointer; here the GEMM operand's TMA descriptor names it
+        return f"{self.kernel.gemm.a}_desc.dtype"
 
 
 def epilogue_buffers(k: Kernel) -> int:

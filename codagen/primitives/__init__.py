@@ -30,7 +30,9 @@ Each primitive is a `Primitive` (base.py) holding
                 e.types, e.ref(v, into), e.halves(v, into), e.is_pair(v), e.load(input), e.need_width(w, tile=),
                 e.col_mask(w), e.tile_mask(w), e.size(w), e.columns(v, w), e.assign(s, expr),
                 e.assign_pair(s, expr), e.elementwise(s, template, operands), e.write(s, template),
-                e.guarded(condition, line), e.line(text). Device helpers are called as `tile.<function>`.
+                e.guarded(condition, line), e.line(text), e.t_dtype() (T in generated code). Device helpers
+                are called as `tile.<function>`. "gluon" is the Hopper backend (codagen/emit/gluon.py), whose
+                emitter adds e.store_tile(s) (a tile stored through shared memory by TMA).
 
 Another backend is an emitter class with the same methods (its own loads, masks and language module) and an
 entry in `emitters` for each primitive it lowers; where the text is the same up to the language module, the

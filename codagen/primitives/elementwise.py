@@ -18,8 +18,9 @@ def gelu_tanh(x):
 
 def unary(name: str, tl: str, fn, doc: str, example: str) -> Primitive:
     """A unary primitive: `tl` is its Triton expression of `{x}`, `fn` its PyTorch function."""
+    emit = expression(tl)
     return Primitive(name, (X, OUT), doc, UNARY_TYPING, example, check=same_type,
-                     reference=lambda r, s: fn(r.tensor(s.args["x"])), emitters={"tl": expression(tl)})
+                     reference=lambda r, s: fn(r.tensor(s.args["x"])), emitters={"tl": emit, "gluon": emit})
 
 
 UNARY = (
@@ -68,8 +69,9 @@ def binary(name: str, tl: str, fn, doc: str, example: str) -> Primitive:
     def reference(r, s):
         into = r.types[s.out]  # a row vector meets a column vector as [:, None] and [None, :]
         return fn(r.tensor(s.args["x"], into), r.tensor(s.args["y"], into))
+    emit = expression(tl)
     return Primitive(name, BINARY_ARGS, doc, BINARY_TYPING, example, check=_check_binary, reference=reference,
-                     emitters={"tl": expression(tl)})
+                     emitters={"tl": emit, "gluon": emit})
 
 
 BINARY = (
@@ -99,6 +101,7 @@ def _check_scale(c):
     return None
 
 
+_emit_scale = expression("{x} * {by}")
 SCALE = Primitive(
     "scale", (X, Arg("by", "value", number=True), OUT),
     "out = x · by, by[:, None] for a row and by[None, :] for a column: mul restricted to a tile times a vector or "
@@ -108,7 +111,7 @@ SCALE = Primitive(
     "scale: {x: acc, by: rstd, out: z}",
     check=_check_scale,
     reference=lambda r, s: torch.mul(r.tensor(s.args["x"], r.types[s.out]), r.tensor(s.args["by"], r.types[s.out])),
-    emitters={"tl": expression("{x} * {by}")})
+    emitters={"tl": _emit_scale, "gluon": _emit_scale})
 
 
 # -- cast ---------------------------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ def _check_cast(c):
 def _emit_cast(e, s):
     # round to the narrower type and back: models where an unfused program would store that type
     dtype = s.args["dtype"]
-    to = f"{e.kernel.t_input}_ptr.dtype.element_ty" if dtype == "T" else f"{e.lang}.{dtype}"
+    to = e.t_dtype() if dtype == "T" else f"{e.lang}.{dtype}"
     e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
 
 
@@ -138,6 +141,6 @@ CAST = Primitive(
     "in that dtype and reloaded.",
     "x: any value; out has its kind and width. dtype T: the kernel's type at the launch.",
     "cast: {x: acc, dtype: bfloat16, out: acc_bf16}",
-    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast})
+    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast})
 
 PRIMITIVES = (*UNARY, *BINARY, SCALE, CAST)

@@ -80,5 +80,6 @@ PRIMITIVES = (
         "out[m, j] = 1.0 if j = index[m] else 0.0, for j in [0, N): all zeros in rows whose index is outside.",
         "index: an input {shape: [M], dtype: index}; out: a tile of width N.",
         "one_hot: {index: target, out: is_target}",
-        check=_check_one_hot, reference=_one_hot_reference, emitters={"tl": _emit_one_hot}),
+        check=_check_one_hot, reference=_one_hot_reference,
+        emitters={"tl": _emit_one_hot, "gluon": _emit_one_hot}),
 )

@@ -21,6 +21,14 @@ def _emit_store(e, s):
     e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({s.target}_ptr.dtype.element_ty), mask={{mask}})")
 
 
+def _emit_store_tma(e, s):
+    # Hopper: a tile leaves through shared memory by TMA; row and column vectors as in tl
+    if e.types[s.args["x"]].kind is Kind.TILE:
+        e.store_tile(s)
+    else:
+        _emit_store(e, s)
+
+
 def _emit_accumulate(e, s):
     e.write(s, "tile.accumulate({ptr}, {x}, {mask})")
 
@@ -31,7 +39,8 @@ PRIMITIVES = (
         "Write x to an output, cast to the output's dtype, masked at the ragged edges.",
         "x: a tile, row or column value; to: a non-inplace output of the same shape.",
         "store: {x: x_new, to: x_out}",
-        check=_check(inplace=False), reference=lambda r, s: r.value(s.args["x"]), emitters={"tl": _emit_store}),
+        check=_check(inplace=False), reference=lambda r, s: r.value(s.args["x"]),
+        emitters={"tl": _emit_store, "gluon": _emit_store_tma}),
     Primitive(
         "accumulate", (X, Arg("into", "target")),
         "into += x: a read-modify-write that adds in fp32 and stores the sum cast to the output's dtype.",

@@ -89,6 +89,6 @@ REDUCE = Primitive(
     "(axis cols) or the rows of each M-tile (axis rows); the logsumexp partial is max + ln Σ exp(x − max).",
     "x: a tile of width w; to: a float32 output [M, tiles(N)] for axis cols, [w, tiles(M)] for axis rows.",
     "reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",
-    check=_check, reference=_reference, emitters={"tl": _emit})
+    check=_check, reference=_reference, emitters={"tl": _emit, "gluon": _emit})
 
 PRIMITIVES = (REDUCE,)
