@@ -47,6 +47,13 @@ printed, not asserted:
   min-rounding  only the GEMM output (materialized by any unfused code) and the outputs rounded to their
                 dtypes, the epilogue exact: the best any unfused implementation can do.
 
+Hopper kernels (test_gluon_kernel; sm_90 with Triton's Gluon only, skipped elsewhere): every module of
+generated/kernels/gluon/, bf16 and fp16, with the launcher's default config, at two ragged shapes
+(M, N, K multiples of no tile; N and K of 8, which TMA needs) and at the Llama-3-1B places of the kernel
+above, judged by the same three numbers and the same 2x rule. Only these:
+
+    python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gluon
+
 Blocks (bf16). Forward outputs and every gradient of PreAttention (with NormStats in front), PostAttention,
 LmHeadLoss (17 row chunks; its weight gradient summed in fp32 and in the weights' dtype) and NormStats,
 against the same computation in plain PyTorch autograd in float64 (truth) and in bf16 (unfused), as Hugging
@@ -251,23 +258,29 @@ def test_kernel_at_llama_shapes(name, use, dtype):
     assert module.SHA256 == kernel.sha256, f"generated/kernels/{name}.py is stale: run `codagen build specs/`"
     n, k = kernel_shapes()[name][use]
     m = M_VOCAB if VOCAB in (n, k) else M_TOKENS
-    t = LOW[dtype]
-    sizes = {"M": m, "N": n, "K": k}
     pick = lambda: runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, m, n,  # noqa: E731
                                        k if kernel.gemm else 0, torch.device(DEVICE))
-    config = pick()  # sizes the partial-reduction outputs, as the kernel's op does
-    inputs, outputs, scalars = draw_inputs(kernel, module, sizes, t, config, generator(f"{name}/{use}/{dtype}"))
+    # pick() sizes the partial-reduction outputs, as the kernel's op does; after the launch, it is what the
+    # launch ran: the same, unless it tuned the shape at run time (which keeps the tile shape of kernels with
+    # partial reductions, so their outputs, sized before, still fit)
+    check_launch(f"gpu kernel {name}[{use}] {dtype}", kernel, module, {"M": m, "N": n, "K": k}, LOW[dtype], pick,
+                 f"{name}/{use}/{dtype}", start)
+
+
+def check_launch(title: str, kernel, module, sizes: dict, t: torch.dtype, pick, seed: str, start: float) -> None:
+    """Launch `module` (config=None) on drawn inputs and NaN-prefilled outputs, then judge each output by the
+    2x rule (module docstring); pick() gives the config the launch runs, before and after it."""
+    config = pick()
+    inputs, outputs, scalars = draw_inputs(kernel, module, sizes, t, config, generator(seed))
     args = {**inputs, **{o: v.clone() for o, v in outputs.items()}, **scalars}  # inplace outputs' old values
     module.launch(**inputs, **outputs, **scalars, config=None)
     sync()
     launched = time.perf_counter() - start
-    # what the launch ran: the same, unless it tuned the shape at run time (which keeps the tile shape of
-    # kernels with partial reductions, so their outputs, sized above, still fit)
     config = pick()
 
     errors: dict[str, list[float]] = {}
     for out_name, out in outputs.items():
-        assert not torch.isnan(out).any(), f"{name}: NaN in {int(torch.isnan(out).sum())} of {out.numel()} " \
+        assert not torch.isnan(out).any(), f"{title}: NaN in {int(torch.isnan(out).sum())} of {out.numel()} " \
                                            f"elements of '{out_name}'"
     truth = reference.run(kernel, check_kernel(kernel), args, config.block_m, config.epilogue_n)
     assert set(truth) == set(outputs)
@@ -282,16 +295,56 @@ def test_kernel_at_llama_shapes(name, use, dtype):
 
     c = config
     label = c.label() if hasattr(c, "label") else f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
-    print(f"\ngpu kernel {name}[{use}] {dtype}: M={m} N={n} K={k}, config {label}; {launched:.1f} s to the "
+    print(f"\n{title}: M={sizes['M']} N={sizes['N']} K={sizes['K']}, config {label}; {launched:.1f} s to the "
           f"first result (compiling), {time.perf_counter() - start:.1f} s in all")
     bad = []
     for out_name, (fused, unfused, minimal) in errors.items():
         ok = fused <= 2 * unfused + KERNEL_FLOOR
-        print(f"gpu kernel {name}[{use}] {dtype} {out_name}: fused {fused:.1e} vs unfused {unfused:.1e} "
+        print(f"{title} {out_name}: fused {fused:.1e} vs unfused {unfused:.1e} "
               f"(min-rounding {minimal:.1e}){'' if ok else '  FAIL'}")
         if not ok:
             bad.append(out_name)
-    assert not bad, f"{name}[{use}] {dtype}: fused error over 2x the unfused error for {bad}: {errors}"
+    assert not bad, f"{title}: fused error over 2x the unfused error for {bad}: {errors}"
+
+
+# ---- Hopper (Gluon) kernels -------------------------------------------------------------------------------
+# Every module of generated/kernels/gluon/, on an sm_90 GPU only, judged as the tl kernels are: at two ragged
+# shapes (M, N, K multiples of no tile; N and K multiples of 8, since TMA needs 16-byte aligned rows) and at
+# each Llama-3-1B place the block specs run the kernel, with the launcher's default config.
+
+GLUON = REPO / "generated" / "kernels" / "gluon"
+RAGGED = {"ragged1037x1000x872": (1037, 1000, 872), "ragged333x2056x200": (333, 2056, 200)}  # M, N, K
+
+
+def gluon_shapes(name: str) -> dict[str, tuple[int, int, int]]:
+    llama = {use: (M_VOCAB if VOCAB in (n, k) else M_TOKENS, n, k) for use, (n, k) in kernel_shapes()[name].items()}
+    return {**RAGGED, **llama}
+
+
+GLUON_CASES = [pytest.param(name, shape, id=f"{name}-{shape}")
+               for name in sorted(p.stem for p in GLUON.glob("*.py") if p.stem != "__init__")
+               for shape in gluon_shapes(name)]
+
+
+def hopper_runtime():
+    """codagen.runtime.gluon_hopper, or a skip where Gluon kernels cannot run (no sm_90 GPU, no Gluon)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the Hopper backend runs on sm_90 only; this GPU is {torch.cuda.get_device_name()}")
+    return pytest.importorskip("codagen.runtime.gluon_hopper", reason="this Triton has no Gluon")
+
+
+@pytest.mark.parametrize("dtype", list(LOW))
+@pytest.mark.parametrize("name,shape", GLUON_CASES)
+def test_gluon_kernel(name, shape, dtype):
+    start = time.perf_counter()
+    hopper = hopper_runtime()
+    kernel = KERNELS[name]
+    module = importlib.import_module(f"generated.kernels.gluon.{name}")
+    assert module.SHA256 == kernel.sha256, f"generated/kernels/gluon/{name}.py is stale: run `codagen build specs/`"
+    m, n, k = gluon_shapes(name)[shape]
+    config = hopper.default_config(module.EPILOGUE)  # what launch(config=None) runs
+    check_launch(f"gpu gluon {name}[{shape}] {dtype}", kernel, module, {"M": m, "N": n, "K": k}, LOW[dtype],
+                 lambda: config, f"gluon/{name}/{shape}/{dtype}", start)
 
 
 # ---- blocks -----------------------------------------------------------------------------------------------
