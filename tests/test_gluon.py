@@ -139,7 +139,8 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
         assert "ttg.warp_specialize" in ttgir, path
         assert "ttng.warp_group_dot" in ttgir, path  # wgmma
         assert "ttng.async_tma_copy_global_to_local" in ttgir, path
-        assert "ttng.async_tma_copy_local_to_global" in ttgir, path
+        if "hopper.store_tile(" in Path(path).read_text():  # a kernel that stores tiles (not lm_head_logsumexp)
+            assert "ttng.async_tma_copy_local_to_global" in ttgir, path
 
 
 def _module(name: str):

@@ -74,7 +74,8 @@ PRIMITIVES = (
         "to[m] = x[m, index[m]] when 0 ≤ index[m] < the tile's width, else 0; written once per row.",
         "x: a tile; index: an input {shape: [M], dtype: index}; to: an output [M].",
         "select: {x: logits, index: target, to: target_logit}",
-        check=_check_select, reference=_select_reference, emitters={"tl": _emit_select}),
+        check=_check_select, reference=_select_reference,
+        emitters={"tl": _emit_select, "gluon": _emit_select}),
     Primitive(
         "one_hot", (INDEX, OUT),
         "out[m, j] = 1.0 if j = index[m] else 0.0, for j in [0, N): all zeros in rows whose index is outside.",

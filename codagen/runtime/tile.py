@@ -210,7 +210,8 @@ def store_selected(ptrs, x, cols, col_mask, index, n_cols, row_mask, first_tile)
     # a scalar `if`, not `mask & first_tile`: Triton's interpreter (3.9) broadcasts a scalar bool as int32
     if first_tile:
         outside = (index < 0) | (index >= n_cols)
-        tl.store(ptrs, tl.zeros_like(picked), mask=row_mask & outside)
+        # picked is 0 there; where() rather than zeros_like, which makes a layout of its own (no Gluon lowering)
+        tl.store(ptrs, tl.where(outside, 0.0, picked), mask=row_mask & outside)
 
 
 @triton.jit

@@ -3,6 +3,8 @@
 """Hopper (sm_90) kernels in Gluon: one module per kernel spec that the Hopper backend lowers, each with a
 `launch` that takes the tl kernel's arguments. Import one only on a Hopper GPU; this package imports none.
 
+- lm_head_logits (specs/lm_head_logits.yaml)
+- lm_head_logsumexp (specs/lm_head_logsumexp.yaml)
 - matmul (specs/matmul.yaml)
 - norm_dgrad (specs/backward/norm_dgrad.yaml)
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
@@ -16,10 +18,6 @@ Kernels that keep the tl path only, and why:
   gate_up_swiglu keeps the tl kernel only
 - specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only;
   it keeps the tl kernel only
-- specs/lm_head_logits.yaml:22:5: select: {x: zt, index: target, to: target_logit}: no Gluon lowering of 'select'
-  yet; lm_head_logits keeps the tl kernel only
-- specs/lm_head_logsumexp.yaml:18:5: select: {x: logits, index: target, to: target_logit}: no Gluon lowering of
-  'select' yet; lm_head_logsumexp keeps the tl kernel only
 - specs/qkv_norm_rope.yaml:18:5: rope: {x: z, positions: positions, freqs: freqs, out: rotated}: no Gluon lowering
   of 'rope' yet; qkv_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
