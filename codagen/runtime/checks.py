@@ -100,7 +100,7 @@ def host_scalar(kernel: str, name: str, value) -> float:
         return value
     if isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor):
         return float(value)
-    got = f"a tensor (call .item() to pass its value)" if isinstance(value, torch.Tensor) else type(value).__name__
+    got = "a tensor (call .item() to pass its value)" if isinstance(value, torch.Tensor) else type(value).__name__
     raise TypeError(f"{kernel}: '{name}' is a host scalar and must be a Python number, got {got}")
 
 
