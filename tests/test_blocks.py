@@ -307,6 +307,25 @@ def test_lm_head_loss_asserts_on_the_gpu_for_a_target_out_of_bounds():
     assert "device-side assert triggered" in result.stderr
 
 
+def test_lm_head_logits_exist_one_chunk_at_a_time(monkeypatch):
+    """The forward with gradients stores logits and dz for at most chunk_rows rows at a time, never M x V."""
+    m, dim, vocab, chunk_rows = 37, 16, 300, 16
+    block = LmHeadLoss(dim, vocab, chunk_rows=chunk_rows, device=DEVICE)
+    x = torch.randn(m, dim, device=DEVICE, requires_grad=True)
+    h, rstd = NormStats(dim, EPS)(x.detach(), block.wn.detach())
+    rows = []
+    for kernel in (kernels.lm_head_logits, kernels.lm_head_ce_dz):
+        name = kernel.__name__.rsplit(".", 1)[1]
+
+        def recorded(real=getattr(kernel, name), **args):
+            out = real(**args)
+            rows.append(out[0].shape[0])
+            return out
+        monkeypatch.setattr(kernel, name, recorded)
+    block(x, h, rstd, torch.randint(0, vocab, (m,), device=DEVICE))
+    assert rows == [16, 16, 16, 16, 5, 5]  # logits and dz of each chunk in turn
+
+
 def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
     """Between forward and backward the block holds the gradients, no logits; the backward scales them in
     place, so that a second backward through the same graph is refused rather than scaled twice."""
