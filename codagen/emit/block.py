@@ -103,6 +103,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         unpack_saved=_tuple("", list(cb.saved), " = ctx.saved_tensors", 8) if cb.saved else [],
         chunks=chunks,
         rows=_value(chunks.rows) if chunks else None,
+        sums=_value(chunks.sums) if chunks else None,
         backward=_calls(cb.backward, body, chunks),
         drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
         returns=_statement("return", [(f"{g}.mul_(grad_{gf.output})" if gf else g) if g else "None"
