@@ -150,7 +150,9 @@ _PLANS = {}  # launch plans by argument signature: the checks and the config cho
 
 
 def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> None:
-    """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch."""
+    """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
+    and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
+    passed as the output itself)."""
     tensors = (h, w_vocab, rstd, target, lse_part, target_logit)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))

@@ -185,7 +185,9 @@ _PLANS = {}  # launch plans by argument signature: the checks and the config cho
 
 
 def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> None:
-    """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch."""
+    """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
+    and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
+    passed as the output itself)."""
     tensors = (dz, w, x, rstd, wn, zdz, dx, dwn_part, normed)
     key = runtime.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
