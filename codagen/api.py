@@ -131,7 +131,8 @@ def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFi
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
     for c in kernels:
-        result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate))
+        hopper = not unlowered(c.kernel, c.types)
+        result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate, hopper))
     for rel, content in render_gluon([(c.kernel, c.types) for c in kernels], regenerate).items():
         result.add(rel, content)  # the Hopper backend: generated/kernels/gluon/
     for c in blocks:

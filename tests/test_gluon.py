@@ -1,8 +1,10 @@
 """The Hopper backend (Gluon) on the CPU: its modules are generated, deterministic and valid Python; steps it
 cannot lower are named by file:line and keep their kernel on the tl path; every generated kernel, those of
 specs/ and of tests/specs/, lowers to TTGIR for sm_90 with the installed Triton (warp-specialized, with wgmma
-and TMA); and a launch off a Hopper GPU is refused with the reason. Gluon kernels do not run on the CPU (no
-interpreter): benchmarks/gluon_bench.py checks them against float64 on an H200."""
+and TMA); a launch off a Hopper GPU is refused with the reason; and the Hopper kernel as a tuning candidate:
+the table records the backend that won, and the tl launcher runs the Hopper kernel when its config says so.
+Gluon kernels do not run on the CPU (no interpreter): tests/test_gpu.py (`-k gluon`) checks them against
+float64 on an H200."""
 from __future__ import annotations
 
 import ast
@@ -19,6 +21,7 @@ import torch
 from codagen import api
 from codagen.emit.gluon import render_gluon, unlowered
 from codagen.primitives import PRIMITIVES
+from codagen.runtime import Config
 
 LOWERED = {p.name for p in PRIMITIVES.values() if "gluon" in p.emitters}  # primitives with a Gluon emitter
 
@@ -162,3 +165,90 @@ def test_launch_refused_off_hopper():
     half = {k: v.to(torch.bfloat16) if k != "ss" else v for k, v in outs.items()}
     with pytest.raises(ValueError, match="sm_90 GPU only"):
         m.launch(y.bfloat16(), w.bfloat16(), x.bfloat16(), torch.randn(24).bfloat16(), **half)
+
+
+# ---- the Hopper kernel as a tuning candidate, and the tl launcher's dispatch to it --------------------------
+
+def test_backend_recorded_in_tables(tmp_path):
+    from codagen.runtime import configs
+    from codagen.tune.tables import write_table
+
+    matmul = next(k for k, _ in _kernels(SPECS) if k.name == "matmul")
+    chosen = Config(128, 128, 64, 16, 4, 5, backend="gluon")
+    path = tmp_path / "nvidia-h200" / "matmul.json"
+    write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {"config": chosen.as_dict(), "ms": 0.4}})
+    data = json.loads(path.read_text())
+    assert data["shapes"]["32768x2048x2048"]["config"]["backend"] == "gluon"
+    # a table written before the field existed: its configs are the tl kernel's
+    del data["shapes"]["32768x2048x2048"]["config"]["backend"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    configs.clear_caches()
+    assert configs._table(str(path), data["fingerprint"], "3.6.0")["32768x2048x2048"] == chosen
+    assert configs._table(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
+    with pytest.raises(ValueError, match="backend must be one of tl, gluon"):
+        Config(backend="cuda")
+    with pytest.raises(ValueError, match="epilogue_split must be 1"):
+        Config(backend="gluon", epilogue_split=2)
+
+
+def test_gluon_candidates_only_where_the_hopper_kernel_runs():
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates
+    from codagen.tune.harness import times_hopper
+
+    kernels = {k.name: k for k, _ in _kernels(SPECS)}
+    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + GLUON_CANDIDATES
+    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES
+    assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
+    assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
+    tl_matmul = importlib.import_module("generated.kernels.matmul")
+    assert not times_hopper(tl_matmul, torch.device("cpu"))  # the interpreter runs no Gluon kernel
+
+
+def _matmul_args():
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(37, 24, generator=g), torch.randn(40, 24, generator=g)
+    return a, b, torch.full((37, 40), float("nan"))
+
+
+def test_tl_launcher_dispatches_on_the_configs_backend(monkeypatch):
+    from codagen.runtime import configs
+
+    tl_matmul = importlib.import_module("generated.kernels.matmul")
+    calls = []
+    monkeypatch.setattr(configs, "launch_hopper", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
+    a, b, out = _matmul_args()
+    gluon = Config(64, 64, 32, 8, 4, 4, backend="gluon")
+    tl_matmul.launch(a, b, out_tile=out, config=gluon)
+    assert [(p, k, sorted(kw)) for p, k, kw in calls] == [("generated.kernels", "matmul", ["a", "b", "config",
+                                                                                        "out_tile"])]
+    assert calls[0][2]["a"] is a and calls[0][2]["out_tile"] is out and calls[0][2]["config"] == gluon
+    assert torch.isnan(out).all()  # the tl kernel did not run
+    tl_matmul.launch(a, b, out_tile=out, config=Config(64, 64, 32, 8, 4, 1))
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), a.double() @ b.double().T, rtol=1e-4, atol=1e-4)
+
+
+def test_gluon_config_refused_off_hopper_and_where_not_lowered():
+    from codagen.runtime import configs
+
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    gluon = Config(backend="gluon")
+    with pytest.raises(ValueError, match="sm_90 GPU only"):  # the Hopper module's own refusal
+        importlib.import_module("generated.kernels.matmul").launch(a, b, out_tile=out, config=gluon)
+    # a table's choice falls back to the tl kernel where the Hopper kernel refuses the arguments
+    assert configs.hopper_or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
+    x = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="the Hopper backend does not lower this kernel"):
+        importlib.import_module("generated.kernels.rmsnorm_stats").launch(
+            x, torch.randn(8), h=torch.empty(5, 8), ss=torch.empty(5, 1), config=gluon)
+
+
+def test_hopper_config_from_a_tl_launchers_config():
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    epilogue = hopper.Epilogue(buffers=1)
+    assert hopper.launch_config(None, epilogue) == hopper.default_config(epilogue)
+    assert hopper.launch_config(Config(128, 128, 64, 16, 4, 5, backend="gluon"), epilogue) == hopper.HopperConfig(
+        128, 128, 64, stages=5, group_m=16)
+    with pytest.raises(ValueError, match="tl backend given to a Hopper"):
+        hopper.launch_config(Config(), epilogue)

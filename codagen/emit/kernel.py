@@ -69,7 +69,9 @@ def _tensor(decl: Input | Output, output: bool, in_place_of: tuple[str, ...] = (
     )
 
 
-def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
+def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hopper: bool = False) -> str:
+    """The tl kernel's module; `hopper`: the Hopper backend lowers the kernel too, and the launcher runs that
+    kernel when its config says so (backend "gluon")."""
     tensors = [_tensor(i, False) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
     in_place = in_place_inputs(k)
     tensors += [_tensor(o, True, in_place.get(o.name, ())) for o in k.outputs]
@@ -97,6 +99,7 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> st
         allocated=[t for t in tensors if t.output and not t.inplace],
         scalars=scalars,
         host=_host_code(k, tensors, scalars),
+        hopper=hopper,
         epilogue=emit_epilogue(k, types),
         has_k=k.gemm is not None,
         even_n=any(t.width is Width.HALF for t in types.values()),
@@ -152,6 +155,9 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
                                                       else ("block_k", "block_n"))), 4)} if k.gemm else {}),
         "plan_return": _fitted(f"return runtime.LaunchPlan.make(config, device, t_dtype, M, N, {kernel_k}, "
                                f"tensors, runtime.Aliasing(NAME, DECLS, tensors){gemm})", 4),
+        "hopper_launch": _fitted("runtime.configs.launch_hopper(__package__, NAME, "
+                                 + "".join(f"{n}={n}, " for n in [*(i.name for i in k.inputs), *returned])
+                                 + "config=plan.config)", 8),
         "allocate_def": _fitted(f"def _allocate({args}):", 0),
         "allocate_values": _fitted("values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
                                                              if not t.output) + ")", 4),

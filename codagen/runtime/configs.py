@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import torch
 log = logging.getLogger("codagen.tune")
 
 
+BACKENDS = ("tl", "gluon")
 MIN_BLOCK, MAX_BLOCK = 16, 512  # tile sizes: tl.dot needs 16 or more, and larger tiles do not fit on chip
 
 
@@ -47,6 +49,10 @@ class Config:
     # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions
     # over columns are per slice, so tiles(N) counts slices (see epilogue_n).
     epilogue_split: int = 1
+    # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
+    # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
+    # group_m and num_stages (its operand stages); the other fields are the tl kernel's
+    backend: str = "tl"
 
     def __post_init__(self):
         """Refuse, when it is made, a config no kernel can launch with (Triton would fail deep inside)."""
@@ -73,6 +79,10 @@ class Config:
             fail(f"group_m and num_stages must be at least 1, got {self.group_m} and {self.num_stages}")
         if self.flatten and not self.persistent:
             fail("flatten pipelines a persistent program's loop over tiles: it needs persistent=True")
+        if self.backend not in BACKENDS:
+            fail(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "gluon" and self.epilogue_split != 1:
+            fail("the gluon backend runs the epilogue on whole tiles: epilogue_split must be 1")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")
@@ -96,7 +106,40 @@ class Config:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
                 + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
-                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else ""))
+                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
+                + (f" {self.backend}" if self.backend != "tl" else ""))
+
+
+def launch_hopper(package: str, kernel: str, /, **arguments) -> None:
+    """Launch a kernel's Hopper module, <package>.gluon.<kernel>, for a config whose backend is "gluon". The
+    module is imported at the first such launch only: it imports Triton's Gluon (and refuses all but sm_90)."""
+    importlib.import_module(f"{package}.gluon.{kernel}").launch(**arguments)
+
+
+def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
+    """A tuning table's choice of the Hopper kernel, or the tl kernel with the same tile shape where the Hopper
+    kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
+    why = importlib.import_module(f"{package}.gluon.{kernel}").refusal(tensors, config)
+    if why is None:
+        return config
+    log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
+             "running the tl kernel", kernel, why)
+    return dataclasses.replace(config, backend="tl")
+
+
+def check_tl_only(kernel: str, config: Config) -> None:
+    """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel."""
+    if config.backend == "gluon":
+        raise ValueError(f"{kernel}: Config(backend='gluon'), but the Hopper backend does not lower this kernel "
+                         "(generated/kernels/gluon/__init__.py says why); use backend='tl'")
+
+
+def hopper_runs(device: torch.device) -> bool:
+    """Whether the Hopper kernels can run here: an sm_90 GPU, not the interpreter, and a Triton with Gluon."""
+    from . import INTERPRETED
+
+    return (not INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and importlib.util.find_spec("triton.experimental.gluon") is not None)
 
 
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.

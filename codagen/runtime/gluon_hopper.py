@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
+from .configs import Config
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -89,6 +90,19 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
     config = HopperConfig(block_k=block_k, stages=MAX_STAGES)
     while config.stages > 2 and config.smem_bytes(2, epilogue) > SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
+    return config
+
+
+def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
+    """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
+    table chose this kernel) gives its tile shape, group_m and num_stages as this kernel's stages."""
+    if config is None:
+        return default_config(epilogue)
+    if isinstance(config, Config):
+        if config.backend != "gluon":
+            raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
+        return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
+                            group_m=config.group_m)
     return config
 
 

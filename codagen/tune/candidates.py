@@ -52,6 +52,21 @@ ELEMENTWISE_CANDIDATES = tuple(
 )
 
 
-def candidates(kernel: Kernel) -> tuple[Config, ...]:
-    return GEMM_CANDIDATES if kernel.gemm else ELEMENTWISE_CANDIDATES
+# The Hopper backend's kernel (generated/kernels/gluon/: persistent, a TMA producer warp and two ping-pong
+# consumer warpgroups, 128x128 tiles per consumer), timed beside the tl candidates for the kernels it lowers
+# and only on sm_90: its tile shape, group_m and operand stages (num_stages). 5 stages fit beside one epilogue
+# buffer per consumer, 4 beside two or three; a candidate that does not fit is refused at its launch and
+# discarded. GROUP_M 16 won some of the out-projection shapes on the H200 (benchmarks/results/h200-gluon.md).
+GLUON_CANDIDATES = (
+    Config(128, 128, 64, 8, 4, 5, backend="gluon"),
+    Config(128, 128, 64, 8, 4, 4, backend="gluon"),
+    Config(128, 128, 64, 16, 4, 5, backend="gluon"),
+)
+
+
+def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
+    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it."""
+    if not kernel.gemm:
+        return ELEMENTWISE_CANDIDATES
+    return GEMM_CANDIDATES + (GLUON_CANDIDATES if hopper else ())
 

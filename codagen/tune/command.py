@@ -18,7 +18,7 @@ from ..fingerprint import fingerprint
 from ..runtime import configs
 from . import TuneError
 from .candidates import candidates
-from .harness import CHECK_ROWS, Outcome, do_bench_timer, tune_shape
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
 from .shapes import TOKENS, Shape, parse_shapes, parse_tokens
 from .tables import read_table, write_table
 
@@ -90,7 +90,8 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
         device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu or configs.gpu_key(device)
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu)
-    runs = sum(len(j.shapes) * len((pools or {}).get(j.checked.kernel.name, candidates(j.checked.kernel)))
+    runs = sum(len(j.shapes) * len((pools or {}).get(j.checked.kernel.name,
+                                                     candidates(j.checked.kernel, times_hopper(j.module, device))))
                for j in selected)
     log(f"tuning {len(selected)} kernel(s) at {sum(len(j.shapes) for j in selected)} shape(s) on {gpu} "
         f"(triton {triton.__version__}): {runs} candidate runs"

@@ -2,6 +2,7 @@
 timing of those that pass."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -122,6 +123,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).norm().item() / (scale if scale > 0 else 1.0)
 
 
+def times_hopper(module, device: torch.device) -> bool:
+    """Whether the Hopper kernel is a candidate: the Hopper backend lowers this kernel (its module
+    <package>.gluon.<name> exists) and this GPU runs it."""
+    return (configs.hopper_runs(device)
+            and importlib.util.find_spec(f"{module.__package__}.gluon.{module.NAME}") is not None)
+
+
 # -- one kernel at one shape -----------------------------------------------------------------------------------
 def do_bench_timer(fn: Callable[[], None]) -> float:
     """Median milliseconds of fn through triton.testing.do_bench (which flushes L2 between runs)."""
@@ -195,7 +203,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     """Check and time every candidate of `pool` (default: candidates(kernel)) at `shape`; stop early, with
     an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
-    pool = candidates(kernel) if pool is None else pool
+    pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

@@ -159,6 +159,10 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
     if plan.empty:
         return
     plan.aliasing.check(tensors)
+    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/lm_head_logsumexp.py
+        runtime.configs.launch_hopper(__package__, NAME, h=h, w_vocab=w_vocab, rstd=rstd, target=target,
+                                      lse_part=lse_part, target_logit=target_logit, config=plan.config)
+        return
     tma = plan.tma and runtime.aligned(h, w_vocab)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_vocab_desc = runtime.descriptor(w_vocab, plan.config.block_n, plan.config.block_k) if tma else None
@@ -189,9 +193,12 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    chosen = config  # None: a tuning table chooses, and its choice of the Hopper kernel falls back to tl below
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    if chosen is None and config.backend == "gluon":
+        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

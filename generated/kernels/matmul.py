@@ -136,6 +136,9 @@ def launch(a, b, *, out_tile, config=None) -> None:
     if plan.empty:
         return
     plan.aliasing.check(tensors)
+    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/matmul.py
+        runtime.configs.launch_hopper(__package__, NAME, a=a, b=b, out_tile=out_tile, config=plan.config)
+        return
     tma = plan.tma and runtime.aligned(a, b)
     a_desc = runtime.descriptor(a, plan.config.block_m, plan.config.block_k) if tma else None
     b_desc = runtime.descriptor(b, plan.config.block_n, plan.config.block_k) if tma else None
@@ -163,9 +166,12 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    chosen = config  # None: a tuning table chooses, and its choice of the Hopper kernel falls back to tl below
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    if chosen is None and config.backend == "gluon":
+        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 

@@ -203,6 +203,10 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
     if plan.empty:
         return
     plan.aliasing.check(tensors)
+    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/norm_dgrad_residual.py
+        runtime.configs.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x,
+                                      dx=dx, dwn_part=dwn_part, normed=normed, config=plan.config)
+        return
     tma = plan.tma and runtime.aligned(dz, w)
     dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
@@ -237,9 +241,12 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    chosen = config  # None: a tuning table chooses, and its choice of the Hopper kernel falls back to tl below
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    if chosen is None and config.backend == "gluon":
+        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

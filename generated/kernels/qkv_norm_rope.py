@@ -192,6 +192,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    runtime.configs.check_tl_only(NAME, config)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 

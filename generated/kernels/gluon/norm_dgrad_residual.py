@@ -203,7 +203,7 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
     mismatch, and on what only the tl kernel runs (hopper.check says what)."""
-    config = config or hopper.default_config(EPILOGUE)
+    config = hopper.launch_config(config, EPILOGUE)
     tensors = (dz, w, x, rstd, wn, zdz, grad_x, dx, dwn_part, normed)
     key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
@@ -228,6 +228,16 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
             **config.meta(),
             num_warps=4,
         )
+
+
+def refusal(tensors, config=None) -> str | None:
+    """Why this kernel cannot take these tensors (the tl kernel's, in its order), or None: the checks of a
+    launch plan, for a tl launcher whose tuning table chose this kernel (it runs the tl kernel instead)."""
+    try:
+        _plan(tensors, hopper.launch_config(config, EPILOGUE))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _plan(tensors, config) -> hopper.LaunchPlan:
