@@ -200,8 +200,8 @@ class Checker:
 def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
                timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
                deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
-    """Check and time every candidate of `pool` (default: candidates(kernel)) at `shape`; stop early, with
-    an incomplete outcome, once time.monotonic() passes `deadline`."""
+    """Check and time every candidate of `pool` (default: candidates(kernel), with the Hopper kernel's where
+    it runs) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
     outcome = Outcome(shape)
