@@ -99,6 +99,18 @@ def test_specials_match_pytorch(test_kernels, name, planted):
         run_planted(module, kernel, planted, SPECIALS, seed)
 
 
+def test_max_as_compiled_propagates_nan(test_kernels, monkeypatch):
+    """The reduction that compiled kernels run for reduce max (by tile.maximum_nan), which the interpreter
+    otherwise replaces by a faster equivalent, on the interpreter."""
+    import triton.language as tl
+
+    from codagen.runtime import tile
+
+    monkeypatch.setattr(tile, "_INTERPRETED", tl.constexpr(False))
+    for planted in ("a", "c"):
+        run_planted(test_kernels("t_reduce"), kernel_model("t_reduce"), planted)
+
+
 def test_logsumexp_of_a_tile_of_minus_inf(test_kernels):
     """A tile whose every element is -inf: torch.logsumexp gives -inf (and max -inf), not 0."""
     module, kernel = test_kernels("t_reduce"), kernel_model("t_reduce")

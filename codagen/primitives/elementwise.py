@@ -126,7 +126,10 @@ def _emit_cast(e, s):
     # round to the narrower type and back: models where an unfused program would store that type
     dtype = s.args["dtype"]
     to = e.t_dtype() if dtype == "T" else f"{e.lang}.{dtype}"
-    e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
+    if e.types[s.args["x"]].kind is Kind.SCALAR:  # a host scalar is a Python float under the interpreter
+        e.elementwise(s, f"{e.lang}.cast({e.lang}.cast({{x}}, {to}), {e.lang}.float32)", {"x": s.args["x"]})
+    else:
+        e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
 
 
 def _cast_reference(r, s):

@@ -8,11 +8,14 @@ masked-off lanes neither add nor hide one (they are replaced before any arithmet
 import triton
 import triton.language as tl
 
+from . import INTERPRETED
+
 # Which reduction partial_reduce computes (its OP): the reduce primitive's ops (codagen/primitives/reduce.py)
 SUM = tl.constexpr(0)
 SUMSQ = tl.constexpr(1)
 MAX = tl.constexpr(2)
 LOGSUMEXP = tl.constexpr(3)
+_INTERPRETED = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
@@ -168,9 +171,14 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
     elif OP == SUMSQ:
         out = tl.sum(tl.where(mask, x * x, 0.0), axis=AXIS)
     elif OP == MAX:
-        # tl.max drops NaN; a reduction by maximum_nan costs the same on a GPU (the interpreter runs it
-        # element by element, slowly)
-        out = tl.reduce(tl.where(mask, x, float("-inf")), AXIS, maximum_nan)
+        x = tl.where(mask, x, float("-inf"))
+        if _INTERPRETED:
+            # the interpreter runs a reduction by a function of ours element by element (~40 us each): there,
+            # tl.max and a sum that is NaN when an element is give the same result
+            out = tl.max(x, axis=AXIS) + tl.sum(tl.where(x != x, x, 0.0), axis=AXIS)
+        else:
+            # tl.max drops NaN; reducing by maximum_nan costs the same on a GPU
+            out = tl.reduce(x, AXIS, maximum_nan)
     else:
         # online-softmax partial: max, then the sum of exponentials below it, folded into one number. The
         # max may drop a NaN: the NaN reaches the sum through exp
