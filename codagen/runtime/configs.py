@@ -119,12 +119,13 @@ def launch_hopper(package: str, kernel: str, /, **arguments) -> None:
 def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     """A tuning table's choice of the Hopper kernel, or the tl kernel with the same tile shape where the Hopper
     kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
-    why = importlib.import_module(f"{package}.gluon.{kernel}").refusal(tensors, config)
-    if why is None:
-        return config
-    log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
-             "running the tl kernel", kernel, why)
-    return dataclasses.replace(config, backend="tl")
+    try:
+        importlib.import_module(f"{package}.gluon.{kernel}").check_launch(tensors, config)
+    except ValueError as e:
+        log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
+                 "running the tl kernel", kernel, e)
+        return dataclasses.replace(config, backend="tl")
+    return config
 
 
 def check_tl_only(kernel: str, config: Config) -> None:

@@ -186,14 +186,10 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
         )
 
 
-def refusal(tensors, config=None) -> str | None:
-    """Why this kernel cannot take these tensors (the tl kernel's, in its order), or None: the checks of a
-    launch plan, for a tl launcher whose tuning table chose this kernel (it runs the tl kernel instead)."""
-    try:
-        _plan(tensors, hopper.launch_config(config, EPILOGUE))
-    except ValueError as e:
-        return str(e)
-    return None
+def check_launch(tensors, config=None) -> None:
+    """Raise ValueError where this kernel cannot take these tensors (the tl kernel's, in its order): the
+    checks of a launch plan, for a tl launcher whose tuning table chose this kernel."""
+    _plan(tensors, hopper.launch_config(config, EPILOGUE))
 
 
 def _plan(tensors, config) -> hopper.LaunchPlan:
