@@ -68,6 +68,7 @@ def test_launch_plans_depend_on_the_argument_types():
 def test_row_chunks_cover_every_row_once():
     chunks = list(runtime.row_chunks(37, 16))
     assert [(c.start, c.stop) for c in chunks] == [(0, 16), (16, 32), (32, 37)]
+    assert list(runtime.row_chunks(0, 16)) == [slice(0, 0)]  # no rows: one empty chunk, so gradients come out
 
 
 def test_chunk_gradients_are_summed_in_fp32():
