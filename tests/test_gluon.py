@@ -82,6 +82,16 @@ def test_cli_build_notes_the_fallbacks(tmp_path):
     assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated.py").exists()
 
 
+def test_lowering_is_one_registry_entry(monkeypatch):
+    """A primitive's "gluon" emitter entry is what lowers it: without it, the step is named as a fallback."""
+    kernels = {k.name: (k, t) for k, t in _kernels(SPECS)}
+    assert not unlowered(*kernels["lm_head_logits"])
+    monkeypatch.delitem(PRIMITIVES["select"].emitters, "gluon")
+    found = [str(f) for f in unlowered(*kernels["lm_head_logits"])]
+    assert len(found) == 1 and "select: {x: zt, index: target, to: target_logit}: no Gluon lowering of 'select' " \
+        "yet" in found[0]
+
+
 _TTGIR = """
 import importlib.util, json, sys
 sys.path.insert(0, {benchmarks!r})
