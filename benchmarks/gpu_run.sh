@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the GPU tests, then benchmark patterns, each step under its own time limit, logs
+# and reports into $OUT (default benchmarks/results/run). Liger-Kernel comes from the wheel in .whl/ (README).
+#
+#   benchmarks/gpu_run.sh tests SECONDS                      # pytest -m gpu over tests/
+#   benchmarks/gpu_run.sh bench SECONDS TAG [bench.py args]  # benchmarks/bench.py ... --out $OUT --tag TAG
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/run}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+what=$1 limit=$2
+shift 2
+case $what in
+  tests)
+    { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+      timeout "$limit" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ "$@"
+      echo "pytest exit: $?"; } > "$OUT/gpu-tests.log" 2>&1
+    tail -n 25 "$OUT/gpu-tests.log" ;;
+  bench)
+    tag=$1
+    shift
+    timeout "$limit" python3 benchmarks/bench.py --out "$OUT" --tag "$tag" "$@" > "$OUT/bench-$tag.log" 2>&1
+    echo "bench exit: $?"
+    tail -n 30 "$OUT/bench-$tag.log" ;;
+esac
