@@ -118,9 +118,6 @@ def main() -> None:
         args.out.write_text("\n".join(lines))
 
 
-if __name__ == "__main__":
-    main()
-
 
 def ttgir(module, config: HopperConfig, arch: int = 90) -> str:
     """The kernel lowered as far as TTGIR for sm_`arch` (Gluon's own stage), without LLVM and ptxas: what the
@@ -139,3 +136,7 @@ def ttgir(module, config: HopperConfig, arch: int = 90) -> str:
     backend.load_dialects(context)
     mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
     return str(stages["ttgir"](mod, {}))
+
+
+if __name__ == "__main__":
+    main()
