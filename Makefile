@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # interpreter, which runs the generated kernels on the CPU. A GPU machine brings its own torch and triton.
 CPU_PINS := torch==2.13.0 triton==3.9.0 "numpy==2.4.*"
 
-.PHONY: demo test build check clean
+.PHONY: demo test fuzz build check clean
 
 $(BIN)/codagen: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(BIN)/codagen
 
 test: $(BIN)/codagen
 	$(BIN)/python -m pytest -q
+
+# The spec fuzzer at length: random examples (a new seed each run), 20 times the bounded run's number
+fuzz: $(BIN)/codagen
+	CODAGEN_FUZZ_EXAMPLES=$${CODAGEN_FUZZ_EXAMPLES:-20} $(BIN)/python -m pytest -q tests/test_fuzz.py \
+		--hypothesis-show-statistics
 
 build: $(BIN)/codagen
 	$(BIN)/codagen build specs/
