@@ -75,8 +75,10 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
 
 def _rows(node: Node, what: str, sink: ErrorSink) -> str | int | None:
     v = node.value
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0 or isinstance(v, str):
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return v
+    if isinstance(v, str):
+        return _name(node, what, sink)
     sink.add(node.loc, f"{what} must be a positive number of rows or an int attr, got {node.type_name}")
     return None
 

@@ -626,6 +626,13 @@ def test_bad_block(tmp_path, kwargs, line, words):
     assert all(e.message.isprintable() for e in errors), listing
 
 
+def test_row_chunks_named_by_text_that_is_no_name(tmp_path):
+    """backward_row_chunks names an int attr; other text (here a terminal escape code) is refused, escaped."""
+    errors = _block_errors(tmp_path, b=stats_block() + 'backward_row_chunks: "\\x1b[2J"\n')
+    assert [(e.loc.line, e.message.split(":")[0]) for e in errors] == [(13, "backward_row_chunks")]
+    assert "'\\x1b[2J' is not a valid name" in errors[0].message
+
+
 @pytest.mark.parametrize("first, second, cls", [("stats", "stats_function", "StatsFunction"),
                                                  ("norm1", "norm_1", "Norm1")])
 def test_block_class_names_must_not_collide(tmp_path, first, second, cls):
