@@ -21,7 +21,7 @@ import pytest
 
 from codagen import api
 from codagen.errors import SpecError, ValidationFailed
-from codagen.names import IDENTIFIER, kernel_functions, name_problem
+from codagen.names import IDENTIFIER, MODULE_ATTRIBUTES, kernel_functions, name_problem
 from conftest import REPO, TEST_SPECS
 
 BLOCK_SUFFIXES = ("rows", "chunks", "sum")
@@ -624,6 +624,14 @@ def test_bad_block(tmp_path, kwargs, line, words):
     listing = "\n".join(map(str, errors))
     assert any(e.loc.line == line and words in e.message for e in errors), listing
     assert all(e.message.isprintable() for e in errors), listing
+
+
+def test_module_attributes_are_those_of_torch():
+    """A block's attrs and parameters become attributes of an nn.Module: the names it has are refused."""
+    import torch.nn as nn
+
+    public = {a for a in dir(nn.Module()) if IDENTIFIER.fullmatch(a)}
+    assert public <= MODULE_ATTRIBUTES, f"add to codagen/names.py MODULE_ATTRIBUTES: {public - MODULE_ATTRIBUTES}"
 
 
 def test_row_chunks_named_by_text_that_is_no_name(tmp_path):
