@@ -19,7 +19,7 @@ case $what in
   tests)
     { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-      timeout "$limit" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/ "$@"
+      timeout "$limit" python3 -m pytest -m gpu -v -rfE -p no:cacheprovider tests/ "$@"
       echo "pytest exit: $?"; } > "$OUT/gpu-tests.log" 2>&1
     tail -n 25 "$OUT/gpu-tests.log" ;;
   bench)
