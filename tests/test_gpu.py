@@ -347,6 +347,61 @@ def test_gluon_kernel(name, shape, dtype):
                  lambda: config, f"gluon/{name}/{shape}/{dtype}", start)
 
 
+
+class ViaConfig:
+    """A kernel module whose launch runs with `config` whatever it is given: check_launch launches with
+    config=None, which would take the tuning table's choice."""
+
+    def __init__(self, module, config):
+        self.module, self.config = module, config
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def launch(self, *args, config=None, **kwargs):
+        self.module.launch(*args, config=self.config, **kwargs)
+
+
+def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
+    """What a tuning table that picks the Hopper kernel runs: the tl module's launch with a Config whose
+    backend is "gluon" launches generated/kernels/gluon/<name>.py, and the result passes the same checks."""
+    start = time.perf_counter()
+    hopper_runtime()
+    name = "out_proj_residual_norm"
+    gluon_module = importlib.import_module(f"generated.kernels.gluon.{name}")
+    chosen = runtime.Config(128, 128, 64, 8, 4, 4, backend="gluon")
+    launches, gluon_launch = [], gluon_module.launch
+    monkeypatch.setattr(gluon_module, "launch", lambda *a, **kw: launches.append(kw["config"]) or gluon_launch(*a, **kw))
+    m, n, k = RAGGED["ragged1037x1000x872"]
+    module = ViaConfig(importlib.import_module(f"generated.kernels.{name}"), chosen)
+    check_launch(f"gpu tl->gluon {name} bf16", KERNELS[name], module, {"M": m, "N": n, "K": k}, torch.bfloat16,
+                 lambda: chosen, f"tl-gluon/{name}", start)
+    assert launches == [chosen]
+
+
+def test_hopper_launch_refuses_overlapping_outputs():
+    """The Hopper launcher's overlap checks are the tl launcher's: an output may be the very view of an input it
+    updates in place, and nothing else that shares its memory."""
+    hopper_runtime()
+    module = importlib.import_module("generated.kernels.gluon.out_proj_residual_norm")
+    g = generator("gluon-overlap")
+    m, n, k = 300, 256, 192
+    y, w_o, x = (torch.randn(*s, generator=g, device=DEVICE).bfloat16() for s in ((m, k), (n, k), (m, n)))
+    wn = torch.randn(n, generator=g, device=DEVICE).bfloat16()
+    ss = torch.empty(m, 2, device=DEVICE)
+    h = torch.empty_like(x)
+    with pytest.raises(ValueError, match="output 'x_out' overlaps output 'h'"):
+        module.launch(y, w_o, x, wn, x_out=h, h=h, ss=ss)
+    x_out = torch.empty_like(x)
+    y_inside = x_out.view(-1)[: m * k].view(m, k).copy_(y)  # an operand in the output's memory
+    with pytest.raises(ValueError, match="output 'x_out' overlaps input 'y'"):
+        module.launch(y_inside, w_o, x, wn, x_out=x_out, h=h, ss=ss)
+    expected = x.double() + y.double() @ w_o.double().T
+    module.launch(y, w_o, x, wn, x_out=x, h=h, ss=ss)  # in place: x_out is x
+    sync()
+    assert rel(x.float(), expected) < 1e-2
+
+
 # ---- blocks -----------------------------------------------------------------------------------------------
 
 def rms_norm(x, w, eps=EPS):

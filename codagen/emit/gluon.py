@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
 from ..primitives import step_text, unsupported_steps
 from .epilogue import EpilogueEmitter, fit
-from .kernel import AXIS, wrap
+from .kernel import AXIS, tensor_args, wrap
 from .templates import render
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tensor_names=names,
         tensor_names_quoted=", ".join(f'"{n}"' for n in names),
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
-        decls=[(t.name, tuple(d.value for d in t.dims), t.dtype.value, t in k.outputs) for t in tensors],
+        decls=[t.decl_src for t in tensor_args(k)],
     )
 
 

@@ -69,12 +69,17 @@ def _tensor(decl: Input | Output, output: bool, in_place_of: tuple[str, ...] = (
     )
 
 
+def tensor_args(k: Kernel) -> list[Tensor]:
+    """The kernel's tensor arguments in launch order: inputs (host scalars aside), then outputs."""
+    in_place = in_place_inputs(k)
+    return ([_tensor(i, False) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
+            + [_tensor(o, True, in_place.get(o.name, ())) for o in k.outputs])
+
+
 def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hopper: bool = False) -> str:
     """The tl kernel's module; `hopper`: the Hopper backend lowers the kernel too, and the launcher runs that
     kernel when its config says so (backend "gluon")."""
-    tensors = [_tensor(i, False) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
-    in_place = in_place_inputs(k)
-    tensors += [_tensor(o, True, in_place.get(o.name, ())) for o in k.outputs]
+    tensors = tensor_args(k)
     scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
     a = k.input(k.gemm.a) if k.gemm else None
     b = k.input(k.gemm.b) if k.gemm else None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
+from .checks import Aliasing
 from .configs import Config
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -154,15 +155,17 @@ class LaunchPlan:
     n: int
     k: int
     programs: int
+    aliasing: Aliasing  # the per-call check that outputs share no memory with other arguments
 
     @property
     def empty(self) -> bool:
         return self.m == 0 or self.n == 0
 
     @classmethod
-    def make(cls, device: torch.device, m: int, n: int, k: int, config: HopperConfig) -> "LaunchPlan":
+    def make(cls, device: torch.device, m: int, n: int, k: int, config: HopperConfig,
+             aliasing: Aliasing) -> "LaunchPlan":
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        return cls(device, m, n, k, programs=max(1, min(tiles, sm_count(device))))
+        return cls(device, m, n, k, programs=max(1, min(tiles, sm_count(device))), aliasing=aliasing)
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

@@ -29,8 +29,8 @@ DECLS = (
     runtime.Decl("w_o", ("N", "K"), "T"),
     runtime.Decl("x", ("M", "N"), "T"),
     runtime.Decl("wn", ("N",), "T"),
-    runtime.Decl("x_out", ("M", "N"), "T", output=True),
-    runtime.Decl("h", ("M", "N"), "T", output=True),
+    runtime.Decl("x_out", ("M", "N"), "T", output=True, in_place_of=("x",)),
+    runtime.Decl("h", ("M", "N"), "T", output=True, in_place_of=("x",)),
     runtime.Decl("ss", ("M", "tiles(N)"), "float32", output=True),
 )
 TMA_TENSORS = ("y", "w_o", "x", "x_out", "h")  # addressed by TMA descriptors
@@ -177,13 +177,15 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 
 def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
-    mismatch, and on what only the tl kernel runs (hopper.check says what)."""
+    mismatch, where an output shares memory with another argument (as the tl kernel's launch), and on what only
+    the tl kernel runs (hopper.check says what)."""
     config = hopper.launch_config(config, EPILOGUE)
     tensors = (y, w_o, x, wn, x_out, h, ss)
     key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     block_mn = [config.block_m, config.block_n]
     with runtime.on_device(plan.device):
         out_proj_residual_norm_kernel[(plan.programs,)](
@@ -215,4 +217,4 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
-    return hopper.LaunchPlan.make(device, M, N, K, config)
+    return hopper.LaunchPlan.make(device, M, N, K, config, runtime.Aliasing(NAME, DECLS, tensors))
