@@ -68,6 +68,7 @@ fixed batch for a few steps: losses within 2e-2 relative at every step, and both
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import inspect
@@ -349,17 +350,20 @@ def test_gluon_kernel(name, shape, dtype):
 
 
 class ViaConfig:
-    """A kernel module whose launch runs with `config` whatever it is given: check_launch launches with
-    config=None, which would take the tuning table's choice."""
+    """A kernel module whose launch runs with `config` whatever it is given (check_launch launches with
+    config=None, which would take the tuning table's choice), with the module's launch signature."""
 
     def __init__(self, module, config):
-        self.module, self.config = module, config
+        self.module = module
+
+        @functools.wraps(module.launch)
+        def launch(*args, config=None, **kwargs):
+            module.launch(*args, config=chosen, **kwargs)
+
+        chosen, self.launch = config, launch
 
     def __getattr__(self, name):
         return getattr(self.module, name)
-
-    def launch(self, *args, config=None, **kwargs):
-        self.module.launch(*args, config=self.config, **kwargs)
 
 
 def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
