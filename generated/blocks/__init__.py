@@ -4,6 +4,16 @@
 
 - LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, with the gradients made in
   the forward over row chunks.
+- LmHeadLossRows (specs/cross_entropy/blocks/lm_head_loss_rows.yaml): Final RMSNorm, LM head and cross-entropy loss of
+  each row (reduction 'none'); the backward recomputes the logits over row chunks.
+- LmHeadLossSmooth (specs/cross_entropy/blocks/lm_head_loss_smooth.yaml): Final RMSNorm, LM head and cross-entropy loss
+  with label smoothing, with the gradients made in the forward over row chunks.
+- LmHeadLossSoftcap (specs/cross_entropy/blocks/lm_head_loss_softcap.yaml): Final RMSNorm, LM head with logit
+  softcapping and cross-entropy loss, with the gradients made in the forward over row chunks.
+- LmHeadLossWeighted (specs/cross_entropy/blocks/lm_head_loss_weighted.yaml): Final RMSNorm, LM head and cross-entropy
+  loss weighted per token, with the gradients made in the forward over row chunks.
+- LmHeadLossZloss (specs/cross_entropy/blocks/lm_head_loss_zloss.yaml): Final RMSNorm, LM head and cross-entropy loss
+  with z-loss (z_loss * lse^2 per row), with the gradients made in the forward over row chunks.
 - NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first
   pre-attention block.
 - OprojSwiglu (specs/blocks/oproj_swiglu.yaml): Out-projection + residual, RMSNorm and gate/up + SwiGLU; the first half
@@ -14,12 +24,20 @@
   backward as GEMM-epilogue kernels.
 """
 from .lm_head_loss import LmHeadLoss, LmHeadLossFunction
+from .lm_head_loss_rows import LmHeadLossRows, LmHeadLossRowsFunction
+from .lm_head_loss_smooth import LmHeadLossSmooth, LmHeadLossSmoothFunction
+from .lm_head_loss_softcap import LmHeadLossSoftcap, LmHeadLossSoftcapFunction
+from .lm_head_loss_weighted import LmHeadLossWeighted, LmHeadLossWeightedFunction
+from .lm_head_loss_zloss import LmHeadLossZloss, LmHeadLossZlossFunction
 from .norm_stats import NormStats, NormStatsFunction
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
 from .pre_attention import PreAttention, PreAttentionFunction
 
 __all__ = [
-    "LmHeadLoss", "LmHeadLossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu", "OprojSwigluFunction",
-    "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction",
+    "LmHeadLoss", "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth",
+    "LmHeadLossSmoothFunction", "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted",
+    "LmHeadLossWeightedFunction", "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction",
+    "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PreAttention",
+    "PreAttentionFunction",
 ]

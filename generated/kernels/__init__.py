@@ -6,10 +6,24 @@
   interleaved (gate, up) columns.
 - lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm
   backward's row partials.
+- lm_head_ce_dz_scaled (specs/cross_entropy/lm_head_ce_dz_scaled.yaml): Cross-entropy-variant gradient of stored logits
+  from two per-row coefficients, with the RMSNorm backward's row partials.
+- lm_head_ce_dz_shifted (specs/cross_entropy/lm_head_ce_dz_shifted.yaml): Cross-entropy-variant gradient of stored
+  logits from three per-row coefficients, with the RMSNorm backward's row partials.
+- lm_head_ce_dz_softcap (specs/cross_entropy/lm_head_ce_dz_softcap.yaml): Cross-entropy gradient through logit
+  softcapping of stored logits, with the RMSNorm backward's row partials.
 - lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits,
   their log-sum-exp partials and the target logit.
+- lm_head_logits_softcap (specs/cross_entropy/lm_head_logits_softcap.yaml): LM-head projection with the final RMSNorm
+  row scale, storing the logits before the softcap, the capped logits' log-sum-exp partials and the capped target logit.
+- lm_head_logits_zsum (specs/cross_entropy/lm_head_logits_zsum.yaml): LM-head projection with the final RMSNorm row
+  scale, storing the logits, their log-sum-exp and sum partials and the target logit.
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile
   log-sum-exp partials and the target logit.
+- lm_head_logsumexp_softcap (specs/cross_entropy/lm_head_logsumexp_softcap.yaml): LM-head projection with the final
+  RMSNorm row scale and logit softcapping, per-tile log-sum-exp partials and the capped target logit.
+- lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml): LM-head projection with the final RMSNorm
+  row scale, per-tile log-sum-exp and sum partials and the target logit.
 - matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm
@@ -29,8 +43,15 @@
 """
 from . import gate_up_swiglu
 from . import lm_head_ce_dz
+from . import lm_head_ce_dz_scaled
+from . import lm_head_ce_dz_shifted
+from . import lm_head_ce_dz_softcap
 from . import lm_head_logits
+from . import lm_head_logits_softcap
+from . import lm_head_logits_zsum
 from . import lm_head_logsumexp
+from . import lm_head_logsumexp_softcap
+from . import lm_head_logsumexp_zsum
 from . import matmul
 from . import norm_dgrad
 from . import norm_dgrad_residual
@@ -42,7 +63,8 @@ from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
 __all__ = [
-    "gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad",
-    "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot",
-    "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "gate_up_swiglu", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted", "lm_head_ce_dz_softcap",
+    "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap",
+    "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope",
+    "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]

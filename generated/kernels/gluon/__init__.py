@@ -4,7 +4,11 @@
 `launch` that takes the tl kernel's arguments. Import one only on a Hopper GPU; this package imports none.
 
 - lm_head_logits (specs/lm_head_logits.yaml)
+- lm_head_logits_softcap (specs/cross_entropy/lm_head_logits_softcap.yaml)
+- lm_head_logits_zsum (specs/cross_entropy/lm_head_logits_zsum.yaml)
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml)
+- lm_head_logsumexp_softcap (specs/cross_entropy/lm_head_logsumexp_softcap.yaml)
+- lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml)
 - matmul (specs/matmul.yaml)
 - norm_dgrad (specs/backward/norm_dgrad.yaml)
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
@@ -18,6 +22,12 @@ Kernels that keep the tl path only, and why:
   gate_up_swiglu keeps the tl kernel only
 - specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only;
   it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_scaled.yaml:5:1: lm_head_ce_dz_scaled: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_shifted.yaml:6:1: lm_head_ce_dz_shifted: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
 - specs/qkv_norm_rope.yaml:18:5: rope: {x: z, positions: positions, freqs: freqs, out: rotated}: no Gluon lowering
   of 'rope' yet; qkv_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
