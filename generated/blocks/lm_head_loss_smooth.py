@@ -21,8 +21,9 @@ SHA256 = "46a40285cf5f2ff768746b37de6655a9311576f1c8779df345f9279bc72dd8d8"
 
 
 class LmHeadLossSmoothFunction(torch.autograd.Function):
-    """lm_head_loss_smooth when a gradient is wanted: the forward also makes the gradients. lm_head_loss_smooth() (below) runs
-    it then, and the forward alone otherwise."""
+    """lm_head_loss_smooth when a gradient is wanted: the forward also makes the gradients. lm_head_loss_smooth()
+    (below) runs it then, and the forward alone otherwise.
+    """
 
     @staticmethod
     def forward(

@@ -21,8 +21,9 @@ SHA256 = "548bcbd91f3f8285359bf75b27077f62c891bc5fe49bab642bc72edafe8a8d7c"
 
 
 class LmHeadLossSoftcapFunction(torch.autograd.Function):
-    """lm_head_loss_softcap when a gradient is wanted: the forward also makes the gradients. lm_head_loss_softcap() (below) runs
-    it then, and the forward alone otherwise."""
+    """lm_head_loss_softcap when a gradient is wanted: the forward also makes the gradients. lm_head_loss_softcap()
+    (below) runs it then, and the forward alone otherwise.
+    """
 
     @staticmethod
     def forward(

@@ -20,8 +20,9 @@ SHA256 = "80be880cdf2b673aae34d279892324e86233bf674c56d94a33e35da946a8d988"
 
 
 class LmHeadLossWeightedFunction(torch.autograd.Function):
-    """lm_head_loss_weighted when a gradient is wanted: the forward also makes the gradients. lm_head_loss_weighted() (below) runs
-    it then, and the forward alone otherwise."""
+    """lm_head_loss_weighted when a gradient is wanted: the forward also makes the gradients. lm_head_loss_weighted()
+    (below) runs it then, and the forward alone otherwise.
+    """
 
     @staticmethod
     def forward(

@@ -20,8 +20,9 @@ SHA256 = "e1d85b3e664e522fedc016a367586fd3e144e9ed6283f0aef14f8eb8b0f19637"
 
 
 class LmHeadLossZlossFunction(torch.autograd.Function):
-    """lm_head_loss_zloss when a gradient is wanted: the forward also makes the gradients. lm_head_loss_zloss() (below) runs
-    it then, and the forward alone otherwise."""
+    """lm_head_loss_zloss when a gradient is wanted: the forward also makes the gradients. lm_head_loss_zloss() (below)
+    runs it then, and the forward alone otherwise.
+    """
 
     @staticmethod
     def forward(
