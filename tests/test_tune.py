@@ -147,8 +147,8 @@ def test_shapes_follow_edits_to_the_block_specs(tmp_path):
     """Chunk sizes and widths come from the specs: edit them, and the tuning shapes follow."""
     specs = tmp_path / "specs"
     shutil.copytree(SPECS, specs)
-    lm_head = specs / "blocks" / "lm_head_loss.yaml"
-    lm_head.write_text(lm_head.read_text().replace("chunk_rows: 2048", "chunk_rows: 1024"))
+    for block in specs.rglob("*.yaml"):  # every block that calls lm_head_logits in row chunks
+        block.write_text(block.read_text().replace("chunk_rows: 2048", "chunk_rows: 1024"))
     loaded = api.load([specs])
     logits = next(c.kernel for c in loaded if isinstance(c, api.Checked) and c.kernel.name == "lm_head_logits")
     assert [s.bucket for s in shapes.preset_shapes(loaded, "tiny", logits, (100, 3000))] == ["128x1000x64",
