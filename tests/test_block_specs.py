@@ -278,3 +278,55 @@ def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
 def test_forward_with_grads_mistakes_are_reported(tmp_path, old, new, words):
     errors = lm_head_mistake(tmp_path, old, new)
     assert any(words in e for e in errors), errors
+
+
+# Finish steps on row vectors, composed as a loss (line 17: the kernel call, 18-21: the finish steps)
+ROW_STEPS = """\
+block: row_steps
+doc: A loss made of finish steps on row vectors.
+attrs:
+  dim: int
+  width: int
+  lam: 0.5
+  red: [mean, sum]
+params:
+  w: [width, dim]
+inputs:
+  a: [M, dim]
+  r: {shape: [M], dtype: float32, grad: false}
+  target: {shape: [M], dtype: index}
+outputs:
+  loss: {shape: [], dtype: float32, grad: false}
+forward:
+  - scale_rows: {a: a, w: w, r: r, res: _, parts: parts}
+  - sum_tiles: {x: parts, out: total}
+  - mul: {x: total, y: lam, out: scaled}
+  - add: {x: scaled, y: 1.0, out: shifted}
+  - reduce_loss: {x: shifted, target: target, classes: width, ignore_index: -100, reduction: red, loss: loss, weights: _}
+"""
+
+
+def test_row_finish_steps_are_valid(tmp_path):
+    (tmp_path / "k.yaml").write_text(KERNEL)
+    (tmp_path / "b.yaml").write_text(ROW_STEPS)
+    checked = next(c for c in api.load([tmp_path]) if isinstance(c, CheckedBlock))
+    assert [c.op for c in checked.forward] == ["scale_rows", "sum_tiles", "mul", "add", "reduce_loss"]
+    assert str(checked.values["parts"].dims[1]) == "tiles(width)"
+
+
+@pytest.mark.parametrize("old, new, line, words", [
+    ("mul: {x: total, y: lam", "mul: {x: parts, y: total", 19, "x is [M, tiles(width)] and y is [M]"),
+    ("add: {x: scaled, y: 1.0", "add: {x: target, y: 1.0", 20, "add.x is an index value"),
+    ("mul: {x: total, y: lam", "mul: {x: total, y: later", 19, "'later' is not defined before this step"),
+    ("mul: {x: total, y: lam", "mul: {x: 2, y: lam", 19, "both operands are numbers"),
+    ("  red: [mean, sum]", "  red: [mean, none]", 21, "the loss's shape must not depend on an attr"),
+    ("reduction: red", "reduction: avg", 21, "must be 'mean', 'sum', 'none'"),
+    ("reduce_loss: {x: shifted", "reduce_loss: {x: parts", 21, "reduce_loss.x must be [M] float32"),
+    ("reduction: red, loss", "reduction: red, token_weights: target, loss", 21,
+     "reduce_loss.token_weights must be [M] float32"),
+    ("- sum_tiles: {x: parts", "- sum_tiles: {x: r", 18, "partial-reduction buffer [rows, tiles(...)]"),
+])
+def test_row_finish_step_mistakes_are_located(tmp_path, old, new, line, words):
+    assert old in ROW_STEPS
+    errors = check(tmp_path, ROW_STEPS.replace(old, new))
+    assert line in [ln for ln, m in errors if words in m], errors
