@@ -330,3 +330,25 @@ def test_row_finish_step_mistakes_are_located(tmp_path, old, new, line, words):
     assert old in ROW_STEPS
     errors = check(tmp_path, ROW_STEPS.replace(old, new))
     assert line in [ln for ln, m in errors if words in m], errors
+
+
+def test_reference_block_examples_are_valid_blocks(tmp_path):
+    """Every YAML block of docs/spec-reference.md that starts with `block:` is a block codagen accepts, against
+    the kernels of specs/; and every finish step is documented with each of its arguments."""
+    from codagen.blockmodel import FINISH_SIGNATURES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "spec-reference.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("block:")]
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        (tmp_path / f"example_{i}.yaml").write_text(block, encoding="utf-8")
+    specs = Path(__file__).resolve().parent.parent / "specs"
+    names = {c.block.name for c in api.load([specs, tmp_path]) if isinstance(c, CheckedBlock)}
+    assert {re.match(r"block: (\w+)", b).group(1) for b in blocks} <= names
+    table = text[text.index("### Finish steps"):text.index("**The loss steps**")]
+    rows = re.findall(r"^\| `\w+`.*$", table, re.M)
+    for op, signature in FINISH_SIGNATURES.items():
+        row = next((r for r in rows if f"`{op}`" in r.split("|")[1]), None)
+        assert row is not None, f"finish step {op} is not documented"
+        for arg, _ in signature:
+            assert f"`{arg}" in row, f"{op}.{arg} is not documented"
