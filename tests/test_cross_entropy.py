@@ -113,6 +113,18 @@ def test_variant_fp16(variant):
     check_low(fused, plain, torch.float16)
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GPU_CASES = [(variant, dtype) for variant in sorted(VARIANTS) for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("variant, dtype", [pytest.param(*c, marks=GPU) for c in GPU_CASES],
+                         ids=[f"{v}-{str(d)[6:]}" for v, d in GPU_CASES])
+def test_variant_on_the_gpu(variant, dtype):
+    """Several tiles in every direction and several chunks of rows, in both half types."""
+    fused, plain = run_variant(variant, "none" if variant == "rows" else "mean", dtype, m=1000, vocab=3001)
+    check_low(fused, plain, dtype)
+
+
 def test_variants_differ_from_plain_cross_entropy():
     """Each variant's reference is its own: with these settings, none equals plain cross-entropy's, so that a
     block falling back to plain cross-entropy fails its test."""
