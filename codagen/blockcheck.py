@@ -274,7 +274,7 @@ def _sums(ref, attrs: dict, loc, sink) -> Arg:
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
     if step.op in FINISH_SIGNATURES:
-        return _finish(step, b, env, define, used, sink)
+        return _finish(step, b, env, define, used, sink, shadowed=step.op in kernels)
     kernel = kernels.get(step.op)
     if kernel is None:
         known = ", ".join(sorted(kernels)) or "none"
@@ -377,13 +377,16 @@ def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...]) -> bool
     return True
 
 
-def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
+def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool = False) -> Call | None:
+    """A finish step; `shadowed`: a kernel spec has its name too, which a block step cannot call."""
     sig = FINISH_SIGNATURES[step.op]
     names = [n for n, _ in sig]
     loc_of = lambda k: step.arg_locs.get(k, step.loc)  # noqa: E731
+    hint = (f" (a block step named '{step.op}' is the finish step, not the kernel of that name: rename the kernel "
+            "to call it)") if shadowed else ""
     for key in step.args:
         if key not in names:
-            sink.add(loc_of(key), f"{step.op} has no argument '{key}'; expected: {', '.join(names)}")
+            sink.add(loc_of(key), f"{step.op} has no argument '{key}'; expected: {', '.join(names)}{hint}")
     ok, args, outs, vals = True, [], [], {}
     for name, kind in sig:
         ref = step.args.get(name)

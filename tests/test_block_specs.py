@@ -352,3 +352,13 @@ def test_reference_block_examples_are_valid_blocks(tmp_path):
         assert row is not None, f"finish step {op} is not documented"
         for arg, _ in signature:
             assert f"`{arg}" in row, f"{op}.{arg} is not documented"
+
+
+def test_a_kernel_named_like_a_finish_step_is_not_called_silently(tmp_path):
+    """A block step is the finish step of its name; a kernel of that name gets a hint, not a silent swap."""
+    (tmp_path / "k.yaml").write_text(KERNEL.replace("kernel: scale_rows", "kernel: square"))
+    (tmp_path / "b.yaml").write_text(ROW_STEPS.replace("- scale_rows:", "- square:"))
+    with pytest.raises(ValidationFailed) as e:
+        api.load([tmp_path])
+    assert any("is the finish step, not the kernel of that name" in err.message and err.loc.line == 17
+               for err in e.value.errors), e.value.errors
