@@ -18,7 +18,6 @@ RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "sel
 # what the generated backward makes of a value name v in row chunks: v_rows (its slice), v_chunks (the pieces
 # of a gradient), v_sum (a summed gradient); value names of these forms are refused
 DERIVED_SUFFIXES = ("_rows", "_chunks", "_sum")
-_TILES = {Dim.TILES_M: BlockDim(Fraction(1), "tiles(M)"), Dim.TILES_N: BlockDim(Fraction(1), "tiles(N)")}
 _KDTYPE = {DType.T: "T", DType.FLOAT32: "float32", DType.INDEX: "index"}
 
 
@@ -275,7 +274,7 @@ def _sums(ref, attrs: dict, loc, sink) -> Arg:
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
     if step.op in FINISH_SIGNATURES:
-        return _finish(step, b, env, define, used, sink)
+        return _finish(step, b, env, define, used, sink, shadowed=step.op in kernels)
     kernel = kernels.get(step.op)
     if kernel is None:
         known = ", ".join(sorted(kernels)) or "none"
@@ -332,11 +331,19 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         if not isinstance(name, str):
             sink.add(loc_of(o.name), f"{kernel.name}.{o.name} is an output: give it a new value name")
             return None
-        dims = tuple(_TILES.get(d) or _unbind(d, sizes) for d in o.dims)
+        dims = tuple(_tiles(d, sizes) or _unbind(d, sizes) for d in o.dims)
         dtype = _KDTYPE.get(o.dtype, o.dtype.value)
         define(name, Value(dims, dtype), loc_of(o.name))
         outs.append(name)
     return Call(kernel.name, True, tuple(args), tuple(outs), step.loc)
+
+
+def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
+    """A count of tiles along M or N, named after the size it divides ([M, tiles(vocab)])."""
+    if d not in (Dim.TILES_M, Dim.TILES_N):
+        return None
+    size = sizes.get("M" if d is Dim.TILES_M else "N")
+    return BlockDim(Fraction(1), f"tiles({size if size is not None else d.value[6]})")
 
 
 def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink) -> bool:
@@ -370,13 +377,16 @@ def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...]) -> bool
     return True
 
 
-def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
+def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool = False) -> Call | None:
+    """A finish step; `shadowed`: a kernel spec has its name too, which a block step cannot call."""
     sig = FINISH_SIGNATURES[step.op]
     names = [n for n, _ in sig]
     loc_of = lambda k: step.arg_locs.get(k, step.loc)  # noqa: E731
+    hint = (f" (a block step named '{step.op}' is the finish step, not the kernel of that name: rename the kernel "
+            "to call it)") if shadowed else ""
     for key in step.args:
         if key not in names:
-            sink.add(loc_of(key), f"{step.op} has no argument '{key}'; expected: {', '.join(names)}")
+            sink.add(loc_of(key), f"{step.op} has no argument '{key}'; expected: {', '.join(names)}{hint}")
     ok, args, outs, vals = True, [], [], {}
     for name, kind in sig:
         ref = step.args.get(name)
@@ -386,7 +396,14 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
             sink.add(step.loc, f"{step.op} is missing '{name}'")
             ok = False
             continue
-        if kind == "value":
+        if kind == "operand" and not isinstance(ref, str):
+            args.append(Arg(name, ref, False))
+            vals[name] = None
+        elif kind == "operand" and b.attr(ref) is not None:
+            ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))
+            args.append(Arg(name, ref, True))
+            vals[name] = None
+        elif kind in ("value", "value?", "operand"):
             v = env.get(ref) if isinstance(ref, str) else None
             if v is None:
                 sink.add(loc_of(name), f"{step.op}.{name}: '{ref}' is not defined before this step")
@@ -403,8 +420,9 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
             args.append(Arg(name, ref, isinstance(ref, str)))
         elif kind in ("choice", "choice?"):
             a = b.attr(ref) if isinstance(ref, str) else None
-            if ref not in CHOICES[name] and not (a and a.kind == "choice" and set(a.choices) <= set(CHOICES[name])):
-                sink.add(loc_of(name), f"{step.op}.{name} must be {', '.join(map(repr, CHOICES[name]))} or an attr "
+            choices = CHOICES.get(f"{step.op}.{name}", CHOICES.get(name, ()))
+            if ref not in choices and not (a and a.kind == "choice" and set(a.choices) <= set(choices)):
+                sink.add(loc_of(name), f"{step.op}.{name} must be {', '.join(map(repr, choices))} or an attr "
                                        "choosing between them")
                 ok = False
             args.append(Arg(name, ref, a is not None))
@@ -420,7 +438,7 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
             outs.append((ref, name))
     if not ok:
         return None
-    result = _finish_types(step, vals, args, sink)
+    result = _finish_types(step, b, vals, args, sink)
     if result is None:
         return None
     for (ref, name), value in zip(outs, result):
@@ -428,21 +446,38 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink) -> Call | None:
     return Call(step.op, False, tuple(args), tuple(ref for ref, _ in outs), step.loc)
 
 
-def _finish_types(step: BlockStep, vals: dict, args: list[Arg], sink) -> list[Value] | None:
+def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) -> list[Value] | None:
     op = step.op
     loc = step.loc
     if op in ("rstd", "sum_tiles", "logsumexp_tiles"):
         x = vals["x"]
-        if len(x.dims) != 2 or x.dtype != "float32":
-            sink.add(loc, f"{op}.x must be a float32 partial-reduction buffer [rows, tiles], got {_fmt(x.dims)} {x.dtype}")
+        if len(x.dims) != 2 or x.dtype != "float32" or not _is_tiles(x.dims[1]):
+            sink.add(loc, f"{op}.x must be a float32 partial-reduction buffer [rows, tiles(...)] made by a kernel's "
+                          f"reduce, got {_fmt(x.dims)} {x.dtype}")
             return None
         return [Value(x.dims[:1], "float32")]
-    if op == "row_weights":
-        t = vals["target"]
-        if t.dims != (TOKENS,) or t.dtype != "index":
-            sink.add(loc, f"row_weights.target must be [M] index, got {_fmt(t.dims)} {t.dtype}")
+    if op in ("add", "sub", "mul", "div", "square"):
+        return _elementwise_type(op, [(n, vals[n]) for n in ("x", "y") if vals.get(n) is not None], loc, sink)
+    if op == "gather":
+        x, index = vals["x"], vals["index"]
+        if len(x.dims) != 2 or x.dtype == "index" or index.dtype != "index" or index.dims != x.dims[:1]:
+            sink.add(loc, f"gather takes x [rows, columns] of floats and index [rows] index, got x {_fmt(x.dims)} "
+                          f"{x.dtype} and index {_fmt(index.dims)} {index.dtype}")
             return None
-        return [Value((TOKENS,), "float32")]
+        return [Value(x.dims[:1], "float32")]
+    if op in ("row_weights", "reduce_loss"):
+        want = (("target", "index"), ("token_weights", "float32")) + ((("x", "float32"),) if op == "reduce_loss" else ())
+        for name, dtype in want:
+            v = vals.get(name)
+            if v is not None and (v.dims != (TOKENS,) or v.dtype != dtype):
+                sink.add(loc, f"{op}.{name} must be [M] {dtype}, got {_fmt(v.dims)} {v.dtype}")
+                return None
+        if op == "row_weights":
+            return [Value((TOKENS,), "float32")]
+        per_row = _per_row_loss(step, b, args, sink)
+        if per_row is None:
+            return None
+        return [Value((TOKENS,) if per_row else (), "float32"), Value((TOKENS,), "float32")]
     if op == "cross_entropy":
         for name, dtype in (("lse", "float32"), ("target_logit", "float32"), ("target", "index")):
             v = vals[name]
@@ -462,3 +497,41 @@ def _finish_types(step: BlockStep, vals: dict, args: list[Arg], sink) -> list[Va
         return None
     return [Value((ad[0], bd[1]), a.dtype if a.dtype == b_.dtype else "float32")]
 
+
+def _is_tiles(d: BlockDim) -> bool:
+    return isinstance(d.symbol, str) and d.symbol.startswith("tiles(")
+
+
+def _elementwise_type(op: str, operands: list, loc, sink) -> list[Value] | None:
+    """An elementwise finish step computes in fp32 on values of one shape, or on one value and scalars (a []
+    value, a number or an attr): its result has that shape, in float32."""
+    if not operands:
+        sink.add(loc, f"{op}: both operands are numbers; write the result as one number")
+        return None
+    for name, v in operands:
+        if v.dtype == "index":
+            sink.add(loc, f"{op}.{name} is an index value; elementwise finish steps compute on floats")
+            return None
+    shapes = {v.dims for _, v in operands if v.dims != ()}
+    if len(shapes) > 1:
+        (xn, x), (yn, y) = operands
+        sink.add(loc, f"{op}: x is {_fmt(x.dims)} and y is {_fmt(y.dims)}; elementwise finish steps take values "
+                      "of one shape, or one value and a scalar")
+        return None
+    return [Value(shapes.pop() if shapes else (), "float32")]
+
+
+def _per_row_loss(step: BlockStep, b: Block, args: list[Arg], sink) -> bool | None:
+    """Whether reduce_loss makes a loss per row ([M], reduction 'none') rather than a scalar: a static shape,
+    so an attr may choose between 'mean' and 'sum' but not between either and 'none'."""
+    arg = next(a for a in args if a.param == "reduction")
+    if not arg.is_name:
+        return arg.value == "none"
+    choices = set(b.attr(arg.value).choices)
+    if "none" in choices and choices != {"none"}:
+        sink.add(step.arg_locs.get("reduction", step.loc),
+                 f"reduce_loss.reduction: attr '{arg.value}' chooses between 'none' (a loss per row, [M]) and "
+                 f"{', '.join(repr(c) for c in sorted(choices - {'none'}))} (a scalar): the loss's shape must not "
+                 "depend on an attr; give 'none' a block of its own")
+        return None
+    return choices == {"none"}

@@ -10,19 +10,31 @@ from .model import Location
 
 # Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
 FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
-    # (argument, kind): value = a block value; size/number = an attr or a literal; out = defines a value;
-    # a kind ending in '?' may be left out
+    # (argument, kind): value = a block value; operand = a block value, a number or an int/float attr;
+    # size/number = an attr or a literal; choice = one of CHOICES; out = defines a value; a kind ending in '?'
+    # may be left out
     "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
     "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
     "logsumexp_tiles": (("x", "value"), ("out", "out")),
+    "add": (("x", "operand"), ("y", "operand"), ("out", "out")),
+    "sub": (("x", "operand"), ("y", "operand"), ("out", "out")),
+    "mul": (("x", "operand"), ("y", "operand"), ("out", "out")),
+    "div": (("x", "operand"), ("y", "operand"), ("out", "out")),
+    "square": (("x", "value"), ("out", "out")),
+    "gather": (("x", "value"), ("index", "value"), ("out", "out")),
     "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"), ("classes", "size"),
                       ("ignore_index", "size"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
                       ("weights", "out")),
-    "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"), ("out", "out")),
+    "reduce_loss": (("x", "value"), ("target", "value"), ("classes", "size"), ("ignore_index", "size"),
+                    ("reduction", "choice"), ("token_weights", "value?"), ("empty_mean", "choice?"), ("loss", "out"),
+                    ("weights", "out")),
+    "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"),
+                    ("token_weights", "value?"), ("out", "out")),
     "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
 }
-# the values of each finish-step argument of kind choice
-CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero")}
+# the values of each finish-step argument of kind choice: by argument, or by step.argument where a step differs
+CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"),
+           "reduce_loss.reduction": ("mean", "sum", "none"), "row_weights.reduction": ("mean", "sum", "none")}
 TRANSPOSES = ("none", "a", "b")
 SUMS = ("float32", "same")  # what gradients summed over row chunks are summed in: fp32, or their own dtype
 

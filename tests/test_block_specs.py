@@ -278,3 +278,87 @@ def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
 def test_forward_with_grads_mistakes_are_reported(tmp_path, old, new, words):
     errors = lm_head_mistake(tmp_path, old, new)
     assert any(words in e for e in errors), errors
+
+
+# Finish steps on row vectors, composed as a loss (line 17: the kernel call, 18-21: the finish steps)
+ROW_STEPS = """\
+block: row_steps
+doc: A loss made of finish steps on row vectors.
+attrs:
+  dim: int
+  width: int
+  lam: 0.5
+  red: [mean, sum]
+params:
+  w: [width, dim]
+inputs:
+  a: [M, dim]
+  r: {shape: [M], dtype: float32, grad: false}
+  target: {shape: [M], dtype: index}
+outputs:
+  loss: {shape: [], dtype: float32, grad: false}
+forward:
+  - scale_rows: {a: a, w: w, r: r, res: _, parts: parts}
+  - sum_tiles: {x: parts, out: total}
+  - mul: {x: total, y: lam, out: scaled}
+  - add: {x: scaled, y: 1.0, out: shifted}
+  - reduce_loss: {x: shifted, target: target, classes: width, ignore_index: -100, reduction: red, loss: loss, weights: _}
+"""
+
+
+def test_row_finish_steps_are_valid(tmp_path):
+    (tmp_path / "k.yaml").write_text(KERNEL)
+    (tmp_path / "b.yaml").write_text(ROW_STEPS)
+    checked = next(c for c in api.load([tmp_path]) if isinstance(c, CheckedBlock))
+    assert [c.op for c in checked.forward] == ["scale_rows", "sum_tiles", "mul", "add", "reduce_loss"]
+    assert str(checked.values["parts"].dims[1]) == "tiles(width)"
+
+
+@pytest.mark.parametrize("old, new, line, words", [
+    ("mul: {x: total, y: lam", "mul: {x: parts, y: total", 19, "x is [M, tiles(width)] and y is [M]"),
+    ("add: {x: scaled, y: 1.0", "add: {x: target, y: 1.0", 20, "add.x is an index value"),
+    ("mul: {x: total, y: lam", "mul: {x: total, y: later", 19, "'later' is not defined before this step"),
+    ("mul: {x: total, y: lam", "mul: {x: 2, y: lam", 19, "both operands are numbers"),
+    ("  red: [mean, sum]", "  red: [mean, none]", 21, "the loss's shape must not depend on an attr"),
+    ("reduction: red", "reduction: avg", 21, "must be 'mean', 'sum', 'none'"),
+    ("reduce_loss: {x: shifted", "reduce_loss: {x: parts", 21, "reduce_loss.x must be [M] float32"),
+    ("reduction: red, loss", "reduction: red, token_weights: target, loss", 21,
+     "reduce_loss.token_weights must be [M] float32"),
+    ("- sum_tiles: {x: parts", "- sum_tiles: {x: r", 18, "partial-reduction buffer [rows, tiles(...)]"),
+])
+def test_row_finish_step_mistakes_are_located(tmp_path, old, new, line, words):
+    assert old in ROW_STEPS
+    errors = check(tmp_path, ROW_STEPS.replace(old, new))
+    assert line in [ln for ln, m in errors if words in m], errors
+
+
+def test_reference_block_examples_are_valid_blocks(tmp_path):
+    """Every YAML block of docs/spec-reference.md that starts with `block:` is a block codagen accepts, against
+    the kernels of specs/; and every finish step is documented with each of its arguments."""
+    from codagen.blockmodel import FINISH_SIGNATURES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "spec-reference.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("block:")]
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        (tmp_path / f"example_{i}.yaml").write_text(block, encoding="utf-8")
+    specs = Path(__file__).resolve().parent.parent / "specs"
+    names = {c.block.name for c in api.load([specs, tmp_path]) if isinstance(c, CheckedBlock)}
+    assert {re.match(r"block: (\w+)", b).group(1) for b in blocks} <= names
+    table = text[text.index("### Finish steps"):text.index("**The loss steps**")]
+    rows = re.findall(r"^\| `\w+`.*$", table, re.M)
+    for op, signature in FINISH_SIGNATURES.items():
+        row = next((r for r in rows if f"`{op}`" in r.split("|")[1]), None)
+        assert row is not None, f"finish step {op} is not documented"
+        for arg, _ in signature:
+            assert f"`{arg}" in row, f"{op}.{arg} is not documented"
+
+
+def test_a_kernel_named_like_a_finish_step_is_not_called_silently(tmp_path):
+    """A block step is the finish step of its name; a kernel of that name gets a hint, not a silent swap."""
+    (tmp_path / "k.yaml").write_text(KERNEL.replace("kernel: scale_rows", "kernel: square"))
+    (tmp_path / "b.yaml").write_text(ROW_STEPS.replace("- scale_rows:", "- square:"))
+    with pytest.raises(ValidationFailed) as e:
+        api.load([tmp_path])
+    assert any("is the finish step, not the kernel of that name" in err.message and err.loc.line == 17
+               for err in e.value.errors), e.value.errors

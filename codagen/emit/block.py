@@ -109,6 +109,8 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         returns=_statement("return", [(f"{g}.mul_(grad_{gf.output})" if gf else g) if g else "None"
                                       for g in cb.grads] + ["None"] * len(b.attrs), 8),
         gf=gf,
+        gf_doc=_docstring([f"{b.name} when a gradient is wanted: the forward also makes the gradients. {b.name}() "
+                           "(below) runs it then, and the forward alone otherwise."], 4) if gf else "",
         gf_before=_calls(gf.before, 8) if gf else [],
         gf_chunk=_calls(gf.chunk, 12, gf.chunks) if gf else [],
         gf_after=_calls(gf.after, 8) if gf else [],

@@ -1,7 +1,8 @@
 """What generated modules import at run time: argument checks, tile configurations, device helpers.
 
-Importing this before Triton's JIT decorates a kernel is what lets generated kernels run on a machine with no
-GPU: there, Triton's interpreter is switched on (unless TRITON_INTERPRET is already set either way)."""
+On a machine with no GPU, importing this switches on Triton's interpreter (unless TRITON_INTERPRET is already
+set either way), so that generated kernels run there whatever was imported first: generated modules import this
+before they decorate a kernel, and triton.language's own helpers are made interpreted if triton came first."""
 from __future__ import annotations
 
 import os
@@ -9,12 +10,33 @@ import sys
 
 import torch
 
+
+
+def _interpret_triton_language() -> None:
+    """Turn the @triton.jit helpers of triton.language (tl.max, tl.sigmoid, tl.cdiv, their tensor methods),
+    made compiled-mode when triton was imported before the interpreter was switched on, into interpreted ones:
+    an interpreted kernel cannot call a compiled-mode function. Kernels decorated later are interpreted anyway
+    (triton.jit reads TRITON_INTERPRET when it decorates)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict[int, InterpretedFunction] = {}
+    holders = [m for name, m in list(sys.modules.items())
+               if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    holders.append(sys.modules["triton.language"].tensor)
+    for holder in holders:
+        for key, value in list(vars(holder).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in interpreted:
+                    interpreted[id(value)] = InterpretedFunction(value.fn, debug=value.debug,
+                                                                 noinline=value.noinline)
+                setattr(holder, key, interpreted[id(value)])
+
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    if "triton.language" in sys.modules:  # its @triton.jit helpers are compiled-mode already: kernels would fail
-        raise ImportError("triton was imported before codagen.runtime on a machine without a GPU, too late to "
-                          "switch on Triton's interpreter; import codagen.runtime (or generated code) first, or "
-                          "set TRITON_INTERPRET=1 before starting Python")
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:  # imported first, by the user or a library (torch._inductor)
+        _interpret_triton_language()
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -143,14 +143,150 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
     return loss, weights
 
 
-def row_weights(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """Each row's weight in a cross-entropy loss, as cross_entropy returns them, from the targets alone (for a
-    forward that makes the gradient before the loss): 1/valid rows for 'mean', 1 for 'sum', 0 for ignored
-    rows. No host sync."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+def row_weights(target: torch.Tensor, ignore_index: int, reduction: str,
+                token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's weight in a loss, as cross_entropy and reduce_loss return them, from the targets (and the
+    per-token weights) alone, for a forward that makes the gradient before the loss: w/sum(w of valid rows)
+    for 'mean', w for 'sum' and 'none', 0 for ignored rows; w is 1 without token_weights. No host sync."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     valid = (target != ignore_index).to(torch.float32)
-    return valid / valid.sum().clamp(min=1.0) if reduction == "mean" else valid
+    if token_weights is None:
+        return valid / valid.sum().clamp(min=1.0) if reduction == "mean" else valid
+    weighted = torch.where(target != ignore_index, token_weights.float(), 0.0)
+    if reduction != "mean":
+        return weighted
+    total = weighted.sum()
+    return weighted / torch.where(total == 0, 1.0, total)
+
+
+@triton.jit(debug=True)
+def _reduce_loss_kernel(
+    x_ptr, target_ptr, token_weight_ptr, loss_ptr, weight_ptr,
+    M, classes, ignore_index,
+    REDUCTION: tl.constexpr, WEIGHTED: tl.constexpr, EMPTY_NAN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # one program, as _cross_entropy_kernel: a deterministic sum over all rows. REDUCTION 0: mean, 1: sum,
+    # 2: none (each row's weighted loss, 0 where ignored)
+    total = tl.zeros((BLOCK,), tl.float32)
+    weight_total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
+        valid = (target != ignore_index) & (rows < M)
+        tl.device_assert(((target >= 0) & (target < classes)) | ~valid,
+                         "reduce_loss: a target is outside [0, classes) and is not ignore_index")
+        if WEIGHTED:
+            w = tl.load(token_weight_ptr + rows, mask=valid, other=0.0)
+        else:
+            w = valid.to(tl.float32)
+        row = tl.where(valid, w * tl.load(x_ptr + rows, mask=valid, other=0.0), 0.0)
+        if REDUCTION == 2:
+            tl.store(loss_ptr + rows, row, mask=rows < M)
+            tl.store(weight_ptr + rows, w, mask=rows < M)
+        total += row
+        weight_total += w
+    if REDUCTION != 2:
+        if REDUCTION == 0:
+            # the mean over no weight (every target ignored, or M = 0) is 0 / 0 = NaN, as in PyTorch; EMPTY_NAN
+            # off makes it 0. Either way every row's weight, and so every gradient, is 0.
+            denom = tl.sum(weight_total)
+            if not EMPTY_NAN:
+                denom = tl.where(denom == 0.0, 1.0, denom)
+            scale = tl.where(denom == 0.0, 0.0, 1.0 / denom)
+        else:
+            denom = 1.0
+            scale = 1.0
+        tl.store(loss_ptr, tl.sum(total) / denom)
+        for start in range(0, M, BLOCK):
+            rows = start + tl.arange(0, BLOCK)
+            target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
+            valid = target != ignore_index
+            if WEIGHTED:
+                w = tl.load(token_weight_ptr + rows, mask=valid & (rows < M), other=0.0)
+            else:
+                w = valid.to(tl.float32)
+            tl.store(weight_ptr + rows, tl.where(valid, w * scale, 0.0), mask=rows < M)
+
+
+def reduce_loss(x: torch.Tensor, target: torch.Tensor, classes: int, ignore_index: int, reduction: str,
+                token_weights: torch.Tensor | None = None, *, empty_mean: str = "nan"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss from each row's loss `x` ([M] float32), and each row's weight in it (d loss / d row loss), as
+    PyTorch reduces its losses: rows whose target is ignore_index count for nothing; 'mean' divides the sum of
+    the others by their number (by the sum of their token_weights when given), 'sum' does not, 'none' gives
+    each row's loss ([M], 0 where ignored). token_weights ([M] float32) multiply each row's loss. A target
+    outside [0, classes) that is not ignore_index is an error. `empty_mean`: the mean over no rows, 'nan' as
+    PyTorch or 'zero'."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if empty_mean not in ("nan", "zero"):
+        raise ValueError(f"empty_mean must be 'nan' or 'zero', got {empty_mean!r}")
+    for name, t in (("x", x), ("token_weights", token_weights)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != target.shape):
+            raise ValueError(f"reduce_loss.{name} must be float32 {tuple(target.shape)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if INTERPRETED:
+        _check_targets(target, classes, ignore_index)
+    m = target.shape[0]
+    loss = torch.empty((m,) if reduction == "none" else (), dtype=torch.float32, device=x.device)
+    weights = torch.empty(m, dtype=torch.float32, device=x.device)
+    weighted = token_weights is not None
+    with on_device(x.device):
+        _reduce_loss_kernel[(1,)](x.contiguous(), target.contiguous(),
+                                  token_weights.contiguous() if weighted else x, loss, weights, m, int(classes),
+                                  int(ignore_index), REDUCTION=("mean", "sum", "none").index(reduction),
+                                  WEIGHTED=weighted, EMPTY_NAN=empty_mean == "nan", BLOCK=1024)
+    return loss, weights
+
+
+# Elementwise steps on row vectors ([M]), partial buffers ([M, tiles]) and scalars, in fp32: a few M-long
+# passes, next to the GEMMs' M x N. Operands have one shape, or one is a scalar (a 0-d tensor or a number):
+# partial buffers of two kernels may have different tile counts, which must be an error, never a broadcast.
+
+def _operands(op: str, x, y) -> tuple:
+    xs, ys = (v.float() if isinstance(v, torch.Tensor) else float(v) for v in (x, y))
+    shapes = [v.shape for v in (xs, ys) if isinstance(v, torch.Tensor) and v.dim()]
+    if len(shapes) == 2 and shapes[0] != shapes[1]:
+        raise ValueError(f"{op}: x is {tuple(shapes[0])} and y is {tuple(shapes[1])}; elementwise finish steps take "
+                         "values of one shape, or one value and a scalar")
+    return xs, ys
+
+
+def add(x, y) -> torch.Tensor:
+    """x + y in fp32."""
+    xs, ys = _operands("add", x, y)
+    return torch.add(xs, ys)
+
+
+def sub(x, y) -> torch.Tensor:
+    """x − y in fp32."""
+    xs, ys = _operands("sub", x, y)
+    return torch.sub(xs, ys)
+
+
+def mul(x, y) -> torch.Tensor:
+    """x · y in fp32."""
+    xs, ys = _operands("mul", x, y)
+    return torch.mul(xs, ys)
+
+
+def div(x, y) -> torch.Tensor:
+    """x / y in fp32."""
+    xs, ys = _operands("div", x, y)
+    return torch.div(xs, ys)
+
+
+def square(x: torch.Tensor) -> torch.Tensor:
+    """x² in fp32."""
+    return x.float().square()
+
+
+def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[m, index[m]] of each row in fp32, 0 where index[m] is outside [0, columns) (an ignored target)."""
+    inside = (index >= 0) & (index < x.shape[1])
+    picked = x.gather(1, torch.where(inside, index, 0).long()[:, None])[:, 0].float()
+    return torch.where(inside, picked, 0.0)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, transpose: str = "none") -> torch.Tensor:

@@ -83,7 +83,7 @@ def _size(d: BlockDim, attrs: dict, rows: int, block: Block) -> Fraction:
     if d.symbol not in attrs:
         raise TuneError(f"block '{block.name}' ({block.source}) has a dimension in its attr '{d.symbol}', which "
                         f"model presets do not give; they give {', '.join(LlamaShape.__dataclass_fields__)}, "
-                        "qkv_dim (codagen/presets.py)")
+                        "qkv_dim, attn_dim (codagen/presets.py)")
     return d.coef * attrs[d.symbol]
 
 

@@ -2,8 +2,26 @@
 # Regenerate with: codagen build specs/
 """One module per block spec: a torch.autograd.Function and the nn.Module that owns its parameters.
 
+- Gemma2LmHeadLoss (specs/gemma2/blocks/gemma2_lm_head_loss.yaml): Gemma-2's final RMSNorm (scale 1 + w), LM head with
+  logit softcapping and cross-entropy loss, with the gradients made in the forward over row chunks.
+- Gemma2NormStats (specs/gemma2/blocks/gemma2_norm_stats.yaml): Gemma RMSNorm statistics (x * (1 + wn) and rstd) of the
+  scaled embeddings, for the first pre-attention block.
+- Gemma2PostAttention (specs/gemma2/blocks/gemma2_post_attention.yaml): The non-attention rest of a Gemma-2 layer, from
+  the attention output to the next layer's normalized input.
+- Gemma2PreAttention (specs/gemma2/blocks/gemma2_pre_attention.yaml): Gemma-2's input RMSNorm, QKV projection and RoPE,
+  forward and backward as GEMM-epilogue kernels.
 - LmHeadLoss (specs/blocks/lm_head_loss.yaml): Final RMSNorm, LM head and cross-entropy loss, with the gradients made in
   the forward over row chunks.
+- LmHeadLossRows (specs/cross_entropy/blocks/lm_head_loss_rows.yaml): Final RMSNorm, LM head and cross-entropy loss of
+  each row (reduction 'none'); the backward recomputes the logits over row chunks.
+- LmHeadLossSmooth (specs/cross_entropy/blocks/lm_head_loss_smooth.yaml): Final RMSNorm, LM head and cross-entropy loss
+  with label smoothing, with the gradients made in the forward over row chunks.
+- LmHeadLossSoftcap (specs/cross_entropy/blocks/lm_head_loss_softcap.yaml): Final RMSNorm, LM head with logit
+  softcapping and cross-entropy loss, with the gradients made in the forward over row chunks.
+- LmHeadLossWeighted (specs/cross_entropy/blocks/lm_head_loss_weighted.yaml): Final RMSNorm, LM head and cross-entropy
+  loss weighted per token, with the gradients made in the forward over row chunks.
+- LmHeadLossZloss (specs/cross_entropy/blocks/lm_head_loss_zloss.yaml): Final RMSNorm, LM head and cross-entropy loss
+  with z-loss (z_loss * lse^2 per row), with the gradients made in the forward over row chunks.
 - NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first
   pre-attention block.
 - OprojSwiglu (specs/blocks/oproj_swiglu.yaml): Out-projection + residual, RMSNorm and gate/up + SwiGLU; the first half
@@ -13,13 +31,26 @@
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
   backward as GEMM-epilogue kernels.
 """
+from .gemma2_lm_head_loss import Gemma2LmHeadLoss, Gemma2LmHeadLossFunction
+from .gemma2_norm_stats import Gemma2NormStats, Gemma2NormStatsFunction
+from .gemma2_post_attention import Gemma2PostAttention, Gemma2PostAttentionFunction
+from .gemma2_pre_attention import Gemma2PreAttention, Gemma2PreAttentionFunction
 from .lm_head_loss import LmHeadLoss, LmHeadLossFunction
+from .lm_head_loss_rows import LmHeadLossRows, LmHeadLossRowsFunction
+from .lm_head_loss_smooth import LmHeadLossSmooth, LmHeadLossSmoothFunction
+from .lm_head_loss_softcap import LmHeadLossSoftcap, LmHeadLossSoftcapFunction
+from .lm_head_loss_weighted import LmHeadLossWeighted, LmHeadLossWeightedFunction
+from .lm_head_loss_zloss import LmHeadLossZloss, LmHeadLossZlossFunction
 from .norm_stats import NormStats, NormStatsFunction
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
 from .pre_attention import PreAttention, PreAttentionFunction
 
 __all__ = [
-    "LmHeadLoss", "LmHeadLossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu", "OprojSwigluFunction",
-    "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction",
+    "Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "Gemma2NormStatsFunction", "Gemma2PostAttention",
+    "Gemma2PostAttentionFunction", "Gemma2PreAttention", "Gemma2PreAttentionFunction", "LmHeadLoss",
+    "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth", "LmHeadLossSmoothFunction",
+    "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted", "LmHeadLossWeightedFunction",
+    "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu",
+    "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction",
 ]

@@ -19,8 +19,9 @@ SHA256 = "8b55aec8dccfc467926cd305e18076e13983d5740b4ac3ac4a56a2ad6af835df"
 
 
 class LmHeadLossFunction(torch.autograd.Function):
-    """lm_head_loss when a gradient is wanted: the forward also makes the gradients. lm_head_loss() (below) runs
-    it then, and the forward alone otherwise."""
+    """lm_head_loss when a gradient is wanted: the forward also makes the gradients. lm_head_loss() (below) runs it
+    then, and the forward alone otherwise.
+    """
 
     @staticmethod
     def forward(

@@ -2,14 +2,46 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
+- gate_up_geglu (specs/gemma2/gate_up_geglu.yaml): MLP gate/up projection with the RMSNorm row scale and GeGLU
+  (tanh-approximated GELU) on interleaved (gate, up) columns.
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
   interleaved (gate, up) columns.
+- geglu_dgrad (specs/gemma2/backward/geglu_dgrad.yaml): Data gradient of the MLP down projection with GeGLU's backward
+  and the recomputed GeGLU output.
+- gemma_norm_dgrad (specs/gemma2/backward/gemma_norm_dgrad.yaml): Data gradient through a projection and Gemma's RMSNorm
+  (scale 1 + w) before it.
+- gemma_norm_dgrad_residual (specs/gemma2/backward/gemma_norm_dgrad_residual.yaml): Data gradient through a projection
+  and Gemma's RMSNorm (scale 1 + w) before it, plus the residual gradient.
+- gemma_post_norm_dgrad (specs/gemma2/backward/gemma_post_norm_dgrad.yaml): Data gradient of an RMSNorm with (1 + w)
+  applied to a stored tensor, from its row dots.
+- gemma_post_norm_residual (specs/gemma2/gemma_post_norm_residual.yaml): RMSNorm with (1 + w) of a projection's output
+  added to the residual stream, and the next RMSNorm's statistics and scale.
+- gemma_post_norm_rowdot (specs/gemma2/backward/gemma_post_norm_rowdot.yaml): Row-dot and weight-gradient partials of
+  the backward of an RMSNorm with (1 + w) applied to a stored tensor.
+- gemma_proj_sumsq (specs/gemma2/gemma_proj_sumsq.yaml): Projection storing its output and the per-tile sums of squares
+  of the output's rows, for the RMSNorm after it.
+- gemma_rmsnorm_stats (specs/gemma2/gemma_rmsnorm_stats.yaml): RMSNorm statistics and (1 + w) scale of a tensor that no
+  GEMM epilogue produced, as Gemma's RMSNorm.
 - lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm
   backward's row partials.
+- lm_head_ce_dz_scaled (specs/cross_entropy/lm_head_ce_dz_scaled.yaml): Cross-entropy-variant gradient of stored logits
+  from two per-row coefficients, with the RMSNorm backward's row partials.
+- lm_head_ce_dz_shifted (specs/cross_entropy/lm_head_ce_dz_shifted.yaml): Cross-entropy-variant gradient of stored
+  logits from three per-row coefficients, with the RMSNorm backward's row partials.
+- lm_head_ce_dz_softcap (specs/cross_entropy/lm_head_ce_dz_softcap.yaml): Cross-entropy gradient through logit
+  softcapping of stored logits, with the RMSNorm backward's row partials.
 - lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits,
   their log-sum-exp partials and the target logit.
+- lm_head_logits_softcap (specs/cross_entropy/lm_head_logits_softcap.yaml): LM-head projection with the final RMSNorm
+  row scale, storing the logits before the softcap, the capped logits' log-sum-exp partials and the capped target logit.
+- lm_head_logits_zsum (specs/cross_entropy/lm_head_logits_zsum.yaml): LM-head projection with the final RMSNorm row
+  scale, storing the logits, their log-sum-exp and sum partials and the target logit.
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml): LM-head projection with the final RMSNorm row scale, per-tile
   log-sum-exp partials and the target logit.
+- lm_head_logsumexp_softcap (specs/cross_entropy/lm_head_logsumexp_softcap.yaml): LM-head projection with the final
+  RMSNorm row scale and logit softcapping, per-tile log-sum-exp partials and the capped target logit.
+- lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml): LM-head projection with the final RMSNorm
+  row scale, per-tile log-sum-exp and sum partials and the target logit.
 - matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm
@@ -27,10 +59,26 @@
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and
   the recomputed SwiGLU output.
 """
+from . import gate_up_geglu
 from . import gate_up_swiglu
+from . import geglu_dgrad
+from . import gemma_norm_dgrad
+from . import gemma_norm_dgrad_residual
+from . import gemma_post_norm_dgrad
+from . import gemma_post_norm_residual
+from . import gemma_post_norm_rowdot
+from . import gemma_proj_sumsq
+from . import gemma_rmsnorm_stats
 from . import lm_head_ce_dz
+from . import lm_head_ce_dz_scaled
+from . import lm_head_ce_dz_shifted
+from . import lm_head_ce_dz_softcap
 from . import lm_head_logits
+from . import lm_head_logits_softcap
+from . import lm_head_logits_zsum
 from . import lm_head_logsumexp
+from . import lm_head_logsumexp_softcap
+from . import lm_head_logsumexp_zsum
 from . import matmul
 from . import norm_dgrad
 from . import norm_dgrad_residual
@@ -42,7 +90,10 @@ from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
 __all__ = [
-    "gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad",
-    "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot",
-    "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad", "gemma_norm_dgrad_residual",
+    "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot", "gemma_proj_sumsq",
+    "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted", "lm_head_ce_dz_softcap",
+    "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap",
+    "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope",
+    "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]

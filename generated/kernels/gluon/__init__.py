@@ -3,8 +3,15 @@
 """Hopper (sm_90) kernels in Gluon: one module per kernel spec that the Hopper backend lowers, each with a
 `launch` that takes the tl kernel's arguments. Import one only on a Hopper GPU; this package imports none.
 
+- gemma_norm_dgrad (specs/gemma2/backward/gemma_norm_dgrad.yaml)
+- gemma_norm_dgrad_residual (specs/gemma2/backward/gemma_norm_dgrad_residual.yaml)
+- gemma_proj_sumsq (specs/gemma2/gemma_proj_sumsq.yaml)
 - lm_head_logits (specs/lm_head_logits.yaml)
+- lm_head_logits_softcap (specs/cross_entropy/lm_head_logits_softcap.yaml)
+- lm_head_logits_zsum (specs/cross_entropy/lm_head_logits_zsum.yaml)
 - lm_head_logsumexp (specs/lm_head_logsumexp.yaml)
+- lm_head_logsumexp_softcap (specs/cross_entropy/lm_head_logsumexp_softcap.yaml)
+- lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml)
 - matmul (specs/matmul.yaml)
 - norm_dgrad (specs/backward/norm_dgrad.yaml)
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
@@ -12,12 +19,42 @@
 
 Kernels that keep the tl path only, and why:
 
+- specs/gemma2/gate_up_geglu.yaml:16:5: geglu: {x: zv, out: yv}: no Gluon lowering of 'geglu' yet; gate_up_geglu
+  keeps the tl kernel only
+- specs/gemma2/gate_up_geglu.yaml:17:5: store: {x: yv, to: y}: only tiles of type T at full width are stored,
+  through TMA; gate_up_geglu keeps the tl kernel only
 - specs/gate_up_swiglu.yaml:18:5: swiglu: {x: zv, out: yv}: no Gluon lowering of 'swiglu' yet; gate_up_swiglu keeps
   the tl kernel only
 - specs/gate_up_swiglu.yaml:19:5: store: {x: yv, to: y}: only tiles of type T at full width are stored, through TMA;
   gate_up_swiglu keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:16:5: geglu_bwd: {dy: acc, x: z, out: dzv}: no Gluon lowering of
+  'geglu_bwd' yet; geglu_dgrad keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:17:5: store: {x: dzv, to: dz}: only tiles of type T at full width are
+  stored, through TMA; geglu_dgrad keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:18:5: cast: {x: dzv, dtype: T, out: dz_stored}: no Gluon lowering of pairs
+  (N/2 or 2*N columns) yet; geglu_dgrad keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:19:5: mul: {x: z, y: dz_stored, out: dot}: no Gluon lowering of pairs (N/2
+  or 2*N columns) yet; geglu_dgrad keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:20:5: reduce: {op: sum, x: dot, axis: cols, to: zdz_part}: no Gluon
+  lowering of pairs (N/2 or 2*N columns) yet; geglu_dgrad keeps the tl kernel only
+- specs/gemma2/backward/geglu_dgrad.yaml:21:5: geglu: {x: z, out: yv}: no Gluon lowering of 'geglu' yet; geglu_dgrad
+  keeps the tl kernel only
+- specs/gemma2/backward/gemma_post_norm_dgrad.yaml:4:1: gemma_post_norm_dgrad: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/gemma2/backward/gemma_post_norm_rowdot.yaml:5:1: gemma_post_norm_rowdot: no GEMM; the Hopper backend
+  schedules GEMM mainloops only; it keeps the tl kernel only
+- specs/gemma2/gemma_rmsnorm_stats.yaml:3:1: gemma_rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM
+  mainloops only; it keeps the tl kernel only
 - specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only;
   it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_scaled.yaml:5:1: lm_head_ce_dz_scaled: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_shifted.yaml:6:1: lm_head_ce_dz_shifted: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
 - specs/qkv_norm_rope.yaml:18:5: rope: {x: z, positions: positions, freqs: freqs, out: rotated}: no Gluon lowering
   of 'rope' yet; qkv_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps

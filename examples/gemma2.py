@@ -1,0 +1,248 @@
+"""A small Gemma-2 built from codagen's generated block modules (specs/gemma2/), the same model in plain PyTorch
+(Hugging Face's Gemma2ForCausalLM layout and names) as its reference, and the weight conversion between them.
+
+Attention, with Gemma-2's logit softcapping and sliding window, is eager PyTorch; everything else runs in
+generated kernels: Gemma2NormStats (first layer only) -> [Gemma2PreAttention -> attention ->
+Gemma2PostAttention] x layers -> Gemma2LmHeadLoss. Every RMSNorm scales by (1 + w) in fp32, the embeddings
+are scaled by sqrt(dim), and the LM head is the embedding matrix (tied), its logits softcapped before the loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
+
+
+@dataclass(frozen=True)
+class Gemma2Shape:
+    """Gemma2Config's fields that the model needs, by their meaning."""
+
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_layers: int
+    vocab: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    query_pre_attn_scalar: int = 256  # attention scores are scaled by its inverse square root
+    attn_softcap: float = 50.0
+    final_softcap: float = 30.0
+    sliding_window: int = 4096  # even layers (0, 2, ...) attend to at most this many past positions
+    pad_token_id: int | None = 0  # the embedding row that gets no gradient from the lookup, as nn.Embedding's
+
+    @property
+    def attn_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+
+def rope_freqs(shape: Gemma2Shape) -> torch.Tensor:
+    """Per-pair frequencies over the qkv columns: each q and k head's inverse frequencies, 0 for v (unrotated)."""
+    inv = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim)
+    rotated = inv.repeat(shape.n_heads + shape.n_kv_heads)
+    return torch.cat([rotated, torch.zeros(shape.n_kv_heads * shape.head_dim // 2, dtype=torch.float64)]).float()
+
+
+def attention_mask(seq: int, sliding: bool, shape: Gemma2Shape, device) -> torch.Tensor:
+    """Causal, and on sliding layers at most sliding_window positions back: True where a query may attend."""
+    i = torch.arange(seq, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if sliding:
+        allowed &= i[:, None] - i[None, :] < shape.sliding_window
+    return allowed
+
+
+def attend(q, k, v, layer: int, shape: Gemma2Shape) -> torch.Tensor:
+    """Gemma-2's eager attention on [batch, heads, seq, head_dim]: GQA, scores scaled by
+    query_pre_attn_scalar^-1/2 and softcapped, softmax in fp32."""
+    groups = shape.n_heads // shape.n_kv_heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(2, 3) * shape.query_pre_attn_scalar**-0.5
+    scores = torch.tanh(scores / shape.attn_softcap) * shape.attn_softcap
+    allowed = attention_mask(q.shape[2], layer % 2 == 0, shape, q.device)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attention(qkv: torch.Tensor, layer: int, shape: Gemma2Shape, batch: int, seq: int) -> torch.Tensor:
+    """[batch * seq, qkv_dim] (q and k already rotated) -> [batch * seq, attn_dim]."""
+    hd = shape.head_dim
+    q, k, v = qkv.split([shape.n_heads * hd, shape.n_kv_heads * hd, shape.n_kv_heads * hd], dim=1)
+    q = q.reshape(batch, seq, shape.n_heads, hd).transpose(1, 2)
+    k = k.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    v = v.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    return attend(q, k, v, layer, shape).transpose(1, 2).reshape(batch * seq, shape.attn_dim)
+
+
+class Layer(nn.Module):
+    def __init__(self, shape: Gemma2Shape, device=None, dtype=None):
+        super().__init__()
+        self.pre = Gemma2PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
+        self.post = Gemma2PostAttention(shape.dim, shape.attn_dim, shape.ffn_dim, shape.eps, device=device,
+                                        dtype=dtype)
+
+
+class CodagenGemma2(nn.Module):
+    def __init__(self, shape: Gemma2Shape, ignore_index: int = -100, chunk_rows: int = 2048, device=None,
+                 dtype=None):
+        super().__init__()
+        self.shape = shape
+        self.norm_stats = Gemma2NormStats(shape.dim, shape.eps)
+        self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
+        self.head = Gemma2LmHeadLoss(shape.dim, shape.vocab, shape.final_softcap, ignore_index, "mean", chunk_rows,
+                                     device=device, dtype=dtype)
+        self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
+        with torch.no_grad():  # Gemma's norm weights start at 0: a scale of 1 + 0
+            for name, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.zero_()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        batch, seq = tokens.shape
+        w_vocab = self.head.w_vocab  # tied: the embedding matrix is the LM head's
+        x = F.embedding(tokens, w_vocab, padding_idx=s.pad_token_id)
+        x = (x * torch.tensor(math.sqrt(s.dim), dtype=x.dtype)).reshape(batch * seq, s.dim)
+        positions = torch.arange(seq, device=tokens.device).repeat(batch)
+        # every norm's statistics come from the epilogue before it; the first layer's from norm_stats
+        h, rstd = self.norm_stats(x, self.layers[0].pre.wn)
+        for i, layer in enumerate(self.layers):
+            x, qkv = layer.pre(x, h, rstd, positions, self.freqs)
+            y = attention(qkv, i, s, batch, seq)
+            wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
+            x, h, rstd = layer.post(y, x, wn_next)
+        return self.head(x, h, rstd, targets.reshape(-1))
+
+
+def from_hf(sd: dict[str, torch.Tensor], shape: Gemma2Shape) -> dict[str, torch.Tensor]:
+    """A Hugging Face Gemma2ForCausalLM state dict -> the state dict of CodagenGemma2: q and k rows in
+    interleaved RoPE pairs, gate and up rows interleaved, the norm weights w as they are (the kernels scale
+    by 1 + w)."""
+    out = {"head.w_vocab": sd["model.embed_tokens.weight"], "head.wn": sd["model.norm.weight"]}
+    hd = shape.head_dim
+    for i in range(shape.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[q + "pre.wn"] = sd[p + "input_layernorm.weight"]
+        out[q + "pre.w_qkv"] = torch.cat([heads_to_interleaved(sd[a + "q_proj.weight"], hd),
+                                          heads_to_interleaved(sd[a + "k_proj.weight"], hd), sd[a + "v_proj.weight"]])
+        out[q + "post.w_o"] = sd[a + "o_proj.weight"]
+        out[q + "post.wn_post_attn"] = sd[p + "post_attention_layernorm.weight"]
+        out[q + "post.wn_pre_mlp"] = sd[p + "pre_feedforward_layernorm.weight"]
+        out[q + "post.w_gate_up"] = interleave_rows(sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"])
+        out[q + "post.w_down"] = sd[m + "down_proj.weight"]
+        out[q + "post.wn_post_mlp"] = sd[p + "post_feedforward_layernorm.weight"]
+    return out
+
+
+def to_hf(sd: dict[str, torch.Tensor], shape: Gemma2Shape) -> dict[str, torch.Tensor]:
+    """from_hf's inverse (lm_head.weight is the embedding matrix, tied)."""
+    out = {"model.embed_tokens.weight": sd["head.w_vocab"], "model.norm.weight": sd["head.wn"]}
+    hd, attn, kv = shape.head_dim, shape.attn_dim, shape.n_kv_heads * shape.head_dim
+    for i in range(shape.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = sd[q + "pre.w_qkv"].split([attn, kv, kv])
+        gate, up = split_rows(sd[q + "post.w_gate_up"])
+        out.update({
+            p + "input_layernorm.weight": sd[q + "pre.wn"],
+            p + "self_attn.q_proj.weight": heads_to_halves(wq, hd),
+            p + "self_attn.k_proj.weight": heads_to_halves(wk, hd),
+            p + "self_attn.v_proj.weight": wv,
+            p + "self_attn.o_proj.weight": sd[q + "post.w_o"],
+            p + "post_attention_layernorm.weight": sd[q + "post.wn_post_attn"],
+            p + "pre_feedforward_layernorm.weight": sd[q + "post.wn_pre_mlp"],
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": sd[q + "post.w_down"],
+            p + "post_feedforward_layernorm.weight": sd[q + "post.wn_post_mlp"],
+        })
+    return out
+
+
+# ---- the reference: a plain PyTorch Gemma-2 in Hugging Face's layout and names ----
+
+class RMSNorm(nn.Module):
+    """Gemma's: normalized in fp32, scaled by (1 + w) in fp32, then rounded to the input's dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class PlainGemma2(nn.Module):
+    """Parameter names follow transformers' Gemma2ForCausalLM (lm_head tied to the embeddings), so from_hf
+    and to_hf apply to its state dict."""
+
+    def __init__(self, shape: Gemma2Shape, ignore_index: int = -100, device=None, dtype=None):
+        super().__init__()
+        self.shape, self.ignore_index = shape, ignore_index
+        kw = dict(device=device, dtype=dtype)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.dim, padding_idx=shape.pad_token_id, **kw)
+        self.model.layers = nn.ModuleList()
+        for _ in range(shape.n_layers):
+            layer = nn.Module()
+            layer.input_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_proj = nn.Linear(shape.dim, shape.attn_dim, bias=False, **kw)
+            layer.self_attn.k_proj = nn.Linear(shape.dim, shape.n_kv_heads * shape.head_dim, bias=False, **kw)
+            layer.self_attn.v_proj = nn.Linear(shape.dim, shape.n_kv_heads * shape.head_dim, bias=False, **kw)
+            layer.self_attn.o_proj = nn.Linear(shape.attn_dim, shape.dim, bias=False, **kw)
+            layer.post_attention_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.pre_feedforward_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.mlp = nn.Module()
+            layer.mlp.gate_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            layer.mlp.up_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            layer.mlp.down_proj = nn.Linear(shape.ffn_dim, shape.dim, bias=False, **kw)
+            layer.post_feedforward_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            self.model.layers.append(layer)
+        self.model.norm = RMSNorm(shape.dim, shape.eps, **kw)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        batch, seq = tokens.shape
+        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
+        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
+        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
+        cos, sin = emb.cos().float(), emb.sin().float()
+        embed = self.model.embed_tokens
+        x = embed(tokens) * torch.tensor(math.sqrt(s.dim), dtype=embed.weight.dtype)
+        for i, layer in enumerate(self.model.layers):
+            n = layer.input_layernorm(x)
+            a = layer.self_attn
+            q = a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim).transpose(1, 2)
+            k = a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
+            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            y = attend(q, k, v, i, s).transpose(1, 2).reshape(batch, seq, s.attn_dim)
+            x = x + layer.post_attention_layernorm(a.o_proj(y))
+            m = layer.mlp
+            n = layer.pre_feedforward_layernorm(x)
+            x = x + layer.post_feedforward_layernorm(
+                m.down_proj(F.gelu(m.gate_proj(n), approximate="tanh") * m.up_proj(n)))
+        logits = F.linear(self.model.norm(x), embed.weight).float()
+        logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
