@@ -48,20 +48,16 @@ def geglu_dgrad_epilogue(
     col_mask = cols < N
 
     # geglu_bwd: {dy: acc, x: z, out: dzv}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    cols_even = 2 * cols
-    cols_odd = cols_even + 1
-    z_even = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_even[None, :] * stride_z_n, mask=tile_mask,
-                     other=0.0).to(tl.float32)
-    z_odd = tl.load(z_ptr + rows[:, None] * stride_z_m + cols_odd[None, :] * stride_z_n, mask=tile_mask,
-                    other=0.0).to(tl.float32)
+    cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+    tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]
+    z_even, z_odd = tile.split_pairs(
+        tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
+                other=0.0).to(tl.float32))
     dzv_even, dzv_odd = tile.geglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_even[None, :] * stride_dz_n,
-             dzv_even.to(dz_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_odd[None, :] * stride_dz_n,
-             dzv_odd.to(dz_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n,
+             tile.join_pairs(dzv_even, dzv_odd).to(dz_ptr.dtype.element_ty), mask=tile_mask_double)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored_even = dzv_even.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
@@ -72,6 +68,7 @@ def geglu_dgrad_epilogue(
     dot_odd = z_odd * dz_stored_odd
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
+    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
                  tile.partial_reduce_pairs(dot_even, dot_odd, tile_mask, OP=tile.SUM), mask=row_mask)

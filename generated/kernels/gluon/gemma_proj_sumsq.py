@@ -157,13 +157,15 @@ _PLANS = {}  # launch plans by argument signature: the checks run once per signa
 
 def launch(y, w, *, o, ss, config=None) -> None:
     """Run the Hopper kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device
-    mismatch, and on what only the tl kernel runs (hopper.check says what)."""
+    mismatch, where an output shares memory with another argument (as the tl kernel's launch), and on what only
+    the tl kernel runs (hopper.check says what)."""
     config = hopper.launch_config(config, EPILOGUE)
     tensors = (y, w, o, ss)
     key = hopper.signature(tensors, config)
     plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
     if plan.empty:
         return
+    plan.aliasing.check(tensors)
     block_mn = [config.block_m, config.block_n]
     with runtime.on_device(plan.device):
         gemma_proj_sumsq_kernel[(plan.programs,)](
@@ -192,4 +194,4 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
-    return hopper.LaunchPlan.make(device, M, N, K, config)
+    return hopper.LaunchPlan.make(device, M, N, K, config, runtime.Aliasing(NAME, DECLS, tensors))
