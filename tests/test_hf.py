@@ -1,0 +1,216 @@
+"""codagen.hf against transformers itself: a tiny random LlamaForCausalLM patched by apply_codagen and the same model
+unpatched, fp32, loss and every parameter gradient within 1e-4 relative; save/load in Hugging Face's layout; the
+configurations that are refused, each with its message."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the test extra installs it; the package never needs it
+
+from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
+from codagen.convert import heads_to_halves  # noqa: E402
+from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB, BATCH, SEQ = 97, 2, 12
+TOL = 1e-4
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def tiny_llama(**overrides):
+    """A random fp32 LlamaForCausalLM; norm weights random too (Hugging Face starts them at one)."""
+    config = transformers.LlamaConfig(**{**BASE, **overrides})
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def hf_layout_grads(model):
+    """The patched model's gradients in Hugging Face's names and layout (fused rows split back by hand)."""
+    config, out = model.config, {}
+    hd = config.head_dim
+    nq, nk = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    for name, p in model.named_parameters():
+        prefix = name.rsplit(".", 2)[0] + "."
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = p.grad.split([nq, nk, nk])
+            prefix = name[: -len("qkv_proj.weight")]
+            out[prefix + "q_proj.weight"] = heads_to_halves(q, hd)
+            out[prefix + "k_proj.weight"] = heads_to_halves(k, hd)
+            out[prefix + "v_proj.weight"] = v
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name[: -len("gate_up_proj.weight")]
+            out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = p.grad[0::2], p.grad[1::2]
+        else:
+            out[name] = p.grad
+    return out
+
+
+def compare(reference, patched, seed=0, **inputs):
+    """Same inputs through both models: loss and every gradient (Hugging Face names) within TOL."""
+    losses = []
+    for model in (reference, patched):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the same dropout masks, where there is dropout
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel(losses[1], losses[0]) < TOL, (losses[1].item(), losses[0].item())
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    got = hf_layout_grads(patched)
+    assert got.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(got[name], g) < TOL, name
+
+
+def tokens_and_labels(generator_seed=0):
+    g = torch.Generator().manual_seed(generator_seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param({}, id="gqa"),
+    pytest.param({"tie_word_embeddings": True, "num_key_value_heads": 4}, id="tied-mha"),
+    pytest.param({"head_dim": 24}, id="head_dim-not-hidden-over-heads"),
+    pytest.param({"rope_parameters": LLAMA3_ROPE}, id="llama3-rope"),
+    pytest.param({"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}}, id="linear-rope"),
+    pytest.param({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16}, "max_position_embeddings": 64},
+                 id="yarn-rope"),
+    pytest.param({"attention_dropout": 0.3, "attn_implementation": "eager"}, id="attention-dropout-eager"),
+])
+def test_patched_model_matches_transformers(overrides):
+    torch.manual_seed(1)
+    reference = tiny_llama(**overrides)
+    patched = apply_codagen(copy.deepcopy(reference), chunk_rows=7)
+    ids, labels = tokens_and_labels()
+    compare(reference, patched, input_ids=ids, labels=labels)
+
+
+def test_tied_embedding_stays_one_parameter():
+    patched = apply_codagen(tiny_llama(tie_word_embeddings=True))
+    assert patched.get_output_embeddings().weight is patched.get_input_embeddings().weight
+    assert patched.lm_head.weight is patched.model.embed_tokens.weight
+    names = [n for n, _ in patched.named_parameters()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_mask(side):
+    torch.manual_seed(2)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(1)
+    mask = torch.ones_like(ids)
+    pads = slice(SEQ - 4, None) if side == "right" else slice(0, 4)
+    mask[1, pads] = 0
+    labels[1, pads] = -100
+    compare(reference, patched, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_packed_sequences_with_position_ids():
+    torch.manual_seed(3)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(2)
+    # each row holds documents of lengths 5+7 and 3+4+5, positions restarting at 0 (as DataCollatorWithFlattening)
+    position_ids = torch.tensor([list(range(5)) + list(range(7)), list(range(3)) + list(range(4)) + list(range(5))],
+                                device=DEVICE)
+    labels[position_ids == 0] = -100
+    # use_cache=False: with a cache (config.use_cache defaults to True) transformers does not look for packing
+    compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
+
+
+def test_num_items_in_batch_sums_the_loss_as_transformers_does():
+    torch.manual_seed(4)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(3)
+    compare(reference, patched, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(37, device=DEVICE))
+
+
+def test_without_labels_logits_and_hidden_states_are_transformers():
+    torch.manual_seed(5)
+    reference = tiny_llama(rope_parameters=LLAMA3_ROPE)
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(4)
+    with torch.no_grad():
+        assert rel(patched(input_ids=ids).logits, reference(input_ids=ids).logits) < TOL
+        assert rel(patched(input_ids=ids, logits_to_keep=1).logits, reference(input_ids=ids, logits_to_keep=1).logits) < TOL
+        assert rel(patched.model(input_ids=ids).last_hidden_state,
+                   reference.model(input_ids=ids).last_hidden_state) < TOL
+        # eval loss: the generated block's no-gradient path (no logits kept)
+        assert rel(patched(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
+        # with labels no logits are made: the tuple holds the loss alone (ModelOutput.to_tuple drops None)
+        (loss,) = patched(input_ids=ids, labels=labels, return_dict=False)
+        assert torch.isfinite(loss)
+
+
+def test_save_and_load_in_transformers_layout(tmp_path):
+    torch.manual_seed(6)
+    reference = tiny_llama(tie_word_embeddings=True)
+    patched = apply_codagen(copy.deepcopy(reference))
+    state = patched.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(DEVICE)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    again = AutoCodagenForCausalLM.from_pretrained(tmp_path).to(DEVICE)
+    ids, labels = tokens_and_labels(5)
+    with torch.no_grad():
+        assert rel(again(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
+    # a Hugging Face state dict loads into a patched model (load_state_dict, strict)
+    other = apply_codagen(tiny_llama(tie_word_embeddings=True))
+    other.load_state_dict(reference.state_dict())
+    for name, p in patched.named_parameters():
+        assert torch.equal(dict(other.named_parameters())[name], p), name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"attention_bias": True}, "config.attention_bias = True is not supported: the QKV and out-projection kernels"),
+    ({"mlp_bias": True}, "config.mlp_bias = True is not supported: the gate/up and down-projection kernels"),
+    ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU with silu"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "config.rope_parameters['rope_type'] = 'dynamic' is not supported: codagen takes RoPE frequencies fixed"),
+])
+def test_refused_configurations_name_the_field(overrides, message):
+    model = tiny_llama(**overrides)
+    layers = list(model.model.layers)
+    with pytest.raises(CodagenConfigError, match="^apply_codagen: " + message.replace("[", r"\[").replace("(", r"\(")):
+        apply_codagen(model)
+    assert list(model.model.layers) == layers  # refused: nothing changed
+
+
+def test_refused_models_and_calls():
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, got LlamaModel"):
+        apply_codagen(transformers.LlamaModel(transformers.LlamaConfig(**BASE)))
+    patched = apply_codagen(tiny_llama())
+    with pytest.raises(ValueError, match="already patched"):
+        apply_codagen(patched)
+    ids, _ = tokens_and_labels()
+    with pytest.raises(NotImplementedError, match="output_hidden_states is not supported"):
+        patched(input_ids=ids, output_hidden_states=True)
+    enable = getattr(patched, "activation_checkpointing_enable", None) or patched.gradient_checkpointing_enable
+    enable()
+    patched.train()
+    with pytest.raises(NotImplementedError, match="gradient checkpointing is not implemented"):
+        patched(input_ids=ids)
