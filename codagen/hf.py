@@ -11,7 +11,9 @@ and packed sequences behave exactly as in the unpatched model. The calling conve
 state_dict() / save_pretrained() write the Hugging Face layout again. docs/huggingface.md lists what is supported
 and what is refused.
 
-`transformers` is imported here only: `import codagen` never needs it.
+`transformers` is imported here only, inside the functions: `import codagen` never needs it. On a machine without a
+GPU, import codagen.hf before transformers' models (they import triton, and Triton's interpreter must be switched on
+first).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the runtime before transformers, whose models import triton: without a GPU, the runtime has to switch Triton's
+# interpreter on before triton loads
+from . import runtime  # noqa: F401
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
 
 __all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "from_pretrained"]
