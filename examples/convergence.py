@@ -61,9 +61,10 @@ class BigramData:
 
 
 def make_model(transformers, config, initial_state, dtype, device):
-    model = transformers.LlamaForCausalLM(config)
+    with torch.device(device):  # Hugging Face's initialization on the device: seconds, not minutes, at 1B
+        model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(initial_state)
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype)
 
 
 def sync(device):
@@ -94,14 +95,11 @@ def train(model, data: BigramData, args, steps: int, first_step: int = 0) -> tup
 
 
 def liger(model):
-    """Hugging Face + Liger-Kernel, patched on the instance; None where liger_kernel is missing or refuses."""
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        _apply_liger_kernel_to_instance(model=model)
-        return model
-    except Exception as error:  # an optional comparison: any failure only drops its row
-        print(f"Liger-Kernel left out: {type(error).__name__}: {error}")
-        return None
+    """Hugging Face + Liger-Kernel (optional: where liger_kernel is missing or refuses, its row is left out)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    return model
 
 
 def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
@@ -147,17 +145,18 @@ def main(argv=None) -> dict:
 
     config = transformers.LlamaConfig(**PRESETS[args.preset], attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(args.seed)
-    initial_state = transformers.LlamaForCausalLM(config).state_dict()
+    with torch.device(args.device):
+        initial_state = transformers.LlamaForCausalLM(config).state_dict()
     data = BigramData(config.vocab_size, args.seed)
     dtype = getattr(torch, args.dtype)
 
     def run(label, dtype, patch=None):
         model = make_model(transformers, config, initial_state, dtype, args.device)
         model = patch(model) if patch else model
-        if model is None:
-            return None
-        print(f"{label}: {args.steps} steps")
+        print(f"{label}: {args.steps} steps", flush=True)
+        start = time.perf_counter()
         result = train(model, data, args, args.steps)
+        print(f"{label}: {time.perf_counter() - start:.1f} s", flush=True)
         del model
         if torch.device(args.device).type == "cuda":
             torch.cuda.empty_cache()
@@ -169,7 +168,8 @@ def main(argv=None) -> dict:
     difference = [abs(a - b) for a, b in zip(codagen_curve, hf_curve)]
     summary = {"preset": args.preset, "dtype": args.dtype, "device": args.device, "steps": args.steps,
                "batch": args.batch, "seq": args.seq, "lr": args.lr,
-               "max_abs_difference": max(difference), "max_rel_difference": max(d / h for d, h in zip(difference, hf_curve))}
+               "max_abs_difference": max(difference),
+               "max_rel_difference": max(d / h for d, h in zip(difference, hf_curve))}
     if dtype != torch.float32:
         curves["Hugging Face (float32)"] = run("hf-fp32", torch.float32)[0]
         scale = [abs(a - b) for a, b in zip(hf_curve, curves["Hugging Face (float32)"])]
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
         summary["steps_within_2x_hf_vs_fp32"] = sum(d <= 2 * s for d, s in zip(difference, scale))
         summary["max_within_2x_max_hf_vs_fp32"] = max(difference) <= 2 * max(scale)
 
-    throughput = {}
+    throughput, left_out = {}, {}
     if args.bench_steps > 0:
         def compiled(model):
             model.compile()
@@ -185,8 +185,13 @@ def main(argv=None) -> dict:
         for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
                              ("Hugging Face + Liger-Kernel", liger), ("codagen", codagen.hf.apply_codagen)):
             model = make_model(transformers, config, initial_state, dtype, args.device)
-            model = patch(model) if patch else model
-            if model is None:
+            try:
+                model = patch(model) if patch else model
+            except Exception as error:  # Liger-Kernel is optional: any failure to apply it only drops its row
+                if patch is not liger:
+                    raise
+                left_out[label] = f"{type(error).__name__}: {error}"
+                print(f"{label} left out: {left_out[label]}")
                 continue
             print(f"throughput: {label}")
             # warm-up steps (compilation, autotuning), then the timed steps
@@ -195,19 +200,25 @@ def main(argv=None) -> dict:
             del model
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
-    summary["tokens_per_s"] = throughput
+    summary["tokens_per_s"], summary["left_out"] = throughput, left_out
 
     title = f"{args.preset}, {args.dtype}, batch {args.batch} x seq {args.seq}"
     plotted = plot(curves, args.out / "convergence.png", title)
     (args.out / "losses.json").write_text(json.dumps({"summary": summary, "curves": curves}, indent=1) + "\n")
-    (args.out / "report.md").write_text(report(summary, curves, throughput, plotted, args))
+    (args.out / "report.md").write_text(report(summary, curves, plotted, args))
     print(json.dumps(summary, indent=1))
     return summary
 
 
-def report(summary, curves, throughput, plotted, args) -> str:
+def report(summary, curves, plotted, args) -> str:
+    import transformers
+    import triton
+
+    throughput = summary["tokens_per_s"]
     device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else args.device
-    lines = [f"# codagen vs Hugging Face: {args.preset}", "",
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    lines = [f"# codagen vs Hugging Face: {args.preset}", "", f"{date}; {versions}.", "",
              f"{device}; {args.dtype}; {args.steps} steps of AdamW (lr {args.lr}) on batch {args.batch} x seq "
              f"{args.seq} of a random sparse bigram chain; same initial weights (seed {args.seed}).", "",
              f"- largest |loss difference|, codagen vs Hugging Face ({args.dtype}): "
@@ -226,6 +237,7 @@ def report(summary, curves, throughput, plotted, args) -> str:
         lines += ["", f"Training throughput ({args.bench_steps} timed steps after warm-up; forward, backward, "
                       "AdamW):", "", "| model | tokens/s | vs Hugging Face |", "|---|---:|---:|"]
         lines += [f"| {k} | {v:,.0f} | {v / base:.2f}x |" for k, v in throughput.items()]
+        lines += [f"| {k} | left out: {why} | |" for k, why in summary["left_out"].items()]
     if plotted:
         lines += ["", "![loss curves](convergence.png)"]
     return "\n".join(lines) + "\n"

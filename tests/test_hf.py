@@ -152,7 +152,8 @@ def test_without_labels_logits_and_hidden_states_are_transformers():
     ids, labels = tokens_and_labels(4)
     with torch.no_grad():
         assert rel(patched(input_ids=ids).logits, reference(input_ids=ids).logits) < TOL
-        assert rel(patched(input_ids=ids, logits_to_keep=1).logits, reference(input_ids=ids, logits_to_keep=1).logits) < TOL
+        last = dict(input_ids=ids, logits_to_keep=1)
+        assert rel(patched(**last).logits, reference(**last).logits) < TOL
         assert rel(patched.model(input_ids=ids).last_hidden_state,
                    reference.model(input_ids=ids).last_hidden_state) < TOL
         # eval loss: the generated block's no-gradient path (no logits kept)
