@@ -84,8 +84,6 @@ def check_config(config) -> None:
     """Refuse, naming the field, every Llama configuration whose math the generated blocks do not compute."""
     if getattr(config, "hidden_act", "silu") != "silu":
         _refuse("hidden_act", config.hidden_act, "the MLP kernels compute SwiGLU with silu only")
-    if getattr(config, "attention_bias", False):
-        _refuse("attention_bias", True, "the QKV and out-projection kernels have no bias term")
     if getattr(config, "mlp_bias", False):
         _refuse("mlp_bias", True, "the gate/up and down-projection kernels have no bias term")
     rope = _rope_type(config)
@@ -106,11 +104,13 @@ def _rope_type(config) -> str:
 # ---- the patched modules: parameters that keep their meaning keep their Hugging Face names ----
 
 class FusedProjection(nn.Module):
-    """A weight made of several Hugging Face projections, in codagen's interleaved row layout (codagen.convert)."""
+    """A weight (and bias) made of several Hugging Face projections, in codagen's interleaved row layout
+    (codagen.convert)."""
 
-    def __init__(self, weight: torch.Tensor, requires_grad: bool):
+    def __init__(self, weight: torch.Tensor, requires_grad: bool, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
 
 
 class CodagenAttention(nn.Module):
@@ -128,11 +128,20 @@ class CodagenAttention(nn.Module):
         self.scaling = attn.scaling
         self.attention_dropout = attn.attention_dropout
         self.is_causal = True
-        q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         with torch.no_grad():
-            qkv = torch.cat([heads_to_interleaved(q, self.head_dim), heads_to_interleaved(k, self.head_dim), v])
-        self.qkv_proj = FusedProjection(qkv, q.requires_grad)
+            qkv = self.fuse(*(p.weight for p in projections))
+            bias = None if attn.q_proj.bias is None else self.fuse(*(p.bias for p in projections))
+        self.qkv_proj = FusedProjection(qkv, attn.q_proj.weight.requires_grad, bias)
         self.o_proj = attn.o_proj
+
+    def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([heads_to_interleaved(q, self.head_dim), heads_to_interleaved(k, self.head_dim), v])
+
+    def unfuse(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hd = self.head_dim
+        q, k, v = qkv.split([self.num_heads * hd, self.num_key_value_heads * hd, self.num_key_value_heads * hd])
+        return heads_to_halves(q, hd), heads_to_halves(k, hd), v
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[M, qkv_dim] -> Hugging Face's [batch, heads, seq, head_dim] q, k, v (q and k in interleaved order: the
@@ -170,24 +179,22 @@ class CodagenDecoderLayer(nn.Module):
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
-    attn, hd = module.self_attn, module.self_attn.head_dim
-    qkv = state_dict.pop(prefix + "self_attn.qkv_proj.weight")
-    q, k, v = qkv.split([attn.num_heads * hd, attn.num_key_value_heads * hd, attn.num_key_value_heads * hd])
-    state_dict[prefix + "self_attn.q_proj.weight"] = heads_to_halves(q, hd)
-    state_dict[prefix + "self_attn.k_proj.weight"] = heads_to_halves(k, hd)
-    state_dict[prefix + "self_attn.v_proj.weight"] = v
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(prefix + f"self_attn.qkv_proj.{kind}", None)
+        if fused is not None:
+            for p, t in zip("qkv", module.self_attn.unfuse(fused)):
+                state_dict[prefix + f"self_attn.{p}_proj.{kind}"] = t
     gate, up = split_rows(state_dict.pop(prefix + "mlp.gate_up_proj.weight"))
     state_dict[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
     state_dict[prefix + "mlp.up_proj.weight"] = up.contiguous()
 
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
-    hd = module.self_attn.head_dim
-    names = [prefix + f"self_attn.{p}_proj.weight" for p in "qkv"]
-    if all(n in state_dict for n in names):
-        q, k, v = (state_dict.pop(n) for n in names)
-        state_dict[prefix + "self_attn.qkv_proj.weight"] = torch.cat(
-            [heads_to_interleaved(q, hd), heads_to_interleaved(k, hd), v])
+    for kind in ("weight", "bias"):
+        names = [prefix + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        if all(n in state_dict for n in names):
+            fused = module.self_attn.fuse(*(state_dict.pop(n) for n in names))
+            state_dict[prefix + f"self_attn.qkv_proj.{kind}"] = fused
     names = [prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up")]
     if all(n in state_dict for n in names):
         state_dict[prefix + "mlp.gate_up_proj.weight"] = interleave_rows(*(state_dict.pop(n) for n in names))
@@ -226,6 +233,16 @@ def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
     inv = llama.rotary_emb.inv_freq.float()
     n_kv = config.num_key_value_heads
     return torch.cat([inv.repeat(config.num_attention_heads + n_kv), inv.new_zeros(n_kv * inv.numel())])
+
+
+def _rotated(bias: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE of the qkv bias at each row's position, [M, qkv_dim]: RoPE is linear, so rope(z + b) = rope(z) + rope(b)
+    and the bias is added after the PreAttention block (whose backward needs only its own output). Pairs (2j, 2j+1)
+    rotate by position * freqs[j] as in Hugging Face's rotate_half (v's frequencies are 0: unchanged)."""
+    angle = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    even, odd = bias.float().view(-1, 2).unbind(-1)
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(1).to(bias.dtype)
 
 
 def _attention_scaling(llama: nn.Module) -> float:
@@ -268,10 +285,14 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         qkv_weight = attn.qkv_proj.weight
         x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, layer.input_layernorm.weight,
                                                    qkv_weight, dim, qkv_weight.shape[0])
+        if attn.qkv_proj.bias is not None:
+            qkv = qkv + _rotated(attn.qkv_proj.bias, positions, freqs)
         q, k, v = attn.split(qkv.view(batch, seq, -1))
         y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
                          scaling=attn.scaling * score_scale, **attention_kwargs)
         wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
+        if attn.o_proj.bias is not None:
+            x = x + attn.o_proj.bias  # the out-projection's bias joins the residual it is added to
         x, h, rstd = blocks.PostAttentionFunction.apply(
             y.reshape(batch * seq, -1), x, wn_next, attn.o_proj.weight, layer.post_attention_layernorm.weight,
             mlp.gate_up_proj.weight, mlp.down_proj.weight, dim, mlp.down_proj.weight.shape[1], eps)

@@ -44,13 +44,12 @@ def hf_layout_grads(model):
     hd = config.head_dim
     nq, nk = config.num_attention_heads * hd, config.num_key_value_heads * hd
     for name, p in model.named_parameters():
-        prefix = name.rsplit(".", 2)[0] + "."
-        if name.endswith("self_attn.qkv_proj.weight"):
+        if ".self_attn.qkv_proj." in name:
             q, k, v = p.grad.split([nq, nk, nk])
-            prefix = name[: -len("qkv_proj.weight")]
-            out[prefix + "q_proj.weight"] = heads_to_halves(q, hd)
-            out[prefix + "k_proj.weight"] = heads_to_halves(k, hd)
-            out[prefix + "v_proj.weight"] = v
+            prefix, kind = name.split("qkv_proj.")
+            out[prefix + "q_proj." + kind] = heads_to_halves(q, hd)
+            out[prefix + "k_proj." + kind] = heads_to_halves(k, hd)
+            out[prefix + "v_proj." + kind] = v
         elif name.endswith("mlp.gate_up_proj.weight"):
             prefix = name[: -len("gate_up_proj.weight")]
             out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = p.grad[0::2], p.grad[1::2]
@@ -94,6 +93,7 @@ def tokens_and_labels(generator_seed=0):
                                       "original_max_position_embeddings": 16}, "max_position_embeddings": 64},
                  id="yarn-rope"),
     pytest.param({"attention_dropout": 0.3, "attn_implementation": "eager"}, id="attention-dropout-eager"),
+    pytest.param({"attention_bias": True, "rope_parameters": LLAMA3_ROPE}, id="attention-bias"),
 ])
 def test_patched_model_matches_transformers(overrides):
     torch.manual_seed(1)
@@ -165,7 +165,7 @@ def test_without_labels_logits_and_hidden_states_are_transformers():
 
 def test_save_and_load_in_transformers_layout(tmp_path):
     torch.manual_seed(6)
-    reference = tiny_llama(tie_word_embeddings=True)
+    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True)
     patched = apply_codagen(copy.deepcopy(reference))
     state = patched.state_dict()
     assert state.keys() == reference.state_dict().keys()
@@ -180,14 +180,13 @@ def test_save_and_load_in_transformers_layout(tmp_path):
     with torch.no_grad():
         assert rel(again(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
     # a Hugging Face state dict loads into a patched model (load_state_dict, strict)
-    other = apply_codagen(tiny_llama(tie_word_embeddings=True))
+    other = apply_codagen(tiny_llama(tie_word_embeddings=True, attention_bias=True))
     other.load_state_dict(reference.state_dict())
     for name, p in patched.named_parameters():
         assert torch.equal(dict(other.named_parameters())[name], p), name
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"attention_bias": True}, "config.attention_bias = True is not supported: the QKV and out-projection kernels"),
     ({"mlp_bias": True}, "config.mlp_bias = True is not supported: the gate/up and down-projection kernels"),
     ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU with silu"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
