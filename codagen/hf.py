@@ -251,6 +251,12 @@ def _attention_scaling(llama: nn.Module) -> float:
     return float(getattr(llama.rotary_emb, "attention_scaling", 1.0)) ** 2
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 def _refuse_call(what: str) -> None:
     raise NotImplementedError(f"codagen's patched Llama: {what}")
 
@@ -278,24 +284,32 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     eps = config.rms_norm_eps
     layers = list(llama.layers[: config.num_hidden_layers])
 
-    x = inputs_embeds.reshape(batch * seq, dim)
-    h, rstd = blocks.NormStatsFunction.apply(x, layers[0].input_layernorm.weight, dim, eps)
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight = attn.qkv_proj.weight
-        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, layer.input_layernorm.weight,
-                                                   qkv_weight, dim, qkv_weight.shape[0])
-        if attn.qkv_proj.bias is not None:
-            qkv = qkv + _rotated(attn.qkv_proj.bias, positions, freqs)
-        q, k, v = attn.split(qkv.view(batch, seq, -1))
-        y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, **attention_kwargs)
-        wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
-        if attn.o_proj.bias is not None:
-            x = x + attn.o_proj.bias  # the out-projection's bias joins the residual it is added to
-        x, h, rstd = blocks.PostAttentionFunction.apply(
-            y.reshape(batch * seq, -1), x, wn_next, attn.o_proj.weight, layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.down_proj.weight, dim, mlp.down_proj.weight.shape[1], eps)
+    # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
+    # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
+    autocast_dtype = _autocast_dtype(inputs_embeds.device)
+    cast = (lambda t: t) if autocast_dtype is None else (lambda t: t.to(autocast_dtype))
+    with torch.autocast(inputs_embeds.device.type, enabled=False):
+        x = cast(inputs_embeds.reshape(batch * seq, dim))
+        h, rstd = blocks.NormStatsFunction.apply(x, cast(layers[0].input_layernorm.weight), dim, eps)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_weight = cast(attn.qkv_proj.weight)
+            x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs,
+                                                       cast(layer.input_layernorm.weight), qkv_weight, dim,
+                                                       qkv_weight.shape[0])
+            if attn.qkv_proj.bias is not None:
+                qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
+            q, k, v = attn.split(qkv.view(batch, seq, -1))
+            # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
+            y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                             scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+            wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
+            if attn.o_proj.bias is not None:
+                x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
+            x, h, rstd = blocks.PostAttentionFunction.apply(
+                y.reshape(batch * seq, -1), x, cast(wn_next), cast(attn.o_proj.weight),
+                cast(layer.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight),
+                cast(mlp.down_proj.weight), dim, mlp.down_proj.weight.shape[1], eps)
     return x, h, rstd, (batch, seq)
 
 
@@ -338,11 +352,14 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             # Hugging Face's shift: position t predicts labels[t + 1], the last position nothing
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         _, lm_head_loss = _blocks()
-        weight = self.lm_head.weight
+        weight, norm_weight = self.lm_head.weight, llama.norm.weight
+        if x.dtype != weight.dtype:  # under autocast (decode)
+            weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lm_head_loss(x, h, rstd, shift_labels.reshape(-1).to(x.device), llama.norm.weight, weight,
-                            weight.shape[1], weight.shape[0], ignore_index, reduction, self.codagen_chunk_rows,
-                            "nan", "float32")
+        with torch.autocast(x.device.type, enabled=False):
+            loss = lm_head_loss(x, h, rstd, shift_labels.reshape(-1).to(x.device), norm_weight, weight,
+                                weight.shape[1], weight.shape[0], ignore_index, reduction, self.codagen_chunk_rows,
+                                "nan", "float32")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     else:
