@@ -26,16 +26,14 @@ import torch
 PRESETS = {
     "tiny": dict(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8}),
-    # meta-llama/Llama-3.2-1B's config.json
+                 rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    # meta-llama/Llama-3.2-1B's config.json (rope_theta and rope_scaling: the spelling transformers 4 and 5 read)
     "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                        rms_norm_eps=1e-5, tie_word_embeddings=True,
-                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 8192}),
+                        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 # per preset: batch, seq, steps, bench steps, dtype, learning rate
 DEFAULTS = {"tiny": (2, 16, 20, 0, "float32", 3e-3), "llama3.2-1b": (4, 1024, 100, 10, "bfloat16", 3e-4)}
