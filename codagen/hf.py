@@ -96,6 +96,27 @@ def check_config(config) -> None:
         _refuse("is_causal", config.is_causal, "the patched decoder is causal")
 
 
+def check_modules(model) -> None:
+    """Refuse modules other than transformers' own Llama ones (an adapter such as LoRA, a quantized linear, another
+    library's patch): the patch reads their weights and would silently drop what they add."""
+    from transformers.models.llama import modeling_llama as llama
+
+    expected = {"model.embed_tokens": nn.Embedding, "model.norm": llama.LlamaRMSNorm, "lm_head": nn.Linear}
+    for i in range(len(model.model.layers)):
+        layer = f"model.layers.{i}"
+        expected.update({layer: llama.LlamaDecoderLayer, f"{layer}.self_attn": llama.LlamaAttention,
+                         f"{layer}.mlp": llama.LlamaMLP, f"{layer}.input_layernorm": llama.LlamaRMSNorm,
+                         f"{layer}.post_attention_layernorm": llama.LlamaRMSNorm})
+        expected.update({f"{layer}.self_attn.{p}_proj": nn.Linear for p in "qkvo"})
+        expected.update({f"{layer}.mlp.{p}_proj": nn.Linear for p in ("gate", "up", "down")})
+    for name, kind in expected.items():
+        module = model.get_submodule(name)
+        if type(module) is not kind:
+            raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
+                            f"not {kind.__qualname__}; codagen patches unmodified transformers Llama modules only "
+                            "(apply adapters, quantization or other kernels' patches after it, or not at all)")
+
+
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default"))
@@ -389,6 +410,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
         raise ValueError("apply_codagen: this model is already patched")
     check_config(model.config)
+    check_modules(model)
     if chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     for i, layer in enumerate(llama.layers):

@@ -262,3 +262,15 @@ def test_autocast_runs_the_blocks_in_its_dtype():
     got = hf_layout_grads(patched)
     for name, p in reference.named_parameters():
         assert got[name].dtype == torch.float32 and rel(got[name], p.grad) < 1e-1, (name, rel(got[name], p.grad))
+
+
+def test_modified_modules_are_refused():
+    """An adapter or a quantized linear in place of a projection would be dropped by the fusion: refused."""
+    class Adapted(torch.nn.Linear):
+        pass
+
+    model = tiny_llama()
+    model.model.layers[1].self_attn.k_proj = Adapted(64, 32, bias=False)
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.1\.self_attn\.k_proj is a .*Adapted, not "
+                                        r"Linear; codagen patches unmodified transformers Llama modules only"):
+        apply_codagen(model)
