@@ -96,25 +96,33 @@ def check_config(config) -> None:
         _refuse("is_causal", config.is_causal, "the patched decoder is causal")
 
 
-def check_modules(model) -> None:
+def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.") -> None:
     """Refuse modules other than transformers' own Llama ones (an adapter such as LoRA, a quantized linear, another
-    library's patch): the patch reads their weights and would silently drop what they add."""
-    from transformers.models.llama import modeling_llama as llama
+    library's patch) in a LlamaModel: the patch reads their weights and would silently drop what they add. Checked
+    at patch time, and on each call for the modules whose weights the patched model reads (patched=True)."""
+    from transformers.models.llama import modeling_llama as hf
 
-    expected = {"model.embed_tokens": nn.Embedding, "model.norm": llama.LlamaRMSNorm, "lm_head": nn.Linear}
-    for i in range(len(model.model.layers)):
-        layer = f"model.layers.{i}"
-        expected.update({layer: llama.LlamaDecoderLayer, f"{layer}.self_attn": llama.LlamaAttention,
-                         f"{layer}.mlp": llama.LlamaMLP, f"{layer}.input_layernorm": llama.LlamaRMSNorm,
-                         f"{layer}.post_attention_layernorm": llama.LlamaRMSNorm})
-        expected.update({f"{layer}.self_attn.{p}_proj": nn.Linear for p in "qkvo"})
-        expected.update({f"{layer}.mlp.{p}_proj": nn.Linear for p in ("gate", "up", "down")})
+    expected = {"norm": hf.LlamaRMSNorm}
+    if not patched:
+        expected["embed_tokens"] = nn.Embedding
+    for i in range(len(llama.layers)):
+        layer = f"layers.{i}"
+        expected.update({f"{layer}.input_layernorm": hf.LlamaRMSNorm, f"{layer}.post_attention_layernorm":
+                         hf.LlamaRMSNorm, f"{layer}.self_attn.o_proj": nn.Linear, f"{layer}.mlp.down_proj": nn.Linear})
+        if not patched:
+            expected.update({layer: hf.LlamaDecoderLayer, f"{layer}.self_attn": hf.LlamaAttention,
+                             f"{layer}.mlp": hf.LlamaMLP})
+            expected.update({f"{layer}.self_attn.{p}_proj": nn.Linear for p in "qkv"})
+            expected.update({f"{layer}.mlp.{p}_proj": nn.Linear for p in ("gate", "up")})
     for name, kind in expected.items():
-        module = model.get_submodule(name)
-        if type(module) is not kind:
-            raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
-                            f"not {kind.__qualname__}; codagen patches unmodified transformers Llama modules only "
-                            "(apply adapters, quantization or other kernels' patches after it, or not at all)")
+        _check_type(prefix + name, llama.get_submodule(name), kind)
+
+
+def _check_type(name: str, module: nn.Module, kind: type) -> None:
+    if type(module) is not kind:
+        raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
+                        f"not {kind.__qualname__}; codagen runs unmodified transformers Llama modules only "
+                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
 
 
 def _rope_type(config) -> str:
@@ -289,6 +297,7 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     config = llama.config
     if llama.gradient_checkpointing and llama.training:
         _refuse_call("gradient checkpointing is not implemented; call model.gradient_checkpointing_disable()")
+    check_modules(llama, patched=True)
     blocks, _ = _blocks()
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -361,6 +370,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     _check_call(self.config, kwargs)
+    _check_type("lm_head", self.lm_head, nn.Linear)
     return_dict = kwargs.pop("return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -410,7 +420,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
         raise ValueError("apply_codagen: this model is already patched")
     check_config(model.config)
-    check_modules(model)
+    check_modules(llama)
+    _check_type("lm_head", model.lm_head, nn.Linear)
     if chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     for i, layer in enumerate(llama.layers):

@@ -265,12 +265,18 @@ def test_autocast_runs_the_blocks_in_its_dtype():
 
 
 def test_modified_modules_are_refused():
-    """An adapter or a quantized linear in place of a projection would be dropped by the fusion: refused."""
+    """An adapter or a quantized linear in place of a projection would be dropped by the fusion: refused, at patch
+    time and, for the modules the patched model reads, when it is called."""
     class Adapted(torch.nn.Linear):
         pass
 
+    message = r" is a .*Adapted, not Linear; codagen runs unmodified transformers Llama modules only"
     model = tiny_llama()
     model.model.layers[1].self_attn.k_proj = Adapted(64, 32, bias=False)
-    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.1\.self_attn\.k_proj is a .*Adapted, not "
-                                        r"Linear; codagen patches unmodified transformers Llama modules only"):
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.1\.self_attn\.k_proj" + message):
         apply_codagen(model)
+    patched = apply_codagen(tiny_llama())
+    patched.model.layers[0].mlp.down_proj = Adapted(80, 64, bias=False)
+    ids, labels = tokens_and_labels()
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.0\.mlp\.down_proj" + message):
+        patched(input_ids=ids, labels=labels)
