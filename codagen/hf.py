@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 # the runtime before transformers, whose models import triton: without a GPU, the runtime has to switch Triton's
@@ -295,8 +296,6 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer,
     and the final norm's h = x * norm.weight and rstd, which lm_head_loss takes."""
     config = llama.config
-    if llama.gradient_checkpointing and llama.training:
-        _refuse_call("gradient checkpointing is not implemented; call model.gradient_checkpointing_disable()")
     check_modules(llama, patched=True)
     blocks, _ = _blocks()
     if (input_ids is None) == (inputs_embeds is None):
@@ -318,28 +317,37 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
     autocast_dtype = _autocast_dtype(inputs_embeds.device)
     cast = (lambda t: t) if autocast_dtype is None else (lambda t: t.to(autocast_dtype))
+    def run_layer(x, h, rstd, layer, wn_next):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_weight = cast(attn.qkv_proj.weight)
+        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, cast(layer.input_layernorm.weight),
+                                                   qkv_weight, dim, qkv_weight.shape[0])
+        if attn.qkv_proj.bias is not None:
+            qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
+        q, k, v = attn.split(qkv.view(batch, seq, -1))
+        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
+        y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+        if attn.o_proj.bias is not None:
+            x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
+        return blocks.PostAttentionFunction.apply(
+            y.reshape(batch * seq, -1), x, cast(wn_next), cast(attn.o_proj.weight),
+            cast(layer.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight), cast(mlp.down_proj.weight),
+            dim, mlp.down_proj.weight.shape[1], eps)
+
+    # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's activations are recomputed in
+    # the backward, as Hugging Face's layers do
+    checkpointing = llama.gradient_checkpointing and llama.training and torch.is_grad_enabled()
     with torch.autocast(inputs_embeds.device.type, enabled=False):
         x = cast(inputs_embeds.reshape(batch * seq, dim))
         h, rstd = blocks.NormStatsFunction.apply(x, cast(layers[0].input_layernorm.weight), dim, eps)
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_weight = cast(attn.qkv_proj.weight)
-            x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs,
-                                                       cast(layer.input_layernorm.weight), qkv_weight, dim,
-                                                       qkv_weight.shape[0])
-            if attn.qkv_proj.bias is not None:
-                qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
-            q, k, v = attn.split(qkv.view(batch, seq, -1))
-            # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
-            y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                             scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
             wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
-            if attn.o_proj.bias is not None:
-                x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
-            x, h, rstd = blocks.PostAttentionFunction.apply(
-                y.reshape(batch * seq, -1), x, cast(wn_next), cast(attn.o_proj.weight),
-                cast(layer.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight),
-                cast(mlp.down_proj.weight), dim, mlp.down_proj.weight.shape[1], eps)
+            if checkpointing:
+                x, h, rstd = torch.utils.checkpoint.checkpoint(run_layer, x, h, rstd, layer, wn_next,
+                                                               use_reentrant=False)
+            else:
+                x, h, rstd = run_layer(x, h, rstd, layer, wn_next)
     return x, h, rstd, (batch, seq)
 
 
