@@ -177,6 +177,9 @@ def test_without_labels_logits_and_hidden_states_are_transformers():
                    reference.model(input_ids=ids).last_hidden_state) < TOL
         # eval loss: the generated block's no-gradient path (no logits kept)
         assert rel(patched(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
+        embeds = reference.get_input_embeddings()(ids)
+        assert rel(patched(inputs_embeds=embeds, labels=labels).loss,
+                   reference(inputs_embeds=embeds, labels=labels).loss) < TOL
         # with labels no logits are made: the tuple holds the loss alone (ModelOutput.to_tuple drops None)
         (loss,) = patched(input_ids=ids, labels=labels, return_dict=False)
         assert torch.isfinite(loss)
