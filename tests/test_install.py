@@ -17,8 +17,9 @@ import codagen.hf  # before transformers' models, which import triton
 import sys, torch, transformers, codagen, codagen_generated
 config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)
-model = transformers.LlamaForCausalLM(config)
-ids = torch.randint(0, 50, (2, 6))
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = transformers.LlamaForCausalLM(config).to(device)
+ids = torch.randint(0, 50, (2, 6), device=device)
 expected = model(input_ids=ids, labels=ids).loss
 got = codagen.hf.apply_codagen(model)(input_ids=ids, labels=ids).loss
 got.backward()
