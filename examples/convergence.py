@@ -176,36 +176,40 @@ def main(argv=None) -> dict:
         summary["max_within_2x_max_hf_vs_fp32"] = max(difference) <= 2 * max(scale)
 
     throughput, left_out = {}, {}
+    summary["tokens_per_s"], summary["left_out"] = throughput, left_out
+    write(summary, curves, args)  # the curves are on disk before the throughput runs start
     if args.bench_steps > 0:
         def compiled(model):
             model.compile()
             return model
         for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
                              ("Hugging Face + Liger-Kernel", liger), ("codagen", codagen.hf.apply_codagen)):
+            print(f"throughput: {label}", flush=True)
             model = make_model(transformers, config, initial_state, dtype, args.device)
             try:
                 model = patch(model) if patch else model
-            except Exception as error:  # Liger-Kernel is optional: any failure to apply it only drops its row
+                # warm-up steps (compilation, autotuning), then the timed steps
+                train(model, data, args, 2, first_step=args.steps)
+                throughput[label] = train(model, data, args, args.bench_steps + 1, first_step=args.steps + 2)[1]
+            except Exception as error:  # Liger-Kernel is optional: any failure of it only drops its row
                 if patch is not liger:
                     raise
-                left_out[label] = f"{type(error).__name__}: {error}"
-                print(f"{label} left out: {left_out[label]}")
-                continue
-            print(f"throughput: {label}")
-            # warm-up steps (compilation, autotuning), then the timed steps
-            train(model, data, args, 2, first_step=args.steps)
-            throughput[label] = train(model, data, args, args.bench_steps + 1, first_step=args.steps + 2)[1]
+                left_out[label] = f"{type(error).__name__}: {error}".splitlines()[0]
+                print(f"{label} left out: {left_out[label]}", flush=True)
             del model
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
-    summary["tokens_per_s"], summary["left_out"] = throughput, left_out
+        write(summary, curves, args)
+    print(json.dumps(summary, indent=1))
+    return summary
 
+
+def write(summary, curves, args) -> None:
+    """convergence.png (when matplotlib is installed), losses.json and report.md in --out."""
     title = f"{args.preset}, {args.dtype}, batch {args.batch} x seq {args.seq}"
     plotted = plot(curves, args.out / "convergence.png", title)
     (args.out / "losses.json").write_text(json.dumps({"summary": summary, "curves": curves}, indent=1) + "\n")
     (args.out / "report.md").write_text(report(summary, curves, plotted, args))
-    print(json.dumps(summary, indent=1))
-    return summary
 
 
 def report(summary, curves, plotted, args) -> str:
