@@ -85,8 +85,6 @@ def check_config(config) -> None:
     """Refuse, naming the field, every Llama configuration whose math the generated blocks do not compute."""
     if getattr(config, "hidden_act", "silu") != "silu":
         _refuse("hidden_act", config.hidden_act, "the MLP kernels compute SwiGLU with silu only")
-    if getattr(config, "mlp_bias", False):
-        _refuse("mlp_bias", True, "the gate/up and down-projection kernels have no bias term")
     rope = _rope_type(config)
     if rope not in ROPE_TYPES:
         _refuse("rope_parameters['rope_type']", rope,
@@ -183,14 +181,16 @@ class CodagenAttention(nn.Module):
 
 
 class CodagenMLP(nn.Module):
-    """Fused gate_up_proj (gate and up rows interleaved) and Hugging Face's down_proj."""
+    """Fused gate_up_proj (gate and up rows interleaved, and their biases with mlp_bias) and Hugging Face's
+    down_proj."""
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
-        gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+        gate, up = mlp.gate_proj, mlp.up_proj
         with torch.no_grad():
-            gate_up = interleave_rows(gate, up)
-        self.gate_up_proj = FusedProjection(gate_up, gate.requires_grad)
+            gate_up = interleave_rows(gate.weight, up.weight)
+            bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
+        self.gate_up_proj = FusedProjection(gate_up, gate.weight.requires_grad, bias)
         self.down_proj = mlp.down_proj
 
 
@@ -214,9 +214,11 @@ def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_me
         if fused is not None:
             for p, t in zip("qkv", module.self_attn.unfuse(fused)):
                 state_dict[prefix + f"self_attn.{p}_proj.{kind}"] = t
-    gate, up = split_rows(state_dict.pop(prefix + "mlp.gate_up_proj.weight"))
-    state_dict[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
-    state_dict[prefix + "mlp.up_proj.weight"] = up.contiguous()
+        fused = state_dict.pop(prefix + f"mlp.gate_up_proj.{kind}", None)
+        if fused is not None:
+            gate, up = split_rows(fused)
+            state_dict[prefix + f"mlp.gate_proj.{kind}"] = gate.contiguous()
+            state_dict[prefix + f"mlp.up_proj.{kind}"] = up.contiguous()
 
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
@@ -225,9 +227,9 @@ def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) ->
         if all(n in state_dict for n in names):
             fused = module.self_attn.fuse(*(state_dict.pop(n) for n in names))
             state_dict[prefix + f"self_attn.qkv_proj.{kind}"] = fused
-    names = [prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up")]
-    if all(n in state_dict for n in names):
-        state_dict[prefix + "mlp.gate_up_proj.weight"] = interleave_rows(*(state_dict.pop(n) for n in names))
+        names = [prefix + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+        if all(n in state_dict for n in names):
+            state_dict[prefix + f"mlp.gate_up_proj.{kind}"] = interleave_rows(*(state_dict.pop(n) for n in names))
 
 
 # ---- forward ----
@@ -330,10 +332,21 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
                          scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
-        return blocks.PostAttentionFunction.apply(
-            y.reshape(batch * seq, -1), x, cast(wn_next), cast(attn.o_proj.weight),
-            cast(layer.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight), cast(mlp.down_proj.weight),
-            dim, mlp.down_proj.weight.shape[1], eps)
+        y = y.reshape(batch * seq, -1)
+        w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                                                 mlp.down_proj.weight))
+        ffn_dim = w_down.shape[1]
+        if mlp.gate_up_proj.bias is None:
+            return blocks.PostAttentionFunction.apply(y, x, cast(wn_next), w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
+                                                      w_down, dim, ffn_dim, eps)
+        # mlp_bias: the block adds the gate/up bias; the down projection's bias is added to its output here, so
+        # the next norm's statistics are taken again, of the sum
+        x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, cast(wn_next), w_o, wn_mlp,
+                                                             cast(mlp.gate_up_proj.weight),
+                                                             cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim, eps)
+        x = x + cast(mlp.down_proj.bias)
+        h, rstd = blocks.NormStatsFunction.apply(x, cast(wn_next), dim, eps)
+        return x, h, rstd
 
     # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's activations are recomputed in
     # the backward, as Hugging Face's layers do

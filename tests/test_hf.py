@@ -50,9 +50,9 @@ def hf_layout_grads(model):
             out[prefix + "q_proj." + kind] = heads_to_halves(q, hd)
             out[prefix + "k_proj." + kind] = heads_to_halves(k, hd)
             out[prefix + "v_proj." + kind] = v
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            prefix = name[: -len("gate_up_proj.weight")]
-            out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = p.grad[0::2], p.grad[1::2]
+        elif ".mlp.gate_up_proj." in name:
+            prefix, kind = name.split("gate_up_proj.")
+            out[prefix + "gate_proj." + kind], out[prefix + "up_proj." + kind] = p.grad[0::2], p.grad[1::2]
         else:
             out[name] = p.grad
     return out
@@ -94,6 +94,7 @@ def tokens_and_labels(generator_seed=0):
                  id="yarn-rope"),
     pytest.param({"attention_dropout": 0.3, "attn_implementation": "eager"}, id="attention-dropout-eager"),
     pytest.param({"attention_bias": True, "rope_parameters": LLAMA3_ROPE}, id="attention-bias"),
+    pytest.param({"mlp_bias": True}, id="mlp-bias"),
 ])
 def test_patched_model_matches_transformers(overrides):
     torch.manual_seed(1)
@@ -187,7 +188,7 @@ def test_without_labels_logits_and_hidden_states_are_transformers():
 
 def test_save_and_load_in_transformers_layout(tmp_path):
     torch.manual_seed(6)
-    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True)
+    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     patched = apply_codagen(copy.deepcopy(reference))
     state = patched.state_dict()
     assert state.keys() == reference.state_dict().keys()
@@ -202,14 +203,13 @@ def test_save_and_load_in_transformers_layout(tmp_path):
     with torch.no_grad():
         assert rel(again(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
     # a Hugging Face state dict loads into a patched model (load_state_dict, strict)
-    other = apply_codagen(tiny_llama(tie_word_embeddings=True, attention_bias=True))
+    other = apply_codagen(tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True))
     other.load_state_dict(reference.state_dict())
     for name, p in patched.named_parameters():
         assert torch.equal(dict(other.named_parameters())[name], p), name
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"mlp_bias": True}, "config.mlp_bias = True is not supported: the gate/up and down-projection kernels"),
     ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU with silu"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
      "config.rope_parameters['rope_type'] = 'dynamic' is not supported: codagen takes RoPE frequencies fixed"),
@@ -273,7 +273,7 @@ def test_autocast_runs_the_blocks_in_its_dtype():
     included, where Hugging Face keeps the residual in fp32: loss and gradients agree to bf16's precision, and the
     gradients come back to the fp32 weights."""
     torch.manual_seed(7)
-    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True)
+    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     patched = apply_codagen(copy.deepcopy(reference))
     ids, labels = tokens_and_labels(7)
     losses = []

@@ -2,6 +2,8 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
+- gate_up_bias_swiglu (specs/gate_up_bias_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale, a column bias
+  and SwiGLU on interleaved (gate, up) columns.
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
   interleaved (gate, up) columns.
 - lm_head_ce_dz (specs/backward/lm_head_ce_dz.yaml): Cross-entropy gradient of stored logits, with the RMSNorm
@@ -22,11 +24,14 @@
   produced.
 - rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the
   per-tile partials of the rows' qkv . dqkv.
+- swiglu_bias_dgrad (specs/backward/swiglu_bias_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's
+  backward of biased pre-activations and the bias gradient.
 - swiglu_bwd_rowdot (specs/backward/swiglu_bwd_rowdot.yaml): SwiGLU backward of the output gradient and the per-tile
   partials of the rows' z . dz.
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and
   the recomputed SwiGLU output.
 """
+from . import gate_up_bias_swiglu
 from . import gate_up_swiglu
 from . import lm_head_ce_dz
 from . import lm_head_logits
@@ -38,11 +43,12 @@ from . import out_proj_residual_norm
 from . import qkv_norm_rope
 from . import rmsnorm_stats
 from . import rope_bwd_rowdot
+from . import swiglu_bias_dgrad
 from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
 __all__ = [
-    "gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul", "norm_dgrad",
-    "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot",
-    "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "gate_up_bias_swiglu", "gate_up_swiglu", "lm_head_ce_dz", "lm_head_logits", "lm_head_logsumexp", "matmul",
+    "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot",
+    "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]
