@@ -8,7 +8,7 @@ CPU_PINS := torch==2.13.0 triton==3.9.0 "numpy==2.4.*"
 
 .PHONY: demo test fuzz build check clean
 
-$(BIN)/codagen: pyproject.toml
+$(BIN)/codagen: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(CPU_PINS)
 	$(BIN)/pip install -q -e ".[test]"

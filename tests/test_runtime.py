@@ -26,6 +26,16 @@ def test_the_runtime_does_not_import_the_generator():
     assert result.stdout == "[]\n"
 
 
+def test_generated_code_imports_only_torch_triton_and_the_runtime():
+    """Blocks and kernels (Triton and Gluon) at run time: none of the generator (YAML loader, templates, CLI), and
+    of codagen only the runtime."""
+    result = python("import sys, generated.blocks, generated.kernels, generated.kernels.gluon\n"
+                    "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jinja2', 'yaml', 'click', 'markupsafe')"
+                    " or (m.split('.')[0] == 'codagen' and m != 'codagen' and not m.startswith('codagen.runtime'))))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n"
+
+
 # A generated kernel, launched after each of these imports: the API, the blocks, the kernels themselves.
 FIRST_IMPORTS = ["import codagen; codagen.load", "import generated.blocks", "import generated.kernels.matmul"]
 

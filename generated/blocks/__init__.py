@@ -28,6 +28,8 @@
   of post_attention.
 - PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output
   to the next layer's normalized input.
+- PostAttentionMlpBias (specs/blocks/post_attention_mlp_bias.yaml): post_attention with the gate/up projection's column
+  bias; the down projection's bias is added by the caller.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
   backward as GEMM-epilogue kernels.
 """
@@ -44,6 +46,7 @@ from .lm_head_loss_zloss import LmHeadLossZloss, LmHeadLossZlossFunction
 from .norm_stats import NormStats, NormStatsFunction
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
+from .post_attention_mlp_bias import PostAttentionMlpBias, PostAttentionMlpBiasFunction
 from .pre_attention import PreAttention, PreAttentionFunction
 
 __all__ = [
@@ -52,5 +55,6 @@ __all__ = [
     "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth", "LmHeadLossSmoothFunction",
     "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted", "LmHeadLossWeightedFunction",
     "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu",
-    "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction",
+    "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
+    "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction",
 ]

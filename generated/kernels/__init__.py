@@ -2,6 +2,8 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
+- gate_up_bias_swiglu (specs/gate_up_bias_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale, a column bias
+  and SwiGLU on interleaved (gate, up) columns.
 - gate_up_geglu (specs/gemma2/gate_up_geglu.yaml): MLP gate/up projection with the RMSNorm row scale and GeGLU
   (tanh-approximated GELU) on interleaved (gate, up) columns.
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
@@ -54,11 +56,14 @@
   produced.
 - rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the
   per-tile partials of the rows' qkv . dqkv.
+- swiglu_bias_dgrad (specs/backward/swiglu_bias_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's
+  backward of biased pre-activations and the bias gradient.
 - swiglu_bwd_rowdot (specs/backward/swiglu_bwd_rowdot.yaml): SwiGLU backward of the output gradient and the per-tile
   partials of the rows' z . dz.
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and
   the recomputed SwiGLU output.
 """
+from . import gate_up_bias_swiglu
 from . import gate_up_geglu
 from . import gate_up_swiglu
 from . import geglu_dgrad
@@ -86,14 +91,16 @@ from . import out_proj_residual_norm
 from . import qkv_norm_rope
 from . import rmsnorm_stats
 from . import rope_bwd_rowdot
+from . import swiglu_bias_dgrad
 from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
 __all__ = [
-    "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad", "gemma_norm_dgrad_residual",
-    "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot", "gemma_proj_sumsq",
-    "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted", "lm_head_ce_dz_softcap",
-    "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap",
-    "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qkv_norm_rope",
-    "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad",
+    "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
+    "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
+    "lm_head_ce_dz_softcap", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp",
+    "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual",
+    "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad",
+    "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]

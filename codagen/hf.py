@@ -1,0 +1,466 @@
+"""Hugging Face integration: codagen's generated Llama blocks inside a `transformers` LlamaForCausalLM.
+
+    from codagen.hf import apply_codagen
+    model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
+
+`apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
+committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
+Hugging Face's own (its mask builder and its attention function: SDPA, eager or flash attention), so padding masks
+and packed sequences behave exactly as in the unpatched model. The calling convention is Hugging Face's
+(input_ids, attention_mask, position_ids, labels shifted inside with -100 ignored, num_items_in_batch), and
+state_dict() / save_pretrained() write the Hugging Face layout again. docs/huggingface.md lists what is supported
+and what is refused.
+
+`transformers` is imported here only, inside the functions: `import codagen` never needs it. On a machine without a
+GPU, import codagen.hf before transformers' models (they import triton, and Triton's interpreter must be switched on
+first).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+# the runtime before transformers, whose models import triton: without a GPU, the runtime has to switch Triton's
+# interpreter on before triton loads
+from . import runtime  # noqa: F401
+from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+
+__all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "from_pretrained"]
+
+# rope types whose inverse frequencies are fixed at construction: codagen's RoPE epilogue takes them as they are
+# ("yarn" scales cos and sin too, which is a scale of the attention scores: see _attention_scaling)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+GENERATED_PACKAGE = "codagen_generated"
+
+
+class CodagenConfigError(ValueError):
+    """A model configuration that codagen's Llama blocks do not compute exactly; the message names the field."""
+
+
+# ---- the committed generated package ----
+
+def _generated():
+    """The committed kernels and blocks: installed as `codagen_generated` (pip install), or, in a source checkout
+    that is not installed, the repository's generated/ next to codagen/, loaded under that same name so that a
+    user's own `generated` package (the default output of `codagen build`) is never picked up instead."""
+    if GENERATED_PACKAGE in sys.modules:
+        return sys.modules[GENERATED_PACKAGE]
+    if importlib.util.find_spec(GENERATED_PACKAGE) is not None:
+        return importlib.import_module(GENERATED_PACKAGE)
+    root = Path(__file__).resolve().parent.parent / "generated"
+    if not (root / "blocks" / "__init__.py").is_file():
+        raise ModuleNotFoundError(f"codagen's committed kernels ({GENERATED_PACKAGE}) are not installed; "
+                                  "reinstall codagen (pip install .)")
+    spec = importlib.util.spec_from_file_location(GENERATED_PACKAGE, root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[GENERATED_PACKAGE] = package
+    spec.loader.exec_module(package)
+    return package
+
+
+def _blocks():
+    _generated()
+    blocks = importlib.import_module(GENERATED_PACKAGE + ".blocks")
+    lm_head = importlib.import_module(GENERATED_PACKAGE + ".blocks.lm_head_loss")
+    return blocks, lm_head.lm_head_loss
+
+
+# ---- configuration checks ----
+
+def _refuse(field: str, value, why: str) -> None:
+    raise CodagenConfigError(f"apply_codagen: config.{field} = {value!r} is not supported: {why}")
+
+
+def check_config(config) -> None:
+    """Refuse, naming the field, every Llama configuration whose math the generated blocks do not compute."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        _refuse("hidden_act", config.hidden_act, "the MLP kernels compute SwiGLU with silu only")
+    rope = _rope_type(config)
+    if rope not in ROPE_TYPES:
+        _refuse("rope_parameters['rope_type']", rope,
+                f"codagen takes RoPE frequencies fixed at construction ({', '.join(ROPE_TYPES)})")
+    if getattr(config, "num_attention_heads", 1) % getattr(config, "num_key_value_heads", 1):
+        _refuse("num_key_value_heads", config.num_key_value_heads, "it must divide num_attention_heads")
+    if getattr(config, "is_causal", True) is not True:
+        _refuse("is_causal", config.is_causal, "the patched decoder is causal")
+
+
+def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.") -> None:
+    """Refuse modules other than transformers' own Llama ones (an adapter such as LoRA, a quantized linear, another
+    library's patch) in a LlamaModel: the patch reads their weights and would silently drop what they add. Checked
+    at patch time, and on each call for the modules whose weights the patched model reads (patched=True)."""
+    from transformers.models.llama import modeling_llama as hf
+
+    expected = {"norm": hf.LlamaRMSNorm}
+    if not patched:
+        expected["embed_tokens"] = nn.Embedding
+    for i in range(len(llama.layers)):
+        layer = f"layers.{i}"
+        expected.update({f"{layer}.input_layernorm": hf.LlamaRMSNorm, f"{layer}.post_attention_layernorm":
+                         hf.LlamaRMSNorm, f"{layer}.self_attn.o_proj": nn.Linear, f"{layer}.mlp.down_proj": nn.Linear})
+        if not patched:
+            expected.update({layer: hf.LlamaDecoderLayer, f"{layer}.self_attn": hf.LlamaAttention,
+                             f"{layer}.mlp": hf.LlamaMLP})
+            expected.update({f"{layer}.self_attn.{p}_proj": nn.Linear for p in "qkv"})
+            expected.update({f"{layer}.mlp.{p}_proj": nn.Linear for p in ("gate", "up")})
+    for name, kind in expected.items():
+        _check_type(prefix + name, llama.get_submodule(name), kind)
+
+
+def _check_type(name: str, module: nn.Module, kind: type) -> None:
+    if type(module) is not kind:
+        raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
+                        f"not {kind.__qualname__}; codagen runs unmodified transformers Llama modules only "
+                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+# ---- the patched modules: parameters that keep their meaning keep their Hugging Face names ----
+
+class FusedProjection(nn.Module):
+    """A weight (and bias) made of several Hugging Face projections, in codagen's interleaved row layout
+    (codagen.convert)."""
+
+    def __init__(self, weight: torch.Tensor, requires_grad: bool, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
+
+
+class CodagenAttention(nn.Module):
+    """Fused qkv_proj (q and k rows interleaved per head for RoPE), Hugging Face's o_proj, and the attributes that
+    Hugging Face's attention functions read from their module."""
+
+    def __init__(self, attn: nn.Module, config):
+        super().__init__()
+        self.config = config
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = attn.num_key_value_groups
+        self.scaling = attn.scaling
+        self.attention_dropout = attn.attention_dropout
+        self.is_causal = True
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        with torch.no_grad():
+            qkv = self.fuse(*(p.weight for p in projections))
+            bias = None if attn.q_proj.bias is None else self.fuse(*(p.bias for p in projections))
+        self.qkv_proj = FusedProjection(qkv, attn.q_proj.weight.requires_grad, bias)
+        self.o_proj = attn.o_proj
+
+    def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([heads_to_interleaved(q, self.head_dim), heads_to_interleaved(k, self.head_dim), v])
+
+    def unfuse(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hd = self.head_dim
+        q, k, v = qkv.split([self.num_heads * hd, self.num_key_value_heads * hd, self.num_key_value_heads * hd])
+        return heads_to_halves(q, hd), heads_to_halves(k, hd), v
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[M, qkv_dim] -> Hugging Face's [batch, heads, seq, head_dim] q, k, v (q and k in interleaved order: the
+        same permutation of both leaves q . k unchanged)."""
+        hd = self.head_dim
+        return tuple(t.unflatten(-1, (-1, hd)).transpose(1, 2)
+                     for t in qkv.split([self.num_heads * hd, self.num_key_value_heads * hd,
+                                         self.num_key_value_heads * hd], dim=-1))
+
+
+class CodagenMLP(nn.Module):
+    """Fused gate_up_proj (gate and up rows interleaved, and their biases with mlp_bias) and Hugging Face's
+    down_proj."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        gate, up = mlp.gate_proj, mlp.up_proj
+        with torch.no_grad():
+            gate_up = interleave_rows(gate.weight, up.weight)
+            bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
+        self.gate_up_proj = FusedProjection(gate_up, gate.weight.requires_grad, bias)
+        self.down_proj = mlp.down_proj
+
+
+class CodagenDecoderLayer(nn.Module):
+    """A Llama decoder layer run by PreAttention -> Hugging Face attention -> PostAttention. Its norm weights are the
+    Hugging Face modules' own; state_dict() and load_state_dict() speak the Hugging Face layout."""
+
+    def __init__(self, layer: nn.Module, config):
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = CodagenAttention(layer.self_attn, config)
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = CodagenMLP(layer.mlp)
+        self.register_state_dict_post_hook(_to_hf_layout)
+        self.register_load_state_dict_pre_hook(_from_hf_layout)
+
+
+def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(prefix + f"self_attn.qkv_proj.{kind}", None)
+        if fused is not None:
+            for p, t in zip("qkv", module.self_attn.unfuse(fused)):
+                state_dict[prefix + f"self_attn.{p}_proj.{kind}"] = t
+        fused = state_dict.pop(prefix + f"mlp.gate_up_proj.{kind}", None)
+        if fused is not None:
+            gate, up = split_rows(fused)
+            state_dict[prefix + f"mlp.gate_proj.{kind}"] = gate.contiguous()
+            state_dict[prefix + f"mlp.up_proj.{kind}"] = up.contiguous()
+
+
+def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
+    for kind in ("weight", "bias"):
+        names = [prefix + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        if all(n in state_dict for n in names):
+            fused = module.self_attn.fuse(*(state_dict.pop(n) for n in names))
+            state_dict[prefix + f"self_attn.qkv_proj.{kind}"] = fused
+        names = [prefix + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+        if all(n in state_dict for n in names):
+            state_dict[prefix + f"mlp.gate_up_proj.{kind}"] = interleave_rows(*(state_dict.pop(n) for n in names))
+
+
+# ---- forward ----
+
+def _attention_interface(config):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation == "eager":
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _causal_mask(config, inputs_embeds, attention_mask, position_ids):
+    """Hugging Face's own mask for these inputs: padding (left or right) and packed sequences (position_ids that
+    restart at 0) as the unpatched model sees them."""
+    from transformers.masking_utils import create_causal_mask
+
+    kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
+    parameters = inspect.signature(create_causal_mask).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            kwargs[name] = None
+    if "cache_position" in parameters:
+        kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+    return create_causal_mask(**kwargs)
+
+
+def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
+    """Per-pair frequencies over the qkv columns (codagen.convert.rope_freqs), from Hugging Face's own inverse
+    frequencies, so every rope type it computes at construction (default, linear, llama3, yarn) is taken as is."""
+    inv = llama.rotary_emb.inv_freq.float()
+    n_kv = config.num_key_value_heads
+    return torch.cat([inv.repeat(config.num_attention_heads + n_kv), inv.new_zeros(n_kv * inv.numel())])
+
+
+def _rotated(bias: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE of the qkv bias at each row's position, [M, qkv_dim]: RoPE is linear, so rope(z + b) = rope(z) + rope(b)
+    and the bias is added after the PreAttention block (whose backward needs only its own output). Pairs (2j, 2j+1)
+    rotate by position * freqs[j] as in Hugging Face's rotate_half (v's frequencies are 0: unchanged)."""
+    angle = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    even, odd = bias.float().view(-1, 2).unbind(-1)
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(1).to(bias.dtype)
+
+
+def _attention_scaling(llama: nn.Module) -> float:
+    """Hugging Face multiplies cos and sin by attention_scaling (1 but for yarn): q and k each get the factor, so the
+    scores get its square."""
+    return float(getattr(llama.rotary_emb, "attention_scaling", 1.0)) ** 2
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _refuse_call(what: str) -> None:
+    raise NotImplementedError(f"codagen's patched Llama: {what}")
+
+
+def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+           **attention_kwargs):
+    """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer,
+    and the final norm's h = x * norm.weight and rstd, which lm_head_loss takes."""
+    config = llama.config
+    check_modules(llama, patched=True)
+    blocks, _ = _blocks()
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = llama.embed_tokens(input_ids)
+    batch, seq, dim = inputs_embeds.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
+    mask = _causal_mask(config, inputs_embeds, attention_mask, position_ids)
+    positions = position_ids.expand(batch, seq).reshape(-1)
+    freqs = _rope_freqs(llama, config)
+    score_scale = _attention_scaling(llama)
+    attention = _attention_interface(config)
+    eps = config.rms_norm_eps
+    layers = list(llama.layers[: config.num_hidden_layers])
+
+    # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
+    # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
+    autocast_dtype = _autocast_dtype(inputs_embeds.device)
+    cast = (lambda t: t) if autocast_dtype is None else (lambda t: t.to(autocast_dtype))
+    def run_layer(x, h, rstd, layer, wn_next):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_weight = cast(attn.qkv_proj.weight)
+        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, cast(layer.input_layernorm.weight),
+                                                   qkv_weight, dim, qkv_weight.shape[0])
+        if attn.qkv_proj.bias is not None:
+            qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
+        q, k, v = attn.split(qkv.view(batch, seq, -1))
+        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
+        y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+        if attn.o_proj.bias is not None:
+            x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
+        y = y.reshape(batch * seq, -1)
+        w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                                                 mlp.down_proj.weight))
+        ffn_dim = w_down.shape[1]
+        if mlp.gate_up_proj.bias is None:
+            return blocks.PostAttentionFunction.apply(y, x, cast(wn_next), w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
+                                                      w_down, dim, ffn_dim, eps)
+        # mlp_bias: the block adds the gate/up bias; the down projection's bias is added to its output here, so
+        # the next norm's statistics are taken again, of the sum
+        x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, cast(wn_next), w_o, wn_mlp,
+                                                             cast(mlp.gate_up_proj.weight),
+                                                             cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim, eps)
+        x = x + cast(mlp.down_proj.bias)
+        h, rstd = blocks.NormStatsFunction.apply(x, cast(wn_next), dim, eps)
+        return x, h, rstd
+
+    # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's activations are recomputed in
+    # the backward, as Hugging Face's layers do
+    checkpointing = llama.gradient_checkpointing and llama.training and torch.is_grad_enabled()
+    with torch.autocast(inputs_embeds.device.type, enabled=False):
+        x = cast(inputs_embeds.reshape(batch * seq, dim))
+        h, rstd = blocks.NormStatsFunction.apply(x, cast(layers[0].input_layernorm.weight), dim, eps)
+        for i, layer in enumerate(layers):
+            wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
+            if checkpointing:
+                x, h, rstd = torch.utils.checkpoint.checkpoint(run_layer, x, h, rstd, layer, wn_next,
+                                                               use_reentrant=False)
+            else:
+                x, h, rstd = run_layer(x, h, rstd, layer, wn_next)
+    return x, h, rstd, (batch, seq)
+
+
+def _check_call(config, kwargs) -> None:
+    for name in ("cache", "past_key_values"):
+        if kwargs.pop(name, None) is not None:
+            _refuse_call(f"{name} is not supported (no KV cache); call it with use_cache=False")
+    kwargs.pop("use_cache", None)
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.pop(name, None) or getattr(config, name, False):
+            _refuse_call(f"{name} is not supported")
+
+
+def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+    """LlamaModel.forward, patched: last_hidden_state is the final norm's output, as in Hugging Face."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    _check_call(self.config, kwargs)
+    kwargs.pop("return_dict", None)
+    x, _, _, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(x.view(batch, seq, -1)))
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                       labels=None, logits_to_keep=0, **kwargs):
+    """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss and no
+    logits are made (logits is None); without, the logits are Hugging Face's."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    _check_call(self.config, kwargs)
+    _check_type("lm_head", self.lm_head, nn.Linear)
+    return_dict = kwargs.pop("return_dict", True)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    llama = self.model
+    x, h, rstd, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        if shift_labels is None:
+            # Hugging Face's shift: position t predicts labels[t + 1], the last position nothing
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        _, lm_head_loss = _blocks()
+        weight, norm_weight = self.lm_head.weight, llama.norm.weight
+        if x.dtype != weight.dtype:  # under autocast (decode)
+            weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        with torch.autocast(x.device.type, enabled=False):
+            loss = lm_head_loss(x, h, rstd, shift_labels.reshape(-1).to(x.device), norm_weight, weight,
+                                weight.shape[1], weight.shape[0], ignore_index, reduction, self.codagen_chunk_rows,
+                                "nan", "float32")
+        if num_items_in_batch is not None:
+            loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
+    else:
+        hidden = llama.norm(x.view(batch, seq, -1))
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, kept, :])
+    output = CausalLMOutputWithPast(loss=loss, logits=logits)
+    return output if return_dict else output.to_tuple()
+
+
+# ---- entry points ----
+
+def apply_codagen(model, *, chunk_rows: int = 2048):
+    """Patch a transformers LlamaForCausalLM in place to run codagen's generated blocks, and return it.
+
+    The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
+    mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
+    embedding stays one parameter). Make the optimizer after patching. chunk_rows bounds the logits the loss keeps
+    at once (chunk_rows x vocab). Raises CodagenConfigError, naming the field, for a configuration it does not
+    compute exactly.
+    """
+    from transformers import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"apply_codagen: expected a transformers LlamaForCausalLM, got {type(model).__name__}")
+    llama = model.model
+    if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
+        raise ValueError("apply_codagen: this model is already patched")
+    check_config(model.config)
+    check_modules(llama)
+    _check_type("lm_head", model.lm_head, nn.Linear)
+    if chunk_rows < 1:
+        raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
+    for i, layer in enumerate(llama.layers):
+        llama.layers[i] = CodagenDecoderLayer(layer, model.config)
+    model.codagen_chunk_rows = chunk_rows
+    llama.forward = types.MethodType(_model_forward, llama)
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    return model
+
+
+def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, **kwargs):
+    """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
+    from transformers import LlamaForCausalLM
+
+    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows)
+
+
+class AutoCodagenForCausalLM:
+    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face Llama at path, patched by apply_codagen."""
+
+    from_pretrained = staticmethod(from_pretrained)

@@ -1,0 +1,249 @@
+"""A transformers LlamaForCausalLM and the same model patched by codagen.hf.apply_codagen, trained on the same data
+from the same weights: loss curves overlaid in a PNG (matplotlib, when installed), their largest difference, and
+with --bench-steps the training throughput of Hugging Face, Hugging Face + torch.compile, Hugging Face + Liger
+(when liger_kernel is installed) and codagen, in one markdown report.
+
+    python -m examples.convergence --preset tiny --steps 5 --out runs/tiny          # CPU, a few seconds
+    python -m examples.convergence --preset llama3.2-1b --out runs/llama3.2-1b       # GPU, bf16, < 6 min on an H200
+
+llama3.2-1b is Llama-3.2-1B's configuration (tied embeddings, llama3 rope scaling, GQA) with random weights. The data
+is synthetic but learnable: token sequences of a fixed random sparse bigram chain, drawn from --seed and the step.
+In bf16 the same unpatched model is also trained in fp32: the bf16-vs-fp32 difference of Hugging Face is the scale
+that codagen's difference from Hugging Face (both bf16) is measured against.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import codagen.hf  # before transformers' models, which import triton (Triton's interpreter without a GPU)
+import torch
+
+PRESETS = {
+    "tiny": dict(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                 rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    # meta-llama/Llama-3.2-1B's config.json (rope_theta and rope_scaling: the spelling transformers 4 and 5 read)
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+# per preset: batch, seq, steps, bench steps, dtype, learning rate
+DEFAULTS = {"tiny": (2, 16, 20, 0, "float32", 3e-3), "llama3.2-1b": (4, 1024, 100, 10, "bfloat16", 3e-4)}
+
+
+class BigramData:
+    """Sequences of a random sparse bigram chain (each token has `branches` successors): a loss that falls from
+    ln(vocab) towards ln(branches) as a model learns it."""
+
+    def __init__(self, vocab: int, seed: int, branches: int = 4):
+        g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, vocab, (vocab, branches), generator=g)
+        self.vocab, self.seed = vocab, seed
+
+    def batch(self, step: int, batch: int, seq: int, device) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.empty(batch, seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=g)
+        choices = torch.randint(0, self.successors.shape[1], (batch, seq), generator=g)
+        for t in range(1, seq):
+            tokens[:, t] = self.successors[tokens[:, t - 1], choices[:, t]]
+        return tokens.to(device)
+
+
+def make_model(transformers, config, initial_state, dtype, device):
+    with torch.device(device):  # Hugging Face's initialization on the device: seconds, not minutes, at 1B
+        model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(initial_state)
+    return model.to(dtype=dtype)
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(model, data: BigramData, args, steps: int, first_step: int = 0) -> tuple[list[float], float]:
+    """AdamW on the model's own parameters (made after patching): the losses, and the tokens/s of the steps after
+    the first (the first compiles kernels)."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, start = [], None
+    for step in range(first_step, first_step + steps):
+        if step == first_step + 1:
+            sync(args.device)
+            start = time.perf_counter()
+        tokens = data.batch(step, args.batch, args.seq, args.device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    sync(args.device)
+    timed = steps - 1
+    tokens_per_s = timed * args.batch * args.seq / (time.perf_counter() - start) if timed > 0 else float("nan")
+    return losses, tokens_per_s
+
+
+def liger(model):
+    """Hugging Face + Liger-Kernel (optional: where liger_kernel is missing or refuses, its row is left out)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    return model
+
+
+def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for label, losses in curves.items():
+        axis.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1.2)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.set_title(title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--bench-steps", type=int, help="steps per throughput measurement (0: none)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="folder for convergence.png, report.md, losses.json")
+    args = parser.parse_args(argv)
+    batch, seq, steps, bench_steps, dtype, lr = DEFAULTS[args.preset]
+    args.batch, args.seq, args.steps = args.batch or batch, args.seq or seq, args.steps or steps
+    args.bench_steps = bench_steps if args.bench_steps is None else args.bench_steps
+    args.dtype, args.lr = args.dtype or dtype, args.lr or lr
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import transformers
+
+    config = transformers.LlamaConfig(**PRESETS[args.preset], attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        initial_state = transformers.LlamaForCausalLM(config).state_dict()
+    data = BigramData(config.vocab_size, args.seed)
+    dtype = getattr(torch, args.dtype)
+
+    def run(label, dtype, patch=None):
+        model = make_model(transformers, config, initial_state, dtype, args.device)
+        model = patch(model) if patch else model
+        print(f"{label}: {args.steps} steps", flush=True)
+        start = time.perf_counter()
+        result = train(model, data, args, args.steps)
+        print(f"{label}: {time.perf_counter() - start:.1f} s", flush=True)
+        del model
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        return result
+
+    curves = {f"Hugging Face ({args.dtype})": run("hf", dtype)[0],
+              f"codagen ({args.dtype})": run("codagen", dtype, codagen.hf.apply_codagen)[0]}
+    hf_curve, codagen_curve = curves.values()
+    difference = [abs(a - b) for a, b in zip(codagen_curve, hf_curve)]
+    summary = {"preset": args.preset, "dtype": args.dtype, "device": args.device, "steps": args.steps,
+               "batch": args.batch, "seq": args.seq, "lr": args.lr,
+               "max_abs_difference": max(difference),
+               "max_rel_difference": max(d / h for d, h in zip(difference, hf_curve))}
+    if dtype != torch.float32:
+        curves["Hugging Face (float32)"] = run("hf-fp32", torch.float32)[0]
+        scale = [abs(a - b) for a, b in zip(hf_curve, curves["Hugging Face (float32)"])]
+        summary["max_abs_hf_vs_fp32"] = max(scale)
+        summary["steps_within_2x_hf_vs_fp32"] = sum(d <= 2 * s for d, s in zip(difference, scale))
+        summary["max_within_2x_max_hf_vs_fp32"] = max(difference) <= 2 * max(scale)
+
+    throughput, left_out = {}, {}
+    summary["tokens_per_s"], summary["left_out"] = throughput, left_out
+    write(summary, curves, args)  # the curves are on disk before the throughput runs start
+    if args.bench_steps > 0:
+        def compiled(model):
+            model.compile()
+            return model
+        for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
+                             ("Hugging Face + Liger-Kernel", liger), ("codagen", codagen.hf.apply_codagen)):
+            print(f"throughput: {label}", flush=True)
+            model = make_model(transformers, config, initial_state, dtype, args.device)
+            try:
+                model = patch(model) if patch else model
+                # warm-up steps (compilation, autotuning), then the timed steps
+                train(model, data, args, 2, first_step=args.steps)
+                throughput[label] = train(model, data, args, args.bench_steps + 1, first_step=args.steps + 2)[1]
+            except Exception as error:  # Liger-Kernel is optional: any failure of it only drops its row
+                if patch is not liger:
+                    raise
+                left_out[label] = f"{type(error).__name__}: {error}".splitlines()[0]
+                print(f"{label} left out: {left_out[label]}", flush=True)
+            del model
+            if torch.device(args.device).type == "cuda":
+                torch.cuda.empty_cache()
+        write(summary, curves, args)
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def write(summary, curves, args) -> None:
+    """convergence.png (when matplotlib is installed), losses.json and report.md in --out."""
+    title = f"{args.preset}, {args.dtype}, batch {args.batch} x seq {args.seq}"
+    plotted = plot(curves, args.out / "convergence.png", title)
+    (args.out / "losses.json").write_text(json.dumps({"summary": summary, "curves": curves}, indent=1) + "\n")
+    (args.out / "report.md").write_text(report(summary, curves, plotted, args))
+
+
+def report(summary, curves, plotted, args) -> str:
+    import transformers
+    import triton
+
+    throughput = summary["tokens_per_s"]
+    device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else args.device
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    lines = [f"# codagen vs Hugging Face: {args.preset}", "", f"{date}; {versions}.", "",
+             f"{device}; {args.dtype}; {args.steps} steps of AdamW (lr {args.lr}) on batch {args.batch} x seq "
+             f"{args.seq} of a random sparse bigram chain; same initial weights (seed {args.seed}).", "",
+             f"- largest |loss difference|, codagen vs Hugging Face ({args.dtype}): "
+             f"{summary['max_abs_difference']:.3g} (relative {summary['max_rel_difference']:.3g})"]
+    if "max_abs_hf_vs_fp32" in summary:
+        lines += [f"- largest |loss difference|, Hugging Face {args.dtype} vs float32: "
+                  f"{summary['max_abs_hf_vs_fp32']:.3g}",
+                  f"- steps where codagen's difference is within 2x Hugging Face's {args.dtype}-vs-float32 "
+                  f"difference: {summary['steps_within_2x_hf_vs_fp32']} of {args.steps}; largest within 2x largest: "
+                  f"{summary['max_within_2x_max_hf_vs_fp32']}"]
+    lines += ["", "| step | " + " | ".join(curves) + " |", "|---:|" + "---:|" * len(curves)]
+    shown = sorted({0, args.steps - 1, *range(0, args.steps, max(1, args.steps // 10))})
+    lines += [f"| {s + 1} | " + " | ".join(f"{c[s]:.4f}" for c in curves.values()) + " |" for s in shown]
+    if throughput:
+        base = throughput.get("Hugging Face", math.nan)
+        lines += ["", f"Training throughput ({args.bench_steps} timed steps after warm-up; forward, backward, "
+                      "AdamW):", "", "| model | tokens/s | vs Hugging Face |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v:,.0f} | {v / base:.2f}x |" for k, v in throughput.items()]
+        lines += [f"| {k} | left out: {why} | |" for k, why in summary["left_out"].items()]
+    if plotted:
+        lines += ["", "![loss curves](convergence.png)"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

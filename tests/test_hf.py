@@ -1,0 +1,306 @@
+"""codagen.hf against transformers itself: a tiny random LlamaForCausalLM patched by apply_codagen and the same model
+unpatched, fp32, loss and every parameter gradient within 1e-4 relative; save/load in Hugging Face's layout; the
+configurations that are refused, each with its message."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the test extra installs it; the package never needs it
+
+from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
+from codagen.convert import heads_to_halves  # noqa: E402
+from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB, BATCH, SEQ = 97, 2, 12
+TOL = 1e-4
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def tiny_llama(**overrides):
+    """A random fp32 LlamaForCausalLM; norm weights random too (Hugging Face starts them at one)."""
+    config = transformers.LlamaConfig(**{**BASE, **overrides})
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def hf_layout_grads(model):
+    """The patched model's gradients in Hugging Face's names and layout (fused rows split back by hand)."""
+    config, out = model.config, {}
+    hd = config.head_dim
+    nq, nk = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    for name, p in model.named_parameters():
+        if ".self_attn.qkv_proj." in name:
+            q, k, v = p.grad.split([nq, nk, nk])
+            prefix, kind = name.split("qkv_proj.")
+            out[prefix + "q_proj." + kind] = heads_to_halves(q, hd)
+            out[prefix + "k_proj." + kind] = heads_to_halves(k, hd)
+            out[prefix + "v_proj." + kind] = v
+        elif ".mlp.gate_up_proj." in name:
+            prefix, kind = name.split("gate_up_proj.")
+            out[prefix + "gate_proj." + kind], out[prefix + "up_proj." + kind] = p.grad[0::2], p.grad[1::2]
+        else:
+            out[name] = p.grad
+    return out
+
+
+def compare(reference, patched, seed=0, **inputs):
+    """Same inputs through both models: loss and every gradient (Hugging Face names) within TOL."""
+    losses = []
+    for model in (reference, patched):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the same dropout masks, where there is dropout
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel(losses[1], losses[0]) < TOL, (losses[1].item(), losses[0].item())
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    got = hf_layout_grads(patched)
+    assert got.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(got[name], g) < TOL, name
+
+
+def tokens_and_labels(generator_seed=0):
+    g = torch.Generator().manual_seed(generator_seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param({}, id="gqa"),
+    pytest.param({"tie_word_embeddings": True, "num_key_value_heads": 4}, id="tied-mha"),
+    pytest.param({"head_dim": 24}, id="head_dim-not-hidden-over-heads"),
+    pytest.param({"rope_parameters": LLAMA3_ROPE}, id="llama3-rope"),
+    pytest.param({"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}}, id="linear-rope"),
+    pytest.param({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16}, "max_position_embeddings": 64},
+                 id="yarn-rope"),
+    pytest.param({"attention_dropout": 0.3, "attn_implementation": "eager"}, id="attention-dropout-eager"),
+    pytest.param({"attention_bias": True, "rope_parameters": LLAMA3_ROPE}, id="attention-bias"),
+    pytest.param({"mlp_bias": True}, id="mlp-bias"),
+])
+def test_patched_model_matches_transformers(overrides):
+    torch.manual_seed(1)
+    reference = tiny_llama(**overrides)
+    patched = apply_codagen(copy.deepcopy(reference), chunk_rows=7)
+    ids, labels = tokens_and_labels()
+    compare(reference, patched, input_ids=ids, labels=labels)
+
+
+def test_tied_embedding_stays_one_parameter():
+    patched = apply_codagen(tiny_llama(tie_word_embeddings=True))
+    assert patched.get_output_embeddings().weight is patched.get_input_embeddings().weight
+    assert patched.lm_head.weight is patched.model.embed_tokens.weight
+    names = [n for n, _ in patched.named_parameters()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_mask(side):
+    torch.manual_seed(2)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(1)
+    mask = torch.ones_like(ids)
+    pads = slice(SEQ - 4, None) if side == "right" else slice(0, 4)
+    mask[1, pads] = 0
+    labels[1, pads] = -100
+    compare(reference, patched, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_packed_sequences_with_position_ids():
+    torch.manual_seed(3)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(2)
+    # each row holds documents of lengths 5+7 and 3+4+5, positions restarting at 0 (as DataCollatorWithFlattening)
+    position_ids = torch.tensor([list(range(5)) + list(range(7)), list(range(3)) + list(range(4)) + list(range(5))],
+                                device=DEVICE)
+    labels[position_ids == 0] = -100
+    # use_cache=False: with a cache (config.use_cache defaults to True) transformers does not look for packing
+    compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
+
+
+def test_gradient_checkpointing(monkeypatch):
+    checkpointed = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *args, **kwargs: checkpointed.append(fn) or checkpoint(fn, *args, **kwargs))
+    torch.manual_seed(8)
+    reference = tiny_llama(attention_dropout=0.2, attn_implementation="eager")
+    patched = apply_codagen(copy.deepcopy(reference))
+    for model in (reference, patched):
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        model.train()
+    assert patched.model.gradient_checkpointing
+    ids, labels = tokens_and_labels(8)
+    # the recomputation replays the same dropout masks (checkpoint restores the RNG state)
+    compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
+    assert sum(getattr(fn, "__name__", "") == "run_layer" for fn in checkpointed) == len(patched.model.layers)
+
+
+def test_num_items_in_batch_sums_the_loss_as_transformers_does():
+    torch.manual_seed(4)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(3)
+    compare(reference, patched, input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(37, device=DEVICE))
+
+
+def test_without_labels_logits_and_hidden_states_are_transformers():
+    torch.manual_seed(5)
+    reference = tiny_llama(rope_parameters=LLAMA3_ROPE)
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(4)
+    with torch.no_grad():
+        assert rel(patched(input_ids=ids).logits, reference(input_ids=ids).logits) < TOL
+        last = dict(input_ids=ids, logits_to_keep=1)
+        assert rel(patched(**last).logits, reference(**last).logits) < TOL
+        assert rel(patched.model(input_ids=ids).last_hidden_state,
+                   reference.model(input_ids=ids).last_hidden_state) < TOL
+        # eval loss: the generated block's no-gradient path (no logits kept)
+        assert rel(patched(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
+        embeds = reference.get_input_embeddings()(ids)
+        assert rel(patched(inputs_embeds=embeds, labels=labels).loss,
+                   reference(inputs_embeds=embeds, labels=labels).loss) < TOL
+        # with labels no logits are made: the tuple holds the loss alone (ModelOutput.to_tuple drops None)
+        (loss,) = patched(input_ids=ids, labels=labels, return_dict=False)
+        assert torch.isfinite(loss)
+
+
+def test_save_and_load_in_transformers_layout(tmp_path):
+    torch.manual_seed(6)
+    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+    patched = apply_codagen(copy.deepcopy(reference))
+    state = patched.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+    patched.save_pretrained(tmp_path)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(DEVICE)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    again = AutoCodagenForCausalLM.from_pretrained(tmp_path).to(DEVICE)
+    ids, labels = tokens_and_labels(5)
+    with torch.no_grad():
+        assert rel(again(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss) < TOL
+    # a Hugging Face state dict loads into a patched model (load_state_dict, strict)
+    other = apply_codagen(tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True))
+    other.load_state_dict(reference.state_dict())
+    for name, p in patched.named_parameters():
+        assert torch.equal(dict(other.named_parameters())[name], p), name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU with silu"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "config.rope_parameters['rope_type'] = 'dynamic' is not supported: codagen takes RoPE frequencies fixed"),
+])
+def test_refused_configurations_name_the_field(overrides, message):
+    model = tiny_llama(**overrides)
+    layers = list(model.model.layers)
+    with pytest.raises(CodagenConfigError, match="^apply_codagen: " + message.replace("[", r"\[").replace("(", r"\(")):
+        apply_codagen(model)
+    assert list(model.model.layers) == layers  # refused: nothing changed
+
+
+def test_refused_models_and_calls():
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, got LlamaModel"):
+        apply_codagen(transformers.LlamaModel(transformers.LlamaConfig(**BASE)))
+    patched = apply_codagen(tiny_llama())
+    with pytest.raises(ValueError, match="already patched"):
+        apply_codagen(patched)
+    ids, _ = tokens_and_labels()
+    with pytest.raises(NotImplementedError, match="output_hidden_states is not supported"):
+        patched(input_ids=ids, output_hidden_states=True)
+
+
+def test_convergence_example_short_run(tmp_path):
+    """examples/convergence.py: a few training steps of the tiny preset, patched and unpatched, in fp32."""
+    from examples.convergence import main
+
+    summary = main(["--preset", "tiny", "--steps", "4", "--device", DEVICE, "--out", str(tmp_path)])
+    assert summary["max_rel_difference"] < TOL
+    assert "| 4 |" in (tmp_path / "report.md").read_text()
+    try:
+        import matplotlib  # noqa: F401  (optional: the plot is skipped without it)
+    except ImportError:
+        return
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU a bad target is a device-side assert, which ends the "
+                                                      "process's CUDA context; the CPU run checks the error")
+def test_out_of_range_label_raises_as_in_transformers():
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(6)
+    labels[1, 5] = VOCAB  # predicted at position 4: out of [0, vocab)
+    for model in (reference, patched):
+        with pytest.raises(IndexError, match=f"Target {VOCAB} is out of bounds"):
+            model(input_ids=ids, labels=labels)
+
+
+def test_all_ignored_labels_give_nan_as_in_transformers():
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(6)
+    ignored = torch.full_like(labels, -100)
+    for model in (reference, patched):
+        assert torch.isnan(model(input_ids=ids, labels=ignored).loss)
+
+
+def test_autocast_runs_the_blocks_in_its_dtype():
+    """Under torch.autocast (as Trainer's bf16=True runs an fp32 model) the blocks run in bf16, residual stream
+    included, where Hugging Face keeps the residual in fp32: loss and gradients agree to bf16's precision, and the
+    gradients come back to the fp32 weights."""
+    torch.manual_seed(7)
+    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(7)
+    losses = []
+    for model in (reference, patched):
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel(losses[1], losses[0]) < 2e-3
+    got = hf_layout_grads(patched)
+    for name, p in reference.named_parameters():
+        assert got[name].dtype == torch.float32 and rel(got[name], p.grad) < 1e-1, (name, rel(got[name], p.grad))
+
+
+def test_modified_modules_are_refused():
+    """An adapter or a quantized linear in place of a projection would be dropped by the fusion: refused, at patch
+    time and, for the modules the patched model reads, when it is called."""
+    class Adapted(torch.nn.Linear):
+        pass
+
+    message = r" is a .*Adapted, not Linear; codagen runs unmodified transformers Llama modules only"
+    model = tiny_llama()
+    model.model.layers[1].self_attn.k_proj = Adapted(64, 32, bias=False)
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.1\.self_attn\.k_proj" + message):
+        apply_codagen(model)
+    patched = apply_codagen(tiny_llama())
+    patched.model.layers[0].mlp.down_proj = Adapted(80, 64, bias=False)
+    ids, labels = tokens_and_labels()
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.0\.mlp\.down_proj" + message):
+        patched(input_ids=ids, labels=labels)
