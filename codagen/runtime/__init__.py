@@ -11,7 +11,6 @@ import sys
 import torch
 
 
-
 def _interpret_triton_language() -> None:
     """Turn the @triton.jit helpers of triton.language (tl.max, tl.sigmoid, tl.cdiv, their tensor methods),
     made compiled-mode when triton was imported before the interpreter was switched on, into interpreted ones:
