@@ -50,8 +50,10 @@ class CodagenConfigError(ValueError):
 
 def _generated():
     """The committed kernels and blocks: installed as `codagen_generated` (pip install), or, in a source checkout
-    that is not installed, the repository's generated/ next to codagen/, loaded under that same name so that a
-    user's own `generated` package (the default output of `codagen build`) is never picked up instead."""
+    that is not installed, the repository's generated/ next to codagen/: the package `generated` itself where
+    that name is it (so that its kernel ops are not registered a second time under another module name), else
+    loaded as `codagen_generated`, so that a user's own `generated` package (the default output of `codagen
+    build`) is never picked up instead."""
     if GENERATED_PACKAGE in sys.modules:
         return sys.modules[GENERATED_PACKAGE]
     if importlib.util.find_spec(GENERATED_PACKAGE) is not None:
@@ -60,6 +62,9 @@ def _generated():
     if not (root / "blocks" / "__init__.py").is_file():
         raise ModuleNotFoundError(f"codagen's committed kernels ({GENERATED_PACKAGE}) are not installed; "
                                   "reinstall codagen (pip install .)")
+    same_name = importlib.util.find_spec("generated")
+    if same_name is not None and same_name.origin and Path(same_name.origin).resolve() == root / "__init__.py":
+        return importlib.import_module("generated")
     spec = importlib.util.spec_from_file_location(GENERATED_PACKAGE, root / "__init__.py",
                                                   submodule_search_locations=[str(root)])
     package = importlib.util.module_from_spec(spec)
@@ -69,9 +74,9 @@ def _generated():
 
 
 def _blocks():
-    _generated()
-    blocks = importlib.import_module(GENERATED_PACKAGE + ".blocks")
-    lm_head = importlib.import_module(GENERATED_PACKAGE + ".blocks.lm_head_loss")
+    package = _generated().__name__
+    blocks = importlib.import_module(package + ".blocks")
+    lm_head = importlib.import_module(package + ".blocks.lm_head_loss")
     return blocks, lm_head.lm_head_loss
 
 

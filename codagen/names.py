@@ -15,7 +15,8 @@ IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,47}")
 INTERNAL = frozenset("""
     tl triton torch math functools runtime tile codagen generated acc pid pid_m pid_n num_pid_m num_pid_n
     num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_even
-    cols_odd row_mask col_mask col_mask_half tile_mask tile_mask_half first_row first_col part
+    cols_odd cols_double row_mask col_mask col_mask_half tile_mask tile_mask_half tile_mask_double first_row
+    first_col part
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
     gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers

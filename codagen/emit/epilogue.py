@@ -35,6 +35,7 @@ class EpilogueEmitter:
         self.loaded: set[str] = set()
         self.widths: set[Width] = set()
         self.tile_masks: set[Width] = set()
+        self.joined: set[str] = set()  # tiles of pairs interleaved again for a store
 
     # -- declarations -------------------------------------------------------------------------------------
     def need_width(self, w: Width, tile: bool = False) -> None:
@@ -191,10 +192,12 @@ class EpilogueEmitter:
     def write(self, s: Step, template: str) -> None:
         """A store or accumulate of the step's x into its target: `template` formatted with ptr, x and mask."""
         x, t = s.args["x"], self.types[s.args["x"]]
-        if self.is_pair(x) and t.kind is Kind.TILE:
+        if self.is_pair(x) and t.kind is Kind.TILE:  # interleaved again, under the value's own name
             ptr, mask = self.pair_tile_ptr_mask(s.target)
-            value = "tile.join_pairs({}, {})".format(*self.halves(x))
-            self.lines.append(template.format(ptr=ptr, x=value, mask=mask))
+            if x not in self.joined:
+                self.joined.add(x)
+                self.lines.append("{} = tile.join_pairs({}, {})".format(x, *self.halves(x)))
+            self.lines.append(template.format(ptr=ptr, x=x, mask=mask))
             return
         halves = self.halves(x) if self.is_pair(x) else (self.ref(x),)
         for value, half in zip(halves, HALVES if self.is_pair(x) else (None,)):

@@ -56,8 +56,9 @@ def swiglu_dgrad_epilogue(
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n,
-             tile.join_pairs(dzv_even, dzv_odd).to(dz_ptr.dtype.element_ty), mask=tile_mask_double)
+    dzv = tile.join_pairs(dzv_even, dzv_odd)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
+             mask=tile_mask_double)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored_even = dzv_even.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
