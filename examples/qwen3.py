@@ -3,10 +3,11 @@ weight layout and names, as transformers' Qwen3ForCausalLM) as its reference.
 
 Qwen3 is Llama's layer with QK-norm: an RMSNorm of each q and k head (weights q_norm and k_norm of head_dim
 values, shared by the heads) between the QKV projection and RoPE; the embeddings are tied to the LM head at small
-sizes. Only the block before attention differs (specs/qwen3/blocks/qwen3_pre_attention.yaml); NormStats,
-PostAttention and LmHeadLoss are Llama's:
+sizes. The block before attention adds QK-norm (specs/qwen3/blocks/qwen3_pre_attention.yaml); the one after it
+is Llama's for an attention width n_heads * head_dim other than the model's (qwen3_post_attention.yaml, Llama's
+kernels); NormStats and LmHeadLoss are Llama's:
 
-    NormStats (first layer only) -> [Qwen3PreAttention -> attention -> PostAttention] x layers -> LmHeadLoss
+    NormStats (first layer only) -> [Qwen3PreAttention -> attention -> Qwen3PostAttention] x layers -> LmHeadLoss
 
 Attention is PyTorch's scaled_dot_product_attention. Each layer owns q_norm and k_norm and spreads them over the
 qkv columns for its block (`Layer.wn_qk`); autograd sums their gradients over the heads.
@@ -19,7 +20,7 @@ from torch import nn
 
 from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
 from examples.llama import RMSNorm, attention, rotate_half
-from generated.blocks import LmHeadLoss, NormStats, PostAttention, Qwen3PreAttention
+from generated.blocks import LmHeadLoss, NormStats, Qwen3PostAttention, Qwen3PreAttention
 
 HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
 
@@ -33,7 +34,8 @@ class Layer(nn.Module):
         self.pre = Qwen3PreAttention(shape.dim, shape.qkv_dim, shape.eps, device=device, dtype=dtype)
         self.q_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
         self.k_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
-        self.post = PostAttention(shape.dim, shape.ffn_dim, shape.eps, device=device, dtype=dtype)
+        self.post = Qwen3PostAttention(shape.dim, shape.n_heads * shape.head_dim, shape.ffn_dim, shape.eps,
+                                       device=device, dtype=dtype)
 
     def wn_qk(self) -> torch.Tensor:
         """q_norm over every q head, k_norm over every k head, 0 over v: the QK-norm weight per qkv column."""

@@ -12,6 +12,8 @@
   to the next layer's normalized input.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
   backward as GEMM-epilogue kernels.
+- Qwen3PostAttention (specs/qwen3/blocks/qwen3_post_attention.yaml): The non-attention rest of a Qwen3 layer, from the
+  attention output to the next layer's normalized input.
 - Qwen3PreAttention (specs/qwen3/blocks/qwen3_pre_attention.yaml): RMSNorm, QKV projection, per-head RMSNorm of q and k
   and RoPE of a Qwen3 layer, forward and backward.
 """
@@ -20,10 +22,11 @@ from .norm_stats import NormStats, NormStatsFunction
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
 from .pre_attention import PreAttention, PreAttentionFunction
+from .qwen3_post_attention import Qwen3PostAttention, Qwen3PostAttentionFunction
 from .qwen3_pre_attention import Qwen3PreAttention, Qwen3PreAttentionFunction
 
 __all__ = [
     "LmHeadLoss", "LmHeadLossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu", "OprojSwigluFunction",
-    "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction", "Qwen3PreAttention",
-    "Qwen3PreAttentionFunction",
+    "PostAttention", "PostAttentionFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
+    "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction",
 ]
