@@ -22,9 +22,14 @@ class LlamaShape:
     def qkv_dim(self) -> int:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
+    @property
+    def attn_dim(self) -> int:
+        """The attention output's width, n_heads * head_dim: dim in Llama, not always in Qwen3."""
+        return self.n_heads * self.head_dim
+
     def attrs(self) -> dict[str, int | float]:
-        """Values for block attrs of the same names: every field, and qkv_dim."""
-        return {**asdict(self), "qkv_dim": self.qkv_dim}
+        """Values for block attrs of the same names: every field, qkv_dim and attn_dim."""
+        return {**asdict(self), "qkv_dim": self.qkv_dim, "attn_dim": self.attn_dim}
 
 
 PRESETS: dict[str, LlamaShape] = {

@@ -47,6 +47,14 @@ def spec(kernel="k1", doc="Out-projection with the residual add and the RMSNorm 
     return "\n".join(lines) + "\n"
 
 
+def grouped(text: str, group: str = "8") -> str:
+    """A spec with column groups: `column_group` on the line after its last step."""
+    return text + f"column_group: {group}\n"
+
+
+GROUP_STEPS = ["group_reduce: {op: sum, x: acc, out: s}", "scale: {x: acc, by: s, out: t}", "store: {x: t, to: o}"]
+
+
 def ab_spec(inputs: str, outputs: str, steps: list[str]) -> str:
     """A smaller kernel: gemm a @ b^T plus the given inputs (YAML text inside the braces)."""
     return spec(gemm="{a: a, b: b}", inputs=f"{AB}, {inputs}}}" if inputs else AB + "}", outputs=outputs,
@@ -320,6 +328,35 @@ CASES = [
     c("reduce_of_a_row_vector", ab_spec("r: [M]", "{ss: [M, tiles(N)], o: [M, N]}",
                                         ["reduce: {op: sum, x: r, axis: cols, to: ss}", "store: {x: acc, to: o}"]),
       (7, "r,"), "reduce.x must be a tile, got row vector [M] 'r'"),
+    # -- column groups -------------------------------------------------------------------------------------
+    c("column_group_not_a_power_of_two", grouped(ab_spec("", "{o: [M, N]}", GROUP_STEPS), "96"), (10, "96"),
+      "column_group must be a power of two from 2 to 512", "got a number (96)"),
+    c("column_group_too_wide", grouped(ab_spec("", "{o: [M, N]}", GROUP_STEPS), "1024"), (10, "1024"),
+      "column_group must be a power of two from 2 to 512"),
+    c("group_reduce_without_column_group", ab_spec("", "{o: [M, N]}", GROUP_STEPS), (7, "group_reduce"),
+      "group_reduce reduces over column groups, and the kernel declares none", "'column_group: <width>'"),
+    c("groups_dim_without_column_group",
+      ab_spec("g: {shape: [M, groups(N)], dtype: float32}", "{o: [M, N]}",
+              ["scale: {x: acc, by: g, out: t}", "store: {x: t, to: o}"]), (4, "g:"),
+      "'g' has a groups(N) dimension, but the kernel declares no column groups"),
+    c("group_reduce_of_a_half_width_tile",
+      grouped(ab_spec("", "{o: [M, groups(N)]}", ["swiglu: {x: acc, out: y}", "group_reduce: {op: sum, x: y, out: s}",
+                                                  "store: {x: s, to: o}"])), (8, "y,"),
+      "group_reduce.x must be a tile of width N", "got tile [M, N/2] 'y'"),
+    c("group_reduce_of_a_row", grouped(ab_spec("r: [M]", "{o: [M, N]}", [GROUP_STEPS[0].replace("acc", "r")]
+                                               + GROUP_STEPS[1:])), (7, "r,"),
+      "group_reduce.x must be a tile of width N, got row vector [M] 'r'"),
+    c("group_value_with_a_half_width_tile",
+      grouped(ab_spec("", "{o: [M, N/2]}", ["group_reduce: {op: sum, x: acc, out: s}", "swiglu: {x: acc, out: y}",
+                                            "mul: {x: y, y: s, out: t}", "store: {x: t, to: o}"])), (9, "mul"),
+      "mul: cannot combine tile [M, N/2] 'y' with group value [M, groups(N)] 's'"),
+    c("group_value_stored_as_a_tile",
+      grouped(ab_spec("", "{o: [M, N]}", ["group_reduce: {op: max, x: acc, out: s}", "store: {x: s, to: o}"])),
+      (8, "o}"), "store.to: output 'o' has shape [M, N], but this step writes [M, groups(N)]"),
+    c("partial_reduce_of_a_group_value",
+      grouped(ab_spec("", "{ss: [M, tiles(N)]}", ["group_reduce: {op: sum, x: acc, out: s}",
+                                                  "reduce: {op: sum, x: s, axis: cols, to: ss}"])), (8, "s,"),
+      "reduce.x must be a tile, got group value [M, groups(N)] 's'"),
     # -- select ----------------------------------------------------------------------------------------------
     c("select_with_non_index_input", ab_spec("target: [M]", "{picked: [M]}",
                                              ["select: {x: acc, index: target, to: picked}"]), (7, "target"),

@@ -67,15 +67,22 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
                       "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     if (even_n or any("N/2" in d.dims for d in decls)) and sizes.get("N", 0) % 2:
         _fail(kernel, f"N must be even, since columns come in pairs; got N={sizes['N']}")
-    if group and sizes.get("N", 0) % group:
-        _fail(kernel, f"N must be a multiple of the column group width {group} (whole groups); got N={sizes['N']}")
+    if group:
+        _whole_groups(kernel, sizes.get("N", 0), group)
     return sizes, t_dtype, device
+
+
+def _whole_groups(kernel: str, n: int, group: int) -> None:
+    if n % group:
+        _fail(kernel, f"N must be a multiple of the column group width {group} (whole groups); got N={n}")
 
 
 def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int, group: int | None) -> None:
     if dim.startswith("tiles("):
         return
-    if dim == "groups(N)":
+    if dim == "groups(N)":  # N is known to be whole groups first, so that a ragged N is reported as such
+        if "N" in sizes:
+            _whole_groups(kernel, sizes["N"], group)
         key, value = "N", size * group
     elif dim == "N/2":
         key, value = "N", 2 * size

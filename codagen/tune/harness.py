@@ -28,10 +28,11 @@ def _sizes(shape: Shape) -> dict[str, int]:
     return {"M": shape.m, "N": shape.n, "K": shape.k}
 
 
-def _dims(dims: tuple[str, ...], sizes: dict, config: Config) -> tuple[int, ...]:
+def _dims(dims: tuple[str, ...], sizes: dict, config: Config, module) -> tuple[int, ...]:
     m, n = sizes["M"], sizes["N"]
     table = {"M": m, "N": n, "K": sizes["K"], "N/2": n // 2, "2*N": 2 * n,
-             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}
+             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n),
+             "groups(N)": n // getattr(module, "COLUMN_GROUP", 1)}
     return tuple(table[d] for d in dims)
 
 
@@ -61,7 +62,7 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
     for d in module.DECLS:
         if d.output and d.name not in inplace:
             continue
-        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT)
+        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT, module)
         if d.dtype == "index":
             args[d.name] = torch.randint(0, max(shape.n, 1), dims, generator=g, device=device)
             continue
@@ -91,7 +92,7 @@ def new_outputs(kernel: Kernel, module, shape: Shape, config: Config, device, dt
             outs[d.name] = initial[d.name].clone()
             continue
         dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, torch.int64)
-        outs[d.name] = torch.full(_dims(d.dims, sizes, config), float("nan") if dt.is_floating_point else -1,
+        outs[d.name] = torch.full(_dims(d.dims, sizes, config, module), float("nan") if dt.is_floating_point else -1,
                                   dtype=dt, device=device)
     return outs
 
