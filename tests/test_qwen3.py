@@ -145,7 +145,7 @@ def test_qwen3_matches_transformers():
     config = transformers.Qwen3Config(
         vocab_size=SHAPE.vocab, hidden_size=SHAPE.dim, intermediate_size=SHAPE.ffn_dim,
         num_hidden_layers=SHAPE.n_layers, num_attention_heads=SHAPE.n_heads, num_key_value_heads=SHAPE.n_kv_heads,
-        head_dim=HD, rms_norm_eps=SHAPE.eps, rope_parameters={"rope_type": "default", "rope_theta": SHAPE.rope_theta},
+        head_dim=HD, rms_norm_eps=SHAPE.eps, rope_theta=SHAPE.rope_theta,
         tie_word_embeddings=True)
     torch.manual_seed(3)
     hf = transformers.Qwen3ForCausalLM(config).to(DEVICE).float()
