@@ -139,7 +139,8 @@ CASES = [
     c("duplicate_key_in_step", spec(steps=["add: {x: acc, y: x, x: wn, out: x_new}"] + STEPS[1:]), (7, "x: wn"),
       "duplicate key 'x'", "first at line 7"),
     c("unknown_top_level_key", spec().replace("epilogue:", "version: 2\nepilogue:"), (6, "version"),
-      "unknown key 'version' in the kernel spec", "expected one of: kernel, doc, gemm, inputs, outputs, epilogue"),
+      "unknown key 'version' in the kernel spec",
+      "expected one of: kernel, doc, gemm, column_group, inputs, outputs, epilogue"),
     c("misspelt_top_level_key", spec().replace("inputs:", "inptus:"), (4, "inptus"),
       "unknown key 'inptus'", "did you mean 'inputs'?", count=2),  # and: the kernel spec is missing 'inputs'
     c("missing_outputs", spec().replace(f"outputs: {OUTPUTS}", "# no outputs"), (1, 1),
@@ -298,7 +299,8 @@ CASES = [
     c("scale_by_wrong_width", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [2*N]}"), (10, "wn"),
       "scale.by: column vector [2*N] 'wn' does not match tile [M, N] 'x_new'"),
     c("scale_by_a_tile", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: x, out: hv}", STEPS[4]]), (10, "x, out"),
-      "scale.by must be a row vector, column vector or scalar, got tile [M, N] 'x'", count=2),  # and: wn unused
+      "scale.by must be a row vector, column vector, group value or scalar, got tile [M, N] 'x'",
+      count=2),  # and: wn unused
     c("swiglu_on_half_tile", ab_spec("", "{out_y: [M, N/2]}", ["swiglu: {x: acc, out: g1}", "swiglu: {x: g1, out: g2}",
                                                               "store: {x: g2, to: out_y}"]),
       (8, "g1"), "swiglu.x: 'g1' is a tile [M, N/2], already halved", "[M, N] or [M, 2*N]"),
