@@ -100,3 +100,49 @@ def test_tuner_without_a_fitting_candidate_points_at_column_group(tmp_path):
     assert (error.loc.line, error.loc.col) == (3, 15)
     assert error.message == ("column_group 512: no tuning candidate of heads has epilogue slices that hold whole "
                              "groups (the widest is 256 columns); use a column_group of at most 256")
+
+
+_COMPILE = """\
+import importlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
+for path in sys.argv[1:]:
+    module = importlib.import_module(path)
+    fn, decls = getattr(module, module.NAME + "_kernel"), {d.name: d for d in module.DECLS}
+    for split in (1, 2):
+        consts = dict(BLOCK_M=128, BLOCK_N=128 * split, BLOCK_K=64, GROUP_M=8, EVEN_K=False, UPCAST_DOT=False,
+                      DOT_PRECISION="tf32", TMA=False, FLATTEN=False, WARP_SPECIALIZE=False, EPILOGUE_SPLIT=split,
+                      INT64=False)
+        consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a kernel without a GEMM has no BLOCK_K
+        consts.update({n: None for n in fn.arg_names if n.endswith("_desc")})
+        signature = {n: "constexpr" if n in consts else POINTER[decls[n[:-4]].dtype] if n.endswith("_ptr")
+                     else "i32" if n.startswith("stride_") or n in ("M", "N", "K", "NUM_PROGRAMS") else "fp32"
+                     for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        print(path, split, "ptx" in compiled.asm)
+"""
+
+
+def test_group_kernels_compile_for_sm90(test_kernels):
+    """The interpreter runs group steps through numpy; compiled Triton takes another path (tl.reduce with a
+    NaN-propagating max, reshapes of the accumulator's layout): compile the kernels that use them to PTX for
+    sm_90, with 128- and 256-wide tiles (one and two heads of 128), in a subprocess, since the compiler needs
+    Triton's interpreter off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = Path(test_kernels("t_group_reduce").__file__).resolve().parents[2]
+    paths = [f"{test_kernels('t_group_reduce').__package__}.t_group_reduce", "generated.kernels.qkv_qk_norm_rope",
+             "generated.kernels.qk_norm_rope_bwd"]
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), str(built)])}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, *paths], capture_output=True, text=True, env=env, cwd=repo)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split().count("True") == 2 * len(paths), run.stdout
