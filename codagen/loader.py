@@ -143,14 +143,14 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
 MAX_GROUP = 512  # the widest tile (runtime.configs.MAX_BLOCK): a column slice must hold whole groups
 
 
-def _column_group(node: Node, sink: ErrorSink) -> int | None:
+def _column_group(node: Node, sink: ErrorSink) -> int | str | None:
     """The width of the kernel's column groups: a power of two, since tiles are powers of two wide and each
-    epilogue slice of a tile must hold whole groups."""
+    epilogue slice of a tile must hold whole groups; or N, one group, the whole row (one tile spans N)."""
     v = node.value
-    if isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= MAX_GROUP and v & (v - 1) == 0:
+    if v == "N" or (isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= MAX_GROUP and v & (v - 1) == 0):
         return v
     sink.add(node.loc, f"column_group must be a power of two from 2 to {MAX_GROUP} (tiles are powers of two wide "
-                       f"and each holds whole groups), got {node.type_name}")
+                       f"and each holds whole groups) or N (one group: the whole row), got {node.type_name}")
     return None
 
 

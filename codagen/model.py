@@ -162,9 +162,15 @@ class Kernel:
     sha256: str
     loc: Location
     # the width of the column groups (heads) that group_reduce reduces over and groups(N) counts; None: none.
-    # Every epilogue column slice (Config.epilogue_n) must hold whole groups.
-    column_group: int | None = None
+    # Every epilogue column slice (Config.epilogue_n) must hold whole groups. "N": one group, the whole row,
+    # which one column slice must then span.
+    column_group: int | str | None = None
     column_group_loc: Location | None = None
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether group_reduce reduces whole rows (column_group N): its result is then a row vector."""
+        return self.column_group == "N"
 
     def input(self, name: str) -> Input | None:
         return next((i for i in self.inputs if i.name == name), None)

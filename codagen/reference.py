@@ -87,5 +87,5 @@ def output_dims(kernel: Kernel, sizes: dict[str, int], block_m: int, block_n: in
     n = sizes["N"]
     concrete = {Dim.M: sizes["M"], Dim.K: sizes.get("K", 0), Dim.N: n, Dim.N_HALF: n // 2, Dim.N_DOUBLE: 2 * n,
                 Dim.TILES_M: -(-sizes["M"] // block_m), Dim.TILES_N: -(-n // block_n),
-                Dim.GROUPS_N: n // (kernel.column_group or 1)}
+                Dim.GROUPS_N: n // kernel.column_group if isinstance(kernel.column_group, int) else 0}
     return {o.name: tuple(concrete[d] for d in o.dims) for o in kernel.outputs}

@@ -105,6 +105,9 @@ def _check_declarations(k, sink, types, defined_at):
             sink.add(decl.loc, f"'{decl.name}' has a groups(N) dimension, but the kernel declares no column groups; "
                                "add 'column_group: <width>' (the columns of each group, e.g. a head's 128) at the "
                                "top level")
+        elif Dim.GROUPS_N in decl.dims and k.whole_rows:
+            sink.add(decl.loc, f"'{decl.name}' has a groups(N) dimension, but with column_group N the group is the "
+                               "whole row: a value per row is a row vector; declare it [M]")
     needs_t = any(d.dtype is DType.T for d in (*k.inputs, *k.outputs))
     if not g and needs_t and not any(i.dtype is DType.T and i.type and i.type.kind is Kind.TILE for i in k.inputs):
         sink.add(k.loc, "without a gemm, the kernel's type T is that of its first [M, N] input, and it has none; "

@@ -146,3 +146,111 @@ def test_group_kernels_compile_for_sm90(test_kernels):
     run = subprocess.run([sys.executable, "-c", _COMPILE, *paths], capture_output=True, text=True, env=env, cwd=repo)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split().count("True") == 2 * len(paths), run.stdout
+
+
+# -- column_group N: one group, the whole row, which one tile spans ---------------------------------------------
+ROW_NORM = """\
+kernel: row_norm
+doc: Projection with an RMSNorm of each whole row and the rows' maxima, for tiles that span N.
+column_group: N
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], w: [N], inv_n: scalar}
+outputs: {y: [M, N], rstd: {shape: [M], dtype: float32}, top: [M], lse: {shape: [M], dtype: float32}}
+epilogue:
+  - group_reduce: {op: sumsq, x: acc, out: ss}    # a row vector: the whole row's sum
+  - mul: {x: ss, y: inv_n, out: ms}
+  - add: {x: ms, y: 1.0e-6, out: ms_eps}
+  - rsqrt: {x: ms_eps, out: r}
+  - store: {x: r, to: rstd}
+  - scale: {x: acc, by: r, out: normed}
+  - scale: {x: normed, by: w, out: yv}
+  - store: {x: yv, to: y}
+  - group_reduce: {op: max, x: acc, out: mx}
+  - store: {x: mx, to: top}
+  - group_reduce: {op: logsumexp, x: acc, out: lse_v}
+  - store: {x: lse_v, to: lse}
+"""
+
+
+@pytest.fixture(scope="module")
+def row_norm(tmp_path_factory):
+    """The row_norm kernel built into a package of its own: (module, checked kernel)."""
+    import importlib
+    import sys
+
+    root = tmp_path_factory.mktemp("row_norm")
+    (root / "row_norm.yaml").write_text(ROW_NORM, encoding="utf-8")
+    (checked,) = api.load([root / "row_norm.yaml"])
+    api.build([root / "row_norm.yaml"], out=root / "cg_row_norm")
+    sys.path.insert(0, str(root))
+    yield importlib.import_module("cg_row_norm.kernels.row_norm"), checked
+    sys.path.remove(str(root))
+
+
+@pytest.mark.parametrize("n, config", [(50, Config(16, 64, 16, 2, 4, 1)), (100, None),
+                                       (120, Config(16, 256, 16, 2, 4, 1, epilogue_split=2))],
+                         ids=["ragged-64", "default-widened", "split"])
+def test_whole_row_reductions_match_pytorch(row_norm, n, config):
+    """Ragged M and N against PyTorch's RMSNorm, max and logsumexp over each whole row (float64), and the
+    float64 reference interpreter."""
+    from codagen import reference
+
+    module, checked = row_norm
+    g = torch.Generator().manual_seed(n)
+    m, k = 37, 29
+    a, b, w = (torch.randn(*s, generator=g).to(DEVICE) for s in ((m, k), (n, k), (n,)))
+    y, rstd, top = torch.empty(m, n, device=DEVICE), torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
+    lse = torch.empty(m, device=DEVICE)
+    module.launch(a, b, w, 1.0 / n, y=y, rstd=rstd, top=top, lse=lse, config=config)
+    z = a.double() @ b.double().T
+    want = {"y": torch.nn.functional.rms_norm(z, (n,), w.double(), eps=1e-6),
+            "rstd": torch.rsqrt(z.pow(2).mean(1) + 1e-6), "top": z.amax(1), "lse": torch.logsumexp(z, 1)}
+    got = {"y": y, "rstd": rstd, "top": top, "lse": lse}
+    ref = reference.run(checked.kernel, checked.types, {"a": a, "b": b, "w": w, "inv_n": 1.0 / n}, 16, 64)
+    for name, value in got.items():
+        assert ((value.double() - want[name]).norm() / want[name].norm()).item() < 1e-5, name
+        torch.testing.assert_close(ref[name], want[name])
+
+
+def test_whole_row_needs_one_tile_over_n(row_norm):
+    module, _ = row_norm
+    m, n, k = 20, 70, 12
+    args = [torch.randn(m, k, device=DEVICE), torch.randn(n, k, device=DEVICE), torch.randn(n, device=DEVICE), 0.1]
+    outs = dict(y=torch.empty(m, n, device=DEVICE), rstd=torch.empty(m, device=DEVICE),
+                top=torch.empty(m, device=DEVICE), lse=torch.empty(m, device=DEVICE))
+    with pytest.raises(ValueError, match=r"row_norm: the config's epilogue runs on 64 columns at a time \(block_n "
+                                         r"64\), fewer than N = 70, and the spec's column_group N needs one tile "
+                                         r"over the whole row; use a block_n of 128 or more"):
+        module.launch(*args, **outs, config=Config(16, 64, 16, 2, 4, 1))
+    n = 600
+    args[1], outs["y"] = torch.randn(n, k, device=DEVICE), torch.empty(m, n, device=DEVICE)
+    args[2] = torch.randn(n, device=DEVICE)
+    with pytest.raises(ValueError, match=r"row_norm: N = 600 is wider than the widest tile \(512 columns\)"):
+        module.launch(*args, **outs)
+    assert configs.widened(configs.GPU_DEFAULT, "N", 300).block_n == 512
+    assert configs.runtime_candidates(True, False, "N", 200) and all(
+        c.epilogue_n >= 200 for c in configs.runtime_candidates(True, False, "N", 200))
+
+
+def test_whole_row_tuning_filters_by_shape_and_points_at_column_group(row_norm):
+    from codagen.tune import harness
+    from codagen.tune.candidates import GEMM_CANDIDATES
+
+    _, checked = row_norm
+    kernel = checked.kernel
+    assert all(c.epilogue_n >= 200 for c in harness.shape_candidates(kernel, GEMM_CANDIDATES, 200))
+    with pytest.raises(ValidationFailed) as info:
+        harness.shape_candidates(kernel, GEMM_CANDIDATES, 300)
+    (error,) = info.value.errors
+    assert (error.loc.line, error.loc.col) == (3, 15)
+    assert error.message.startswith("column_group N: at N = 300, no tuning candidate of row_norm has one tile over "
+                                    "the whole row (the widest spans 256 columns)")
+
+
+def test_whole_row_group_value_declared_as_groups_is_refused(tmp_path):
+    text = ROW_NORM.replace("lse: {shape: [M], dtype: float32}", "lse: {shape: [M, groups(N)], dtype: float32}")
+    (tmp_path / "bad.yaml").write_text(text, encoding="utf-8")
+    with pytest.raises(ValidationFailed) as info:
+        api.load([tmp_path / "bad.yaml"])
+    messages = [e.message for e in info.value.errors]
+    assert any("with column_group N the group is the whole row" in m for m in messages), messages

@@ -105,12 +105,16 @@ def _check_group(c) -> ValueType | None:
         c.error("x", f"group_reduce.x must be a tile of width N (column groups are groups of N's columns), got {x} "
                      f"'{c.step.args['x']}'")
         return None
-    return ValueType(Kind.GROUP)
+    return ValueType(Kind.ROW) if c.kernel.whole_rows else ValueType(Kind.GROUP)
 
 
 def _emit_group(e, s):
     x = s.args["x"]
     e.need_width(Width.FULL, tile=True)
+    op = _BY_NAME[s.args["op"]].constant
+    if e.kernel.whole_rows:  # the tile spans the row: its reduction over columns is the row's
+        e.assign(s, f"tile.partial_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, OP={op}, AXIS=1)")
+        return
     e.assign(s, f"tile.group_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
                 f"OP={_BY_NAME[s.args['op']].constant})")
 
@@ -118,6 +122,8 @@ def _emit_group(e, s):
 def _reference_group(r, s):
     x, group = r.value(s.args["x"]), r.kernel.column_group
     rows, cols = x.shape
+    if r.kernel.whole_rows:
+        return _BY_NAME[s.args["op"]].reference(x.reshape(rows, 1, cols))[:, 0]
     return _BY_NAME[s.args["op"]].reference(x.reshape(rows, cols // group, group))
 
 
@@ -125,8 +131,10 @@ GROUP_REDUCE = Primitive(
     "group_reduce", (Arg("op", "enum", choices=tuple(r.name for r in REDUCTIONS)), X, OUT),
     "Reduction of each group of column_group columns of a tile (a head), whole: one value per row and group, which "
     "later steps read (broadcast over the group's columns where they meet a tile). Every epilogue column slice "
-    "holds whole groups: block_n / epilogue_split must be a multiple of column_group.",
-    "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)].",
+    "holds whole groups: block_n / epilogue_split must be a multiple of column_group. With column_group N, the "
+    "group is the whole row, which one tile then spans (N at most block_n / epilogue_split).",
+    "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)], or a row "
+    "vector [M] with column_group N.",
     "group_reduce: {op: sumsq, x: q, out: ss_head}",
     check=_check_group, reference=_reference_group, emitters={"tl": _emit_group})
 

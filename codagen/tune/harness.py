@@ -12,6 +12,7 @@ import torch
 
 from .. import reference
 from ..api import Checked
+from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import configs
 from ..runtime.configs import Config
@@ -198,6 +199,19 @@ class Checker:
         return None
 
 
+def shape_candidates(kernel: Kernel, pool, n: int) -> list[Config]:
+    """The configs of `pool` whose epilogue slices span the n columns of a kernel with column_group N; none is
+    an error located at the spec's column_group."""
+    fitting = [c for c in pool if configs.fits_group(c, kernel.column_group, n)]
+    if not fitting:
+        widest = max(c.epilogue_n for c in pool)
+        raise ValidationFailed([SpecError(
+            kernel.column_group_loc or kernel.loc,
+            f"column_group N: at N = {n}, no tuning candidate of {kernel.name} has one tile over the whole row "
+            f"(the widest spans {widest} columns); reduce the row in partials (reduce, axis cols) instead")])
+    return fitting
+
+
 def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
                timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
                deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
@@ -205,6 +219,8 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     it runs) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
+    if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
+        pool = shape_candidates(kernel, pool, shape.n)
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

@@ -252,7 +252,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=128)
-    runtime.configs.check_group(NAME, config, 128)
+    runtime.configs.check_group(NAME, config, 128, N)
     runtime.configs.check_tl_only(NAME, config)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
