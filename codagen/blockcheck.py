@@ -322,7 +322,7 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
             ok = False
             continue
         for kd, bd in zip(i.dims, v.dims):
-            ok &= _bind(kd, bd, sizes, loc_of(i.name), f"{kernel.name}.{i.name}", ref, sink)
+            ok &= _bind(kd, bd, sizes, loc_of(i.name), f"{kernel.name}.{i.name}", ref, sink, kernel.column_group)
     if not ok:
         return None
     outs = []
@@ -331,7 +331,7 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         if not isinstance(name, str):
             sink.add(loc_of(o.name), f"{kernel.name}.{o.name} is an output: give it a new value name")
             return None
-        dims = tuple(_tiles(d, sizes) or _unbind(d, sizes) for d in o.dims)
+        dims = tuple(_tiles(d, sizes) or _unbind(d, sizes, kernel.column_group) for d in o.dims)
         dtype = _KDTYPE.get(o.dtype, o.dtype.value)
         define(name, Value(dims, dtype), loc_of(o.name))
         outs.append(name)
@@ -346,9 +346,10 @@ def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
     return BlockDim(Fraction(1), f"tiles({size if size is not None else d.value[6]})")
 
 
-def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink) -> bool:
-    factor = {Dim.N_HALF: Fraction(2), Dim.N_DOUBLE: Fraction(1, 2)}.get(kd, Fraction(1))
-    key = {Dim.N_HALF: "N", Dim.N_DOUBLE: "N"}.get(kd, kd.value)
+def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, group: int | None) -> bool:
+    factor = {Dim.N_HALF: Fraction(2), Dim.N_DOUBLE: Fraction(1, 2), Dim.GROUPS_N: Fraction(group or 1)}.get(
+        kd, Fraction(1))
+    key = {Dim.N_HALF: "N", Dim.N_DOUBLE: "N", Dim.GROUPS_N: "N"}.get(kd, kd.value)
     value = bd.scaled(factor)
     if key not in sizes:
         sizes[key] = value
@@ -359,9 +360,10 @@ def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink) ->
     return True
 
 
-def _unbind(d: Dim, sizes: dict) -> BlockDim:
-    base = sizes["N"] if d.width else sizes[d.value]
-    return base.scaled({Dim.N_HALF: Fraction(1, 2), Dim.N_DOUBLE: Fraction(2)}.get(d, Fraction(1)))
+def _unbind(d: Dim, sizes: dict, group: int | None) -> BlockDim:
+    base = sizes["N"] if d.width or d is Dim.GROUPS_N else sizes[d.value]
+    return base.scaled({Dim.N_HALF: Fraction(1, 2), Dim.N_DOUBLE: Fraction(2),
+                        Dim.GROUPS_N: Fraction(1, group or 1)}.get(d, Fraction(1)))
 
 
 def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...]) -> bool:

@@ -27,6 +27,7 @@ def canonical(kernel: Kernel) -> dict:
     return {
         "kernel": kernel.name,
         "gemm": None if gemm is None else {"a": gemm.a, "b": gemm.b, "b_layout": gemm.b_layout.value},
+        **({"column_group": kernel.column_group} if kernel.column_group else {}),
         "inputs": [{"name": i.name, "dims": [d.value for d in i.dims], "dtype": i.dtype.value, "role": i.role.value}
                    for i in kernel.inputs],
         "outputs": [{"name": o.name, "dims": [d.value for d in o.dims], "dtype": o.dtype.value,

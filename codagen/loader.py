@@ -114,7 +114,7 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
         sink.add(root.loc, f"a spec must be a mapping, got {got}; a spec starts with 'kernel:' or 'block:'")
         sink.raise_if_any()
     top = _Mapping(root, "the kernel spec", sink)
-    keys = ["kernel", "doc", "gemm", "inputs", "outputs", "epilogue"]
+    keys = ["kernel", "doc", "gemm", "column_group", "inputs", "outputs", "epilogue"]
     name_node = top.take("kernel")
     name = _name(name_node, "kernel", sink) if name_node else None
     if name in TAKEN_KERNEL_NAMES:
@@ -124,6 +124,7 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     doc_node = top.take("doc")
     doc = doc_text(doc_node, sink) if doc_node is not None else ""
     gemm_node = top.take("gemm", required=False)
+    group_node = top.take("column_group", required=False)
     inputs_node = top.take("inputs")
     outputs_node = top.take("outputs")
     steps_node = top.take("epilogue")
@@ -133,8 +134,24 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     inputs = _inputs(inputs_node, gemm, sink) if inputs_node else ()
     outputs = _outputs(outputs_node, sink) if outputs_node else ()
     steps = _steps(steps_node, sink) if steps_node else ()
+    group = _column_group(group_node, sink) if group_node else None
     sink.raise_if_any()
-    return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc)
+    return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc, group,
+                  group_node.loc if group_node else None)
+
+
+MAX_GROUP = 512  # the widest tile (runtime.configs.MAX_BLOCK): a column slice must hold whole groups
+
+
+def _column_group(node: Node, sink: ErrorSink) -> int | str | None:
+    """The width of the kernel's column groups: a power of two, since tiles are powers of two wide and each
+    epilogue slice of a tile must hold whole groups; or N, one group, the whole row (one tile spans N)."""
+    v = node.value
+    if v == "N" or (isinstance(v, int) and not isinstance(v, bool) and 2 <= v <= MAX_GROUP and v & (v - 1) == 0):
+        return v
+    sink.add(node.loc, f"column_group must be a power of two from 2 to {MAX_GROUP} (tiles are powers of two wide "
+                       f"and each holds whole groups) or N (one group: the whole row), got {node.type_name}")
+    return None
 
 
 def doc_text(node: Node, sink: ErrorSink, what: str = "kernel") -> str:

@@ -41,6 +41,7 @@ class Dim(enum.Enum):
     N_DOUBLE = "2*N"
     TILES_M = "tiles(M)"
     TILES_N = "tiles(N)"
+    GROUPS_N = "groups(N)"  # N / column_group: one per column group of a kernel that declares column_group
 
     @classmethod
     def for_width(cls, width: Width) -> "Dim":
@@ -65,6 +66,7 @@ class Kind(enum.Enum):
     TILE = "tile"  # one value per (row, column) of the tile
     ROW = "row"  # one per row: shape [M]
     COL = "col"  # one per column: shape [N*w]
+    GROUP = "group"  # one per row and column group (column_group columns of width N): shape [M, groups(N)]
     SCALAR = "scalar"
 
 
@@ -80,6 +82,8 @@ class ValueType:
             return f"column vector [{self.width.value}]"
         if self.kind is Kind.ROW:
             return "row vector [M]"
+        if self.kind is Kind.GROUP:
+            return "group value [M, groups(N)]"
         return "scalar"
 
 
@@ -157,6 +161,16 @@ class Kernel:
     source: str  # the spec's path as given, relative where possible
     sha256: str
     loc: Location
+    # the width of the column groups (heads) that group_reduce reduces over and groups(N) counts; None: none.
+    # Every epilogue column slice (Config.epilogue_n) must hold whole groups. "N": one group, the whole row,
+    # which one column slice must then span.
+    column_group: int | str | None = None
+    column_group_loc: Location | None = None
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether group_reduce reduces whole rows (column_group N): its result is then a row vector."""
+        return self.column_group == "N"
 
     def input(self, name: str) -> Input | None:
         return next((i for i in self.inputs if i.name == name), None)
@@ -183,6 +197,8 @@ ACC = "acc"  # the GEMM accumulator, a reserved value name
 
 def dims_type(dims: tuple[Dim, ...]) -> ValueType | None:
     """The value type that a tensor of these dims holds in the epilogue, or None."""
+    if dims == (Dim.M, Dim.GROUPS_N):
+        return ValueType(Kind.GROUP)
     if len(dims) == 2 and dims[0] is Dim.M and dims[1].width:
         return ValueType(Kind.TILE, dims[1].width)
     if dims == (Dim.M,):
@@ -199,6 +215,8 @@ def type_dims(t: ValueType) -> tuple[Dim, ...]:
         return (Dim.M, Dim.for_width(t.width))
     if t.kind is Kind.ROW:
         return (Dim.M,)
+    if t.kind is Kind.GROUP:
+        return (Dim.M, Dim.GROUPS_N)
     if t.kind is Kind.COL:
         return (Dim.for_width(t.width),)
     return ()

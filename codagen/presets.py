@@ -24,7 +24,8 @@ class LlamaShape:
 
     @property
     def attn_dim(self) -> int:
-        """The width of the attention output, the out-projection's input (dim in Llama, not in Gemma-2)."""
+        """The width of the attention output, n_heads * head_dim: the out-projection's input (dim in Llama, not
+        in Gemma-2 or every Qwen3)."""
         return self.n_heads * self.head_dim
 
     def attrs(self) -> dict[str, int | float]:

@@ -23,7 +23,8 @@ class Evaluation:
 
     def value(self, ref, into: ValueType | None = None):
         """An operand: a tensor, or a float for numbers and host scalars; broadcast into a tile type `into`
-        (a row vector as [:, None], a column vector as [None, :])."""
+        (a row vector as [:, None], a column vector as [None, :], a group value repeated over its group's
+        columns), or a row vector into a group value."""
         if isinstance(ref, Literal):
             return ref.value
         v, t = self.env[ref], self.types[ref]
@@ -32,6 +33,10 @@ class Evaluation:
                 return v[:, None]
             if t.kind is Kind.COL:
                 return v[None, :]
+            if t.kind is Kind.GROUP:  # each group's value over its columns
+                return v.repeat_interleave(self.kernel.column_group, dim=1)
+        if into is not None and into.kind is Kind.GROUP and t.kind is Kind.ROW and isinstance(v, torch.Tensor):
+            return v[:, None]
         return v
 
     def tensor(self, ref, into: ValueType | None = None) -> torch.Tensor:
@@ -81,5 +86,6 @@ def output_dims(kernel: Kernel, sizes: dict[str, int], block_m: int, block_n: in
     """Concrete shapes of the outputs for given sizes and tile shape."""
     n = sizes["N"]
     concrete = {Dim.M: sizes["M"], Dim.K: sizes.get("K", 0), Dim.N: n, Dim.N_HALF: n // 2, Dim.N_DOUBLE: 2 * n,
-                Dim.TILES_M: -(-sizes["M"] // block_m), Dim.TILES_N: -(-n // block_n)}
+                Dim.TILES_M: -(-sizes["M"] // block_m), Dim.TILES_N: -(-n // block_n),
+                Dim.GROUPS_N: n // kernel.column_group if isinstance(kernel.column_group, int) else 0}
     return {o.name: tuple(concrete[d] for d in o.dims) for o in kernel.outputs}

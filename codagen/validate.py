@@ -81,7 +81,8 @@ def _check_declarations(k, sink, types, defined_at):
         t = i.type
         if t is None:
             sink.add(i.loc, f"input '{i.name}' has shape {_fmt(i.dims)}; epilogue inputs are [M, N] (or N/2, "
-                            "2*N) matrices, [M] row vectors, [N] column vectors or [] scalars")
+                            "2*N) matrices, [M] row vectors, [N] column vectors, [M, groups(N)] group values or [] "
+                            "scalars")
             continue
         if i.dtype is DType.INDEX and t != _ROW:
             sink.add(i.loc, f"input '{i.name}' has dtype index, which only row vectors [M] may have")
@@ -98,7 +99,15 @@ def _check_declarations(k, sink, types, defined_at):
                 sink.add(o.loc, f"output '{o.name}' holds partial reductions and cannot be inplace")
         elif dims_type(o.dims) is None or o.dims == ():
             sink.add(o.loc, f"output '{o.name}' has shape {_fmt(o.dims)}; outputs are [M, N] (or N/2, 2*N), [M], "
-                            "[N], or partial-reduction buffers [M, tiles(N)] / [N, tiles(M)]")
+                            "[N], [M, groups(N)], or partial-reduction buffers [M, tiles(N)] / [N, tiles(M)]")
+    for decl in (*k.inputs, *k.outputs):
+        if Dim.GROUPS_N in decl.dims and k.column_group is None:
+            sink.add(decl.loc, f"'{decl.name}' has a groups(N) dimension, but the kernel declares no column groups; "
+                               "add 'column_group: <width>' (the columns of each group, e.g. a head's 128) at the "
+                               "top level")
+        elif Dim.GROUPS_N in decl.dims and k.whole_rows:
+            sink.add(decl.loc, f"'{decl.name}' has a groups(N) dimension, but with column_group N the group is the "
+                               "whole row: a value per row is a row vector; declare it [M]")
     needs_t = any(d.dtype is DType.T for d in (*k.inputs, *k.outputs))
     if not g and needs_t and not any(i.dtype is DType.T and i.type and i.type.kind is Kind.TILE for i in k.inputs):
         sink.add(k.loc, "without a gemm, the kernel's type T is that of its first [M, N] input, and it has none; "
@@ -120,6 +129,10 @@ def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
     if len(widths) > 1:
         return None
     width = widths.pop() if widths else None
+    if Kind.GROUP in kinds:  # groups are of N columns: a group value meets rows, groups, N-wide tiles or columns
+        if kinds <= {Kind.GROUP, Kind.ROW}:
+            return ValueType(Kind.GROUP)
+        return ValueType(Kind.TILE, Width.FULL) if width is Width.FULL else None
     if kinds == {Kind.ROW, Kind.COL} or (Kind.TILE in kinds and kinds <= {Kind.TILE, Kind.ROW, Kind.COL}):
         return ValueType(Kind.TILE, width)
     return None

@@ -96,8 +96,10 @@ def scalar_names(module) -> list[str]:
     return [p for p in inspect.signature(module.launch).parameters if p not in decls and p != "config"]
 
 
-def dim_size(dim: str, sizes: dict, config: Config) -> int:
+def dim_size(dim: str, sizes: dict, config: Config, group: int | None = None) -> int:
     m, n = sizes["M"], sizes["N"]
+    if dim == "groups(N)":
+        return n // group
     return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}[dim]
 
@@ -138,7 +140,7 @@ def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, stride
     nan = lambda s: torch.full(s, float("nan"))  # noqa: E731
     rand = lambda s: torch.randn(s, generator=g)  # noqa: E731
     for i, d in enumerate(module.DECLS):
-        shape = tuple(dim_size(x, sizes, config) for x in d.dims)
+        shape = tuple(dim_size(x, sizes, config, getattr(module, "COLUMN_GROUP", None)) for x in d.dims)
         dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, index_dtype)
         if d.name in special:
             values = special[d.name](shape, g)

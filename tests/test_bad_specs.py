@@ -49,6 +49,14 @@ def spec(kernel="k1", doc="Out-projection with the residual add and the RMSNorm 
     return "\n".join(lines) + "\n"
 
 
+def grouped(text: str, group: str = "8") -> str:
+    """A spec with column groups: `column_group` on the line after its last step."""
+    return text + f"column_group: {group}\n"
+
+
+GROUP_STEPS = ["group_reduce: {op: sum, x: acc, out: s}", "scale: {x: acc, by: s, out: t}", "store: {x: t, to: o}"]
+
+
 def ab_spec(inputs: str, outputs: str, steps: list[str]) -> str:
     """A smaller kernel: gemm a @ b^T plus the given inputs (YAML text inside the braces)."""
     return spec(gemm="{a: a, b: b}", inputs=f"{AB}, {inputs}}}" if inputs else AB + "}", outputs=outputs,
@@ -133,7 +141,8 @@ CASES = [
     c("duplicate_key_in_step", spec(steps=["add: {x: acc, y: x, x: wn, out: x_new}"] + STEPS[1:]), (7, "x: wn"),
       "duplicate key 'x'", "first at line 7"),
     c("unknown_top_level_key", spec().replace("epilogue:", "version: 2\nepilogue:"), (6, "version"),
-      "unknown key 'version' in the kernel spec", "expected one of: kernel, doc, gemm, inputs, outputs, epilogue"),
+      "unknown key 'version' in the kernel spec",
+      "expected one of: kernel, doc, gemm, column_group, inputs, outputs, epilogue"),
     c("misspelt_top_level_key", spec().replace("inputs:", "inptus:"), (4, "inptus"),
       "unknown key 'inptus'", "did you mean 'inputs'?", count=2),  # and: the kernel spec is missing 'inputs'
     c("missing_outputs", spec().replace(f"outputs: {OUTPUTS}", "# no outputs"), (1, 1),
@@ -292,7 +301,8 @@ CASES = [
     c("scale_by_wrong_width", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: [2*N]}"), (10, "wn"),
       "scale.by: column vector [2*N] 'wn' does not match tile [M, N] 'x_new'"),
     c("scale_by_a_tile", spec(steps=STEPS[:3] + ["scale: {x: x_new, by: x, out: hv}", STEPS[4]]), (10, "x, out"),
-      "scale.by must be a row vector, column vector or scalar, got tile [M, N] 'x'", count=2),  # and: wn unused
+      "scale.by must be a row vector, column vector, group value or scalar, got tile [M, N] 'x'",
+      count=2),  # and: wn unused
     c("swiglu_on_half_tile", ab_spec("", "{out_y: [M, N/2]}", ["swiglu: {x: acc, out: g1}", "swiglu: {x: g1, out: g2}",
                                                               "store: {x: g2, to: out_y}"]),
       (8, "g1"), "swiglu.x: 'g1' is a tile [M, N/2], already halved", "[M, N] or [M, 2*N]"),
@@ -322,6 +332,35 @@ CASES = [
     c("reduce_of_a_row_vector", ab_spec("r: [M]", "{ss: [M, tiles(N)], o: [M, N]}",
                                         ["reduce: {op: sum, x: r, axis: cols, to: ss}", "store: {x: acc, to: o}"]),
       (7, "r,"), "reduce.x must be a tile, got row vector [M] 'r'"),
+    # -- column groups -------------------------------------------------------------------------------------
+    c("column_group_not_a_power_of_two", grouped(ab_spec("", "{o: [M, N]}", GROUP_STEPS), "96"), (10, "96"),
+      "column_group must be a power of two from 2 to 512", "got a number (96)"),
+    c("column_group_too_wide", grouped(ab_spec("", "{o: [M, N]}", GROUP_STEPS), "1024"), (10, "1024"),
+      "column_group must be a power of two from 2 to 512"),
+    c("group_reduce_without_column_group", ab_spec("", "{o: [M, N]}", GROUP_STEPS), (7, "group_reduce"),
+      "group_reduce reduces over column groups, and the kernel declares none", "'column_group: <width>'"),
+    c("groups_dim_without_column_group",
+      ab_spec("g: {shape: [M, groups(N)], dtype: float32}", "{o: [M, N]}",
+              ["scale: {x: acc, by: g, out: t}", "store: {x: t, to: o}"]), (4, "g:"),
+      "'g' has a groups(N) dimension, but the kernel declares no column groups"),
+    c("group_reduce_of_a_half_width_tile",
+      grouped(ab_spec("", "{o: [M, groups(N)]}", ["swiglu: {x: acc, out: y}", "group_reduce: {op: sum, x: y, out: s}",
+                                                  "store: {x: s, to: o}"])), (8, "y,"),
+      "group_reduce.x must be a tile of width N", "got tile [M, N/2] 'y'"),
+    c("group_reduce_of_a_row", grouped(ab_spec("r: [M]", "{o: [M, N]}", [GROUP_STEPS[0].replace("acc", "r")]
+                                               + GROUP_STEPS[1:])), (7, "r,"),
+      "group_reduce.x must be a tile of width N, got row vector [M] 'r'"),
+    c("group_value_with_a_half_width_tile",
+      grouped(ab_spec("", "{o: [M, N/2]}", ["group_reduce: {op: sum, x: acc, out: s}", "swiglu: {x: acc, out: y}",
+                                            "mul: {x: y, y: s, out: t}", "store: {x: t, to: o}"])), (9, "mul"),
+      "mul: cannot combine tile [M, N/2] 'y' with group value [M, groups(N)] 's'"),
+    c("group_value_stored_as_a_tile",
+      grouped(ab_spec("", "{o: [M, N]}", ["group_reduce: {op: max, x: acc, out: s}", "store: {x: s, to: o}"])),
+      (8, "o}"), "store.to: output 'o' has shape [M, N], but this step writes [M, groups(N)]"),
+    c("partial_reduce_of_a_group_value",
+      grouped(ab_spec("", "{ss: [M, tiles(N)]}", ["group_reduce: {op: sum, x: acc, out: s}",
+                                                  "reduce: {op: sum, x: s, axis: cols, to: ss}"])), (8, "s,"),
+      "reduce.x must be a tile, got group value [M, groups(N)] 's'"),
     # -- select ----------------------------------------------------------------------------------------------
     c("select_with_non_index_input", ab_spec("target: [M]", "{picked: [M]}",
                                              ["select: {x: acc, index: target, to: picked}"]), (7, "target"),

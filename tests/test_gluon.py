@@ -69,6 +69,17 @@ def test_unlowered_steps_named_and_kept_on_tl():
     assert any("gate_up_swiglu.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
 
 
+def test_column_groups_kept_on_tl():
+    """group_reduce has no Gluon entry, and no step that reads a group value is lowered: the build names them."""
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    found = [str(f) for f in unlowered(*kernels["qkv_qk_norm_rope"])]
+    assert any("group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of 'group_reduce' yet" in line
+               for line in found)
+    assert any("store: {x: rho, to: head_rstd}: no Gluon lowering of column groups" in line for line in found)
+    files = render_gluon(list(kernels.values()), "codagen build specs/")
+    assert "kernels/gluon/qkv_qk_norm_rope.py" not in files and "kernels/gluon/qk_norm_rope_bwd.py" not in files
+
+
 def test_cli_build_notes_the_fallbacks(tmp_path):
     spec = tmp_path / "specs" / "gated.yaml"
     spec.parent.mkdir()

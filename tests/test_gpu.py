@@ -65,6 +65,13 @@ three. Asserted: fused <= 2 * unfused + 1e-4, as in tests/test_blocks.py.
 
 Llama: examples/llama.py's CodagenLlama against PlainLlama, both bf16, a small 2-layer config, AdamW on one
 fixed batch for a few steps: losses within 2e-2 relative at every step, and both losses fall.
+
+Qwen3 (specs/qwen3/): its kernels are among the kernels above, at the places the Llama-3-1B attrs give the
+Qwen3 blocks; Qwen3PreAttention (QK-norm, with NormStats in front) and Qwen3PostAttention at Qwen3-0.6B's
+layer shape in bf16 and fp16, judged as the blocks above; examples/qwen3.py's CodagenQwen3 against PlainQwen3
+in bf16, as the Llama. Only these:
+
+    python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "qwen3 or qk_norm"
 """
 from __future__ import annotations
 
@@ -88,7 +95,8 @@ from codagen.presets import PRESETS
 from codagen.tune.shapes import block_uses
 from codagen.validate import check_kernel
 from examples.llama import CodagenLlama, PlainLlama
-from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
+from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf
+from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention, Qwen3PostAttention, Qwen3PreAttention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -159,8 +167,10 @@ def generator(key: str) -> torch.Generator:
 
 # ---- kernels ----------------------------------------------------------------------------------------------
 
-def dim_size(dim: str, sizes: dict, config) -> int:
+def dim_size(dim: str, sizes: dict, config, group: int | None = None) -> int:
     m, n = sizes["M"], sizes["N"]
+    if dim == "groups(N)":
+        return n // group
     return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}[dim]
 
@@ -193,7 +203,7 @@ def draw_inputs(kernel, module, sizes: dict, dtype: torch.dtype, config, g: torc
     kw = dict(device=DEVICE, generator=g)
     inputs, outputs = {}, {}
     for d in module.DECLS:
-        shape = tuple(dim_size(x, sizes, config) for x in d.dims)
+        shape = tuple(dim_size(x, sizes, config, getattr(module, "COLUMN_GROUP", None)) for x in d.dims)
         dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, index_dtype)
         inplace = d.output and params[d.name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         if d.output and not inplace:
@@ -260,7 +270,7 @@ def test_kernel_at_llama_shapes(name, use, dtype):
     n, k = kernel_shapes()[name][use]
     m = M_VOCAB if VOCAB in (n, k) else M_TOKENS
     pick = lambda: runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, m, n,  # noqa: E731
-                                       k if kernel.gemm else 0, torch.device(DEVICE))
+                                       k if kernel.gemm else 0, torch.device(DEVICE), kernel.column_group)
     # pick() sizes the partial-reduction outputs, as the kernel's op does; after the launch, it is what the
     # launch ran: the same, unless it tuned the shape at run time (which keeps the tile shape of kernels with
     # partial reductions, so their outputs, sized before, still fit)
@@ -525,6 +535,85 @@ def test_post_attention_block(dtype):
     check_block("PostAttention", dtype, fused, plain, start)
 
 
+# Qwen3-0.6B's layer: 16 q heads and 8 kv heads of 128 columns, so that the attention width (2048) is not the
+# model's (1024); QK-norm normalizes each q and k head as Hugging Face's Qwen3 does (in fp32, cast back, then
+# the weight), after the projection rounded to the low precision
+Q3_D, Q3_HEADS, Q3_KV, Q3_HD, Q3_FFN = 1024, 16, 8, 128, 3072
+Q3_ATTN, Q3_QKV = Q3_HEADS * Q3_HD, (Q3_HEADS + 2 * Q3_KV) * Q3_HD
+Q3_SHAPE = LlamaShape(dim=Q3_D, ffn_dim=Q3_FFN, n_heads=Q3_HEADS, n_kv_heads=Q3_KV, head_dim=Q3_HD, n_layers=1,
+                      vocab=1000, rope_theta=1000000.0, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_qwen3_pre_attention_block(dtype):
+    start = time.perf_counter()
+    g = generator("qwen3_pre_attention")
+    m, eps = M_TOKENS, Q3_SHAPE.eps
+    x, wn = low(g, dtype, m, Q3_D), low(g, dtype, Q3_D, scale=0.1, offset=1.0)
+    w_qkv = low(g, dtype, Q3_QKV, Q3_D, scale=Q3_D**-0.5)
+    q_norm, k_norm = low(g, dtype, Q3_HD, scale=0.1, offset=1.0), low(g, dtype, Q3_HD, scale=0.1, offset=1.0)
+    positions = torch.arange(m, device=DEVICE) % 2048
+    freqs = rope_freqs(Q3_SHAPE).to(DEVICE)
+    v_pass = torch.cat([torch.zeros((Q3_HEADS + Q3_KV) * Q3_HD), torch.ones(Q3_KV * Q3_HD)]).to(DEVICE, dtype)
+    up_x, up_qkv = low(g, dtype, m, Q3_D), low(g, dtype, m, Q3_QKV)
+
+    block = Qwen3PreAttention(Q3_D, Q3_QKV, eps, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        block.wn.copy_(wn), block.w_qkv.copy_(w_qkv)
+    xb, qn, kn = (t.clone().requires_grad_() for t in (x, q_norm, k_norm))
+    wn_qk = torch.cat([qn.repeat(Q3_HEADS), kn.repeat(Q3_KV), qn.new_zeros(Q3_KV * Q3_HD)])
+    h, rstd = NormStats(Q3_D, eps)(xb.detach(), block.wn.detach())
+    x_out, qkv = block(xb, h, rstd, positions, freqs, wn_qk, v_pass)
+    leaves = [xb, block.wn, block.w_qkv, qn, kn]
+    names = ["grad x", "grad wn", "grad w_qkv", "grad q_norm", "grad k_norm"]
+    fused = {"qkv": qkv, **dict(zip(names, torch.autograd.grad((x_out, qkv), leaves, (up_x, up_qkv))))}
+
+    def plain(cast):
+        xp, wnp, wp, qnp, knp = args = [t.detach().to(cast).requires_grad_() for t in (x, wn, w_qkv, q_norm, k_norm)]
+        q, k, v = (rms_norm(xp, wnp, eps) @ wp.T).split([Q3_HEADS * Q3_HD, Q3_KV * Q3_HD, Q3_KV * Q3_HD], dim=1)
+        q = rms_norm(q.reshape(m, Q3_HEADS, Q3_HD), qnp, eps).reshape(m, -1)
+        k = rms_norm(k.reshape(m, Q3_KV, Q3_HD), knp, eps).reshape(m, -1)
+        qkvp = rope(torch.cat([q, k, v], dim=1), positions, freqs)
+        gp = torch.autograd.grad((xp, qkvp), args, (up_x.to(cast), up_qkv.to(cast)))
+        return {"qkv": qkvp, **dict(zip(names, gp))}
+    check_block("Qwen3PreAttention", dtype, fused, plain, start)
+
+
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_qwen3_post_attention_block(dtype):
+    start = time.perf_counter()
+    g = generator("qwen3_post_attention")
+    m, eps = M_TOKENS, Q3_SHAPE.eps
+    y, x = low(g, dtype, m, Q3_ATTN), low(g, dtype, m, Q3_D)
+    wn_next, wn_mlp = low(g, dtype, Q3_D, scale=0.1, offset=1.0), low(g, dtype, Q3_D, scale=0.1, offset=1.0)
+    w_o = low(g, dtype, Q3_D, Q3_ATTN, scale=Q3_ATTN**-0.5)
+    w_gate, w_up = low(g, dtype, Q3_FFN, Q3_D, scale=Q3_D**-0.5), low(g, dtype, Q3_FFN, Q3_D, scale=Q3_D**-0.5)
+    w_down = low(g, dtype, Q3_D, Q3_FFN, scale=Q3_FFN**-0.5)
+    upstream = low(g, dtype, m, Q3_D)
+
+    block = Qwen3PostAttention(Q3_D, Q3_ATTN, Q3_FFN, eps, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_down.copy_(w_down)
+        block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
+    yb, xb = y.clone().requires_grad_(), x.clone().requires_grad_()
+    x2, h2, r2 = block(yb, xb, wn_next)
+    gr = torch.autograd.grad(x2, [yb, xb, block.w_o, block.wn_mlp, block.w_gate_up, block.w_down], upstream)
+    names = ["grad y", "grad x", "grad w_o", "grad wn_mlp", "grad w_gate", "grad w_up", "grad w_down"]
+    fused = {"x_out": x2, "h_next": h2, "rstd_next": r2,
+             **dict(zip(names, [gr[0], gr[1], gr[2], gr[3], gr[4][0::2], gr[4][1::2], gr[5]]))}
+
+    def plain(cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (y, x, w_o, wn_mlp, w_gate, w_up, w_down)]
+        yp, xp, wop, wnp, wgp, wup, wdp = leaves
+        x1 = xp + yp @ wop.T
+        n1 = rms_norm(x1, wnp, eps)
+        x2p = x1 + (F.silu(n1 @ wgp.T) * (n1 @ wup.T)) @ wdp.T
+        gp = torch.autograd.grad(x2p, leaves, upstream.to(cast))
+        return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p, eps),
+                **dict(zip(names, gp))}
+    check_block("Qwen3PostAttention", dtype, fused, plain, start)
+
+
 # 17 row chunks: as many as 32k tokens make at the default chunk_rows of 2048, for the weight gradient's sum
 LM_CHUNK_ROWS = 128
 
@@ -596,6 +685,45 @@ def test_two_layer_llama_trains_like_plain_pytorch_bf16():
               f"{losses[1]:.4f} vs plain {losses[0]:.4f} (relative difference "
               f"{abs(losses[1] - losses[0]) / abs(losses[0]):.1e})")
     print(f"gpu llama {DTYPE_NAMES[LLAMA_DTYPE]}: {time.perf_counter() - start:.1f} s")
+    for step, (lp, lf) in enumerate(history):
+        assert abs(lf - lp) <= 2e-2 * abs(lp), (step, history)
+    assert history[-1][0] < history[0][0] and history[-1][1] < history[0][1], f"no training progress: {history}"
+
+
+Q3_SMALL = LlamaShape(dim=256, ffn_dim=704, n_heads=4, n_kv_heads=2, head_dim=128, n_layers=2, vocab=1000,
+                      rope_theta=1000000.0, eps=1e-6)
+
+
+def test_two_layer_qwen3_trains_like_plain_pytorch_bf16():
+    """examples/qwen3.py's CodagenQwen3 against PlainQwen3 (tied embeddings), as the Llama test above (bf16:
+    AdamW on fp16 parameters overflows, fused or not)."""
+    start = time.perf_counter()
+    dtype = LLAMA_DTYPE
+    torch.manual_seed(0)
+    plain = PlainQwen3(Q3_SMALL, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    fused = CodagenQwen3(Q3_SMALL, device=DEVICE, dtype=dtype)
+    fused.load_state_dict(qwen3_from_hf(plain.state_dict(), Q3_SMALL))
+    batch, seq = 4, 127  # 508 tokens: ragged
+    tokens = torch.randint(0, Q3_SMALL.vocab, (batch, seq), device=DEVICE)
+    targets = torch.randint(0, Q3_SMALL.vocab, (batch, seq), device=DEVICE)
+    targets[:, -1] = -100
+    opts = [torch.optim.AdamW(mod.parameters(), lr=2e-3) for mod in (plain, fused)]
+    history = []
+    for step in range(8):
+        losses = []
+        for model, opt in zip((plain, fused), opts):
+            opt.zero_grad()
+            loss = model(tokens, targets)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        history.append(losses)
+        print(f"{'' if step else chr(10)}gpu qwen3 {DTYPE_NAMES[dtype]} step {step}: loss fused {losses[1]:.4f} vs "
+              f"plain {losses[0]:.4f} (relative difference {abs(losses[1] - losses[0]) / abs(losses[0]):.1e})")
+    print(f"gpu qwen3 {DTYPE_NAMES[dtype]}: {time.perf_counter() - start:.1f} s")
     for step, (lp, lf) in enumerate(history):
         assert abs(lf - lp) <= 2e-2 * abs(lp), (step, history)
     assert history[-1][0] < history[0][0] and history[-1][1] < history[0][1], f"no training progress: {history}"

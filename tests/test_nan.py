@@ -18,7 +18,7 @@ from codagen import reference
 from codagen.model import DType, InputRole
 from codagen.runtime import Config, finish
 from conftest import DEVICE, all_test_kernels, draw_args, inplace_names, kernel_model, kernel_types
-from test_primitives import SPECIAL, rel_err, tolerance
+from test_primitives import SPECIAL, _whole_groups, rel_err, tolerance
 
 # numpy warnings from the interpreter on the planted values (inf - inf, log(0), exp overflow): what they
 # produce is what is checked
@@ -70,7 +70,8 @@ def assert_same_specials(name: str, out: torch.Tensor, ref: torch.Tensor, tol: f
 
 
 def run_planted(module, kernel, planted: str, values=SPECIALS, seed: int = 0) -> None:
-    args = draw_args(module, SIZES, torch.float32, CONFIG, generator=torch.Generator().manual_seed(seed),
+    sizes = {**SIZES, "N": _whole_groups(kernel, SIZES["N"])}  # column groups: 56, still ragged against tiles
+    args = draw_args(module, sizes, torch.float32, CONFIG, generator=torch.Generator().manual_seed(seed),
                      special=SPECIAL)
     target = args.kwargs[planted]
     if isinstance(target, float):  # a host scalar: one special value

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 def op_and_args(module, dtype=torch.float32, seed=0):
     """The module's op and positional arguments for it: inputs and host scalars, then inplace outputs (the
     positional parameters of `launch`, in order)."""
-    args = draw_args(module, SIZES, dtype, Config(), generator=torch.Generator().manual_seed(seed), special=SPECIAL)
+    group = getattr(module, "COLUMN_GROUP", 1)  # kernels with column groups take whole groups
+    sizes = {**SIZES, "N": -(-SIZES["N"] // group) * group}
+    args = draw_args(module, sizes, dtype, Config(), generator=torch.Generator().manual_seed(seed), special=SPECIAL)
     names = [n for n, p in inspect.signature(module.launch).parameters.items()
              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     return getattr(module, f"{module.NAME}_op"), tuple(args.kwargs[n] for n in names)

@@ -40,7 +40,8 @@ def test_a_step_is_one_primitive():
 
 
 def test_top_level_keys():
-    assert list(SCHEMA["properties"]) == ["kernel", "doc", "gemm", "inputs", "outputs", "epilogue"]
+    assert list(SCHEMA["properties"]) == ["kernel", "doc", "gemm", "column_group", "inputs", "outputs", "epilogue"]
+    assert SCHEMA["properties"]["column_group"]["enum"] == [2 ** i for i in range(1, 10)] + ["N"]
     assert SCHEMA["required"] == ["kernel", "doc", "inputs", "outputs", "epilogue"]
     gemm = SCHEMA["properties"]["gemm"]
     assert list(gemm["properties"]) == ["a", "b", "b_layout"] and gemm["required"] == ["a", "b"]

@@ -36,6 +36,7 @@ class EpilogueEmitter:
         self.widths: set[Width] = set()
         self.tile_masks: set[Width] = set()
         self.joined: set[str] = set()  # tiles of pairs interleaved again for a store
+        self.groups = False  # whether the column groups' indices and mask are declared
 
     # -- declarations -------------------------------------------------------------------------------------
     def need_width(self, w: Width, tile: bool = False) -> None:
@@ -50,6 +51,15 @@ class EpilogueEmitter:
         if tile and w not in self.tile_masks:
             self.tile_masks.add(w)
             self.lines.append(f"{self.tile_mask(w)} = row_mask[:, None] & {self.col_mask(w)}[None, :]")
+
+    def need_groups(self) -> None:
+        """The indices and mask of the tile's column groups (of the kernel's column_group columns each)."""
+        if not self.groups:
+            self.groups = True
+            g = self.kernel.column_group
+            self.lines += [f"cols_group = pid_n * (BLOCK_N // {g}) + tl.arange(0, BLOCK_N // {g})",
+                           f"col_mask_group = cols_group < N // {g}",
+                           "group_mask = row_mask[:, None] & col_mask_group[None, :]"]
 
     def load(self, name: str) -> None:
         """Load an input at its first use, as fp32 (index inputs keep their integer type)."""
@@ -75,6 +85,8 @@ class EpilogueEmitter:
             mask = self.tile_mask(t.width)
         elif t.kind is Kind.ROW:
             ptr, mask = f"{name}_ptr + rows * stride_{name}_m", "row_mask"
+        elif t.kind is Kind.GROUP:
+            ptr, mask, _ = self.tensor_ptr_mask(name, t)
         elif t.kind is Kind.COL:
             self.need_width(t.width)
             ptr, mask = f"{name}_ptr + {COLS[t.width]} * stride_{name}_n", self.col_mask(t.width)
@@ -95,14 +107,15 @@ class EpilogueEmitter:
         self.load(operand)
         inp = self.kernel.input(operand)
         text = f"{operand}.to(tl.float32)" if inp is not None and inp.dtype is DType.INDEX else operand
-        return _broadcast(text, self.types[operand], into)
+        return _broadcast(text, self.types[operand], into, self.kernel.column_group)
 
     def halves(self, operand, into: ValueType | None = None) -> tuple[str, str]:
         """Source for an operand's even and odd halves; an operand that is not a pair is both."""
         if not self.is_pair(operand):
             return (self.ref(operand, into),) * 2
         self.load(operand)
-        even, odd = (_broadcast(f"{operand}_{half}", self.types[operand], into) for half in HALVES)
+        even, odd = (_broadcast(f"{operand}_{half}", self.types[operand], into, self.kernel.column_group)
+                     for half in HALVES)
         return even, odd
 
     # -- what primitives' emitters call (codagen/primitives) ---------------------------------------------
@@ -165,6 +178,10 @@ class EpilogueEmitter:
                     self.tile_mask(t.width), None)
         if t.kind is Kind.ROW:  # one copy per row: the first N-tile writes it
             return f"{name}_ptr + rows * stride_{name}_m", "row_mask", "pid_n == 0"
+        if t.kind is Kind.GROUP:  # the groups of the tile's columns
+            self.need_groups()
+            return (f"{name}_ptr + rows[:, None] * stride_{name}_m + cols_group[None, :] * stride_{name}_n",
+                    "group_mask", None)
         self.need_width(t.width)  # one copy per column: the first M-tile writes it
         return f"{name}_ptr + {cols} * stride_{name}_n", self.col_mask(t.width), "pid_m == 0"
 
@@ -214,12 +231,16 @@ class EpilogueEmitter:
         emitter(self, step)
 
 
-def _broadcast(text: str, t: ValueType, into: ValueType | None) -> str:
+def _broadcast(text: str, t: ValueType, into: ValueType | None, group: int | None) -> str:
     if into is not None and into.kind is Kind.TILE:
         if t.kind is Kind.ROW:
             return f"{text}[:, None]"
         if t.kind is Kind.COL:
             return f"{text}[None, :]"
+        if t.kind is Kind.GROUP:  # each group's value over its columns
+            return f"tile.expand_groups({text}, GROUP={group})"
+    if into is not None and into.kind is Kind.GROUP and t.kind is Kind.ROW:
+        return f"{text}[:, None]"
     return text
 
 

@@ -76,6 +76,8 @@ def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | No
     operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
     if any(types[v].width in (Width.HALF, Width.DOUBLE) for v in operands):
         return "no Gluon lowering of pairs (N/2 or 2*N columns) yet"
+    if any(types[v].kind is Kind.GROUP for v in operands):
+        return "no Gluon lowering of column groups (group values [M, groups(N)]) yet"
     for v in operands:
         inp = k.input(v)
         if inp is not None and inp.type.kind is Kind.TILE and v not in tma_inputs(k):

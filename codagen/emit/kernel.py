@@ -12,7 +12,7 @@ from .epilogue import emit_epilogue, fit
 from .templates import render
 
 AXIS = {Dim.M: "m", Dim.K: "k", Dim.N: "n", Dim.N_HALF: "n", Dim.N_DOUBLE: "n", Dim.TILES_M: "t",
-        Dim.TILES_N: "t"}
+        Dim.TILES_N: "t", Dim.GROUPS_N: "n"}
 TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.FLOAT16: "torch.float16", DType.BFLOAT16: "torch.bfloat16"}
 WIDTH = 120  # the longest line of a generated kernel module, its header aside
 
@@ -48,13 +48,14 @@ def _strings(items: tuple[str, ...]) -> str:
     return "(" + ", ".join(f'"{i}"' for i in items) + ("," if len(items) == 1 else "") + ")"
 
 
-def _size_expr(d: Dim) -> str:
+def _size_expr(d: Dim, group: int | None) -> str:
     return {Dim.M: "M", Dim.K: "K", Dim.N: "N", Dim.N_HALF: "N // 2", Dim.N_DOUBLE: "2 * N",
-            Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.epilogue_n)"}[d]
+            Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.epilogue_n)",
+            Dim.GROUPS_N: f"N // {group}"}[d]
 
 
-def _tensor(decl: Input | Output, output: bool, in_place_of: tuple[str, ...] = ()) -> Tensor:
-    shape = ", ".join(_size_expr(d) for d in decl.dims)
+def _tensor(decl: Input | Output, output: bool, group: int | None, in_place_of: tuple[str, ...] = ()) -> Tensor:
+    shape = ", ".join(_size_expr(d, group) for d in decl.dims)
     dtype = "t_dtype" if decl.dtype is DType.T else TORCH_DTYPES.get(decl.dtype, "")
     return Tensor(
         name=decl.name,
@@ -72,8 +73,8 @@ def _tensor(decl: Input | Output, output: bool, in_place_of: tuple[str, ...] = (
 def tensor_args(k: Kernel) -> list[Tensor]:
     """The kernel's tensor arguments in launch order: inputs (host scalars aside), then outputs."""
     in_place = in_place_inputs(k)
-    return ([_tensor(i, False) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
-            + [_tensor(o, True, in_place.get(o.name, ())) for o in k.outputs])
+    return ([_tensor(i, False, k.column_group) for i in k.inputs if i.role is not InputRole.HOST_SCALAR]
+            + [_tensor(o, True, k.column_group, in_place.get(o.name, ())) for o in k.outputs])
 
 
 def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hopper: bool = False) -> str:
@@ -111,6 +112,9 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         regenerate=regenerate,
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
+        group_arg=f", group={k.column_group!r}" if k.column_group else "",  # "N": the whole row
+        bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
+        column_group=repr(k.column_group),
         mutated=any(o.inplace for o in k.outputs),
     )
 

@@ -2,7 +2,7 @@
 
     elementwise.py  unary functions, binary operators, scale, cast
     pairwise.py     swiglu, geglu and their backward, rope and rope_bwd (interleaved pairs)
-    reduce.py       reduce (per-tile partial reductions)
+    reduce.py       reduce (per-tile partial reductions), group_reduce (whole column groups, read back)
     indexing.py     select, one_hot (a column index per row)
     memory.py       store, accumulate
 
@@ -30,7 +30,8 @@ Each primitive is a `Primitive` (base.py) holding
                 e.types, e.ref(v, into), e.halves(v, into), e.is_pair(v), e.load(input), e.need_width(w, tile=),
                 e.col_mask(w), e.tile_mask(w), e.size(w), e.columns(v, w), e.assign(s, expr),
                 e.assign_pair(s, expr), e.elementwise(s, template, operands), e.write(s, template),
-                e.guarded(condition, line), e.line(text), e.t_dtype() (T in generated code). Device helpers
+                e.guarded(condition, line), e.line(text), e.t_dtype() (T in generated code), e.need_groups()
+                (the indices and mask of column groups: cols_group, col_mask_group, group_mask). Device helpers
                 are called as `tile.<function>`. "gluon" is the Hopper backend (codagen/emit/gluon.py), whose
                 emitter adds e.store_tile(s) (a tile stored through shared memory by TMA).
 

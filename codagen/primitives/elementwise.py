@@ -92,8 +92,8 @@ BINARY = (
 def _check_scale(c):
     a = c.step.args
     x, by = c.typed("x"), c.typed("by")
-    if c.need("x", x, (Kind.TILE,), "a tile") & c.need("by", by, (Kind.ROW, Kind.COL, Kind.SCALAR),
-                                                        "a row vector, column vector or scalar"):
+    if c.need("x", x, (Kind.TILE,), "a tile") & c.need("by", by, (Kind.ROW, Kind.COL, Kind.GROUP, Kind.SCALAR),
+                                                        "a row vector, column vector, group value or scalar"):
         result = c.broadcast(x, by)
         if result is None:
             c.error("by", f"scale.by: {by} '{a['by']}' does not match {x} '{a['x']}'")
@@ -104,10 +104,10 @@ def _check_scale(c):
 _emit_scale = expression("{x} * {by}")
 SCALE = Primitive(
     "scale", (X, Arg("by", "value", number=True), OUT),
-    "out = x · by, by[:, None] for a row and by[None, :] for a column: mul restricted to a tile times a vector or "
-    "scalar, which catches a mistyped operand early.",
-    "x: a tile; by: a row vector ([M]), a column vector of the tile's width, a scalar or a number; out: a tile "
-    "of x's width.",
+    "out = x · by, by[:, None] for a row, by[None, :] for a column, each group's value over its columns for a "
+    "group value: mul restricted to a tile times a vector or scalar, which catches a mistyped operand early.",
+    "x: a tile; by: a row vector ([M]), a column vector of the tile's width, a group value ([M, groups(N)], with "
+    "a tile of width N), a scalar or a number; out: a tile of x's width.",
     "scale: {x: acc, by: rstd, out: z}",
     check=_check_scale,
     reference=lambda r, s: torch.mul(r.tensor(s.args["x"], r.types[s.out]), r.tensor(s.args["by"], r.types[s.out])),

@@ -6,13 +6,13 @@ from __future__ import annotations
 from ..model import Kind, type_dims
 from .base import X, Arg, Primitive
 
-WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL)
+WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL, Kind.GROUP)
 
 
 def _check(inplace: bool):
     def check(c) -> None:
         x = c.typed("x")
-        ok = c.need("x", x, WRITABLE, "a tile, row vector or column vector")
+        ok = c.need("x", x, WRITABLE, "a tile, row vector, column vector or group value")
         c.target(type_dims(x) if ok else None, inplace=inplace)
     return check
 
@@ -37,14 +37,14 @@ PRIMITIVES = (
     Primitive(
         "store", (X, Arg("to", "target")),
         "Write x to an output, cast to the output's dtype, masked at the ragged edges.",
-        "x: a tile, row or column value; to: a non-inplace output of the same shape.",
+        "x: a tile, row, column or group value; to: a non-inplace output of the same shape.",
         "store: {x: x_new, to: x_out}",
         check=_check(inplace=False), reference=lambda r, s: r.value(s.args["x"]),
         emitters={"tl": _emit_store, "gluon": _emit_store_tma}),
     Primitive(
         "accumulate", (X, Arg("into", "target")),
         "into += x: a read-modify-write that adds in fp32 and stores the sum cast to the output's dtype.",
-        "x: a tile, row or column value; into: an output declared with 'inplace: true' of the same shape.",
+        "x: a tile, row, column or group value; into: an output declared with 'inplace: true' of the same shape.",
         "accumulate: {x: dxn, into: dx2}",
         check=_check(inplace=True), reference=lambda r, s: r.args[s.target].to(r.dtype) + r.value(s.args["x"]),
         emitters={"tl": _emit_accumulate}),

@@ -1,12 +1,14 @@
 """`reduce`: partial reductions of a tile, one value per (row, N-tile) or per (column, M-tile), masked and
-deterministic (plain stores, no atomics). Finishing them (combining the partials) is not a kernel step."""
+deterministic (plain stores, no atomics). Finishing them (combining the partials) is not a kernel step.
+`group_reduce`: a whole reduction over each group of `column_group` columns (a head), which a tile holds whole:
+a value that the following steps read, broadcast back over its group's columns."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
 from ..model import Dim, Kind, ValueType, Width
-from .base import X, Arg, Primitive, torch
+from .base import OUT, X, Arg, Primitive, torch
 
 
 @dataclass(frozen=True)
@@ -91,4 +93,49 @@ REDUCE = Primitive(
     "reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",
     check=_check, reference=_reference, emitters={"tl": _emit, "gluon": _emit})
 
-PRIMITIVES = (REDUCE,)
+def _check_group(c) -> ValueType | None:
+    x = c.typed("x")
+    if c.kernel.column_group is None:
+        c.error(None, "group_reduce reduces over column groups, and the kernel declares none; add "
+                      "'column_group: <width>' (the columns of each group, e.g. a head's 128) at the top level")
+        return None
+    if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
+        return None
+    if x.width is not Width.FULL:
+        c.error("x", f"group_reduce.x must be a tile of width N (column groups are groups of N's columns), got {x} "
+                     f"'{c.step.args['x']}'")
+        return None
+    return ValueType(Kind.ROW) if c.kernel.whole_rows else ValueType(Kind.GROUP)
+
+
+def _emit_group(e, s):
+    x = s.args["x"]
+    e.need_width(Width.FULL, tile=True)
+    op = _BY_NAME[s.args["op"]].constant
+    if e.kernel.whole_rows:  # the tile spans the row: its reduction over columns is the row's
+        e.assign(s, f"tile.partial_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, OP={op}, AXIS=1)")
+        return
+    e.assign(s, f"tile.group_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
+                f"OP={_BY_NAME[s.args['op']].constant})")
+
+
+def _reference_group(r, s):
+    x, group = r.value(s.args["x"]), r.kernel.column_group
+    rows, cols = x.shape
+    if r.kernel.whole_rows:
+        return _BY_NAME[s.args["op"]].reference(x.reshape(rows, 1, cols))[:, 0]
+    return _BY_NAME[s.args["op"]].reference(x.reshape(rows, cols // group, group))
+
+
+GROUP_REDUCE = Primitive(
+    "group_reduce", (Arg("op", "enum", choices=tuple(r.name for r in REDUCTIONS)), X, OUT),
+    "Reduction of each group of column_group columns of a tile (a head), whole: one value per row and group, which "
+    "later steps read (broadcast over the group's columns where they meet a tile). Every epilogue column slice "
+    "holds whole groups: block_n / epilogue_split must be a multiple of column_group. With column_group N, the "
+    "group is the whole row, which one tile then spans (N at most block_n / epilogue_split).",
+    "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)], or a row "
+    "vector [M] with column_group N.",
+    "group_reduce: {op: sumsq, x: q, out: ss_head}",
+    check=_check_group, reference=_reference_group, emitters={"tl": _emit_group})
+
+PRIMITIVES = (REDUCE, GROUP_REDUCE)

@@ -16,7 +16,7 @@ INDEX = (torch.int32, torch.int64)
 @dataclass(frozen=True)
 class Decl:
     name: str
-    dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)"
+    dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)", "groups(N)"
     dtype: str  # "T", "float32", "float16", "bfloat16", "index"
     output: bool = False
     # the inputs this output may be, as the very same view, to update that input in place: tile inputs that
@@ -28,11 +28,12 @@ def _fail(kernel: str, message: str):
     raise ValueError(f"{kernel}: {message}")
 
 
-def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False
+def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False, group: int | None = None
          ) -> tuple[dict, torch.dtype, torch.device]:
     """Check the tensors against their declarations; return the sizes {M, N, K}, the type T and the device.
-    `even_n`: the epilogue splits columns into pairs. Tile-count dimensions are checked later, by
-    check_tiles, once the tile shape is known."""
+    `even_n`: the epilogue splits columns into pairs; `group`: the kernel's column groups have this many
+    columns (N must be whole groups; a groups(N) dimension of size g means N = g * group). Tile-count
+    dimensions are checked later, by check_tiles, once the tile shape is known."""
     sizes: dict[str, int] = {}
     t_dtype = device = None
     for d in decls:
@@ -46,7 +47,7 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
         if t.dim() != len(d.dims):
             _fail(kernel, f"'{d.name}' must have shape [{', '.join(d.dims)}], got {tuple(t.shape)}")
         for size, dim in zip(t.shape, d.dims):
-            _bind_dim(kernel, d.name, sizes, dim, size)
+            _bind_dim(kernel, d.name, sizes, dim, size, group)
         if d.dtype == "T":
             if t_dtype is None:
                 if t.dtype not in FLOATS.values():
@@ -66,13 +67,24 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
                       "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     if (even_n or any("N/2" in d.dims for d in decls)) and sizes.get("N", 0) % 2:
         _fail(kernel, f"N must be even, since columns come in pairs; got N={sizes['N']}")
+    if group:
+        _whole_groups(kernel, sizes.get("N", 0), group)
     return sizes, t_dtype, device
 
 
-def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int) -> None:
+def _whole_groups(kernel: str, n: int, group: int) -> None:
+    if n % group:
+        _fail(kernel, f"N must be a multiple of the column group width {group} (whole groups); got N={n}")
+
+
+def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int, group: int | None) -> None:
     if dim.startswith("tiles("):
         return
-    if dim == "N/2":
+    if dim == "groups(N)":  # N is known to be whole groups first, so that a ragged N is reported as such
+        if "N" in sizes:
+            _whole_groups(kernel, sizes["N"], group)
+        key, value = "N", size * group
+    elif dim == "N/2":
         key, value = "N", 2 * size
     elif dim == "2*N":
         if size % 2:

@@ -128,6 +128,48 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     return config
 
 
+def fits_group(config: Config, group: int | str | None, n: int | None = None) -> bool:
+    """Whether each column slice the epilogue runs on holds whole column groups of `group` columns; for group
+    "N" (the whole row), whether one slice spans the `n` columns (unknown n: any may)."""
+    if group == "N":
+        return n is None or n <= config.epilogue_n
+    return group is None or config.epilogue_n % group == 0
+
+
+def _row_width(n: int) -> int:
+    """The narrowest tile width that spans n columns."""
+    return max(MIN_BLOCK, 1 << max(n - 1, 0).bit_length())
+
+
+def widened(config: Config, group: int | str | None, n: int | None = None) -> Config:
+    """A default config made wide enough for column groups: block_n the smallest multiple of the group width
+    per epilogue slice that is at least its own; for group "N", the narrowest that spans the row (unchanged
+    when none does: the launch then says so)."""
+    if fits_group(config, group, n):
+        return config
+    if group == "N":
+        block_n = _row_width(n) * config.epilogue_split
+        return dataclasses.replace(config, block_n=block_n) if block_n <= MAX_BLOCK else config
+    return dataclasses.replace(config, block_n=max(config.block_n, group * config.epilogue_split))
+
+
+def check_group(kernel: str, config: Config, group: int | str, n: int) -> None:
+    """Refuse a config whose epilogue slices would cut a column group in two (or, for group "N", the row)."""
+    if fits_group(config, group, n):
+        return
+    split = f" / epilogue_split {config.epilogue_split}" if config.epilogue_split > 1 else ""
+    at_a_time = (f"{kernel}: the config's epilogue runs on {config.epilogue_n} columns at a time (block_n "
+                 f"{config.block_n}{split})")
+    if group != "N":
+        raise ValueError(f"{at_a_time}, which is not a multiple of the spec's column_group {group}; use a block_n "
+                         f"of {group * config.epilogue_split} or more")
+    if _row_width(n) > MAX_BLOCK:
+        raise ValueError(f"{kernel}: N = {n} is wider than the widest tile ({MAX_BLOCK} columns), and the spec's "
+                         "column_group N needs one tile over the whole row")
+    raise ValueError(f"{at_a_time}, fewer than N = {n}, and the spec's column_group N needs one tile over the "
+                     f"whole row; use a block_n of {_row_width(n) * config.epilogue_split} or more")
+
+
 def check_tl_only(kernel: str, config: Config) -> None:
     """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel."""
     if config.backend == "gluon":
@@ -238,15 +280,19 @@ def measure(run: Callable[[Config], None], config: Config) -> float:
     return start.elapsed_time(end) / reps
 
 
-def runtime_candidates(has_gemm: bool, tile_dependent: bool) -> list[Config]:
+def runtime_candidates(has_gemm: bool, tile_dependent: bool, group: int | str | None = None,
+                       n: int | None = None) -> list[Config]:
     pool = RUNTIME_GEMM_CANDIDATES if has_gemm else RUNTIME_ELEMENTWISE_CANDIDATES
+    default = widened(GPU_DEFAULT, group, n)
     if tile_dependent:
-        pool = [dataclasses.replace(c, block_m=GPU_DEFAULT.block_m, block_n=GPU_DEFAULT.block_n,
-                                    epilogue_split=GPU_DEFAULT.epilogue_split) for c in pool]
+        pool = [dataclasses.replace(c, block_m=default.block_m, block_n=default.block_n,
+                                    epilogue_split=default.epilogue_split) for c in pool]
+    pool = [c for c in pool if fits_group(c, group, n)] or [default]
     return list(dict.fromkeys(pool))  # in order, without duplicates
 
 
-def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None]) -> Config:
+def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None],
+          default: Config = GPU_DEFAULT) -> Config:
     """The fastest candidate, timed by `measure` on the caller's own arguments; a candidate that fails
     (does not compile, needs more shared memory than there is) is skipped. If all fail, the default, whose
     launch then raises the error for the caller to see."""
@@ -257,7 +303,7 @@ def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Con
         except Exception as e:  # noqa: BLE001 - any failure rules the candidate out; the launch reports its own
             log.info("codagen: %s %s: candidate %s failed: %s", kernel, bucket, config.label(), e)
     if not timings:
-        return GPU_DEFAULT
+        return default
     ms, best = min(timings, key=lambda t: t[0])  # min keeps the first of equal times: the default's
     log.info("codagen: %s %s is not in the tuning table; tuned in this process: %s (%.3f ms); "
              "`codagen tune` commits a table, CODAGEN_NO_TUNE=1 skips this", kernel, bucket, best.label(), ms)
@@ -273,7 +319,7 @@ def _aliased(decls, values: dict) -> bool:
                for d in decls if d.output for t in [values.get(d.name)])
 
 
-def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, *,
+def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
                 run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None) -> Config:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
@@ -282,11 +328,14 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
     (no `inplace` outputs: an accumulation would be applied once per trial). `decls` (the module's DECLS)
     says whether outputs depend on the tile shape (without it, tuning keeps the default tile shape) and,
-    with `values` (name -> tensor), whether an output aliases an input (then there is no tuning)."""
+    with `values` (name -> tensor), whether an output aliases an input (then there is no tuning). `group`: the
+    kernel's column_group, which every epilogue slice must hold whole (defaults are widened to it); "N": one
+    slice must span the n columns."""
     if not _on_gpu(device):
-        return INTERPRETER_DEFAULT
+        return widened(INTERPRETER_DEFAULT, group, n)
+    default = widened(GPU_DEFAULT, group, n)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
-        return GPU_DEFAULT
+        return default
     import triton
 
     gpu = gpu_key(device)
@@ -297,11 +346,11 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     key = (kernel, fingerprint, gpu, bucket)
     hit = _tuned.get(key)
     if hit is not None or run is None or not _may_tune():
-        return hit or GPU_DEFAULT
+        return hit or default
     if values is not None and _aliased(decls or (), values):
-        return GPU_DEFAULT  # trial launches would read what the previous ones wrote
+        return default  # trial launches would read what the previous ones wrote
     tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
     with _tuning:
         if key not in _tuned:
-            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent), run)
+            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent, group, n), run, default)
     return _tuned[key]

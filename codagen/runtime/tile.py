@@ -142,7 +142,9 @@ def rope(x, positions, freqs, INVERSE: tl.constexpr):
 
 @triton.jit
 def _expand(v, AXIS: tl.constexpr):
-    if AXIS == 1:
+    if AXIS == 2:
+        return v[:, :, None]
+    elif AXIS == 1:
         return v[:, None]
     else:
         return v[None, :]
@@ -205,6 +207,22 @@ def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     else:
         out = partial_reduce(even, mask, OP, 1) + partial_reduce(odd, mask, OP, 1)
     return out
+
+
+@triton.jit
+def group_reduce(x, mask, GROUP: tl.constexpr, OP: tl.constexpr):
+    """Reduce each group of GROUP adjacent columns of a tile: [BM, BN] -> [BM, BN // GROUP]. The tile holds whole
+    groups, so a group is all in range or all masked off (its value is then unused)."""
+    x = tl.reshape(x, (x.shape[0], x.shape[1] // GROUP, GROUP))
+    mask = tl.reshape(mask, (mask.shape[0], mask.shape[1] // GROUP, GROUP))
+    return partial_reduce(x, mask, OP, 2)
+
+
+@triton.jit
+def expand_groups(v, GROUP: tl.constexpr):
+    """A value per group, [BM, G], over its groups' columns: [BM, G * GROUP]."""
+    wide = tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], GROUP))
+    return tl.reshape(wide, (v.shape[0], v.shape[1] * GROUP))
 
 
 @triton.jit

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import SpecError, ValidationFailed
 from ..model import Kernel
 from ..runtime import configs
 from ..runtime.configs import Config
@@ -65,8 +66,16 @@ GLUON_CANDIDATES = (
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
-    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it."""
-    if not kernel.gemm:
-        return ELEMENTWISE_CANDIDATES
-    return GEMM_CANDIDATES + (GLUON_CANDIDATES if hopper else ())
+    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it. For a
+    kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
+    at the spec's column_group."""
+    pool = ELEMENTWISE_CANDIDATES if not kernel.gemm else GEMM_CANDIDATES + (GLUON_CANDIDATES if hopper else ())
+    fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))
+    if not fitting:
+        widest = max(c.epilogue_n for c in pool)
+        raise ValidationFailed([SpecError(
+            kernel.column_group_loc or kernel.loc,
+            f"column_group {kernel.column_group}: no tuning candidate of {kernel.name} has epilogue slices that "
+            f"hold whole groups (the widest is {widest} columns); use a column_group of at most {widest}")])
+    return fitting
 

@@ -12,6 +12,7 @@ import torch
 
 from .. import reference
 from ..api import Checked
+from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import configs
 from ..runtime.configs import Config
@@ -28,10 +29,11 @@ def _sizes(shape: Shape) -> dict[str, int]:
     return {"M": shape.m, "N": shape.n, "K": shape.k}
 
 
-def _dims(dims: tuple[str, ...], sizes: dict, config: Config) -> tuple[int, ...]:
+def _dims(dims: tuple[str, ...], sizes: dict, config: Config, module) -> tuple[int, ...]:
     m, n = sizes["M"], sizes["N"]
     table = {"M": m, "N": n, "K": sizes["K"], "N/2": n // 2, "2*N": 2 * n,
-             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}
+             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n),
+             "groups(N)": n // getattr(module, "COLUMN_GROUP", 1)}
     return tuple(table[d] for d in dims)
 
 
@@ -61,7 +63,7 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
     for d in module.DECLS:
         if d.output and d.name not in inplace:
             continue
-        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT)
+        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT, module)
         if d.dtype == "index":
             args[d.name] = torch.randint(0, max(shape.n, 1), dims, generator=g, device=device)
             continue
@@ -91,7 +93,7 @@ def new_outputs(kernel: Kernel, module, shape: Shape, config: Config, device, dt
             outs[d.name] = initial[d.name].clone()
             continue
         dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, torch.int64)
-        outs[d.name] = torch.full(_dims(d.dims, sizes, config), float("nan") if dt.is_floating_point else -1,
+        outs[d.name] = torch.full(_dims(d.dims, sizes, config, module), float("nan") if dt.is_floating_point else -1,
                                   dtype=dt, device=device)
     return outs
 
@@ -197,6 +199,19 @@ class Checker:
         return None
 
 
+def shape_candidates(kernel: Kernel, pool, n: int) -> list[Config]:
+    """The configs of `pool` whose epilogue slices span the n columns of a kernel with column_group N; none is
+    an error located at the spec's column_group."""
+    fitting = [c for c in pool if configs.fits_group(c, kernel.column_group, n)]
+    if not fitting:
+        widest = max(c.epilogue_n for c in pool)
+        raise ValidationFailed([SpecError(
+            kernel.column_group_loc or kernel.loc,
+            f"column_group N: at N = {n}, no tuning candidate of {kernel.name} has one tile over the whole row "
+            f"(the widest spans {widest} columns); reduce the row in partials (reduce, axis cols) instead")])
+    return fitting
+
+
 def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
                timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
                deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
@@ -204,6 +219,8 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     it runs) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
+    if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
+        pool = shape_candidates(kernel, pool, shape.n)
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

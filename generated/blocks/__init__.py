@@ -32,6 +32,10 @@
   bias; the down projection's bias is added by the caller.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
   backward as GEMM-epilogue kernels.
+- Qwen3PostAttention (specs/qwen3/blocks/qwen3_post_attention.yaml): The non-attention rest of a Qwen3 layer, from the
+  attention output to the next layer's normalized input.
+- Qwen3PreAttention (specs/qwen3/blocks/qwen3_pre_attention.yaml): RMSNorm, QKV projection, per-head RMSNorm of q and k
+  and RoPE of a Qwen3 layer, forward and backward.
 """
 from .gemma2_lm_head_loss import Gemma2LmHeadLoss, Gemma2LmHeadLossFunction
 from .gemma2_norm_stats import Gemma2NormStats, Gemma2NormStatsFunction
@@ -48,6 +52,8 @@ from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
 from .post_attention_mlp_bias import PostAttentionMlpBias, PostAttentionMlpBiasFunction
 from .pre_attention import PreAttention, PreAttentionFunction
+from .qwen3_post_attention import Qwen3PostAttention, Qwen3PostAttentionFunction
+from .qwen3_pre_attention import Qwen3PreAttention, Qwen3PreAttentionFunction
 
 __all__ = [
     "Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "Gemma2NormStatsFunction", "Gemma2PostAttention",
@@ -56,5 +62,6 @@ __all__ = [
     "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted", "LmHeadLossWeightedFunction",
     "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu",
     "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
-    "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction",
+    "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
+    "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction",
 ]

@@ -50,8 +50,12 @@
   before it, plus the residual gradient.
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the
   RMSNorm statistics and the norm-weight scale.
+- qk_norm_rope_bwd (specs/qwen3/backward/qk_norm_rope_bwd.yaml): Backward of RoPE and of the per-head RMSNorm of q and
+  k, with the row partials of z . dz and the head-norm weight partials.
 - qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on
   interleaved pairs.
+- qkv_qk_norm_rope (specs/qwen3/qkv_qk_norm_rope.yaml): QKV projection with the RMSNorm row scale, an RMSNorm of each q
+  and k head, and rotary position embedding.
 - rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue
   produced.
 - rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the
@@ -88,7 +92,9 @@ from . import matmul
 from . import norm_dgrad
 from . import norm_dgrad_residual
 from . import out_proj_residual_norm
+from . import qk_norm_rope_bwd
 from . import qkv_norm_rope
+from . import qkv_qk_norm_rope
 from . import rmsnorm_stats
 from . import rope_bwd_rowdot
 from . import swiglu_bias_dgrad
@@ -101,6 +107,6 @@ __all__ = [
     "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
     "lm_head_ce_dz_softcap", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp",
     "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual",
-    "out_proj_residual_norm", "qkv_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad",
-    "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats",
+    "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]

@@ -59,8 +59,24 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
+- specs/qwen3/backward/qk_norm_rope_bwd.yaml:6:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
+  mainloops only; it keeps the tl kernel only
 - specs/qkv_norm_rope.yaml:18:5: rope: {x: z, positions: positions, freqs: freqs, out: rotated}: no Gluon lowering
   of 'rope' yet; qkv_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:26:5: group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of
+  'group_reduce' yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:27:5: mul: {x: ss, y: 0.0078125, out: ms}: no Gluon lowering of column groups
+  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:28:5: add: {x: ms, y: eps, out: ms_eps}: no Gluon lowering of column groups
+  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:29:5: rsqrt: {x: ms_eps, out: rho}: no Gluon lowering of column groups (group
+  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:30:5: store: {x: rho, to: head_rstd}: no Gluon lowering of column groups (group
+  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:31:5: mul: {x: rho, y: wn_qk, out: gain}: no Gluon lowering of column groups
+  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
+- specs/qwen3/qkv_qk_norm_rope.yaml:34:5: rope: {x: normed, positions: positions, freqs: freqs, out: rotated}: no
+  Gluon lowering of 'rope' yet; qkv_qk_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
   the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops

@@ -1,0 +1,152 @@
+"""A small Qwen3 built from codagen's generated block modules, and the same model in plain PyTorch (Hugging Face
+weight layout and names, as transformers' Qwen3ForCausalLM) as its reference.
+
+Qwen3 is Llama's layer with QK-norm: an RMSNorm of each q and k head (weights q_norm and k_norm of head_dim
+values, shared by the heads) between the QKV projection and RoPE; the embeddings are tied to the LM head at small
+sizes. The block before attention adds QK-norm (specs/qwen3/blocks/qwen3_pre_attention.yaml); the one after it
+is Llama's for an attention width n_heads * head_dim other than the model's (qwen3_post_attention.yaml, Llama's
+kernels); NormStats and LmHeadLoss are Llama's:
+
+    NormStats (first layer only) -> [Qwen3PreAttention -> attention -> Qwen3PostAttention] x layers -> LmHeadLoss
+
+Attention is PyTorch's scaled_dot_product_attention. Each layer owns q_norm and k_norm and spreads them over the
+qkv columns for its block (`Layer.wn_qk`); autograd sums their gradients over the heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
+from examples.llama import RMSNorm, attention, rotate_half
+from generated.blocks import LmHeadLoss, NormStats, Qwen3PostAttention, Qwen3PreAttention
+
+HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
+
+
+class Layer(nn.Module):
+    def __init__(self, shape: LlamaShape, device=None, dtype=None):
+        super().__init__()
+        if shape.head_dim != HEAD_DIM:
+            raise ValueError(f"the Qwen3 kernels normalize heads of {HEAD_DIM} columns, got head_dim={shape.head_dim}")
+        self.shape = shape
+        self.pre = Qwen3PreAttention(shape.dim, shape.qkv_dim, shape.eps, device=device, dtype=dtype)
+        self.q_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
+        self.k_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
+        self.post = Qwen3PostAttention(shape.dim, shape.n_heads * shape.head_dim, shape.ffn_dim, shape.eps,
+                                       device=device, dtype=dtype)
+
+    def wn_qk(self) -> torch.Tensor:
+        """q_norm over every q head, k_norm over every k head, 0 over v: the QK-norm weight per qkv column."""
+        s = self.shape
+        v = self.q_norm.new_zeros(s.n_kv_heads * s.head_dim)
+        return torch.cat([self.q_norm.repeat(s.n_heads), self.k_norm.repeat(s.n_kv_heads), v])
+
+
+class CodagenQwen3(nn.Module):
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 2048, tie_embeddings=True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
+        self.norm_stats = NormStats(shape.dim, shape.eps)
+        self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
+        self.head = LmHeadLoss(shape.dim, shape.vocab, ignore_index, "mean", chunk_rows, device=device, dtype=dtype)
+        if tie_embeddings:
+            self.head.w_vocab = self.embed.weight  # one parameter: its gradient sums both uses
+        self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
+        nq = (shape.n_heads + shape.n_kv_heads) * shape.head_dim
+        v_pass = torch.cat([torch.zeros(nq), torch.ones(shape.n_kv_heads * shape.head_dim)])
+        self.register_buffer("v_pass", v_pass.to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        x = self.embed(tokens).reshape(batch * seq, self.shape.dim)
+        positions = torch.arange(seq, device=tokens.device).repeat(batch)
+        h, rstd = self.norm_stats(x, self.layers[0].pre.wn)
+        for i, layer in enumerate(self.layers):
+            x, qkv = layer.pre(x, h, rstd, positions, self.freqs, layer.wn_qk(), self.v_pass)
+            y = attention(qkv, self.shape, batch, seq)
+            wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
+            x, h, rstd = layer.post(y, x, wn_next)
+        return self.head(x, h, rstd, targets.reshape(-1))
+
+
+def qwen3_from_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
+    """A Hugging Face Qwen3ForCausalLM state dict -> the state dict of CodagenQwen3: Llama's conversion, plus
+    q_norm and k_norm permuted within the head as the q and k rows are (an RMS is the same in any order)."""
+    out = from_hf(sd, shape)
+    for i in range(shape.n_layers):
+        p = f"model.layers.{i}.self_attn."
+        out[f"layers.{i}.q_norm"] = heads_to_interleaved(sd[p + "q_norm.weight"], shape.head_dim)
+        out[f"layers.{i}.k_norm"] = heads_to_interleaved(sd[p + "k_norm.weight"], shape.head_dim)
+    return out
+
+
+def qwen3_to_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
+    """The inverse of qwen3_from_hf."""
+    out = to_hf(sd, shape)
+    for i in range(shape.n_layers):
+        p = f"model.layers.{i}.self_attn."
+        out[p + "q_norm.weight"] = heads_to_halves(sd[f"layers.{i}.q_norm"], shape.head_dim)
+        out[p + "k_norm.weight"] = heads_to_halves(sd[f"layers.{i}.k_norm"], shape.head_dim)
+    return out
+
+
+# ---- the reference: a plain PyTorch Qwen3 in Hugging Face's layout and names ----
+
+class PlainQwen3(nn.Module):
+    """Parameter names follow transformers' Qwen3ForCausalLM; the LM head is tied to the embedding."""
+
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, device=None, dtype=None):
+        super().__init__()
+        self.shape, self.ignore_index = shape, ignore_index
+        kw = dict(device=device, dtype=dtype)
+        hd = shape.head_dim
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.dim, **kw)
+        self.model.layers = nn.ModuleList()
+        for _ in range(shape.n_layers):
+            layer = nn.Module()
+            layer.input_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.self_attn = a = nn.Module()
+            a.q_proj = nn.Linear(shape.dim, shape.n_heads * hd, bias=False, **kw)
+            a.k_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
+            a.v_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
+            a.o_proj = nn.Linear(shape.n_heads * hd, shape.dim, bias=False, **kw)
+            a.q_norm = RMSNorm(hd, shape.eps, **kw)
+            a.k_norm = RMSNorm(hd, shape.eps, **kw)
+            layer.post_attention_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
+            layer.mlp = m = nn.Module()
+            m.gate_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            m.up_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
+            m.down_proj = nn.Linear(shape.ffn_dim, shape.dim, bias=False, **kw)
+            self.model.layers.append(layer)
+        self.model.norm = RMSNorm(shape.dim, shape.eps, **kw)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        batch, seq = tokens.shape
+        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
+        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
+        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
+        cos, sin = emb.cos().float(), emb.sin().float()
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            n = layer.input_layernorm(x)
+            a = layer.self_attn
+            q = a.q_norm(a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim)).transpose(1, 2)
+            k = a.k_norm(a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim)).transpose(1, 2)
+            v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
+            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            groups = s.n_heads // s.n_kv_heads
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                               is_causal=True)
+            x = x + a.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+            n = layer.post_attention_layernorm(x)
+            m = layer.mlp
+            x = x + m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n))
+        logits = F.linear(self.model.norm(x), self.model.embed_tokens.weight).float()  # tied LM head
+        return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
