@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .blockmodel import (CHOICES, FINISH_SIGNATURES, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep, Call,
-                         CheckedBlock, GradForward, RowChunks, SUMS, Value)
+from .blockmodel import (CHOICES, FINISH_SIGNATURES, IN_PLACE, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep,
+                         Call, CheckedBlock, GradForward, RowChunks, SUMS, Value)
 from .errors import ErrorSink
 from .model import Dim, DType, InputRole, Kernel, Location
 from .names import MODULE_ATTRIBUTES
+from .validate import in_place_inputs
 
 DISCARD = "_"
 RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "self", "function", "rows"})
@@ -84,6 +85,7 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
         if v.dims != o.dims or v.dtype != o.dtype:
             sink.add(o.loc, f"output '{o.name}' is declared {_fmt(o.dims)} {o.dtype} but the forward makes "
                             f"{_fmt(v.dims)} {v.dtype}")
+    _check_in_place(forward, {o.name for o in b.outputs} | {name for name, _ in b.save}, sink)
     if b.grad_forward is not None:  # inputs that only the forward with gradients reads are used
         g = b.grad_forward
         used |= {v for s in (*g.before, *g.chunk, *g.after) for v in s.args.values() if isinstance(v, str)}
@@ -131,6 +133,7 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
             sink.add(defined_at[g], f"'{g}' has shape {_fmt(v.dims)} but '{t.name}' has {_fmt(t.dims)}")
         used_back.add(g)
         grads.append(g)
+    _check_in_place(backward, {g for g in grads if g}, sink)
     for name, loc in saved_locs.items():
         if name not in used_back:
             sink.add(loc, f"saved value '{name}' is never used by the backward; do not save it")
@@ -231,6 +234,7 @@ def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tu
         else:
             used.add(name)
             grads.append(name)
+    _check_in_place(before + chunk + after, {o.name for o in b.outputs} | {n for n in grads if n}, sink)
     out = differentiable[0].name
     for o in b.outputs:
         if o.alias:
@@ -335,7 +339,49 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         dtype = _KDTYPE.get(o.dtype, o.dtype.value)
         define(name, Value(dims, dtype), loc_of(o.name))
         outs.append(name)
-    return Call(kernel.name, True, tuple(args), tuple(outs), step.loc)
+    return Call(kernel.name, True, tuple(args), tuple(outs), step.loc, _in_place(step, kernel, sink))
+
+
+def _in_place(step: BlockStep, kernel: Kernel, sink) -> tuple[tuple[str, str], ...]:
+    """The call's `in_place` pairs (output, value): each value is passed as an input the kernel lets that output
+    overwrite (validate.in_place_inputs: every element is read before the program that reads it writes it)."""
+    allowed = in_place_inputs(kernel)
+    loc = step.arg_locs.get(IN_PLACE, step.loc)
+    pairs = []
+    for out, over in step.in_place.items():
+        if out not in {o.name for o in kernel.outputs}:
+            sink.add(loc, f"{kernel.name}.{IN_PLACE}: '{out}' is not an output of kernel '{kernel.name}'")
+            continue
+        may = allowed.get(out, ())
+        if not any(step.args.get(i) == over for i in may):
+            inputs = " or ".join(f"'{i}'" for i in may)
+            sink.add(loc, f"{kernel.name}.{IN_PLACE}.{out}: '{over}' is not what this call passes as "
+                          + (f"{inputs}, the input {out} may be written over" if may else
+                             f"an input that {out} may be written over (the kernel lets it overwrite none)"))
+            continue
+        pairs.append((out, over))
+    return tuple(pairs)
+
+
+def _check_in_place(calls: tuple[Call, ...], read_later: set[str], sink) -> None:
+    """A value that a call writes an output over must be made by an earlier call of the same steps (not a
+    block input, a parameter or a row slice of one), and be read by no later call nor after these steps
+    (saved, output, concatenated): from that call on, its memory holds the output."""
+    made: set[str] = set()
+    for i, c in enumerate(calls):
+        for out, over in c.in_place:
+            what = f"{c.op}.{IN_PLACE}.{out}"
+            if over not in made:
+                sink.add(c.loc, f"{what}: '{over}' is not made by an earlier step of these steps; only a value "
+                                "the block makes (not an input, a parameter or a row slice) may be written over")
+            reader = next((d for d in calls[i + 1:] if any(a.is_name and a.value == over for a in d.args)), None)
+            if reader is not None:
+                sink.add(c.loc, f"{what}: '{over}' is read again at line {reader.loc.line}, after this call "
+                                "writes over it")
+            elif over in read_later:
+                sink.add(c.loc, f"{what}: '{over}' is used after these steps (saved, an output or a result), but "
+                                "this call writes over it")
+        made.update(c.outs)
 
 
 def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
@@ -389,6 +435,8 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool =
     for key in step.args:
         if key not in names:
             sink.add(loc_of(key), f"{step.op} has no argument '{key}'; expected: {', '.join(names)}{hint}")
+    if step.in_place:
+        sink.add(loc_of(IN_PLACE), f"{step.op}.{IN_PLACE}: only kernel calls write outputs over a value")
     ok, args, outs, vals = True, [], [], {}
     for name, kind in sig:
         ref = step.args.get(name)

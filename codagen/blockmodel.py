@@ -36,6 +36,7 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
 CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"),
            "reduce_loss.reduction": ("mean", "sum", "none"), "row_weights.reduction": ("mean", "sum", "none")}
 TRANSPOSES = ("none", "a", "b")
+IN_PLACE = "in_place"  # the key of a kernel call that writes outputs over values the call reads
 SUMS = ("float32", "same")  # what gradients summed over row chunks are summed in: fp32, or their own dtype
 
 
@@ -90,6 +91,7 @@ class BlockStep:
     args: dict  # argument (a callee input or output) -> value name, attr name or literal
     loc: Location
     arg_locs: dict = field(default_factory=dict, compare=False)
+    in_place: dict = field(default_factory=dict)  # kernel output -> the value (an input of the call) it overwrites
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class Call:
     args: tuple[Arg, ...]
     outs: tuple[str, ...]
     loc: Location
+    in_place: tuple[tuple[str, str], ...] = ()  # (kernel output, value): the output is written over the value
 
 
 @dataclass(frozen=True)

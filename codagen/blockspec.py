@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from .blockmodel import TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, GradForwardSpec
+from .blockmodel import IN_PLACE, TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, GradForwardSpec
 from .errors import ErrorSink
 from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
@@ -193,10 +193,13 @@ def _steps(node: Node | None, what: str, sink: ErrorSink) -> tuple[BlockStep, ..
         # reaches a message is printable
         if _identifier(op, oploc, f"{what} step", sink) is None or not _is_mapping(body, op, sink):
             continue
-        args, locs = {}, {}
+        args, locs, in_place = {}, {}, {}
         for key, value in body.value.items():
             locs[key] = body.key_locs[key]
             if _identifier(key, locs[key], f"{op} argument", sink) is None:
+                continue
+            if key == IN_PLACE:
+                in_place = _in_place(value, op, sink)
                 continue
             v = value.value
             if isinstance(v, bool) or not isinstance(v, (str, int, float)):
@@ -206,8 +209,22 @@ def _steps(node: Node | None, what: str, sink: ErrorSink) -> tuple[BlockStep, ..
                 continue
             args[key] = v
             locs[key] = value.loc
-        steps.append(BlockStep(op, args, oploc, locs))
+        steps.append(BlockStep(op, args, oploc, locs, in_place))
     return tuple(steps)
+
+
+def _in_place(node: Node, op: str, sink: ErrorSink) -> dict[str, str]:
+    """`in_place: {output: value}`: kernel outputs written over the memory of values the call reads."""
+    if not _is_mapping(node, f"{op}.{IN_PLACE}", sink):
+        return {}
+    pairs = {}
+    for key, value in node.value.items():
+        if _identifier(key, node.key_locs[key], f"{op}.{IN_PLACE} output", sink) is None:
+            continue
+        if _name(value, f"{op}.{IN_PLACE}.{key}", sink) is None:
+            continue
+        pairs[key] = value.value
+    return pairs
 
 
 def _identifier(text: str, loc: Location, what: str, sink: ErrorSink) -> str | None:

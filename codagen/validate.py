@@ -262,3 +262,26 @@ def _check_target(k: Kernel, step: Step, sink: ErrorSink, written: dict, want: t
         what = f" ({what})" if what else ""
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' has shape {_fmt(out.dims)}, but this step writes "
                       f"{_fmt(want)}{what}; declare '{out.name}' as {_fmt(want)}")
+
+
+def in_place_inputs(k: Kernel) -> dict[str, tuple[str, ...]]:
+    """For each output, the inputs a caller may pass as it, the very same view, to update them in place: tile
+    inputs of its shape and dtype (each element read by the one program that writes it: no GEMM operand, no
+    vector) that every value stored to it is computed from, so that each element is read before it is
+    overwritten."""
+    tiles = {i.name for i in k.inputs if i.role is InputRole.TENSOR and i.type.kind is Kind.TILE}
+    sources: dict[str, set[str]] = {}  # value -> the tile inputs it is computed from
+    stored: dict[str, list[set[str]]] = {}  # output -> the sources of each value stored to it
+    for s in k.steps:
+        used: set[str] = set()
+        for arg in PRIMITIVES[s.op].args:
+            v = s.args.get(arg.name)
+            if arg.kind in ("value", "index") and isinstance(v, str):
+                used |= sources.get(v, {v} & tiles)
+        if s.out:
+            sources[s.out] = used
+        if s.target:
+            stored.setdefault(s.target, []).append(used)
+    return {o.name: tuple(i.name for i in k.inputs if i.name in set.intersection(*stored[o.name])
+                          and (i.dims, i.dtype) == (o.dims, o.dtype))
+            for o in k.outputs if not o.inplace and o.name in stored}

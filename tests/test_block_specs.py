@@ -362,3 +362,112 @@ def test_a_kernel_named_like_a_finish_step_is_not_called_silently(tmp_path):
         api.load([tmp_path])
     assert any("is the finish step, not the kernel of that name" in err.message and err.loc.line == 17
                for err in e.value.errors), e.value.errors
+
+
+# ---- outputs written over a value: in_place ------------------------------------------------------------------
+
+SHIFT_KERNEL = """\
+kernel: shift_rows
+doc: Adds a row vector to a tile (no GEMM).
+inputs:
+  x: [M, N]
+  r: {shape: [M], dtype: float32}
+outputs:
+  y: [M, N]
+epilogue:
+  - add: {x: x, y: r, out: v}
+  - store: {x: v, to: y}
+"""
+
+SHIFTED_TWICE = """\
+block: shifted_twice
+doc: Shifts the rows twice, the second time over the first result.
+attrs:
+  dim: int
+inputs:
+  x: {{shape: [M, dim], grad: false}}
+  r: {{shape: [M], dtype: float32, grad: false}}
+outputs:
+  z: {{shape: [M, dim], grad: false}}{extra_output}
+forward:
+  - shift_rows: {{x: x, r: r, y: once{first}}}
+  - shift_rows: {{x: once, r: r, y: z{second}}}{extra_step}
+"""
+
+
+def shifted_twice(first="", second=", in_place: {y: once}", extra_output="", extra_step="") -> str:
+    return SHIFTED_TWICE.format(first=first, second=second, extra_output=extra_output, extra_step=extra_step)
+
+
+def _load_shift(tmp_path, block: str):
+    (tmp_path / "k.yaml").write_text(SHIFT_KERNEL)
+    (tmp_path / "b.yaml").write_text(block)
+    return api.load([tmp_path])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"second": ", in_place: {z: once}"}, "'z' is not an output of kernel 'shift_rows'"),
+    ({"second": ", in_place: {y: r}"}, "'r' is not what this call passes as 'x', the input y may be written over"),
+    ({"first": ", in_place: {y: x}", "second": ""}, "'x' is not made by an earlier step"),
+    ({"extra_step": "\n  - shift_rows: {x: once, r: r, y: again}", "extra_output": "\n  again: [M, dim]"},
+     "'once' is read again at line 14"),
+    ({"extra_output": "\n  once: {shape: [M, dim], grad: false}"}, "'once' is used after these steps"),
+    ({"second": ", in_place: once"}, "shift_rows.in_place must be a mapping"),
+], ids=["not-an-output", "not-an-overwritable-input", "block-input", "read-later", "block-output", "not-a-mapping"])
+def test_in_place_is_checked(tmp_path, kwargs, words):
+    with pytest.raises(ValidationFailed) as info:
+        _load_shift(tmp_path, shifted_twice(**kwargs))
+    listing = "\n".join(map(str, info.value.errors))
+    assert words in listing, listing
+
+
+STATS_FINISH_IN_PLACE = """\
+block: finish_in_place
+doc: A finish step cannot write over a value.
+attrs:
+  dim: int
+inputs:
+  x: {shape: [M, dim], grad: false}
+  r: {shape: [M], dtype: float32, grad: false}
+outputs:
+  s: {shape: [M], dtype: float32, grad: false}
+forward:
+  - shift_rows: {x: x, r: r, y: once}
+  - sum_tiles: {x: once, out: s, in_place: {out: once}}
+"""
+
+
+def test_in_place_is_for_kernel_calls(tmp_path):
+    block = STATS_FINISH_IN_PLACE
+    (tmp_path / "b.yaml").write_text(block)
+    (tmp_path / "k.yaml").write_text(SHIFT_KERNEL)
+    with pytest.raises(ValidationFailed) as info:
+        api.load([tmp_path])
+    assert "sum_tiles.in_place: only kernel calls write outputs over a value" in "\n".join(map(str, info.value.errors))
+
+
+def test_in_place_block_writes_over_its_value(tmp_path):
+    """The generated block passes the value as the output, and the result is the float64 one; the kernel's
+    function writes over exactly what it is given, and refuses memory that only overlaps an argument."""
+    (tmp_path / "k.yaml").write_text(SHIFT_KERNEL)
+    (tmp_path / "b.yaml").write_text(shifted_twice())
+    api.build([tmp_path], out=tmp_path / "cg_in_place")
+    source = (tmp_path / "cg_in_place" / "blocks" / "shifted_twice.py").read_text()
+    assert "z = kernels.shift_rows.shift_rows(x=once, r=r, y=once)" in source
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.invalidate_caches()
+        block = importlib.import_module("cg_in_place.blocks.shifted_twice")
+        kernel = importlib.import_module("cg_in_place.kernels.shift_rows")
+    finally:
+        sys.path.remove(str(tmp_path))
+    x, r = torch.randn(37, 29), torch.randn(37)
+    z = block.ShiftedTwice(29)(x, r)
+    torch.testing.assert_close(z.double(), x.double() + 2 * r.double()[:, None], rtol=1e-6, atol=1e-6)
+    once = x.clone()
+    out = kernel.shift_rows(once, r, y=once)
+    assert out.data_ptr() == once.data_ptr()
+    torch.testing.assert_close(out.double(), x.double() + r.double()[:, None], rtol=1e-6, atol=1e-6)
+    buffer = torch.randn(38, 29)
+    with pytest.raises(ValueError, match="output 'y' overlaps input 'x'"):
+        kernel.shift_rows(buffer[1:], r, y=buffer[:-1])

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from codagen import api, runtime
-from codagen.emit.kernel import in_place_inputs
 from codagen.runtime import Config
 from codagen.runtime.checks import Aliasing, Decl, _rows
+from codagen.validate import in_place_inputs
 from conftest import DEVICE, draw_args
 from generated.kernels import matmul, out_proj_residual_norm as k1
 

@@ -67,6 +67,7 @@ def _calls(calls, indent: int, chunks: RowChunks | None = None) -> list[str]:
 def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tuple[str, ...] = ()) -> list[str]:
     """One step, its arguments by keyword."""
     args = [f"{a.param}={_value(a, rows)}" for a in c.args]
+    args += [f"{out}={over}" for out, over in c.in_place]  # the output's memory: that value's
     if c.outs[0] in summed_by_gemm:  # a parameter's gradient over row chunks: the GEMM sums it
         return _enclosed(f"{c.outs[0]}_sum.add_matmul(", args, ")", indent)
     fn = f"kernels.{c.op}.{c.op}" if c.kernel else f"finish.{c.op}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..fingerprint import fingerprint
 from ..model import BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Output, ValueType, Width
-from ..primitives import PRIMITIVES
+from ..validate import in_place_inputs
 from .epilogue import emit_epilogue, fit
 from .templates import render
 
@@ -119,29 +119,6 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
     )
 
 
-def in_place_inputs(k: Kernel) -> dict[str, tuple[str, ...]]:
-    """For each output, the inputs a caller may pass as it, the very same view, to update them in place: tile
-    inputs of its shape and dtype (each element read by the one program that writes it: no GEMM operand, no
-    vector) that every value stored to it is computed from, so that each element is read before it is
-    overwritten."""
-    tiles = {i.name for i in k.inputs if i.role is InputRole.TENSOR and i.type.kind is Kind.TILE}
-    sources: dict[str, set[str]] = {}  # value -> the tile inputs it is computed from
-    stored: dict[str, list[set[str]]] = {}  # output -> the sources of each value stored to it
-    for s in k.steps:
-        used: set[str] = set()
-        for arg in PRIMITIVES[s.op].args:
-            v = s.args.get(arg.name)
-            if arg.kind in ("value", "index") and isinstance(v, str):
-                used |= sources.get(v, {v} & tiles)
-        if s.out:
-            sources[s.out] = used
-        if s.target:
-            stored.setdefault(s.target, []).append(used)
-    return {o.name: tuple(i.name for i in k.inputs if i.name in set.intersection(*stored[o.name])
-                          and (i.dims, i.dtype) == (o.dims, o.dtype))
-            for o in k.outputs if not o.inplace and o.name in stored}
-
-
 def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str, str]:
     """The statements of the launcher and the op whose length depends on the spec's names, each within WIDTH
     columns at its place in the template."""
@@ -154,6 +131,10 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
     gemm = f", gemm=({names.index(k.gemm.a)}, {names.index(k.gemm.b)})" if k.gemm else ""
     launch_params = op_args + (["*", *returned] if returned else []) + ["config=None"]
     mutated = "".join(f'"{o.name}", ' for o in k.outputs if o.inplace).rstrip(" ")
+    # outputs a caller may give, such as the input they may be written over: keyword-only, None allocates
+    given = [t.name for t in tensors if t.output and not t.inplace and t.in_place_of]
+    given_params = ["*", *(f"{g}=None" for g in given)] if given else []
+    given_args = [f"{g}={g}" for g in given]
     code = {
         "module_doc": _doc(f"{k.name}: {k.doc}", 0),
         "module_about": "\n".join(textwrap.wrap(_about(k), WIDTH)),
@@ -167,12 +148,15 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "hopper_launch": _fitted("runtime.configs.launch_hopper(__package__, NAME, "
                                  + "".join(f"{n}={n}, " for n in [*(i.name for i in k.inputs), *returned])
                                  + "config=plan.config)", 8),
-        "allocate_def": _fitted(f"def _allocate({args}):", 0),
+        "allocate_def": _fitted(f"def _allocate({', '.join(op_args + given_params)}):", 0),
+        "allocate_doc": _doc("Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)"
+                             + (", but for those given." if given else "."), 4, close=True),
         "allocate_values": _fitted("values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
                                                              if not t.output) + ")", 4),
         "empties": ("\n" + " " * 8).join(
-            _fitted(f"torch.empty({t.alloc_shape}, dtype={t.alloc_dtype}, device=device),", 8) for t in allocated),
-        "run_def": _fitted(f"def _run({args}):", 0),
+            _fitted((f"{t.name} if {t.name} is not None else " if t.name in given else "")
+                    + f"torch.empty({t.alloc_shape}, dtype={t.alloc_dtype}, device=device),", 8) for t in allocated),
+        "run_def": _fitted(f"def _run({', '.join(op_args + given_params)}):", 0),
         "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
         "run_return": _fitted(f"return _run({args})", 4),
         "op_decorator": _fitted(f'@torch.library.custom_op("codagen::{k.name}", mutates_args=({mutated}))', 0),
@@ -180,19 +164,25 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
                        _returns(len(returned))),
         "op_doc": _doc(k.doc, 4, close=True),
         "fake_def": _fitted(f"def _({args}):", 0),
-        "public_def": _def(k.name, op_args, _returns(len(returned)) if returned else None),
+        "public_def": _def(k.name, op_args + given_params, _returns(len(returned)) if returned else None),
         "public_doc": _doc(k.doc, 4),
         "public_about": ("\n" + " " * 4).join(textwrap.wrap(
             f"Under torch.compile, or where autograd would record the call, this is the op "
             f"`torch.ops.codagen.{k.name}`, which has no backward; other eager calls skip the dispatcher, which "
-            "costs about 0.2 ms a call, and run the kernel directly.", WIDTH - 4, break_on_hyphens=False)),
+            "costs about 0.2 ms a call, and run the kernel directly."
+            + "".join(f" `{t.name}`: where to write that output (None: a new tensor): "
+                      f"{' or '.join(f'`{i}`' for i in t.in_place_of)} itself, to write over it in place, or a "
+                      "tensor of its shape that shares no memory with the other arguments; under torch.compile or "
+                      "autograd, a new tensor all the same." for t in tensors if t.name in given),
+            WIDTH - 4, break_on_hyphens=False)),
+        "public_run_return": _fitted(f"return _run({', '.join(op_args + given_args)})", 4),
         "public_op_return": _fitted(f"return {k.name}_op({args})", 8),
         "public_through_op": _fitted("if torch.compiler.is_compiling() or runtime.wants_grad("
                                      f"{', '.join(n for n in op_args if n not in scalars)}):", 4),
     }
     if returned:
         targets = f"({returned[0]},)" if len(returned) == 1 else ", ".join(returned)
-        code["run_allocate"] = _fitted(f"{targets} = _allocate({args})", 4)
+        code["run_allocate"] = _fitted(f"{targets} = _allocate({', '.join(op_args + given_args)})", 4)
         plain = f"return {', '.join(returned)}"
         code["run_result"] = plain if 4 + len(plain) <= WIDTH else _fitted(f"return ({', '.join(returned)})", 4)
         code["fake_return"] = _fitted(f"return _allocate({args}){'[0]' if len(returned) == 1 else ''}", 4)

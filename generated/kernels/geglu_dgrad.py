@@ -216,21 +216,21 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
                                    gemm=(0, 1))
 
 
-def _allocate(grad_y, w_down, z):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(grad_y, w_down, z, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, w_down=w_down, z=z)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
-        torch.empty((M, 2 * N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((M, N), dtype=t_dtype, device=device),
     )
 
 
-def _run(grad_y, w_down, z):
-    dz, zdz_part, y = _allocate(grad_y, w_down, z)
+def _run(grad_y, w_down, z, *, dz=None):
+    dz, zdz_part, y = _allocate(grad_y, w_down, z, dz=dz)
     launch(grad_y, w_down, z, dz=dz, zdz_part=zdz_part, y=y)
     return dz, zdz_part, y
 
@@ -251,13 +251,15 @@ def _(grad_y, w_down, z):
 geglu_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def geglu_dgrad(grad_y, w_down, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def geglu_dgrad(grad_y, w_down, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with GeGLU's backward and the recomputed GeGLU output.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.geglu_dgrad`, which
     has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, w_down, z):
         return geglu_dgrad_op(grad_y, w_down, z)
-    return _run(grad_y, w_down, z)
+    return _run(grad_y, w_down, z, dz=dz)

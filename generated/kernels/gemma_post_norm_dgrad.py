@@ -171,18 +171,18 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(g, o, rstd, wn, dot):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(g, o, rstd, wn, dot, *, dout=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(g=g, o=o, rstd=rstd, wn=wn, dot=dot)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dout if dout is not None else torch.empty((M, N), dtype=t_dtype, device=device),
     )
 
 
-def _run(g, o, rstd, wn, dot):
-    (dout,) = _allocate(g, o, rstd, wn, dot)
+def _run(g, o, rstd, wn, dot, *, dout=None):
+    (dout,) = _allocate(g, o, rstd, wn, dot, dout=dout)
     launch(g, o, rstd, wn, dot, dout=dout)
     return dout
 
@@ -203,13 +203,15 @@ def _(g, o, rstd, wn, dot):
 gemma_post_norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def gemma_post_norm_dgrad(g, o, rstd, wn, dot) -> torch.Tensor:
+def gemma_post_norm_dgrad(g, o, rstd, wn, dot, *, dout=None) -> torch.Tensor:
     """Data gradient of an RMSNorm with (1 + w) applied to a stored tensor, from its row dots.
 
     Under torch.compile, or where autograd would record the call, this is the op
     `torch.ops.codagen.gemma_post_norm_dgrad`, which has no backward; other eager calls skip the dispatcher, which costs
-    about 0.2 ms a call, and run the kernel directly.
+    about 0.2 ms a call, and run the kernel directly. `dout`: where to write that output (None: a new tensor): `g` or
+    `o` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
+    under torch.compile or autograd, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(g, o, rstd, wn, dot):
         return gemma_post_norm_dgrad_op(g, o, rstd, wn, dot)
-    return _run(g, o, rstd, wn, dot)
+    return _run(g, o, rstd, wn, dot, dout=dout)

@@ -198,21 +198,21 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(o, rstd, wn, x, wn_next):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(o=o, rstd=rstd, wn=wn, x=x, wn_next=wn_next)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
+        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(o, rstd, wn, x, wn_next):
-    x_out, h, ss = _allocate(o, rstd, wn, x, wn_next)
+def _run(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
+    x_out, h, ss = _allocate(o, rstd, wn, x, wn_next, x_out=x_out, h=h)
     launch(o, rstd, wn, x, wn_next, x_out=x_out, h=h, ss=ss)
     return x_out, h, ss
 
@@ -235,14 +235,20 @@ def _(o, rstd, wn, x, wn_next):
 gemma_post_norm_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def gemma_post_norm_residual(o, rstd, wn, x, wn_next) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gemma_post_norm_residual(
+    o, rstd, wn, x, wn_next, *, x_out=None, h=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm with (1 + w) of a projection's output added to the residual stream, and the next RMSNorm's statistics and
     scale.
 
     Under torch.compile, or where autograd would record the call, this is the op
     `torch.ops.codagen.gemma_post_norm_residual`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly.
+    costs about 0.2 ms a call, and run the kernel directly. `x_out`: where to write that output (None: a new tensor):
+    `o` or `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
+    arguments; under torch.compile or autograd, a new tensor all the same. `h`: where to write that output (None: a new
+    tensor): `o` or `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
+    arguments; under torch.compile or autograd, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(o, rstd, wn, x, wn_next):
         return gemma_post_norm_residual_op(o, rstd, wn, x, wn_next)
-    return _run(o, rstd, wn, x, wn_next)
+    return _run(o, rstd, wn, x, wn_next, x_out=x_out, h=h)

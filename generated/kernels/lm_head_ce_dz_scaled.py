@@ -188,20 +188,20 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(logits, lse, target, p_weight, t_weight):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(logits, lse, target, p_weight, t_weight, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(logits=logits, lse=lse, target=target, p_weight=p_weight, t_weight=t_weight)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(logits, lse, target, p_weight, t_weight):
-    dz, zdz_part = _allocate(logits, lse, target, p_weight, t_weight)
+def _run(logits, lse, target, p_weight, t_weight, *, dz=None):
+    dz, zdz_part = _allocate(logits, lse, target, p_weight, t_weight, dz=dz)
     launch(logits, lse, target, p_weight, t_weight, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -224,14 +224,16 @@ def _(logits, lse, target, p_weight, t_weight):
 lm_head_ce_dz_scaled_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def lm_head_ce_dz_scaled(logits, lse, target, p_weight, t_weight) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_scaled(logits, lse, target, p_weight, t_weight, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy-variant gradient of stored logits from two per-row coefficients, with the RMSNorm backward's row
     partials.
 
     Under torch.compile, or where autograd would record the call, this is the op
     `torch.ops.codagen.lm_head_ce_dz_scaled`, which has no backward; other eager calls skip the dispatcher, which costs
-    about 0.2 ms a call, and run the kernel directly.
+    about 0.2 ms a call, and run the kernel directly. `dz`: where to write that output (None: a new tensor): `logits`
+    itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile or autograd, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(logits, lse, target, p_weight, t_weight):
         return lm_head_ce_dz_scaled_op(logits, lse, target, p_weight, t_weight)
-    return _run(logits, lse, target, p_weight, t_weight)
+    return _run(logits, lse, target, p_weight, t_weight, dz=dz)

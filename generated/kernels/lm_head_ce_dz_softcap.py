@@ -201,20 +201,20 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(logits, lse, target, weights, softcap):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(logits, lse, target, weights, softcap, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(logits=logits, lse=lse, target=target, weights=weights)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(logits, lse, target, weights, softcap):
-    dz, zdz_part = _allocate(logits, lse, target, weights, softcap)
+def _run(logits, lse, target, weights, softcap, *, dz=None):
+    dz, zdz_part = _allocate(logits, lse, target, weights, softcap, dz=dz)
     launch(logits, lse, target, weights, softcap, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -235,13 +235,15 @@ def _(logits, lse, target, weights, softcap):
 lm_head_ce_dz_softcap_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def lm_head_ce_dz_softcap(logits, lse, target, weights, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_softcap(logits, lse, target, weights, softcap, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient through logit softcapping of stored logits, with the RMSNorm backward's row partials.
 
     Under torch.compile, or where autograd would record the call, this is the op
     `torch.ops.codagen.lm_head_ce_dz_softcap`, which has no backward; other eager calls skip the dispatcher, which costs
-    about 0.2 ms a call, and run the kernel directly.
+    about 0.2 ms a call, and run the kernel directly. `dz`: where to write that output (None: a new tensor): `logits`
+    itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile or autograd, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(logits, lse, target, weights):
         return lm_head_ce_dz_softcap_op(logits, lse, target, weights, softcap)
-    return _run(logits, lse, target, weights, softcap)
+    return _run(logits, lse, target, weights, softcap, dz=dz)

@@ -242,21 +242,21 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
                                    gemm=(0, 1))
 
 
-def _allocate(dz, w, x, rstd, wn, zdz):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:6], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dx if dx is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        normed if normed is not None else torch.empty((M, N), dtype=t_dtype, device=device),
     )
 
 
-def _run(dz, w, x, rstd, wn, zdz):
-    dx, dwn_part, normed = _allocate(dz, w, x, rstd, wn, zdz)
+def _run(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
+    dx, dwn_part, normed = _allocate(dz, w, x, rstd, wn, zdz, dx=dx, normed=normed)
     launch(dz, w, x, rstd, wn, zdz, dx=dx, dwn_part=dwn_part, normed=normed)
     return dx, dwn_part, normed
 
@@ -277,13 +277,17 @@ def _(dz, w, x, rstd, wn, zdz):
 norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def norm_dgrad(dz, w, x, rstd, wn, zdz) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_dgrad(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.norm_dgrad`, which
     has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dx`: where to write that output (None: a new tensor): `x` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same. `normed`: where to write that output (None: a new tensor): `x` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(dz, w, x, rstd, wn, zdz):
         return norm_dgrad_op(dz, w, x, rstd, wn, zdz)
-    return _run(dz, w, x, rstd, wn, zdz)
+    return _run(dz, w, x, rstd, wn, zdz, dx=dx, normed=normed)

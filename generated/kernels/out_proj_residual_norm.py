@@ -217,21 +217,21 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
                                    gemm=(0, 1))
 
 
-def _allocate(y, w_o, x, wn):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(y, w_o, x, wn, *, x_out=None, h=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(y=y, w_o=w_o, x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
+        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(y, w_o, x, wn):
-    x_out, h, ss = _allocate(y, w_o, x, wn)
+def _run(y, w_o, x, wn, *, x_out=None, h=None):
+    x_out, h, ss = _allocate(y, w_o, x, wn, x_out=x_out, h=h)
     launch(y, w_o, x, wn, x_out=x_out, h=h, ss=ss)
     return x_out, h, ss
 
@@ -252,13 +252,17 @@ def _(y, w_o, x, wn):
 out_proj_residual_norm_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def out_proj_residual_norm(y, w_o, x, wn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def out_proj_residual_norm(y, w_o, x, wn, *, x_out=None, h=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
 
     Under torch.compile, or where autograd would record the call, this is the op
     `torch.ops.codagen.out_proj_residual_norm`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly.
+    costs about 0.2 ms a call, and run the kernel directly. `x_out`: where to write that output (None: a new tensor):
+    `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
+    under torch.compile or autograd, a new tensor all the same. `h`: where to write that output (None: a new tensor):
+    `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
+    under torch.compile or autograd, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(y, w_o, x, wn):
         return out_proj_residual_norm_op(y, w_o, x, wn)
-    return _run(y, w_o, x, wn)
+    return _run(y, w_o, x, wn, x_out=x_out, h=h)

@@ -241,22 +241,22 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(z=z, grad_qkv=grad_qkv, head_rstd=head_rstd, positions=positions, freqs=freqs, wn_qk=wn_qk,
                   v_pass=v_pass)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values, group=128)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
     )
 
 
-def _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
-    dz, zdz_part, dwn_qk_part = _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
+def _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None):
+    dz, zdz_part, dwn_qk_part = _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz)
     launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz, zdz_part=zdz_part, dwn_qk_part=dwn_qk_part)
     return dz, zdz_part, dwn_qk_part
 
@@ -281,15 +281,17 @@ qk_norm_rope_bwd_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def qk_norm_rope_bwd(
-    z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass,
+    z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of RoPE and of the per-head RMSNorm of q and k, with the row partials of z . dz and the head-norm weight
     partials.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qk_norm_rope_bwd`,
     which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dz`: where to write that output (None: a new tensor): `z` or `grad_qkv` itself, to write over it in
+    place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a
+    new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
         return qk_norm_rope_bwd_op(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
-    return _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
+    return _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz)

@@ -148,20 +148,20 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(x, wn):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(x, wn, *, h=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(x, wn):
-    h, ss = _allocate(x, wn)
+def _run(x, wn, *, h=None):
+    h, ss = _allocate(x, wn, h=h)
     launch(x, wn, h=h, ss=ss)
     return h, ss
 
@@ -180,13 +180,15 @@ def _(x, wn):
 rmsnorm_stats_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def rmsnorm_stats(x, wn) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_stats(x, wn, *, h=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rmsnorm_stats`,
     which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `h`: where to write that output (None: a new tensor): `x` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(x, wn):
         return rmsnorm_stats_op(x, wn)
-    return _run(x, wn)
+    return _run(x, wn, h=h)

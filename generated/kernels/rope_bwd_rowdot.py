@@ -168,20 +168,20 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(qkv, grad_qkv, positions, freqs):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(qkv, grad_qkv, positions, freqs, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(qkv, grad_qkv, positions, freqs):
-    dz, zdz_part = _allocate(qkv, grad_qkv, positions, freqs)
+def _run(qkv, grad_qkv, positions, freqs, *, dz=None):
+    dz, zdz_part = _allocate(qkv, grad_qkv, positions, freqs, dz=dz)
     launch(qkv, grad_qkv, positions, freqs, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -202,13 +202,15 @@ def _(qkv, grad_qkv, positions, freqs):
 rope_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rope_bwd_rowdot`,
     which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dz`: where to write that output (None: a new tensor): `grad_qkv` itself, to write over it in place, or a
+    tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor
+    all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(qkv, grad_qkv, positions, freqs):
         return rope_bwd_rowdot_op(qkv, grad_qkv, positions, freqs)
-    return _run(qkv, grad_qkv, positions, freqs)
+    return _run(qkv, grad_qkv, positions, freqs, dz=dz)

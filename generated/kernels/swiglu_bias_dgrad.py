@@ -241,22 +241,22 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
                                    gemm=(0, 1))
 
 
-def _allocate(grad_y, w_down, z, b_gate_up):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
     return (
-        torch.empty((M, 2 * N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((2 * N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
         torch.empty((M, N), dtype=t_dtype, device=device),
     )
 
 
-def _run(grad_y, w_down, z, b_gate_up):
-    dz, zdz_part, db_part, y = _allocate(grad_y, w_down, z, b_gate_up)
+def _run(grad_y, w_down, z, b_gate_up, *, dz=None):
+    dz, zdz_part, db_part, y = _allocate(grad_y, w_down, z, b_gate_up, dz=dz)
     launch(grad_y, w_down, z, b_gate_up, dz=dz, zdz_part=zdz_part, db_part=db_part, y=y)
     return dz, zdz_part, db_part, y
 
@@ -278,13 +278,17 @@ def _(grad_y, w_down, z, b_gate_up):
 swiglu_bias_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def swiglu_bias_dgrad(grad_y, w_down, z, b_gate_up) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_bias_dgrad(
+    grad_y, w_down, z, b_gate_up, *, dz=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward of biased pre-activations and the bias gradient.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_bias_dgrad`,
     which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, w_down, z, b_gate_up):
         return swiglu_bias_dgrad_op(grad_y, w_down, z, b_gate_up)
-    return _run(grad_y, w_down, z, b_gate_up)
+    return _run(grad_y, w_down, z, b_gate_up, dz=dz)

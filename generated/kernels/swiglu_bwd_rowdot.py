@@ -161,20 +161,20 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
 
-def _allocate(grad_y, z):
-    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
+def _allocate(grad_y, z, *, dz=None):
+    """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, z=z)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
     return (
-        torch.empty((M, 2 * N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
     )
 
 
-def _run(grad_y, z):
-    dz, zdz_part = _allocate(grad_y, z)
+def _run(grad_y, z, *, dz=None):
+    dz, zdz_part = _allocate(grad_y, z, dz=dz)
     launch(grad_y, z, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -193,13 +193,15 @@ def _(grad_y, z):
 swiglu_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
-def swiglu_bwd_rowdot(grad_y, z) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_bwd_rowdot(grad_y, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_bwd_rowdot`,
     which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    directly. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in place, or a tensor
+    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, z):
         return swiglu_bwd_rowdot_op(grad_y, z)
-    return _run(grad_y, z)
+    return _run(grad_y, z, dz=dz)
