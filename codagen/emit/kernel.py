@@ -115,7 +115,6 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         group_arg=f", group={k.column_group!r}" if k.column_group else "",  # "N": the whole row
         bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
         column_group=repr(k.column_group),
-        mutated=any(o.inplace for o in k.outputs),
     )
 
 
@@ -175,11 +174,12 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "run_def": _fitted(f"def _run({args}):", 0),
         "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
         "run_return": _fitted(f"return _run({args})", 4),
-        "op_decorator": _fitted(f'@torch.library.custom_op("codagen::{k.name}", mutates_args=({mutated}))', 0),
+        "op_decorator": _fitted(f"@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=({mutated}), "
+                                "fake=_fake)", 0),
         "op_def": _def(f"{k.name}_op", [f"{n}: float" if n in scalars else f"{n}: torch.Tensor" for n in op_args],
                        _returns(len(returned))),
         "op_doc": _doc(k.doc, 4, close=True),
-        "fake_def": _fitted(f"def _({args}):", 0),
+        "fake_def": _fitted(f"def _fake({args}):", 0),
         "public_def": _def(k.name, op_args, _returns(len(returned)) if returned else None),
         "public_doc": _doc(k.doc, 4),
         "public_about": ("\n" + " " * 4).join(textwrap.wrap(

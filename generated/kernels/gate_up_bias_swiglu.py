@@ -222,20 +222,19 @@ def _run(h, w_gate_up, rstd, b_gate_up):
     return z, y
 
 
-@torch.library.custom_op("codagen::gate_up_bias_swiglu", mutates_args=())
+def _fake(h, w_gate_up, rstd, b_gate_up):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_gate_up, rstd, b_gate_up)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gate_up_bias_swiglu_op(
     h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor, b_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale, a column bias and SwiGLU on interleaved (gate, up) columns."""
     return _run(h, w_gate_up, rstd, b_gate_up)
-
-
-@gate_up_bias_swiglu_op.register_fake
-def _(h, w_gate_up, rstd, b_gate_up):
-    return _allocate(h, w_gate_up, rstd, b_gate_up)
-
-
-gate_up_bias_swiglu_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gate_up_bias_swiglu(h, w_gate_up, rstd, b_gate_up) -> tuple[torch.Tensor, torch.Tensor]:

@@ -235,20 +235,19 @@ def _run(grad_y, w_down, z):
     return dz, zdz_part, y
 
 
-@torch.library.custom_op("codagen::geglu_dgrad", mutates_args=())
+def _fake(grad_y, w_down, z):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(grad_y, w_down, z)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def geglu_dgrad_op(
     grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with GeGLU's backward and the recomputed GeGLU output."""
     return _run(grad_y, w_down, z)
-
-
-@geglu_dgrad_op.register_fake
-def _(grad_y, w_down, z):
-    return _allocate(grad_y, w_down, z)
-
-
-geglu_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def geglu_dgrad(grad_y, w_down, z) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -264,20 +264,19 @@ def _run(dz, w, x, rstd, wn, zdz):
     return dx, dwn_part, normed
 
 
-@torch.library.custom_op("codagen::gemma_norm_dgrad", mutates_args=())
+def _fake(dz, w, x, rstd, wn, zdz):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(dz, w, x, rstd, wn, zdz)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_norm_dgrad_op(
     dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it."""
     return _run(dz, w, x, rstd, wn, zdz)
-
-
-@gemma_norm_dgrad_op.register_fake
-def _(dz, w, x, rstd, wn, zdz):
-    return _allocate(dz, w, x, rstd, wn, zdz)
-
-
-gemma_norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_norm_dgrad(dz, w, x, rstd, wn, zdz) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -187,20 +187,19 @@ def _run(g, o, rstd, wn, dot):
     return dout
 
 
-@torch.library.custom_op("codagen::gemma_post_norm_dgrad", mutates_args=())
+def _fake(g, o, rstd, wn, dot):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(g, o, rstd, wn, dot)[0]
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_post_norm_dgrad_op(
     g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, dot: torch.Tensor,
 ) -> torch.Tensor:
     """Data gradient of an RMSNorm with (1 + w) applied to a stored tensor, from its row dots."""
     return _run(g, o, rstd, wn, dot)
-
-
-@gemma_post_norm_dgrad_op.register_fake
-def _(g, o, rstd, wn, dot):
-    return _allocate(g, o, rstd, wn, dot)[0]
-
-
-gemma_post_norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_post_norm_dgrad(g, o, rstd, wn, dot) -> torch.Tensor:

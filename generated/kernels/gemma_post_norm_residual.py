@@ -217,7 +217,14 @@ def _run(o, rstd, wn, x, wn_next):
     return x_out, h, ss
 
 
-@torch.library.custom_op("codagen::gemma_post_norm_residual", mutates_args=())
+def _fake(o, rstd, wn, x, wn_next):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(o, rstd, wn, x, wn_next)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_post_norm_residual_op(
     o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, x: torch.Tensor, wn_next: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,14 +232,6 @@ def gemma_post_norm_residual_op(
     scale.
     """
     return _run(o, rstd, wn, x, wn_next)
-
-
-@gemma_post_norm_residual_op.register_fake
-def _(o, rstd, wn, x, wn_next):
-    return _allocate(o, rstd, wn, x, wn_next)
-
-
-gemma_post_norm_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_post_norm_residual(o, rstd, wn, x, wn_next) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

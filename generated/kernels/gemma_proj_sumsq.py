@@ -209,18 +209,17 @@ def _run(y, w):
     return o, ss
 
 
-@torch.library.custom_op("codagen::gemma_proj_sumsq", mutates_args=())
-def gemma_proj_sumsq_op(y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projection storing its output and the per-tile sums of squares of the output's rows, for the RMSNorm after it."""
-    return _run(y, w)
-
-
-@gemma_proj_sumsq_op.register_fake
-def _(y, w):
+def _fake(y, w):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(y, w)
 
 
-gemma_proj_sumsq_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def gemma_proj_sumsq_op(y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projection storing its output and the per-tile sums of squares of the output's rows, for the RMSNorm after it."""
+    return _run(y, w)
 
 
 def gemma_proj_sumsq(y, w) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,7 +206,14 @@ def _run(logits, lse, target, p_weight, t_weight):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz_scaled", mutates_args=())
+def _fake(logits, lse, target, p_weight, t_weight):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, p_weight, t_weight)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_scaled_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor, t_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,14 +221,6 @@ def lm_head_ce_dz_scaled_op(
     partials.
     """
     return _run(logits, lse, target, p_weight, t_weight)
-
-
-@lm_head_ce_dz_scaled_op.register_fake
-def _(logits, lse, target, p_weight, t_weight):
-    return _allocate(logits, lse, target, p_weight, t_weight)
-
-
-lm_head_ce_dz_scaled_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz_scaled(logits, lse, target, p_weight, t_weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -215,7 +215,14 @@ def _run(logits, lse, target, p_weight, t_weight, u_weight):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz_shifted", mutates_args=())
+def _fake(logits, lse, target, p_weight, t_weight, u_weight):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, p_weight, t_weight, u_weight)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_shifted_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor, t_weight: torch.Tensor,
     u_weight: torch.Tensor,
@@ -224,14 +231,6 @@ def lm_head_ce_dz_shifted_op(
     partials.
     """
     return _run(logits, lse, target, p_weight, t_weight, u_weight)
-
-
-@lm_head_ce_dz_shifted_op.register_fake
-def _(logits, lse, target, p_weight, t_weight, u_weight):
-    return _allocate(logits, lse, target, p_weight, t_weight, u_weight)
-
-
-lm_head_ce_dz_shifted_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz_shifted(logits, lse, target, p_weight, t_weight, u_weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -192,18 +192,17 @@ def _run(a, b):
     return out_tile
 
 
-@torch.library.custom_op("codagen::matmul", mutates_args=())
-def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type."""
-    return _run(a, b)
-
-
-@matmul_op.register_fake
-def _(a, b):
+def _fake(a, b):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(a, b)[0]
 
 
-matmul_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type."""
+    return _run(a, b)
 
 
 def matmul(a, b) -> torch.Tensor:

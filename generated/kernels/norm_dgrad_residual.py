@@ -271,21 +271,20 @@ def _run(dz, w, x, rstd, wn, zdz, grad_x):
     return dx, dwn_part, normed
 
 
-@torch.library.custom_op("codagen::norm_dgrad_residual", mutates_args=())
+def _fake(dz, w, x, rstd, wn, zdz, grad_x):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(dz, w, x, rstd, wn, zdz, grad_x)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def norm_dgrad_residual_op(
     dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
     grad_x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it, plus the residual gradient."""
     return _run(dz, w, x, rstd, wn, zdz, grad_x)
-
-
-@norm_dgrad_residual_op.register_fake
-def _(dz, w, x, rstd, wn, zdz, grad_x):
-    return _allocate(dz, w, x, rstd, wn, zdz, grad_x)
-
-
-norm_dgrad_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def norm_dgrad_residual(dz, w, x, rstd, wn, zdz, grad_x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

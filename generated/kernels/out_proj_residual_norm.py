@@ -236,20 +236,19 @@ def _run(y, w_o, x, wn):
     return x_out, h, ss
 
 
-@torch.library.custom_op("codagen::out_proj_residual_norm", mutates_args=())
+def _fake(y, w_o, x, wn):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(y, w_o, x, wn)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def out_proj_residual_norm_op(
     y: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, wn: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale."""
     return _run(y, w_o, x, wn)
-
-
-@out_proj_residual_norm_op.register_fake
-def _(y, w_o, x, wn):
-    return _allocate(y, w_o, x, wn)
-
-
-out_proj_residual_norm_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def out_proj_residual_norm(y, w_o, x, wn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

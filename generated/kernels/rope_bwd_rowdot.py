@@ -186,20 +186,19 @@ def _run(qkv, grad_qkv, positions, freqs):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::rope_bwd_rowdot", mutates_args=())
+def _fake(qkv, grad_qkv, positions, freqs):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(qkv, grad_qkv, positions, freqs)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def rope_bwd_rowdot_op(
     qkv: torch.Tensor, grad_qkv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv."""
     return _run(qkv, grad_qkv, positions, freqs)
-
-
-@rope_bwd_rowdot_op.register_fake
-def _(qkv, grad_qkv, positions, freqs):
-    return _allocate(qkv, grad_qkv, positions, freqs)
-
-
-rope_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,18 +179,17 @@ def _run(grad_y, z):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::swiglu_bwd_rowdot", mutates_args=())
-def swiglu_bwd_rowdot_op(grad_y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz."""
-    return _run(grad_y, z)
-
-
-@swiglu_bwd_rowdot_op.register_fake
-def _(grad_y, z):
+def _fake(grad_y, z):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(grad_y, z)
 
 
-swiglu_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def swiglu_bwd_rowdot_op(grad_y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz."""
+    return _run(grad_y, z)
 
 
 def swiglu_bwd_rowdot(grad_y, z) -> tuple[torch.Tensor, torch.Tensor]:
