@@ -152,7 +152,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
     kernel_k = "K" if k.gemm else "0"
     gemm = f", gemm=({names.index(k.gemm.a)}, {names.index(k.gemm.b)})" if k.gemm else ""
     launch_params = op_args + (["*", *returned] if returned else []) + ["config=None"]
-    mutated = "".join(f'"{o.name}", ' for o in k.outputs if o.inplace).rstrip(" ")
+    mutated = _strings(tuple(o.name for o in k.outputs if o.inplace))
     code = {
         "module_doc": _doc(f"{k.name}: {k.doc}", 0),
         "module_about": "\n".join(textwrap.wrap(_about(k), WIDTH)),
@@ -174,7 +174,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "run_def": _fitted(f"def _run({args}):", 0),
         "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
         "run_return": _fitted(f"return _run({args})", 4),
-        "op_decorator": _fitted(f"@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=({mutated}), "
+        "op_decorator": _fitted(f"@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args={mutated}, "
                                 "fake=_fake)", 0),
         "op_def": _def(f"{k.name}_op", [f"{n}: float" if n in scalars else f"{n}: torch.Tensor" for n in op_args],
                        _returns(len(returned))),
