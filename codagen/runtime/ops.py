@@ -39,11 +39,6 @@ _OPS: dict[str, RegisteredOp] = {}  # kernel name -> its op in this process
 _LOCK = threading.Lock()  # modules imported from several threads register one at a time
 
 
-def registered(name: str) -> RegisteredOp | None:
-    """The op registered for kernel `name` in this process, and by which module; None before any."""
-    return _OPS.get(name)
-
-
 def kernel_op(name: str, fingerprint: str, spec: str, module: str, *, mutates_args: tuple[str, ...],
               fake: Callable) -> Callable[[Callable], torch.library.CustomOpDef]:
     """Decorator of a generated module's op function: the op `codagen::<name>`, created on the first

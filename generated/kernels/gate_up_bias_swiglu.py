@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gate_up_bias_swiglu"
 SPEC = "specs/gate_up_bias_swiglu.yaml"
 SHA256 = "52940d95f119e4e6c0e99afa7aa2838622d27675c0a2fbeb52c8b89de087441f"
-FINGERPRINT = "5623ee94891f936ffd3bc01147f5d3edaf3e67b24268b13b9887dae82cf38673"  # key of the tuning tables
+FINGERPRINT = "5623ee94891f936ffd3bc01147f5d3edaf3e67b24268b13b9887dae82cf38673"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

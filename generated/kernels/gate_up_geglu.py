@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gate_up_geglu"
 SPEC = "specs/gemma2/gate_up_geglu.yaml"
 SHA256 = "bc39b087513ae2e139f5671f4d49becaa65b2dcda1d069e134635eb59ef2004a"
-FINGERPRINT = "d79125b971c86c0c663ada59646b464eb30e01c6c111076e8f22c3a63f662558"  # key of the tuning tables
+FINGERPRINT = "d79125b971c86c0c663ada59646b464eb30e01c6c111076e8f22c3a63f662558"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gate_up_swiglu"
 SPEC = "specs/gate_up_swiglu.yaml"
 SHA256 = "144fcacdfa5dc26bc290d9c4947a8cd37e0092c3cb6b5b7623ebf85660b1f229"
-FINGERPRINT = "3e4202714eb589f3a858dd110ef3a93d84d1df50acecb93097e5793883b2111f"  # key of the tuning tables
+FINGERPRINT = "3e4202714eb589f3a858dd110ef3a93d84d1df50acecb93097e5793883b2111f"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

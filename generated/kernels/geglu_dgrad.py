@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "geglu_dgrad"
 SPEC = "specs/gemma2/backward/geglu_dgrad.yaml"
 SHA256 = "d7c058c3eff1e7f8cd7c16fdbde1cf160cb112efe42e17bdf91c2af9ab59156c"
-FINGERPRINT = "b951f797092d627020cd006ede5efd395d8449efe1295dfe5e812b746b725f7a"  # key of the tuning tables
+FINGERPRINT = "b951f797092d627020cd006ede5efd395d8449efe1295dfe5e812b746b725f7a"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),

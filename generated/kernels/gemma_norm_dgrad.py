@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gemma_norm_dgrad"
 SPEC = "specs/gemma2/backward/gemma_norm_dgrad.yaml"
 SHA256 = "abf9a0b63b2668d80cf4efba9aa5686605d0e441f6abbcc6fcad0951fb87f3a8"
-FINGERPRINT = "b24d7ccdb72a44c70c456a3de115f00591cafce94f47fd9c6a6183ccb4df5b9e"  # key of the tuning tables
+FINGERPRINT = "b24d7ccdb72a44c70c456a3de115f00591cafce94f47fd9c6a6183ccb4df5b9e"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),

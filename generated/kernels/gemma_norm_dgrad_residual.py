@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_norm_dgrad_residual"
 SPEC = "specs/gemma2/backward/gemma_norm_dgrad_residual.yaml"
 SHA256 = "1b194ef17b083dbe11c4d0dc877da74690282720036eddb84906cfef6580675c"
-FINGERPRINT = "9a84f14121d9f522dfd62d44e8bedcb12cc91e516e09c1dcb5b72680c79c610c"  # key of the tuning tables
+FINGERPRINT = "9a84f14121d9f522dfd62d44e8bedcb12cc91e516e09c1dcb5b72680c79c610c"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),

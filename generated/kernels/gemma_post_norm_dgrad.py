@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_dgrad"
 SPEC = "specs/gemma2/backward/gemma_post_norm_dgrad.yaml"
 SHA256 = "22068bbbdd9a8ac979397e1cc70001b84d515496094be4a533613573c742b5f4"
-FINGERPRINT = "03f52091395cbc97dedb4a580f6df05bd361b6f983a61619d4853e72ff7476d4"  # key of the tuning tables
+FINGERPRINT = "03f52091395cbc97dedb4a580f6df05bd361b6f983a61619d4853e72ff7476d4"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_residual"
 SPEC = "specs/gemma2/gemma_post_norm_residual.yaml"
 SHA256 = "9c37579bdb699b51e70f9c204ee7590754312f291c30dc53fc550d4d0fdc6c39"
-FINGERPRINT = "2fda39169b27544d2b441be78c065c6b68cc6bb3d6f66fa954763e8476f0a3fc"  # key of the tuning tables
+FINGERPRINT = "2fda39169b27544d2b441be78c065c6b68cc6bb3d6f66fa954763e8476f0a3fc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("o", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_rowdot"
 SPEC = "specs/gemma2/backward/gemma_post_norm_rowdot.yaml"
 SHA256 = "4ccb628448e10b9be00100deb3de3be5c41b393c8a145d005fc36a16778c826f"
-FINGERPRINT = "6dce9f96389d679cd17d264578b426055620a9ce6fc570eeb81e664c86f4824d"  # key of the tuning tables
+FINGERPRINT = "6dce9f96389d679cd17d264578b426055620a9ce6fc570eeb81e664c86f4824d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_proj_sumsq"
 SPEC = "specs/gemma2/gemma_proj_sumsq.yaml"
 SHA256 = "5fd2d65ce5df75f358452006be55437d23acc5cd9bd5c4782266399e39413a03"
-FINGERPRINT = "097b8b94945094498782c82ff5cf8a81d36704c7eaefbafeb074cdcb81259ed1"  # key of the tuning tables
+FINGERPRINT = "097b8b94945094498782c82ff5cf8a81d36704c7eaefbafeb074cdcb81259ed1"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),

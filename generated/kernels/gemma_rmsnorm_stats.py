@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_rmsnorm_stats"
 SPEC = "specs/gemma2/gemma_rmsnorm_stats.yaml"
 SHA256 = "9a961447e68c0f42c2f6cf8cf3e1baac9d0aab3d19a5e352b1c17844576911f9"
-FINGERPRINT = "5cc041afc14cfa33100ee2b7c6b0715d1b84f9a1057a83a1db5b93fd57a968ab"  # key of the tuning tables
+FINGERPRINT = "5cc041afc14cfa33100ee2b7c6b0715d1b84f9a1057a83a1db5b93fd57a968ab"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),

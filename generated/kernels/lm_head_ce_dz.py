@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz"
 SPEC = "specs/backward/lm_head_ce_dz.yaml"
 SHA256 = "517dfc9eb40c2f902c19f4661370b95eaf1a40e7e65f7de302d82fc153325e71"
-FINGERPRINT = "1562a6e1bc0ee65eadafb5303c1845b1d9c62743d588ec1b1b70d5a6ab30f972"  # key of the tuning tables
+FINGERPRINT = "1562a6e1bc0ee65eadafb5303c1845b1d9c62743d588ec1b1b70d5a6ab30f972"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),

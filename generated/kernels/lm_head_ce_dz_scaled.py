@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_scaled"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_scaled.yaml"
 SHA256 = "fcb448e0fb4911b414c5bd8c327fadbeb06dc5dfb2ea810ff3c5340c3d70cce8"
-FINGERPRINT = "5a4138385ca21c8c6cd427e2f24d571dc5fcdf95c08a0d0e03627cc792b11a65"  # key of the tuning tables
+FINGERPRINT = "5a4138385ca21c8c6cd427e2f24d571dc5fcdf95c08a0d0e03627cc792b11a65"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_shifted"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_shifted.yaml"
 SHA256 = "f6bf586216f32898c69eaafc5d8586489e5d2007d31d33badd22caae501c955f"
-FINGERPRINT = "f0985b565cb7fd59a785c94e9ed6e246037a47aec14f21a7809373723e5f68d2"  # key of the tuning tables
+FINGERPRINT = "f0985b565cb7fd59a785c94e9ed6e246037a47aec14f21a7809373723e5f68d2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),

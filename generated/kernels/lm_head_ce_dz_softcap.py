@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_softcap"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_softcap.yaml"
 SHA256 = "1d24dd02b7a68e0abc45e0d2f0aad8b77b74b423e134fe29c31c5508b5142ffe"
-FINGERPRINT = "43dc3b848eeafe94607d8e618d32184a7564da8fb557faba09669b4d1e7d6bb2"  # key of the tuning tables
+FINGERPRINT = "43dc3b848eeafe94607d8e618d32184a7564da8fb557faba09669b4d1e7d6bb2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logits"
 SPEC = "specs/lm_head_logits.yaml"
 SHA256 = "cce421abfb2d55204a70b5059bf1835e64d5e0e67005bfae9d7b6acec39de0c7"
-FINGERPRINT = "586a30d81cfdac60344fdd385ef0fe68bb967007ee04a5545b57f8cad222476e"  # key of the tuning tables
+FINGERPRINT = "586a30d81cfdac60344fdd385ef0fe68bb967007ee04a5545b57f8cad222476e"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

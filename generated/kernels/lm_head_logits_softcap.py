@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logits_softcap"
 SPEC = "specs/cross_entropy/lm_head_logits_softcap.yaml"
 SHA256 = "00d64eaaa2179d090dabb1822d55764f21361492e274a49d44147bc2b9887696"
-FINGERPRINT = "b43b0ec1d7461fad8eefb4f36f6012a7188e4a05062490785c009549f64546d6"  # key of the tuning tables
+FINGERPRINT = "b43b0ec1d7461fad8eefb4f36f6012a7188e4a05062490785c009549f64546d6"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp"
 SPEC = "specs/lm_head_logsumexp.yaml"
 SHA256 = "6c8102d240078595b8acf8c057cdf3aae15e4aea718bf598303046e5abc17e96"
-FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables
+FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp_softcap"
 SPEC = "specs/cross_entropy/lm_head_logsumexp_softcap.yaml"
 SHA256 = "8403fa871f261c05f38df086faf7f2f590410af6a95491039b19d38d1d85e826"
-FINGERPRINT = "590470d760db294e1b7fe3cc12d3aca5b6f2454966df5873395e33c9eb2f0125"  # key of the tuning tables
+FINGERPRINT = "590470d760db294e1b7fe3cc12d3aca5b6f2454966df5873395e33c9eb2f0125"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp_zsum"
 SPEC = "specs/cross_entropy/lm_head_logsumexp_zsum.yaml"
 SHA256 = "5f59967b4a6a3e034d29edc25ee011e849bac3f51a94aa7f814b19e3682dbca8"
-FINGERPRINT = "d1c54b1f0617456069a8e52c2a911c4d31fb5e9fcbe4242c5056f03e81bef660"  # key of the tuning tables
+FINGERPRINT = "d1c54b1f0617456069a8e52c2a911c4d31fb5e9fcbe4242c5056f03e81bef660"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "matmul"
 SPEC = "specs/matmul.yaml"
 SHA256 = "5ae18fab5ff0feb8e88929d260eec76c83fa7e98318089c9dafd61fd5e3fc983"
-FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables
+FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("a", ("M", "K"), "T"),

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "norm_dgrad"
 SPEC = "specs/backward/norm_dgrad.yaml"
 SHA256 = "73f122dbe6ee1ca1d32981dab815e1ca4ca33deea9c9b6a66fc574c3adb9c804"
-FINGERPRINT = "ef1489b993d151f9df2b60b99037d58ea861e7fccf5c99396f03763ab6114836"  # key of the tuning tables
+FINGERPRINT = "ef1489b993d151f9df2b60b99037d58ea861e7fccf5c99396f03763ab6114836"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "norm_dgrad_residual"
 SPEC = "specs/backward/norm_dgrad_residual.yaml"
 SHA256 = "0a16bfca637274abb8f02ab6b048ed1d4f3ca2cf442ee32f181c3ef087e8d655"
-FINGERPRINT = "c20c9c2e1b629a2e8b62287d00bf031eef57c97ef4ec333d83a95bd5c989e444"  # key of the tuning tables
+FINGERPRINT = "c20c9c2e1b629a2e8b62287d00bf031eef57c97ef4ec333d83a95bd5c989e444"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "out_proj_residual_norm"
 SPEC = "specs/out_proj_residual_norm.yaml"
 SHA256 = "74536a784f0ade6e7daf6fb47742da038a0d9f6222919880abc8c06da09a6bc1"
-FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables
+FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "qk_norm_rope_bwd"
 SPEC = "specs/qwen3/backward/qk_norm_rope_bwd.yaml"
 SHA256 = "f2542de8affe47f1601514f28e01aeb02bdb4318169e98851f8d042f14b2c180"
-FINGERPRINT = "417edf84cafd6d5348eae123f80fcde5df3cba2388530691137e931b2c21a191"  # key of the tuning tables
+FINGERPRINT = "417edf84cafd6d5348eae123f80fcde5df3cba2388530691137e931b2c21a191"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (

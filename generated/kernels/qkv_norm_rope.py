@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "qkv_norm_rope"
 SPEC = "specs/qkv_norm_rope.yaml"
 SHA256 = "e606e9510a18f81bcf427020b614dd623cba81903e397e9e9158cc95e7912fd6"
-FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables
+FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),

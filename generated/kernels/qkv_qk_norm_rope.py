@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "qkv_qk_norm_rope"
 SPEC = "specs/qwen3/qkv_qk_norm_rope.yaml"
 SHA256 = "5ce4a8a1d31d1003d5b40b53086eaf5d63d49f9d54cba52d65a5f423e944ca39"
-FINGERPRINT = "73e1ee16c660ff2110d74787b73712b66951cd372c0e0ae24e18f62b4a147643"  # key of the tuning tables
+FINGERPRINT = "73e1ee16c660ff2110d74787b73712b66951cd372c0e0ae24e18f62b4a147643"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (

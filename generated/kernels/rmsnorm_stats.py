@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "rmsnorm_stats"
 SPEC = "specs/rmsnorm_stats.yaml"
 SHA256 = "ab523c149512a0c58bbd8b6737409c30f8e086230c74a0a04be0327b2a17dbba"
-FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables
+FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),

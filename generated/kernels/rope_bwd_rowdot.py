@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "rope_bwd_rowdot"
 SPEC = "specs/backward/rope_bwd_rowdot.yaml"
 SHA256 = "8551ed3e7990bb2ec7eefc0c691e657234d558eb51a804abd5609a83d692e2f6"
-FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables
+FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("qkv", ("M", "N"), "T"),

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "swiglu_bias_dgrad"
 SPEC = "specs/backward/swiglu_bias_dgrad.yaml"
 SHA256 = "068fb325596ddd2644bffb97db5bf24a0d5fcb177adb31143bd2390e9f7f5959"
-FINGERPRINT = "df17cc77afe9415936fb88a7e493202551652e68c1904fb81cacafbf6e822ea7"  # key of the tuning tables
+FINGERPRINT = "df17cc77afe9415936fb88a7e493202551652e68c1904fb81cacafbf6e822ea7"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "swiglu_bwd_rowdot"
 SPEC = "specs/backward/swiglu_bwd_rowdot.yaml"
 SHA256 = "f728f7fbf8f7786f63a152ed0268a62b9c143b20ff8846d5359d37f505f8441d"
-FINGERPRINT = "d3faf2dca1d61db018ecdd5bc8dec871c1ca04c09b8dedd4388659e56dcc1465"  # key of the tuning tables
+FINGERPRINT = "d3faf2dca1d61db018ecdd5bc8dec871c1ca04c09b8dedd4388659e56dcc1465"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "N"), "T"),

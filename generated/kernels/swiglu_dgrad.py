@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "swiglu_dgrad"
 SPEC = "specs/backward/swiglu_dgrad.yaml"
 SHA256 = "615efe0257cdac9e78a97e9aa356120edfd82b9f61d967341bdf36c761fc2cb6"
-FINGERPRINT = "f02884dec3aba223a84e2f16a6946a83c7dda3511359fd4df4c30974a1c15b86"  # key of the tuning tables
+FINGERPRINT = "f02884dec3aba223a84e2f16a6946a83c7dda3511359fd4df4c30974a1c15b86"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
