@@ -13,6 +13,7 @@ The default run is bounded and deterministic (derandomized: the same examples ea
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import os
 import sys
@@ -262,6 +263,19 @@ class Builds:
         importlib.invalidate_caches()
         return package
 
+    def build_kernel(self, path: Path) -> tuple[object, api.Checked]:
+        """The kernel spec at `path` renamed after its text, `fuzzed_<hash>`, built into a package of its own:
+        (its imported module, its checked kernel). One process registers one op per kernel name and refuses a
+        different kernel under a name already taken, as fuzzed specs, all called alike, would otherwise be."""
+        text = path.read_bytes()
+        spec = yaml.safe_load(text)
+        spec["kernel"] = f"fuzzed_{hashlib.sha256(text).hexdigest()[:16]}"
+        renamed = self.root / f"{spec['kernel']}.yaml"
+        renamed.write_text(dump(spec), encoding="utf-8")
+        (checked,) = api.load([renamed])
+        package = self.build([renamed])
+        return importlib.import_module(f"{package}.kernels.{spec['kernel']}"), checked
+
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
@@ -288,12 +302,12 @@ def run_against_reference(checked: api.Checked, module, seed: int, special: dict
         assert_same_specials(f"{kernel.name}.{name}", out, ref, TOL, in_fp32[name])
 
 
-def build_and_run(builds: Builds, path: Path, checked: api.Checked, special: dict) -> None:
-    """Build the spec at `path`, run its kernel and compare it with the reference; any failure is reported
-    with the spec's text (and is the same failure whatever the package and the temporary folder are called)."""
+def build_and_run(builds: Builds, path: Path, special: dict) -> None:
+    """Build the spec at `path` (under a kernel name of its own), run its kernel and compare it with the
+    reference; any failure is reported with the spec's text (and is the same failure whatever the package,
+    the kernel and the temporary folder are called)."""
     try:
-        package = builds.build([path])
-        module = importlib.import_module(f"{package}.kernels.{checked.kernel.name}")
+        module, checked = builds.build_kernel(path)
         run_against_reference(checked, module, zlib.crc32(path.read_bytes()), special)
     except Exception as e:
         raise AssertionError(f"{type(e).__name__}: {e}\n{path.read_text()}") from None
@@ -306,10 +320,10 @@ def test_well_formed_specs_build_and_match_the_reference(builds, tmp_path_factor
     path.write_text(dump(spec_dict(p, "fuzzed")), encoding="utf-8")
     note(path.read_text())
     try:
-        (checked,) = api.load([path])
+        api.load([path])
     except ValidationFailed as e:
         raise AssertionError(f"a well-formed spec was refused:\n{e}\n{path.read_text()}") from None
-    build_and_run(builds, path, checked, p.special)
+    build_and_run(builds, path, p.special)
 
 
 def test_cast_of_a_host_scalar(builds, tmp_path):
@@ -318,8 +332,7 @@ def test_cast_of_a_host_scalar(builds, tmp_path):
     path.write_text("kernel: cast_scalar\ndoc: Casts a host scalar.\ninputs: {x: [M, N], s: scalar}\n"
                     "outputs: {y: [M, N]}\nepilogue:\n  - cast: {x: s, dtype: float16, out: sb}\n"
                     "  - scale: {x: x, by: sb, out: xs}\n  - store: {x: xs, to: y}\n")
-    (checked,) = api.load([path])
-    build_and_run(builds, path, checked, {})
+    build_and_run(builds, path, {})
 
 
 # -- mutated specs ------------------------------------------------------------------------------------------------
@@ -419,7 +432,7 @@ def test_mutated_kernel_specs_get_located_errors_or_build(builds, tmp_path_facto
     checked = load_or_errors(path)
     event("accepted" if checked else "refused")
     if checked:  # generated modules that compile (api.generate checks), run like the well-formed ones
-        build_and_run(builds, path, checked[0], p.special)
+        build_and_run(builds, path, p.special)
 
 
 BLOCKS = sorted((REPO / "specs" / "blocks").glob("*.yaml"))

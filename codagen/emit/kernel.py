@@ -115,7 +115,6 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         group_arg=f", group={k.column_group!r}" if k.column_group else "",  # "N": the whole row
         bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
         column_group=repr(k.column_group),
-        mutated=any(o.inplace for o in k.outputs),
     )
 
 
@@ -130,7 +129,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
     kernel_k = "K" if k.gemm else "0"
     gemm = f", gemm=({names.index(k.gemm.a)}, {names.index(k.gemm.b)})" if k.gemm else ""
     launch_params = op_args + (["*", *returned] if returned else []) + ["config=None"]
-    mutated = "".join(f'"{o.name}", ' for o in k.outputs if o.inplace).rstrip(" ")
+    mutated = _strings(tuple(o.name for o in k.outputs if o.inplace))
     # outputs a caller may give, such as the input they may be written over: keyword-only, None allocates
     given = [t.name for t in tensors if t.output and not t.inplace and t.in_place_of]
     given_params = ["*", *(f"{g}=None" for g in given)] if given else []
@@ -159,11 +158,12 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "run_def": _fitted(f"def _run({', '.join(op_args + given_params)}):", 0),
         "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
         "run_return": _fitted(f"return _run({args})", 4),
-        "op_decorator": _fitted(f'@torch.library.custom_op("codagen::{k.name}", mutates_args=({mutated}))', 0),
+        "op_decorator": _fitted(f"@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args={mutated}, "
+                                "fake=_fake)", 0),
         "op_def": _def(f"{k.name}_op", [f"{n}: float" if n in scalars else f"{n}: torch.Tensor" for n in op_args],
                        _returns(len(returned))),
         "op_doc": _doc(k.doc, 4, close=True),
-        "fake_def": _fitted(f"def _({args}):", 0),
+        "fake_def": _fitted(f"def _fake({args}):", 0),
         "public_def": _def(k.name, op_args + given_params, _returns(len(returned)) if returned else None),
         "public_doc": _doc(k.doc, 4),
         "public_about": ("\n" + " " * 4).join(textwrap.wrap(

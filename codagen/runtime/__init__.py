@@ -46,11 +46,12 @@ from dataclasses import dataclass  # noqa: E402
 
 from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
+from .ops import kernel_op, no_backward  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "host_scalar", "Aliasing", "pick_config",
            "dot_settings", "needs_int64", "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned",
-           "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "no_backward", "row_chunks",
-           "ChunkSum"]
+           "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "kernel_op", "no_backward",
+           "row_chunks", "ChunkSum"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
@@ -229,18 +230,6 @@ def wants_grad(*tensors: torch.Tensor) -> bool:
     """Whether autograd would record a call on these tensors: then a kernel runs through its op, whose
     backward says that kernels are not differentiable (eager calls otherwise skip the dispatcher)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
-
-
-def no_backward(kernel: str, module: str):
-    """The autograd formula of a kernel op: an error that points to the differentiable API, the blocks."""
-    blocks = module.rsplit(".", 2)[0] + ".blocks"
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"torch.ops.codagen.{kernel} has no backward: kernel ops are not differentiable. The "
-                           f"differentiable API is the block modules of {blocks} (nn.Modules and their "
-                           "torch.autograd.Functions), whose backward runs the backward kernels; call kernels "
-                           "under torch.no_grad() or on tensors that do not require grad")
-    return backward
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int):

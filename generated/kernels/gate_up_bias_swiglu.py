@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gate_up_bias_swiglu"
 SPEC = "specs/gate_up_bias_swiglu.yaml"
 SHA256 = "52940d95f119e4e6c0e99afa7aa2838622d27675c0a2fbeb52c8b89de087441f"
-FINGERPRINT = "5623ee94891f936ffd3bc01147f5d3edaf3e67b24268b13b9887dae82cf38673"  # key of the tuning tables
+FINGERPRINT = "5623ee94891f936ffd3bc01147f5d3edaf3e67b24268b13b9887dae82cf38673"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -222,20 +222,19 @@ def _run(h, w_gate_up, rstd, b_gate_up):
     return z, y
 
 
-@torch.library.custom_op("codagen::gate_up_bias_swiglu", mutates_args=())
+def _fake(h, w_gate_up, rstd, b_gate_up):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_gate_up, rstd, b_gate_up)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gate_up_bias_swiglu_op(
     h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor, b_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale, a column bias and SwiGLU on interleaved (gate, up) columns."""
     return _run(h, w_gate_up, rstd, b_gate_up)
-
-
-@gate_up_bias_swiglu_op.register_fake
-def _(h, w_gate_up, rstd, b_gate_up):
-    return _allocate(h, w_gate_up, rstd, b_gate_up)
-
-
-gate_up_bias_swiglu_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gate_up_bias_swiglu(h, w_gate_up, rstd, b_gate_up) -> tuple[torch.Tensor, torch.Tensor]:

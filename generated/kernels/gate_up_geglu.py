@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gate_up_geglu"
 SPEC = "specs/gemma2/gate_up_geglu.yaml"
 SHA256 = "bc39b087513ae2e139f5671f4d49becaa65b2dcda1d069e134635eb59ef2004a"
-FINGERPRINT = "d79125b971c86c0c663ada59646b464eb30e01c6c111076e8f22c3a63f662558"  # key of the tuning tables
+FINGERPRINT = "d79125b971c86c0c663ada59646b464eb30e01c6c111076e8f22c3a63f662558"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -213,20 +213,19 @@ def _run(h, w_gate_up, rstd):
     return z, y
 
 
-@torch.library.custom_op("codagen::gate_up_geglu", mutates_args=())
+def _fake(h, w_gate_up, rstd):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_gate_up, rstd)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gate_up_geglu_op(h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale and GeGLU (tanh-approximated GELU) on interleaved (gate, up)
     columns.
     """
     return _run(h, w_gate_up, rstd)
-
-
-@gate_up_geglu_op.register_fake
-def _(h, w_gate_up, rstd):
-    return _allocate(h, w_gate_up, rstd)
-
-
-gate_up_geglu_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gate_up_geglu(h, w_gate_up, rstd) -> tuple[torch.Tensor, torch.Tensor]:

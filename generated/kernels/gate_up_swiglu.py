@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gate_up_swiglu"
 SPEC = "specs/gate_up_swiglu.yaml"
 SHA256 = "144fcacdfa5dc26bc290d9c4947a8cd37e0092c3cb6b5b7623ebf85660b1f229"
-FINGERPRINT = "3e4202714eb589f3a858dd110ef3a93d84d1df50acecb93097e5793883b2111f"  # key of the tuning tables
+FINGERPRINT = "3e4202714eb589f3a858dd110ef3a93d84d1df50acecb93097e5793883b2111f"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -212,20 +212,19 @@ def _run(h, w_gate_up, rstd):
     return z, y
 
 
-@torch.library.custom_op("codagen::gate_up_swiglu", mutates_args=())
+def _fake(h, w_gate_up, rstd):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_gate_up, rstd)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gate_up_swiglu_op(
     h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns."""
     return _run(h, w_gate_up, rstd)
-
-
-@gate_up_swiglu_op.register_fake
-def _(h, w_gate_up, rstd):
-    return _allocate(h, w_gate_up, rstd)
-
-
-gate_up_swiglu_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gate_up_swiglu(h, w_gate_up, rstd) -> tuple[torch.Tensor, torch.Tensor]:

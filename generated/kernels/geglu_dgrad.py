@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "geglu_dgrad"
 SPEC = "specs/gemma2/backward/geglu_dgrad.yaml"
 SHA256 = "d7c058c3eff1e7f8cd7c16fdbde1cf160cb112efe42e17bdf91c2af9ab59156c"
-FINGERPRINT = "b951f797092d627020cd006ede5efd395d8449efe1295dfe5e812b746b725f7a"  # key of the tuning tables
+FINGERPRINT = "b951f797092d627020cd006ede5efd395d8449efe1295dfe5e812b746b725f7a"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
@@ -235,20 +235,19 @@ def _run(grad_y, w_down, z, *, dz=None):
     return dz, zdz_part, y
 
 
-@torch.library.custom_op("codagen::geglu_dgrad", mutates_args=())
+def _fake(grad_y, w_down, z):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(grad_y, w_down, z)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def geglu_dgrad_op(
     grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with GeGLU's backward and the recomputed GeGLU output."""
     return _run(grad_y, w_down, z)
-
-
-@geglu_dgrad_op.register_fake
-def _(grad_y, w_down, z):
-    return _allocate(grad_y, w_down, z)
-
-
-geglu_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def geglu_dgrad(grad_y, w_down, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

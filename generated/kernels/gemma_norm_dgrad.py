@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gemma_norm_dgrad"
 SPEC = "specs/gemma2/backward/gemma_norm_dgrad.yaml"
 SHA256 = "abf9a0b63b2668d80cf4efba9aa5686605d0e441f6abbcc6fcad0951fb87f3a8"
-FINGERPRINT = "b24d7ccdb72a44c70c456a3de115f00591cafce94f47fd9c6a6183ccb4df5b9e"  # key of the tuning tables
+FINGERPRINT = "b24d7ccdb72a44c70c456a3de115f00591cafce94f47fd9c6a6183ccb4df5b9e"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
@@ -264,20 +264,19 @@ def _run(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
     return dx, dwn_part, normed
 
 
-@torch.library.custom_op("codagen::gemma_norm_dgrad", mutates_args=())
+def _fake(dz, w, x, rstd, wn, zdz):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(dz, w, x, rstd, wn, zdz)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_norm_dgrad_op(
     dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it."""
     return _run(dz, w, x, rstd, wn, zdz)
-
-
-@gemma_norm_dgrad_op.register_fake
-def _(dz, w, x, rstd, wn, zdz):
-    return _allocate(dz, w, x, rstd, wn, zdz)
-
-
-gemma_norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_norm_dgrad(

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_norm_dgrad_residual"
 SPEC = "specs/gemma2/backward/gemma_norm_dgrad_residual.yaml"
 SHA256 = "1b194ef17b083dbe11c4d0dc877da74690282720036eddb84906cfef6580675c"
-FINGERPRINT = "9a84f14121d9f522dfd62d44e8bedcb12cc91e516e09c1dcb5b72680c79c610c"  # key of the tuning tables
+FINGERPRINT = "9a84f14121d9f522dfd62d44e8bedcb12cc91e516e09c1dcb5b72680c79c610c"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
@@ -275,21 +275,20 @@ def _run(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None):
     return dx, dwn_part, normed
 
 
-@torch.library.custom_op("codagen::gemma_norm_dgrad_residual", mutates_args=())
+def _fake(dz, w, x, rstd, wn, zdz, grad_x):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(dz, w, x, rstd, wn, zdz, grad_x)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_norm_dgrad_residual_op(
     dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
     grad_x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it, plus the residual gradient."""
     return _run(dz, w, x, rstd, wn, zdz, grad_x)
-
-
-@gemma_norm_dgrad_residual_op.register_fake
-def _(dz, w, x, rstd, wn, zdz, grad_x):
-    return _allocate(dz, w, x, rstd, wn, zdz, grad_x)
-
-
-gemma_norm_dgrad_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_norm_dgrad_residual(

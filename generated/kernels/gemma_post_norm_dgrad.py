@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_dgrad"
 SPEC = "specs/gemma2/backward/gemma_post_norm_dgrad.yaml"
 SHA256 = "22068bbbdd9a8ac979397e1cc70001b84d515496094be4a533613573c742b5f4"
-FINGERPRINT = "03f52091395cbc97dedb4a580f6df05bd361b6f983a61619d4853e72ff7476d4"  # key of the tuning tables
+FINGERPRINT = "03f52091395cbc97dedb4a580f6df05bd361b6f983a61619d4853e72ff7476d4"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),
@@ -187,20 +187,19 @@ def _run(g, o, rstd, wn, dot, *, dout=None):
     return dout
 
 
-@torch.library.custom_op("codagen::gemma_post_norm_dgrad", mutates_args=())
+def _fake(g, o, rstd, wn, dot):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(g, o, rstd, wn, dot)[0]
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_post_norm_dgrad_op(
     g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, dot: torch.Tensor,
 ) -> torch.Tensor:
     """Data gradient of an RMSNorm with (1 + w) applied to a stored tensor, from its row dots."""
     return _run(g, o, rstd, wn, dot)
-
-
-@gemma_post_norm_dgrad_op.register_fake
-def _(g, o, rstd, wn, dot):
-    return _allocate(g, o, rstd, wn, dot)[0]
-
-
-gemma_post_norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_post_norm_dgrad(g, o, rstd, wn, dot, *, dout=None) -> torch.Tensor:

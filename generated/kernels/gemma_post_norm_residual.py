@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_residual"
 SPEC = "specs/gemma2/gemma_post_norm_residual.yaml"
 SHA256 = "9c37579bdb699b51e70f9c204ee7590754312f291c30dc53fc550d4d0fdc6c39"
-FINGERPRINT = "2fda39169b27544d2b441be78c065c6b68cc6bb3d6f66fa954763e8476f0a3fc"  # key of the tuning tables
+FINGERPRINT = "2fda39169b27544d2b441be78c065c6b68cc6bb3d6f66fa954763e8476f0a3fc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("o", ("M", "N"), "T"),
@@ -217,7 +217,14 @@ def _run(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
     return x_out, h, ss
 
 
-@torch.library.custom_op("codagen::gemma_post_norm_residual", mutates_args=())
+def _fake(o, rstd, wn, x, wn_next):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(o, rstd, wn, x, wn_next)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_post_norm_residual_op(
     o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, x: torch.Tensor, wn_next: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,14 +232,6 @@ def gemma_post_norm_residual_op(
     scale.
     """
     return _run(o, rstd, wn, x, wn_next)
-
-
-@gemma_post_norm_residual_op.register_fake
-def _(o, rstd, wn, x, wn_next):
-    return _allocate(o, rstd, wn, x, wn_next)
-
-
-gemma_post_norm_residual_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_post_norm_residual(

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_post_norm_rowdot"
 SPEC = "specs/gemma2/backward/gemma_post_norm_rowdot.yaml"
 SHA256 = "4ccb628448e10b9be00100deb3de3be5c41b393c8a145d005fc36a16778c826f"
-FINGERPRINT = "6dce9f96389d679cd17d264578b426055620a9ce6fc570eeb81e664c86f4824d"  # key of the tuning tables
+FINGERPRINT = "6dce9f96389d679cd17d264578b426055620a9ce6fc570eeb81e664c86f4824d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),
@@ -189,20 +189,19 @@ def _run(g, o, rstd, wn):
     return dot_part, dwn_part
 
 
-@torch.library.custom_op("codagen::gemma_post_norm_rowdot", mutates_args=())
+def _fake(g, o, rstd, wn):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(g, o, rstd, wn)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def gemma_post_norm_rowdot_op(
     g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-dot and weight-gradient partials of the backward of an RMSNorm with (1 + w) applied to a stored tensor."""
     return _run(g, o, rstd, wn)
-
-
-@gemma_post_norm_rowdot_op.register_fake
-def _(g, o, rstd, wn):
-    return _allocate(g, o, rstd, wn)
-
-
-gemma_post_norm_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def gemma_post_norm_rowdot(g, o, rstd, wn) -> tuple[torch.Tensor, torch.Tensor]:

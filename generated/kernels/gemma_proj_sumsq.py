@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_proj_sumsq"
 SPEC = "specs/gemma2/gemma_proj_sumsq.yaml"
 SHA256 = "5fd2d65ce5df75f358452006be55437d23acc5cd9bd5c4782266399e39413a03"
-FINGERPRINT = "097b8b94945094498782c82ff5cf8a81d36704c7eaefbafeb074cdcb81259ed1"  # key of the tuning tables
+FINGERPRINT = "097b8b94945094498782c82ff5cf8a81d36704c7eaefbafeb074cdcb81259ed1"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),
@@ -209,18 +209,17 @@ def _run(y, w):
     return o, ss
 
 
-@torch.library.custom_op("codagen::gemma_proj_sumsq", mutates_args=())
-def gemma_proj_sumsq_op(y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projection storing its output and the per-tile sums of squares of the output's rows, for the RMSNorm after it."""
-    return _run(y, w)
-
-
-@gemma_proj_sumsq_op.register_fake
-def _(y, w):
+def _fake(y, w):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(y, w)
 
 
-gemma_proj_sumsq_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def gemma_proj_sumsq_op(y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projection storing its output and the per-tile sums of squares of the output's rows, for the RMSNorm after it."""
+    return _run(y, w)
 
 
 def gemma_proj_sumsq(y, w) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "gemma_rmsnorm_stats"
 SPEC = "specs/gemma2/gemma_rmsnorm_stats.yaml"
 SHA256 = "9a961447e68c0f42c2f6cf8cf3e1baac9d0aab3d19a5e352b1c17844576911f9"
-FINGERPRINT = "5cc041afc14cfa33100ee2b7c6b0715d1b84f9a1057a83a1db5b93fd57a968ab"  # key of the tuning tables
+FINGERPRINT = "5cc041afc14cfa33100ee2b7c6b0715d1b84f9a1057a83a1db5b93fd57a968ab"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
@@ -170,18 +170,17 @@ def _run(x, wn, *, h=None):
     return h, ss
 
 
-@torch.library.custom_op("codagen::gemma_rmsnorm_stats", mutates_args=())
-def gemma_rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm statistics and (1 + w) scale of a tensor that no GEMM epilogue produced, as Gemma's RMSNorm."""
-    return _run(x, wn)
-
-
-@gemma_rmsnorm_stats_op.register_fake
-def _(x, wn):
+def _fake(x, wn):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(x, wn)
 
 
-gemma_rmsnorm_stats_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def gemma_rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm statistics and (1 + w) scale of a tensor that no GEMM epilogue produced, as Gemma's RMSNorm."""
+    return _run(x, wn)
 
 
 def gemma_rmsnorm_stats(x, wn, *, h=None) -> tuple[torch.Tensor, torch.Tensor]:

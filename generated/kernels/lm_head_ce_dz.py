@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz"
 SPEC = "specs/backward/lm_head_ce_dz.yaml"
 SHA256 = "517dfc9eb40c2f902c19f4661370b95eaf1a40e7e65f7de302d82fc153325e71"
-FINGERPRINT = "1562a6e1bc0ee65eadafb5303c1845b1d9c62743d588ec1b1b70d5a6ab30f972"  # key of the tuning tables
+FINGERPRINT = "1562a6e1bc0ee65eadafb5303c1845b1d9c62743d588ec1b1b70d5a6ab30f972"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
@@ -196,20 +196,19 @@ def _run(logits, lse, target, weights, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz", mutates_args=())
+def _fake(logits, lse, target, weights):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, weights)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient of stored logits, with the RMSNorm backward's row partials."""
     return _run(logits, lse, target, weights)
-
-
-@lm_head_ce_dz_op.register_fake
-def _(logits, lse, target, weights):
-    return _allocate(logits, lse, target, weights)
-
-
-lm_head_ce_dz_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz(logits, lse, target, weights, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:

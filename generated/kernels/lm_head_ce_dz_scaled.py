@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_scaled"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_scaled.yaml"
 SHA256 = "fcb448e0fb4911b414c5bd8c327fadbeb06dc5dfb2ea810ff3c5340c3d70cce8"
-FINGERPRINT = "5a4138385ca21c8c6cd427e2f24d571dc5fcdf95c08a0d0e03627cc792b11a65"  # key of the tuning tables
+FINGERPRINT = "5a4138385ca21c8c6cd427e2f24d571dc5fcdf95c08a0d0e03627cc792b11a65"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
@@ -206,7 +206,14 @@ def _run(logits, lse, target, p_weight, t_weight, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz_scaled", mutates_args=())
+def _fake(logits, lse, target, p_weight, t_weight):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, p_weight, t_weight)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_scaled_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor, t_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,14 +221,6 @@ def lm_head_ce_dz_scaled_op(
     partials.
     """
     return _run(logits, lse, target, p_weight, t_weight)
-
-
-@lm_head_ce_dz_scaled_op.register_fake
-def _(logits, lse, target, p_weight, t_weight):
-    return _allocate(logits, lse, target, p_weight, t_weight)
-
-
-lm_head_ce_dz_scaled_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz_scaled(logits, lse, target, p_weight, t_weight, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_shifted"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_shifted.yaml"
 SHA256 = "f6bf586216f32898c69eaafc5d8586489e5d2007d31d33badd22caae501c955f"
-FINGERPRINT = "f0985b565cb7fd59a785c94e9ed6e246037a47aec14f21a7809373723e5f68d2"  # key of the tuning tables
+FINGERPRINT = "f0985b565cb7fd59a785c94e9ed6e246037a47aec14f21a7809373723e5f68d2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
@@ -215,7 +215,14 @@ def _run(logits, lse, target, p_weight, t_weight, u_weight, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz_shifted", mutates_args=())
+def _fake(logits, lse, target, p_weight, t_weight, u_weight):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, p_weight, t_weight, u_weight)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_shifted_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor, t_weight: torch.Tensor,
     u_weight: torch.Tensor,
@@ -224,14 +231,6 @@ def lm_head_ce_dz_shifted_op(
     partials.
     """
     return _run(logits, lse, target, p_weight, t_weight, u_weight)
-
-
-@lm_head_ce_dz_shifted_op.register_fake
-def _(logits, lse, target, p_weight, t_weight, u_weight):
-    return _allocate(logits, lse, target, p_weight, t_weight, u_weight)
-
-
-lm_head_ce_dz_shifted_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz_shifted(

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_ce_dz_softcap"
 SPEC = "specs/cross_entropy/lm_head_ce_dz_softcap.yaml"
 SHA256 = "1d24dd02b7a68e0abc45e0d2f0aad8b77b74b423e134fe29c31c5508b5142ffe"
-FINGERPRINT = "43dc3b848eeafe94607d8e618d32184a7564da8fb557faba09669b4d1e7d6bb2"  # key of the tuning tables
+FINGERPRINT = "43dc3b848eeafe94607d8e618d32184a7564da8fb557faba09669b4d1e7d6bb2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
@@ -219,20 +219,19 @@ def _run(logits, lse, target, weights, softcap, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::lm_head_ce_dz_softcap", mutates_args=())
+def _fake(logits, lse, target, weights, softcap):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(logits, lse, target, weights, softcap)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_ce_dz_softcap_op(
     logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient through logit softcapping of stored logits, with the RMSNorm backward's row partials."""
     return _run(logits, lse, target, weights, softcap)
-
-
-@lm_head_ce_dz_softcap_op.register_fake
-def _(logits, lse, target, weights, softcap):
-    return _allocate(logits, lse, target, weights, softcap)
-
-
-lm_head_ce_dz_softcap_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_ce_dz_softcap(logits, lse, target, weights, softcap, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:

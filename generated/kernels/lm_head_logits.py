@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logits"
 SPEC = "specs/lm_head_logits.yaml"
 SHA256 = "cce421abfb2d55204a70b5059bf1835e64d5e0e67005bfae9d7b6acec39de0c7"
-FINGERPRINT = "586a30d81cfdac60344fdd385ef0fe68bb967007ee04a5545b57f8cad222476e"  # key of the tuning tables
+FINGERPRINT = "586a30d81cfdac60344fdd385ef0fe68bb967007ee04a5545b57f8cad222476e"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -235,7 +235,14 @@ def _run(h, w_vocab, rstd, target):
     return logits, lse_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logits", mutates_args=())
+def _fake(h, w_vocab, rstd, target):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logits_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,14 +250,6 @@ def lm_head_logits_op(
     target logit.
     """
     return _run(h, w_vocab, rstd, target)
-
-
-@lm_head_logits_op.register_fake
-def _(h, w_vocab, rstd, target):
-    return _allocate(h, w_vocab, rstd, target)
-
-
-lm_head_logits_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logits(h, w_vocab, rstd, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

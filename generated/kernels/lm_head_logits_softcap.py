@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logits_softcap"
 SPEC = "specs/cross_entropy/lm_head_logits_softcap.yaml"
 SHA256 = "00d64eaaa2179d090dabb1822d55764f21361492e274a49d44147bc2b9887696"
-FINGERPRINT = "b43b0ec1d7461fad8eefb4f36f6012a7188e4a05062490785c009549f64546d6"  # key of the tuning tables
+FINGERPRINT = "b43b0ec1d7461fad8eefb4f36f6012a7188e4a05062490785c009549f64546d6"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -249,7 +249,14 @@ def _run(h, w_vocab, rstd, target, softcap):
     return logits, lse_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logits_softcap", mutates_args=())
+def _fake(h, w_vocab, rstd, target, softcap):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target, softcap)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logits_softcap_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,14 +264,6 @@ def lm_head_logits_softcap_op(
     log-sum-exp partials and the capped target logit.
     """
     return _run(h, w_vocab, rstd, target, softcap)
-
-
-@lm_head_logits_softcap_op.register_fake
-def _(h, w_vocab, rstd, target, softcap):
-    return _allocate(h, w_vocab, rstd, target, softcap)
-
-
-lm_head_logits_softcap_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logits_softcap(h, w_vocab, rstd, target, softcap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logits_zsum"
 SPEC = "specs/cross_entropy/lm_head_logits_zsum.yaml"
 SHA256 = "7e14d0dc71354f30f833aa8111d12250b3115f5d4104da7afd39315471e05f58"
-FINGERPRINT = "d8b6cf772c42e906f6d52d5a31c06cfa07ba0ed7bcf265b413990bc6e26bc20c"  # key of the tuning tables
+FINGERPRINT = "d8b6cf772c42e906f6d52d5a31c06cfa07ba0ed7bcf265b413990bc6e26bc20c"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -247,7 +247,14 @@ def _run(h, w_vocab, rstd, target):
     return logits, lse_part, zsum_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logits_zsum", mutates_args=())
+def _fake(h, w_vocab, rstd, target):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logits_zsum_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,14 +262,6 @@ def lm_head_logits_zsum_op(
     the target logit.
     """
     return _run(h, w_vocab, rstd, target)
-
-
-@lm_head_logits_zsum_op.register_fake
-def _(h, w_vocab, rstd, target):
-    return _allocate(h, w_vocab, rstd, target)
-
-
-lm_head_logits_zsum_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logits_zsum(h, w_vocab, rstd, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

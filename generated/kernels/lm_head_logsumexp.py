@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp"
 SPEC = "specs/lm_head_logsumexp.yaml"
 SHA256 = "6c8102d240078595b8acf8c057cdf3aae15e4aea718bf598303046e5abc17e96"
-FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables
+FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -222,20 +222,19 @@ def _run(h, w_vocab, rstd, target):
     return lse_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logsumexp", mutates_args=())
+def _fake(h, w_vocab, rstd, target):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logsumexp_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit."""
     return _run(h, w_vocab, rstd, target)
-
-
-@lm_head_logsumexp_op.register_fake
-def _(h, w_vocab, rstd, target):
-    return _allocate(h, w_vocab, rstd, target)
-
-
-lm_head_logsumexp_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logsumexp(h, w_vocab, rstd, target) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp_softcap"
 SPEC = "specs/cross_entropy/lm_head_logsumexp_softcap.yaml"
 SHA256 = "8403fa871f261c05f38df086faf7f2f590410af6a95491039b19d38d1d85e826"
-FINGERPRINT = "590470d760db294e1b7fe3cc12d3aca5b6f2454966df5873395e33c9eb2f0125"  # key of the tuning tables
+FINGERPRINT = "590470d760db294e1b7fe3cc12d3aca5b6f2454966df5873395e33c9eb2f0125"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -235,7 +235,14 @@ def _run(h, w_vocab, rstd, target, softcap):
     return lse_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logsumexp_softcap", mutates_args=())
+def _fake(h, w_vocab, rstd, target, softcap):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target, softcap)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logsumexp_softcap_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,14 +250,6 @@ def lm_head_logsumexp_softcap_op(
     capped target logit.
     """
     return _run(h, w_vocab, rstd, target, softcap)
-
-
-@lm_head_logsumexp_softcap_op.register_fake
-def _(h, w_vocab, rstd, target, softcap):
-    return _allocate(h, w_vocab, rstd, target, softcap)
-
-
-lm_head_logsumexp_softcap_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logsumexp_softcap(h, w_vocab, rstd, target, softcap) -> tuple[torch.Tensor, torch.Tensor]:

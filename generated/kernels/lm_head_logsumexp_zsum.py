@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "lm_head_logsumexp_zsum"
 SPEC = "specs/cross_entropy/lm_head_logsumexp_zsum.yaml"
 SHA256 = "5f59967b4a6a3e034d29edc25ee011e849bac3f51a94aa7f814b19e3682dbca8"
-FINGERPRINT = "d1c54b1f0617456069a8e52c2a911c4d31fb5e9fcbe4242c5056f03e81bef660"  # key of the tuning tables
+FINGERPRINT = "d1c54b1f0617456069a8e52c2a911c4d31fb5e9fcbe4242c5056f03e81bef660"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -234,21 +234,20 @@ def _run(h, w_vocab, rstd, target):
     return lse_part, zsum_part, target_logit
 
 
-@torch.library.custom_op("codagen::lm_head_logsumexp_zsum", mutates_args=())
+def _fake(h, w_vocab, rstd, target):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_vocab, rstd, target)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def lm_head_logsumexp_zsum_op(
     h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp and sum partials and the target logit.
     """
     return _run(h, w_vocab, rstd, target)
-
-
-@lm_head_logsumexp_zsum_op.register_fake
-def _(h, w_vocab, rstd, target):
-    return _allocate(h, w_vocab, rstd, target)
-
-
-lm_head_logsumexp_zsum_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def lm_head_logsumexp_zsum(h, w_vocab, rstd, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

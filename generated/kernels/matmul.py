@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "matmul"
 SPEC = "specs/matmul.yaml"
 SHA256 = "5ae18fab5ff0feb8e88929d260eec76c83fa7e98318089c9dafd61fd5e3fc983"
-FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables
+FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("a", ("M", "K"), "T"),
@@ -192,18 +192,17 @@ def _run(a, b):
     return out_tile
 
 
-@torch.library.custom_op("codagen::matmul", mutates_args=())
-def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type."""
-    return _run(a, b)
-
-
-@matmul_op.register_fake
-def _(a, b):
+def _fake(a, b):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(a, b)[0]
 
 
-matmul_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type."""
+    return _run(a, b)
 
 
 def matmul(a, b) -> torch.Tensor:

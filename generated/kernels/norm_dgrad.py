@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "norm_dgrad"
 SPEC = "specs/backward/norm_dgrad.yaml"
 SHA256 = "73f122dbe6ee1ca1d32981dab815e1ca4ca33deea9c9b6a66fc574c3adb9c804"
-FINGERPRINT = "ef1489b993d151f9df2b60b99037d58ea861e7fccf5c99396f03763ab6114836"  # key of the tuning tables
+FINGERPRINT = "ef1489b993d151f9df2b60b99037d58ea861e7fccf5c99396f03763ab6114836"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
@@ -261,20 +261,19 @@ def _run(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
     return dx, dwn_part, normed
 
 
-@torch.library.custom_op("codagen::norm_dgrad", mutates_args=())
+def _fake(dz, w, x, rstd, wn, zdz):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(dz, w, x, rstd, wn, zdz)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def norm_dgrad_op(
     dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it."""
     return _run(dz, w, x, rstd, wn, zdz)
-
-
-@norm_dgrad_op.register_fake
-def _(dz, w, x, rstd, wn, zdz):
-    return _allocate(dz, w, x, rstd, wn, zdz)
-
-
-norm_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def norm_dgrad(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

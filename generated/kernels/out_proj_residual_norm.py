@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "out_proj_residual_norm"
 SPEC = "specs/out_proj_residual_norm.yaml"
 SHA256 = "74536a784f0ade6e7daf6fb47742da038a0d9f6222919880abc8c06da09a6bc1"
-FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables
+FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),
@@ -236,20 +236,19 @@ def _run(y, w_o, x, wn, *, x_out=None, h=None):
     return x_out, h, ss
 
 
-@torch.library.custom_op("codagen::out_proj_residual_norm", mutates_args=())
+def _fake(y, w_o, x, wn):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(y, w_o, x, wn)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def out_proj_residual_norm_op(
     y: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, wn: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale."""
     return _run(y, w_o, x, wn)
-
-
-@out_proj_residual_norm_op.register_fake
-def _(y, w_o, x, wn):
-    return _allocate(y, w_o, x, wn)
-
-
-out_proj_residual_norm_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def out_proj_residual_norm(y, w_o, x, wn, *, x_out=None, h=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "qk_norm_rope_bwd"
 SPEC = "specs/qwen3/backward/qk_norm_rope_bwd.yaml"
 SHA256 = "f2542de8affe47f1601514f28e01aeb02bdb4318169e98851f8d042f14b2c180"
-FINGERPRINT = "417edf84cafd6d5348eae123f80fcde5df3cba2388530691137e931b2c21a191"  # key of the tuning tables
+FINGERPRINT = "417edf84cafd6d5348eae123f80fcde5df3cba2388530691137e931b2c21a191"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
@@ -261,7 +261,14 @@ def _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None):
     return dz, zdz_part, dwn_qk_part
 
 
-@torch.library.custom_op("codagen::qk_norm_rope_bwd", mutates_args=())
+def _fake(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def qk_norm_rope_bwd_op(
     z: torch.Tensor, grad_qkv: torch.Tensor, head_rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     wn_qk: torch.Tensor, v_pass: torch.Tensor,
@@ -270,14 +277,6 @@ def qk_norm_rope_bwd_op(
     partials.
     """
     return _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
-
-
-@qk_norm_rope_bwd_op.register_fake
-def _(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
-    return _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
-
-
-qk_norm_rope_bwd_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def qk_norm_rope_bwd(

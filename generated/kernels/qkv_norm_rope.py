@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "qkv_norm_rope"
 SPEC = "specs/qkv_norm_rope.yaml"
 SHA256 = "e606e9510a18f81bcf427020b614dd623cba81903e397e9e9158cc95e7912fd6"
-FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables
+FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
@@ -213,20 +213,19 @@ def _run(h, w_qkv, rstd, positions, freqs):
     return qkv
 
 
-@torch.library.custom_op("codagen::qkv_norm_rope", mutates_args=())
+def _fake(h, w_qkv, rstd, positions, freqs):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_qkv, rstd, positions, freqs)[0]
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def qkv_norm_rope_op(
     h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
 ) -> torch.Tensor:
     """QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs."""
     return _run(h, w_qkv, rstd, positions, freqs)
-
-
-@qkv_norm_rope_op.register_fake
-def _(h, w_qkv, rstd, positions, freqs):
-    return _allocate(h, w_qkv, rstd, positions, freqs)[0]
-
-
-qkv_norm_rope_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def qkv_norm_rope(h, w_qkv, rstd, positions, freqs) -> torch.Tensor:

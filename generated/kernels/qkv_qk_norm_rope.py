@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "qkv_qk_norm_rope"
 SPEC = "specs/qwen3/qkv_qk_norm_rope.yaml"
 SHA256 = "5ce4a8a1d31d1003d5b40b53086eaf5d63d49f9d54cba52d65a5f423e944ca39"
-FINGERPRINT = "73e1ee16c660ff2110d74787b73712b66951cd372c0e0ae24e18f62b4a147643"  # key of the tuning tables
+FINGERPRINT = "73e1ee16c660ff2110d74787b73712b66951cd372c0e0ae24e18f62b4a147643"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
@@ -276,21 +276,20 @@ def _run(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
     return qkv, z, head_rstd
 
 
-@torch.library.custom_op("codagen::qkv_qk_norm_rope", mutates_args=())
+def _fake(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def qkv_qk_norm_rope_op(
     h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     wn_qk: torch.Tensor, v_pass: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QKV projection with the RMSNorm row scale, an RMSNorm of each q and k head, and rotary position embedding."""
     return _run(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
-
-
-@qkv_qk_norm_rope_op.register_fake
-def _(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
-    return _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
-
-
-qkv_qk_norm_rope_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def qkv_qk_norm_rope(

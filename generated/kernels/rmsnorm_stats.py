@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "rmsnorm_stats"
 SPEC = "specs/rmsnorm_stats.yaml"
 SHA256 = "ab523c149512a0c58bbd8b6737409c30f8e086230c74a0a04be0327b2a17dbba"
-FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables
+FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
@@ -166,18 +166,17 @@ def _run(x, wn, *, h=None):
     return h, ss
 
 
-@torch.library.custom_op("codagen::rmsnorm_stats", mutates_args=())
-def rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced."""
-    return _run(x, wn)
-
-
-@rmsnorm_stats_op.register_fake
-def _(x, wn):
+def _fake(x, wn):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(x, wn)
 
 
-rmsnorm_stats_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced."""
+    return _run(x, wn)
 
 
 def rmsnorm_stats(x, wn, *, h=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "rope_bwd_rowdot"
 SPEC = "specs/backward/rope_bwd_rowdot.yaml"
 SHA256 = "8551ed3e7990bb2ec7eefc0c691e657234d558eb51a804abd5609a83d692e2f6"
-FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables
+FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("qkv", ("M", "N"), "T"),
@@ -186,20 +186,19 @@ def _run(qkv, grad_qkv, positions, freqs, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::rope_bwd_rowdot", mutates_args=())
+def _fake(qkv, grad_qkv, positions, freqs):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(qkv, grad_qkv, positions, freqs)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def rope_bwd_rowdot_op(
     qkv: torch.Tensor, grad_qkv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv."""
     return _run(qkv, grad_qkv, positions, freqs)
-
-
-@rope_bwd_rowdot_op.register_fake
-def _(qkv, grad_qkv, positions, freqs):
-    return _allocate(qkv, grad_qkv, positions, freqs)
-
-
-rope_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from codagen.runtime import tile
 NAME = "swiglu_bias_dgrad"
 SPEC = "specs/backward/swiglu_bias_dgrad.yaml"
 SHA256 = "068fb325596ddd2644bffb97db5bf24a0d5fcb177adb31143bd2390e9f7f5959"
-FINGERPRINT = "df17cc77afe9415936fb88a7e493202551652e68c1904fb81cacafbf6e822ea7"  # key of the tuning tables
+FINGERPRINT = "df17cc77afe9415936fb88a7e493202551652e68c1904fb81cacafbf6e822ea7"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
@@ -261,21 +261,20 @@ def _run(grad_y, w_down, z, b_gate_up, *, dz=None):
     return dz, zdz_part, db_part, y
 
 
-@torch.library.custom_op("codagen::swiglu_bias_dgrad", mutates_args=())
+def _fake(grad_y, w_down, z, b_gate_up):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(grad_y, w_down, z, b_gate_up)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def swiglu_bias_dgrad_op(
     grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor, b_gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward of biased pre-activations and the bias gradient.
     """
     return _run(grad_y, w_down, z, b_gate_up)
-
-
-@swiglu_bias_dgrad_op.register_fake
-def _(grad_y, w_down, z, b_gate_up):
-    return _allocate(grad_y, w_down, z, b_gate_up)
-
-
-swiglu_bias_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def swiglu_bias_dgrad(

@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "swiglu_bwd_rowdot"
 SPEC = "specs/backward/swiglu_bwd_rowdot.yaml"
 SHA256 = "f728f7fbf8f7786f63a152ed0268a62b9c143b20ff8846d5359d37f505f8441d"
-FINGERPRINT = "d3faf2dca1d61db018ecdd5bc8dec871c1ca04c09b8dedd4388659e56dcc1465"  # key of the tuning tables
+FINGERPRINT = "d3faf2dca1d61db018ecdd5bc8dec871c1ca04c09b8dedd4388659e56dcc1465"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "N"), "T"),
@@ -179,18 +179,17 @@ def _run(grad_y, z, *, dz=None):
     return dz, zdz_part
 
 
-@torch.library.custom_op("codagen::swiglu_bwd_rowdot", mutates_args=())
-def swiglu_bwd_rowdot_op(grad_y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz."""
-    return _run(grad_y, z)
-
-
-@swiglu_bwd_rowdot_op.register_fake
-def _(grad_y, z):
+def _fake(grad_y, z):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
     return _allocate(grad_y, z)
 
 
-swiglu_bwd_rowdot_op.register_autograd(runtime.no_backward(NAME, __name__))
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
+def swiglu_bwd_rowdot_op(grad_y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU backward of the output gradient and the per-tile partials of the rows' z . dz."""
+    return _run(grad_y, z)
 
 
 def swiglu_bwd_rowdot(grad_y, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:

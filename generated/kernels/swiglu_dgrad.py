@@ -18,7 +18,7 @@ from codagen.runtime import tile
 NAME = "swiglu_dgrad"
 SPEC = "specs/backward/swiglu_dgrad.yaml"
 SHA256 = "615efe0257cdac9e78a97e9aa356120edfd82b9f61d967341bdf36c761fc2cb6"
-FINGERPRINT = "f02884dec3aba223a84e2f16a6946a83c7dda3511359fd4df4c30974a1c15b86"  # key of the tuning tables
+FINGERPRINT = "f02884dec3aba223a84e2f16a6946a83c7dda3511359fd4df4c30974a1c15b86"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
@@ -235,20 +235,19 @@ def _run(grad_y, w_down, z, *, dz=None):
     return dz, zdz_part, y
 
 
-@torch.library.custom_op("codagen::swiglu_dgrad", mutates_args=())
+def _fake(grad_y, w_down, z):
+    """The op's outputs, empty, for tracing (torch.compile) without running the kernel."""
+    return _allocate(grad_y, w_down, z)
+
+
+# one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
+# a different kernel of this name is refused at import (codagen.runtime.ops)
+@runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
 def swiglu_dgrad_op(
     grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output."""
     return _run(grad_y, w_down, z)
-
-
-@swiglu_dgrad_op.register_fake
-def _(grad_y, w_down, z):
-    return _allocate(grad_y, w_down, z)
-
-
-swiglu_dgrad_op.register_autograd(runtime.no_backward(NAME, __name__))
 
 
 def swiglu_dgrad(grad_y, w_down, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
