@@ -163,7 +163,7 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
     md.write_text("\n".join(L) + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [_row_json(r) for r in rows],
                                                   "kernels": [r.as_dict() for r in kernel_rows]}, indent=1) + "\n")
-    if chart:
+    if chart and groups:   # no pattern rows (--patterns kernels): no chart
         try:
             plot(rows, variants, groups, out / f"{stem}.png", env)
         except ImportError as e:
