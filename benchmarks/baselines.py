@@ -24,9 +24,9 @@ Three kinds of baseline live here, each a plain function of tensors that returns
 The model family (``Dims.family``: llama, qwen3, gemma2) picks the norm, the gated activation, the LM
 head's softcap and the block's shape (Qwen3's QK-norm; Gemma-2's norms after the out- and down projections).
 
-Shapes: ``T`` tokens = ``batch * seq``; activations are ``(T, width)``, the attention output ``(T, n_q * head_dim)``. RoPE works on
-``q (batch, n_q, seq, head_dim)`` and ``k (batch, n_kv, seq, head_dim)`` views of the fused QKV output,
-as in HF; ``cos``/``sin`` are ``(1, seq, head_dim)`` (computed once per step in HF, so they are inputs).
+Shapes: ``T`` tokens = ``batch * seq``; activations are ``(T, width)``, the attention output
+``(T, n_q * head_dim)``. RoPE works on ``q (batch, n_q, seq, head_dim)`` and ``k (batch, n_kv, seq, head_dim)``
+views of the fused QKV output, as in HF; ``cos``/``sin`` are ``(1, seq, head_dim)`` (computed once per step in HF, so they are inputs).
 
 Imports of liger_kernel happen only when a Liger function is built, so this module works without it.
 """
@@ -319,8 +319,8 @@ def gemm_flops(base: str, dm: Dims, backward: bool) -> float:
 
 def make_tensor(name: str, dm: Dims, dtype, device, gen, theta: float) -> torch.Tensor:
     """One named input with realistic scales (never zeros): activations ~N(0,1), weights ~N(0, 1/fan_in),
-    norm weights ~1 + 0.1 N(0,1) (Gemma-2's, which scale by 1 + w: 0.1 N(0,1)), cos/sin from HF's rotary embedding, targets uniform with every 97th token
-    set to ignore_index (-100)."""
+    norm weights ~1 + 0.1 N(0,1) (Gemma-2's, which scale by 1 + w: 0.1 N(0,1)), cos/sin from HF's rotary
+    embedding, targets uniform with every 97th token set to ignore_index (-100)."""
     T, D, Fw = dm.tokens, dm.d, dm.ffn
 
     def randn(*shape, scale=1.0):

@@ -69,7 +69,8 @@ def _family_variants(family: str) -> list:
     return [Variant("block.fwd", "codagen", block, note=block_note),
             Variant("block.fwdbwd", "codagen", block, note=block_note),
             Variant("lm_ce.fwd", "codagen", lm_ce, note=lm_note + " (the forward alone)"),
-            Variant("lm_ce.fwdbwd", "codagen", lm_ce, note=lm_note + " (gradients made in the forward over row chunks)"),
+            Variant("lm_ce.fwdbwd", "codagen", lm_ce,
+                    note=lm_note + " (gradients made in the forward over row chunks)"),
             Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: lm_ce(case, "same"),
                     note=lm_note + "; dW summed in the weights' dtype")]
 

@@ -1,7 +1,8 @@
-"""`codagen tune` and run-time configuration choice, on the CPU: the Llama preset table covers every kernel of
-specs/, candidates are checked against the float64 reference before they are timed (a wrong or failing one
-is discarded, never chosen), tables are deterministic and merge, runtime.pick_config reads what the tuner
-wrote, tunes an untuned shape once per process where that is safe, and CODAGEN_NO_TUNE=1 is honoured.
+"""`codagen tune` and run-time configuration choice, on the CPU: the preset table covers every kernel of specs/
+(each at the presets of the model families whose blocks call it), candidates are checked against the float64
+reference before they are timed (a wrong or failing one is discarded, never chosen), tables are deterministic
+and merge, runtime.pick_config reads what the tuner wrote, tunes an untuned shape once per process where that
+is safe, and CODAGEN_NO_TUNE=1 is honoured.
 GPU-only pieces are replaced: the timer by a fake, gpu_key and the device check by monkeypatch."""
 from __future__ import annotations
 
