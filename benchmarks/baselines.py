@@ -26,7 +26,8 @@ head's softcap and the block's shape (Qwen3's QK-norm; Gemma-2's norms after the
 
 Shapes: ``T`` tokens = ``batch * seq``; activations are ``(T, width)``, the attention output
 ``(T, n_q * head_dim)``. RoPE works on ``q (batch, n_q, seq, head_dim)`` and ``k (batch, n_kv, seq, head_dim)``
-views of the fused QKV output, as in HF; ``cos``/``sin`` are ``(1, seq, head_dim)`` (computed once per step in HF, so they are inputs).
+views of the fused QKV output, as in HF; ``cos``/``sin`` are ``(1, seq, head_dim)`` (computed once per step in
+HF, so they are inputs).
 
 Imports of liger_kernel happen only when a Liger function is built, so this module works without it.
 """
