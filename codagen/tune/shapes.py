@@ -85,11 +85,12 @@ def _size(d: BlockDim, attrs: dict, rows: int, block: Block) -> Fraction:
         return d.coef * rows
     if d.symbol not in attrs:
         raise TuneError(f"block '{block.name}' ({block.source}) has a dimension in its attr '{d.symbol}', which "
-                        f"model presets do not give; they give {', '.join(LlamaShape.__dataclass_fields__)}, "
-                        "qkv_dim, attn_dim (codagen/presets.py)")
+                        f"model presets do not give; they give {', '.join(_DIMENSIONS)}, qkv_dim, attn_dim "
+                        "(codagen/presets.py)")
     return d.coef * attrs[d.symbol]
 
 
+_DIMENSIONS = [f for f in LlamaShape.__dataclass_fields__ if f != "family"]
 _PER_N = {Dim.N_HALF: Fraction(2), Dim.N: Fraction(1), Dim.N_DOUBLE: Fraction(1, 2)}  # N per column of a dim
 
 
