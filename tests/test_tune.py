@@ -140,6 +140,11 @@ def test_family_presets_take_shapes_from_their_own_blocks():
                            ("qkv_norm_rope", "qwen3-1.7b"), ("gate_up_swiglu", "gemma2-2b")):
         assert buckets(kernel, preset) == [], (kernel, preset)
     assert buckets("gate_up_geglu", "llama3-1b,gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
+    # without family_only, every block at a preset's dims: how the GPU tests run every kernel at Llama-1B's
+    llama = PRESETS["llama3-1b"]
+    own = {u.kernel for u in shapes.block_uses(all_specs(), llama, family_only=True)}
+    every = {u.kernel for u in shapes.block_uses(all_specs(), llama)}
+    assert "gate_up_geglu" not in own and every == {k.name for k in kernels_of_specs()} and own < every
 
 
 def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():

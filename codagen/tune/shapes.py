@@ -42,14 +42,16 @@ class Use:
     where: str  # e.g. "post_attention forward: y1 @ w_down^T"
 
 
-def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
-    """Every kernel at every shape where the blocks among `specs` (api.load's result) that `model`'s family
-    runs (LlamaShape.runs_block) run it for `model`, in block and step order, each with the first step that
-    gives it. A GEMM kernel that no block of any family calls (a plain GEMM) gets every GEMM shape of the
-    others: its mainloop alone at the shapes that matter. Shapes of one bucket count once per kernel."""
+def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = False) -> list[Use]:
+    """Every kernel at every shape where the blocks among `specs` (api.load's result) run it for `model`, in
+    block and step order, each with the first step that gives it: with family_only, only the blocks that
+    `model`'s family runs (LlamaShape.runs_block: what tuning and the benchmark take), else every block (a
+    Llama preset then gives every kernel its dims). A GEMM kernel that no block calls (a plain GEMM) gets every
+    GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one bucket count once
+    per kernel."""
     kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
     uses: dict[tuple[str, str], Use] = {}
-    blocks = (c for c in specs if isinstance(c, CheckedBlock) and model.runs_block(c.block.name))
+    blocks = (c for c in specs if isinstance(c, CheckedBlock) and (model.runs_block(c.block.name) or not family_only))
     for cb in sorted(blocks, key=lambda c: c.block.name):
         attrs = _attr_values(cb.block, model)
         for pass_name, calls, chunk in cb.passes():
@@ -62,7 +64,7 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
                     shape = _call_shape(kernel, call, cb, attrs, rows)
                     uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
     called = {call.op for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
-              for call in calls if call.kernel}  # by a block of any family
+              for call in calls if call.kernel}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
@@ -125,7 +127,7 @@ def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS) -> list[Sha
     """The shapes of block_uses for `kernel` at a preset: none where only blocks of other model families call
     it (tuning all of specs/ at a Llama preset leaves Gemma-2's kernels alone)."""
     model = PRESETS[preset]
-    shapes = [u.shape for u in block_uses(specs, model, tokens) if u.kernel == kernel.name]
+    shapes = [u.shape for u in block_uses(specs, model, tokens, family_only=True) if u.kernel == kernel.name]
     if not shapes and _called_by_other_families(specs, model, kernel):
         return []
     if not shapes:
