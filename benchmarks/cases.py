@@ -1,5 +1,6 @@
-"""What the benchmark runs: model presets (codagen/presets.py) split into batch x sequence, the fixed list of
-Llama-block patterns, and their random input sets."""
+"""What the benchmark runs: model presets (codagen/presets.py) split into batch x sequence, the fixed lists of
+patterns of each model family (Llama's block patterns; Qwen3's and Gemma-2's block and LM head), and their
+random input sets."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +9,7 @@ import torch
 
 import baselines as B
 from codagen.presets import PRESETS as MODELS
-from codagen.presets import LlamaShape
+from codagen.presets import Gemma2Shape, LlamaShape
 
 SEQ = 4096  # tokens are split into batch x seq (seq = min(SEQ, tokens), or all the tokens when that does not divide)
 
@@ -25,14 +26,22 @@ class Preset:
         seq = min(SEQ, tokens)
         if tokens % seq:
             seq = tokens
+        softcap = m.final_softcap if isinstance(m, Gemma2Shape) else None
         return B.Dims(d=m.dim, ffn=m.ffn_dim, n_q=m.n_heads, n_kv=m.n_kv_heads, head_dim=m.head_dim,
-                      vocab=m.vocab, batch=tokens // seq, seq=seq, eps=m.eps)
+                      vocab=m.vocab, batch=tokens // seq, seq=seq, eps=m.eps, family=m.family, softcap=softcap)
+
+    @property
+    def patterns(self) -> list:
+        """The patterns of this preset's model family, in report order."""
+        return FAMILY_PATTERNS[self.model.family]
 
     def describe(self) -> str:
         m = self.model
         q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-        return (f"D={m.dim}, FFN={m.ffn_dim}, QKV={q + 2 * kv} (q {m.n_heads}x{m.head_dim} + k and v "
-                f"{m.n_kv_heads}x{m.head_dim} each), vocab {m.vocab}, eps {m.eps}, rope theta {m.rope_theta:g}")
+        softcap = f", logit softcap {m.final_softcap:g}" if isinstance(m, Gemma2Shape) else ""
+        return (f"{m.family}: D={m.dim}, FFN={m.ffn_dim}, QKV={q + 2 * kv} (q {m.n_heads}x{m.head_dim} + k and v "
+                f"{m.n_kv_heads}x{m.head_dim} each), vocab {m.vocab}, eps {m.eps}, rope theta {m.rope_theta:g}"
+                + softcap)
 
 
 PRESETS = {name: Preset(name, model) for name, model in MODELS.items()}
@@ -54,6 +63,9 @@ _OPROJ = ("x0", "y0", "wo", "wn1", "wg", "wu")
 _BLOCK = _OPROJ + ("w2", "wn2", "wqkv", "cos", "sin")
 _DQR = ("x1", "y1", "w2", "wn2", "wqkv", "cos", "sin")
 _LM = ("xf", "wnf", "wv", "target")
+_QWEN3_BLOCK = _OPROJ + ("w2", "wn2", "wqkv", "wqn", "wkn", "cos", "sin")   # wqn, wkn: q_norm, k_norm
+# wna, wn1, wnm: the post-attention, pre-feedforward and post-feedforward norms; wn2 the next layer's input norm
+_GEMMA2_BLOCK = ("x0", "y0", "wo", "wna", "wn1", "wg", "wu", "w2", "wnm", "wn2", "wqkv", "cos", "sin")
 
 
 def _pattern(base, title, args, outputs, backward):
@@ -73,7 +85,17 @@ PATTERNS = [
     _pattern("lm_ce", "final RMSNorm + LM head + cross-entropy", _LM, ("loss",), False),
     _pattern("lm_ce", "final RMSNorm + LM head + cross-entropy", _LM, ("loss",), True),
 ]
-PATTERN_BY_KEY = {p.key: p for p in PATTERNS}
+FAMILY_PATTERNS = {
+    "llama": PATTERNS,
+    "qwen3": [_pattern("block", "Qwen3 non-attention block with QK-norm (x0, y0 -> x2, RoPE'd q, k, v)",
+                       _QWEN3_BLOCK, ("x2", "q", "k", "v"), bwd) for bwd in (False, True)]
+    + [p for p in PATTERNS if p.base == "lm_ce"],   # Llama's LM head
+    "gemma2": [_pattern("block", "Gemma-2 non-attention block, post-norms and GeGLU (x0, y0 -> x2, RoPE'd q, k, v)",
+                        _GEMMA2_BLOCK, ("x2", "q", "k", "v"), bwd) for bwd in (False, True)]
+    + [_pattern("lm_ce", "final RMSNorm + LM head + softcap + cross-entropy", _LM, ("loss",), bwd)
+       for bwd in (False, True)],
+}
+PATTERN_BY_KEY = {p.key: p for p in PATTERNS}   # every family's keys are among Llama's
 
 
 @dataclass

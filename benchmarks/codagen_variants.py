@@ -16,14 +16,17 @@ from runners import AutogradRunner, Runner, Variant
 
 
 def codagen_variants(preset, tokens, dtype) -> list:
-    """codagen's variants for this preset (Preset), token count and dtype: one per pattern, and for lm_ce.fwdbwd
-    a second one whose weight gradient is summed over the row chunks in the weights' dtype (grad_sum: same)
-    instead of fp32.
+    """codagen's variants for this preset (Preset), token count and dtype: one per pattern of the preset's model
+    family, and for lm_ce.fwdbwd a second one whose weight gradient is summed over the row chunks in the weights'
+    dtype (grad_sum: same) instead of fp32.
 
     The generated modules are imported when a factory runs, so a broken import fails codagen's rows only.
     Weight relayout (interleaved gate/up rows, q/k rows in interleaved-pair order, per-column RoPE
     frequencies) happens in prepare, untimed; outputs and gradients go back to the eager layout in
     to_reference, untimed. The eps of every codagen block is the preset's (as eager uses it)."""
+    family = preset.model.family
+    if family != "llama":
+        return _family_variants(family)
     notes = {
         "oproj_swiglu.fwd": "kernels out_proj_residual_norm -> finish.rstd -> gate_up_swiglu",
         "oproj_swiglu.fwdbwd": "OprojSwigluFunction (post_attention's first half)",
@@ -50,6 +53,26 @@ def codagen_variants(preset, tokens, dtype) -> list:
 
 
 SAME_SUM = "codagen grad_sum=same"  # LmHeadLoss with its weight gradient summed over chunks in bf16/fp16
+
+
+def _family_variants(family: str) -> list:
+    """Qwen3's and Gemma-2's: the block and LM-head patterns, through the blocks their example models chain
+    (examples/qwen3.py, examples/gemma2.py)."""
+    if family == "qwen3":
+        block, lm_ce = _cg_qwen3_block, _cg_lm_ce
+        block_note = "Qwen3PostAttentionFunction -> Qwen3PreAttentionFunction"
+        lm_note = "NormStatsFunction -> lm_head_loss"
+    else:
+        block, lm_ce = _cg_gemma2_block, _cg_gemma2_lm_ce
+        block_note = "Gemma2PostAttentionFunction -> Gemma2PreAttentionFunction"
+        lm_note = "Gemma2NormStatsFunction -> gemma2_lm_head_loss"
+    return [Variant("block.fwd", "codagen", block, note=block_note),
+            Variant("block.fwdbwd", "codagen", block, note=block_note),
+            Variant("lm_ce.fwd", "codagen", lm_ce, note=lm_note + " (the forward alone)"),
+            Variant("lm_ce.fwdbwd", "codagen", lm_ce,
+                    note=lm_note + " (gradients made in the forward over row chunks)"),
+            Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: lm_ce(case, "same"),
+                    note=lm_note + "; dW summed in the weights' dtype")]
 
 
 # -- codagen's factories and the layout helpers they share ------------------------------------------------
@@ -197,6 +220,72 @@ def _cg_block(case: Case) -> Runner:
     return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
                           args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "positions", "freqs"),
                           leaves=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv"))
+
+
+def _cg_qwen3_block(case: Case) -> Runner:
+    """Qwen3's block.fwd / .fwdbwd: Qwen3PostAttention(y0, x0, wn2) -> (x2, h2, r2), then Qwen3PreAttention(x2, h2,
+    r2, positions, freqs, wn_qk, v_pass) -> (x2, qkv), as examples/qwen3.py chains them. wn_qk is q_norm (wqn)
+    over every q head and k_norm (wkn) over every k head, each in the heads' interleaved-pair order, and 0 over
+    v: made in the timed function, as the model's Layer.wn_qk makes it, so that autograd sums its gradient over
+    the heads into wqn and wkn in eager's order."""
+    convert, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.model.eps
+    to_interleaved = convert.heads_to_interleaved(torch.arange(dm.head_dim, device=case.device), dm.head_dim)
+    prepare_weights = _cg_prepare(case)
+
+    def prepare(inset: InputSet) -> InputSet:
+        out = prepare_weights(inset)
+        v_pass = torch.zeros(dm.qkv_width, dtype=case.dtype, device=case.device)
+        v_pass[dm.q_width + dm.kv_width:] = 1
+        out.t["v_pass"] = v_pass
+        return out
+
+    def fwd(x0, y0, wo, wn1, w_gate_up, w2, wn2, w_qkv, wqn, wkn, positions, freqs, v_pass):
+        x2, h2, r2 = blocks.Qwen3PostAttentionFunction.apply(y0, x0, wn2, wo, wn1, w_gate_up, w2, dm.d, dm.q_width,
+                                                             dm.ffn, eps)
+        wn_qk = torch.cat([wqn[to_interleaved].repeat(dm.n_q), wkn[to_interleaved].repeat(dm.n_kv),
+                           wqn.new_zeros(dm.kv_width)])
+        x2, qkv = blocks.Qwen3PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn_qk, v_pass, wn2, w_qkv,
+                                                         dm.d, dm.qkv_width, eps)
+        return (x2, *B.split_heads(qkv, dm))
+    return AutogradRunner(case.pattern, fwd, prepare=prepare, to_reference=_cg_to_reference(case),
+                          args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "wqn", "wkn", "positions",
+                                "freqs", "v_pass"),
+                          leaves=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "wqn", "wkn"))
+
+
+def _cg_gemma2_block(case: Case) -> Runner:
+    """Gemma-2's block.fwd / .fwdbwd: Gemma2PostAttention(y0, x0, wn2) -> (x2, h2, r2), then Gemma2PreAttention(x2,
+    h2, r2, positions, freqs) -> (x2, qkv), as examples/gemma2.py chains them; wn2 is the pre-attention block's norm
+    weight."""
+    _, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.model.eps
+
+    def fwd(x0, y0, wo, wna, wn1, w_gate_up, w2, wnm, wn2, w_qkv, positions, freqs):
+        x2, h2, r2 = blocks.Gemma2PostAttentionFunction.apply(y0, x0, wn2, wo, wna, wn1, w_gate_up, w2, wnm, dm.d,
+                                                              dm.q_width, dm.ffn, eps)
+        x2, qkv = blocks.Gemma2PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn2, w_qkv, dm.d, dm.qkv_width)
+        return (x2, *B.split_heads(qkv, dm))
+    return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
+                          args=("x0", "y0", "wo", "wna", "wn1", "w_gate_up", "w2", "wnm", "wn2", "w_qkv", "positions",
+                                "freqs"),
+                          leaves=("x0", "y0", "wo", "wna", "wn1", "w_gate_up", "w2", "wnm", "wn2", "w_qkv"))
+
+
+def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
+    """Gemma-2's lm_ce.fwd / .fwdbwd: Gemma2NormStats(xf, wnf) -> (h, rstd), then gemma2_lm_head_loss with the
+    preset's final logit softcap, as _cg_lm_ce runs Llama's."""
+    import inspect
+    _, _, _, blocks = _cg_modules()
+    dm, eps = case.dims, case.preset.model.eps
+    head = blocks.gemma2_lm_head_loss
+    chunk_rows = inspect.signature(blocks.Gemma2LmHeadLoss).parameters["chunk_rows"].default
+
+    def fwd(xf, wnf, wv, target):
+        h, rstd = blocks.Gemma2NormStatsFunction.apply(xf, wnf, dm.d, eps)
+        return (head.gemma2_lm_head_loss(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, dm.softcap, -100, "mean",
+                                         chunk_rows, grad_sum=grad_sum),)
+    return AutogradRunner(case.pattern, fwd)
 
 
 def _cg_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 import baselines as B
-from cases import PATTERN_BY_KEY, PATTERNS, Case, Preset, make_input_set, upcast
+from cases import PATTERN_BY_KEY, Case, Preset, make_input_set, upcast
 from measure import bench_ms, compare, detach_named, free, l2_bytes, one_call, sync
 from report import fmt_err, fmt_mib, ratio, spread
 from runners import CUBLAS, AutogradRunner
@@ -46,9 +46,11 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
     """Build, check and time every (pattern, variant) of one preset and token count; appends to rows and
     calls checkpoint() after each pattern (the report is rewritten then, so a killed run leaves results)."""
     device, dtype = args.device_obj, args.dtype_obj
-    patterns = [p for p in PATTERNS if selected(p.key, args.patterns)]
+    patterns = [p for p in preset.patterns if selected(p.key, args.patterns)]
     by_pattern = {}
     for v in variants:
+        if v.families and preset.model.family not in v.families:
+            continue
         if v.name in (CUBLAS, "eager") or selected(v.name, args.variants):
             by_pattern.setdefault(v.pattern, []).append(v)
     unknown = sorted(set(by_pattern) - set(PATTERN_BY_KEY))

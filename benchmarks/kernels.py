@@ -45,7 +45,7 @@ def run(preset: str, tokens: int, device: torch.device, dtype: torch.dtype,
     specs = api.load([ROOT / "specs"])
     checked = {c.kernel.name: c for c in specs if isinstance(c, api.Checked)}
     rows = []
-    for use in block_uses(specs, PRESETS[preset], (tokens,)):
+    for use in block_uses(specs, PRESETS[preset], (tokens,), family_only=True):
         c = checked[use.kernel]
         module = load_module(ROOT / "generated", use.kernel)
         row = KernelRow(preset, tokens, use.kernel, use.where, str(use.shape))

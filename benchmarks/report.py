@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cases import PATTERN_BY_KEY, PRESETS
+from cases import PRESETS
 from measure import l2_bytes
 from runners import BASELINES, CUBLAS
 
@@ -101,8 +101,10 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
           "allocated before it",
           "- variants: eager = plain PyTorch HF-Llama style (baselines.py); torch.compile = the same functions, "
           "default mode, dynamic=False; torch.compile max-autotune = the same with mode='max-autotune'; liger = Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
-          "LigerSiLUMulFunction, liger_rotary_pos_emb, liger_fused_linear_cross_entropy); liger+addnorm = also "
-          "LigerFusedAddRMSNorm for residual add + RMSNorm",
+          "LigerSiLUMulFunction, liger_rotary_pos_emb, liger_fused_linear_cross_entropy), for Qwen3 and Gemma-2 as "
+          "apply_liger_kernel_to_qwen3 / _gemma2 use it (Gemma-2: LigerRMSNormForGemma2, LigerGELUMulFunction, the "
+          "fused linear cross-entropy with softcap); liger+addnorm (Llama only) = also LigerFusedAddRMSNorm for "
+          "residual add + RMSNorm",
           ""]
     groups = []
     for r in rows:
@@ -132,7 +134,8 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
                     cells.append("failed" if r.error else "-")
                 else:
                     cells.append(f"{r.ms:.3f}" + (f" ({r.ms / cub:.2f}x)" if cub else ""))
-            L.append(f"| {PATTERN_BY_KEY[pk].title if pk in PATTERN_BY_KEY else pk} | " + " | ".join(cells) + " |")
+            title = next(r.title for r in grows if r.pattern == pk)   # the preset family's pattern
+            L.append(f"| {title} | " + " | ".join(cells) + " |")
         for v in variants:
             if v not in BASELINES:
                 L += [""] + vs_baselines_table(grows, pats, v)
@@ -160,7 +163,7 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
     md.write_text("\n".join(L) + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [_row_json(r) for r in rows],
                                                   "kernels": [r.as_dict() for r in kernel_rows]}, indent=1) + "\n")
-    if chart:
+    if chart and groups:   # no pattern rows (--patterns kernels): no chart
         try:
             plot(rows, variants, groups, out / f"{stem}.png", env)
         except ImportError as e:

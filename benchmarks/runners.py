@@ -86,11 +86,13 @@ class RawRunner(Runner):
 @dataclass
 class Variant:
     """A registry entry: (pattern key, variant name, factory). The factory gets the Case and returns a
-    Runner, or raises (the row is then reported as failed with the reason)."""
+    Runner, or raises (the row is then reported as failed with the reason). families: the model families
+    (codagen/presets.py) whose presets run it; empty: every family that has the pattern."""
     pattern: str
     name: str
     factory: Callable[[Case], Runner]
     note: str = ""
+    families: tuple = ()
 
 
 CUBLAS = "cuBLAS GEMMs alone"
@@ -138,8 +140,8 @@ def builtin_variants(args) -> list:
             out.append(Variant(p.key, MAX_AUTOTUNE, _compile_factory("max-autotune")))
         if args.liger:
             out.append(Variant(p.key, "liger", _liger_factory("liger")))
-            if p.base != "lm_ce":   # patterns with a residual add + RMSNorm
-                out.append(Variant(p.key, "liger+addnorm", _liger_factory("liger+addnorm")))
+            if p.base != "lm_ce":   # patterns with a residual add + RMSNorm; Liger's Llama only
+                out.append(Variant(p.key, "liger+addnorm", _liger_factory("liger+addnorm"), families=("llama",)))
     return out
 
 

@@ -27,7 +27,7 @@ def rows(gpu: str, tuning_dir: Path) -> dict[str, list[tuple]]:
     out: dict[str, list[tuple]] = {}
     for preset, model in PRESETS.items():
         found = []
-        for use in block_uses(specs, model):
+        for use in block_uses(specs, model, family_only=True):
             if use.kernel not in tables:
                 path = table_path(tuning_dir, gpu, use.kernel)
                 tables[use.kernel] = json.loads(path.read_text())["shapes"] if path.is_file() else {}

@@ -9,49 +9,14 @@ are scaled by sqrt(dim), and the LM head is the embedding matrix (tied), its log
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
+from codagen.presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
 from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
-
-
-@dataclass(frozen=True)
-class Gemma2Shape:
-    """Gemma2Config's fields that the model needs, by their meaning."""
-
-    dim: int
-    ffn_dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_layers: int
-    vocab: int
-    rope_theta: float = 10000.0
-    eps: float = 1e-6
-    query_pre_attn_scalar: int = 256  # attention scores are scaled by its inverse square root
-    attn_softcap: float = 50.0
-    final_softcap: float = 30.0
-    sliding_window: int = 4096  # even layers (0, 2, ...) attend to at most this many past positions
-    pad_token_id: int | None = 0  # the embedding row that gets no gradient from the lookup, as nn.Embedding's
-
-    @property
-    def attn_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def qkv_dim(self) -> int:
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-
-def rope_freqs(shape: Gemma2Shape) -> torch.Tensor:
-    """Per-pair frequencies over the qkv columns: each q and k head's inverse frequencies, 0 for v (unrotated)."""
-    inv = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim)
-    rotated = inv.repeat(shape.n_heads + shape.n_kv_heads)
-    return torch.cat([rotated, torch.zeros(shape.n_kv_heads * shape.head_dim // 2, dtype=torch.float64)]).float()
 
 
 def attention_mask(seq: int, sliding: bool, shape: Gemma2Shape, device) -> torch.Tensor:

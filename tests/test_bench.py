@@ -6,6 +6,7 @@ import json
 import sys
 import types
 
+import pytest
 import torch
 
 from codagen.presets import PRESETS
@@ -63,6 +64,51 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
         assert row.err_ref < 1e-5 and row.err_eager < 1e-5, (key, row.errs)
     assert {n for n in checked["oproj_swiglu.fwdbwd", "codagen"].errs if "@" not in n} == {
         "x1", "y1", "dx0", "dy0", "dwo", "dwn1", "dwg", "dwu"}
+
+
+def test_each_family_runs_its_own_patterns_and_variants():
+    """Qwen3 and Gemma-2 presets run the block and LM-head patterns only, with their own inputs (QK-norm weights;
+    Gemma-2's post-norms), and Liger's fused add + RMSNorm (no part of their Liger patches) stays Llama's."""
+    assert [p.key for p in cases.PRESETS["qwen3-1.7b"].patterns] == ["block.fwd", "block.fwdbwd", "lm_ce.fwd",
+                                                                     "lm_ce.fwdbwd"]
+    assert [p.key for p in cases.PRESETS["gemma2-2b"].patterns] == ["block.fwd", "block.fwdbwd", "lm_ce.fwd",
+                                                                    "lm_ce.fwdbwd"]
+    assert {"wqn", "wkn"} <= set(cases.PRESETS["qwen3-tiny"].patterns[1].leaves)
+    assert {"wna", "wnm"} <= set(cases.PRESETS["gemma2-tiny"].patterns[1].leaves)
+    gemma = cases.PRESETS["gemma2-2b"].dims(32768)
+    assert (gemma.family, gemma.softcap, gemma.q_width, gemma.d) == ("gemma2", 30.0, 2048, 2304)
+    args = bench.parse_args(["--device", "cpu", "--compile"])
+    args.liger = True   # registered as on a GPU (not run here)
+    variants = runners.builtin_variants(args)
+    assert {v.families for v in variants if v.name == "liger+addnorm"} == {("llama",)}
+    assert all(not v.families for v in variants if v.name in ("liger", "torch.compile", MAX_AUTOTUNE))
+    for family, preset in (("qwen3", "qwen3-tiny"), ("gemma2", "gemma2-tiny")):
+        keys = {(v.pattern, v.name) for v in codagen_variants.codagen_variants(cases.PRESETS[preset], 128,
+                                                                                torch.bfloat16)}
+        assert keys == {(p.key, "codagen") for p in cases.PRESETS[preset].patterns} | {
+            ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}, family
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "gemma2-tiny"])
+def test_family_rows_check_against_the_reference_on_the_cpu(preset):
+    """Qwen3's and Gemma-2's block and LM-head rows, forward+backward, built, run and checked as bench.py does, in
+    fp32 against eager and the float64 reference: every output and gradient (the QK-norm and post-norm weights'
+    included) matches to ~1e-6. Timing is left out here (passes 0): the Llama rows above time theirs."""
+    args = bench.parse_args(["--device", "cpu", "--quick", "--dtype", "float32", "--variants", "codagen",
+                             "--patterns", "block.fwdbwd", "lm_ce.fwdbwd", "--passes", "0"])
+    bp = cases.PRESETS[preset]
+    variants = runners.builtin_variants(args) + codagen_variants.codagen_variants(bp, 128, torch.float32)
+    rows = run_case(bp, 128, args, variants, [])
+    assert {(r.pattern, r.variant) for r in rows} == {
+        (p, v) for p in ("block.fwdbwd", "lm_ce.fwdbwd") for v in ("eager", CUBLAS, "codagen")} | {
+        ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}
+    checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
+    for key, row in checked.items():
+        assert not row.error, (key, row.error)
+        assert row.err_ref < 1e-5 and row.err_eager < 1e-5, (key, row.errs)
+    eager_leaves = {"d" + n for n in cases.PRESETS[preset].patterns[1].leaves}
+    assert {n for n in checked["block.fwdbwd", "codagen"].errs if "@" not in n} == {"x2", "q", "k", "v"} | eager_leaves
+    assert {n for n in checked["lm_ce.fwdbwd", "codagen"].errs if "@" not in n} == {"loss", "dxf", "dwnf", "dwv"}
 
 
 def test_rows_become_the_report(tmp_path):

@@ -1,7 +1,8 @@
-"""`codagen tune` and run-time configuration choice, on the CPU: the Llama preset table covers every kernel of
-specs/, candidates are checked against the float64 reference before they are timed (a wrong or failing one
-is discarded, never chosen), tables are deterministic and merge, runtime.pick_config reads what the tuner
-wrote, tunes an untuned shape once per process where that is safe, and CODAGEN_NO_TUNE=1 is honoured.
+"""`codagen tune` and run-time configuration choice, on the CPU: the preset table covers every kernel of specs/
+(each at the presets of the model families whose blocks call it), candidates are checked against the float64
+reference before they are timed (a wrong or failing one is discarded, never chosen), tables are deterministic
+and merge, runtime.pick_config reads what the tuner wrote, tunes an untuned shape once per process where that
+is safe, and CODAGEN_NO_TUNE=1 is honoured.
 GPU-only pieces are replaced: the timer by a fake, gpu_key and the device check by monkeypatch."""
 from __future__ import annotations
 
@@ -108,10 +109,42 @@ def kernels_of_specs() -> list:
 
 
 def test_presets_give_every_kernel_of_specs_its_shapes():
+    """Each kernel gets shapes at every preset whose model family runs a block that calls it (every GEMM kernel
+    no block calls, at every preset), and none at the others: Llama presets leave Gemma-2's kernels alone."""
     for k in kernels_of_specs():
-        for preset in PRESETS:
+        families = set()
+        for preset, model in PRESETS.items():
             found = shapes.preset_shapes(all_specs(), preset, k)
-            assert found and all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in found), (preset, k.name)
+            assert all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in found), (preset, k.name)
+            runs = any(model.runs_block(c.block.name) and k.name in {call.op for _, calls, _ in c.passes()
+                                                                      for call in calls}
+                       for c in all_specs() if isinstance(c, CheckedBlock))
+            assert bool(found) == (runs or k.name == "matmul"), (preset, k.name)
+            if found:
+                families.add(model.family)
+        assert families, k.name
+
+
+def test_family_presets_take_shapes_from_their_own_blocks():
+    buckets = lambda name, preset: [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+        preset, checked(name).kernel, all_specs())]
+    # Gemma-2-2B: out-projection from the attention width (2048) to dim (2304), GeGLU over 2 x 9216 columns
+    assert buckets("gemma_proj_sumsq", "gemma2-2b") == ["8192x2304x2048", "32768x2304x2048", "8192x2304x9216",
+                                                         "32768x2304x9216"]
+    assert buckets("gate_up_geglu", "gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
+    assert buckets("lm_head_logits_softcap", "gemma2-2b") == ["2048x256000x2304"]
+    assert buckets("qkv_qk_norm_rope", "qwen3-1.7b") == ["8192x4096x2048", "32768x4096x2048"]
+    assert buckets("lm_head_logits", "qwen3-1.7b") == ["2048x151936x2048"]  # Llama's LM-head block
+    assert buckets("gate_up_swiglu", "qwen3-1.7b") == ["8192x12288x2048", "32768x12288x2048"]
+    for kernel, preset in (("gate_up_geglu", "llama3-1b"), ("qkv_qk_norm_rope", "gemma2-2b"),
+                           ("qkv_norm_rope", "qwen3-1.7b"), ("gate_up_swiglu", "gemma2-2b")):
+        assert buckets(kernel, preset) == [], (kernel, preset)
+    assert buckets("gate_up_geglu", "llama3-1b,gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
+    # without family_only, every block at a preset's dims: how the GPU tests run every kernel at Llama-1B's
+    llama = PRESETS["llama3-1b"]
+    own = {u.kernel for u in shapes.block_uses(all_specs(), llama, family_only=True)}
+    every = {u.kernel for u in shapes.block_uses(all_specs(), llama)}
+    assert "gate_up_geglu" not in own and every == {k.name for k in kernels_of_specs()} and own < every
 
 
 def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():

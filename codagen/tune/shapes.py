@@ -1,7 +1,8 @@
 """The shapes to tune a kernel at: literal MxNxK, or a preset's, which the block specs give. A block spec
 says which kernel each step calls with which values, and the values' dims are in the block's int attrs
-(dim, ffn_dim, ...); a preset (codagen/presets.py) gives the attrs, the token counts give M, and steps in row
-chunks (backward_row_chunks, forward_with_grads) run their kernels on at most that many rows."""
+(dim, ffn_dim, ...); a preset (codagen/presets.py) gives the attrs and, by its model family, which blocks run,
+the token counts give M, and steps in row chunks (backward_row_chunks, forward_with_grads) run their kernels on
+at most that many rows."""
 from __future__ import annotations
 
 import re
@@ -41,14 +42,17 @@ class Use:
     where: str  # e.g. "post_attention forward: y1 @ w_down^T"
 
 
-def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
+def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = False) -> list[Use]:
     """Every kernel at every shape where the blocks among `specs` (api.load's result) run it for `model`, in
-    block and step order, each with the first step that gives it. A GEMM kernel that no block calls (a plain
-    GEMM) gets every GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one
-    bucket count once per kernel."""
+    block and step order, each with the first step that gives it: with family_only, only the blocks that
+    `model`'s family runs (LlamaShape.runs_block: what tuning and the benchmark take), else every block (a
+    Llama preset then gives every kernel its dims). A GEMM kernel that no block calls (a plain GEMM) gets every
+    GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one bucket count once
+    per kernel."""
     kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
     uses: dict[tuple[str, str], Use] = {}
-    for cb in sorted((c for c in specs if isinstance(c, CheckedBlock)), key=lambda c: c.block.name):
+    blocks = (c for c in specs if isinstance(c, CheckedBlock) and (model.runs_block(c.block.name) or not family_only))
+    for cb in sorted(blocks, key=lambda c: c.block.name):
         attrs = _attr_values(cb.block, model)
         for pass_name, calls, chunk in cb.passes():
             chunk_rows = None if chunk is None else attrs[chunk.value] if chunk.is_name else chunk.value
@@ -59,7 +63,8 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS) -> list[Use]:
                     rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _call_shape(kernel, call, cb, attrs, rows)
                     uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
-    called = {u.kernel for u in uses.values()}
+    called = {call.op for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
+              for call in calls if call.kernel}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
@@ -82,11 +87,12 @@ def _size(d: BlockDim, attrs: dict, rows: int, block: Block) -> Fraction:
         return d.coef * rows
     if d.symbol not in attrs:
         raise TuneError(f"block '{block.name}' ({block.source}) has a dimension in its attr '{d.symbol}', which "
-                        f"model presets do not give; they give {', '.join(LlamaShape.__dataclass_fields__)}, "
-                        "qkv_dim, attn_dim (codagen/presets.py)")
+                        f"model presets do not give; they give {', '.join(_DIMENSIONS)}, qkv_dim, attn_dim "
+                        "(codagen/presets.py)")
     return d.coef * attrs[d.symbol]
 
 
+_DIMENSIONS = [f for f in LlamaShape.__dataclass_fields__ if f != "family"]
 _PER_N = {Dim.N_HALF: Fraction(2), Dim.N: Fraction(1), Dim.N_DOUBLE: Fraction(1, 2)}  # N per column of a dim
 
 
@@ -118,8 +124,12 @@ def _step_text(kernel: Kernel, call: Call) -> str:
 
 
 def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS) -> list[Shape]:
-    """The shapes of block_uses for `kernel` at a preset."""
-    shapes = [u.shape for u in block_uses(specs, PRESETS[preset], tokens) if u.kernel == kernel.name]
+    """The shapes of block_uses for `kernel` at a preset: none where only blocks of other model families call
+    it (tuning all of specs/ at a Llama preset leaves Gemma-2's kernels alone)."""
+    model = PRESETS[preset]
+    shapes = [u.shape for u in block_uses(specs, model, tokens, family_only=True) if u.kernel == kernel.name]
+    if not shapes and _called_by_other_families(specs, model, kernel):
+        return []
     if not shapes:
         blocks = [c.block.name for c in specs if isinstance(c, CheckedBlock)]
         why = (f"no block among the specs given ({', '.join(blocks)}) calls it" if blocks else
@@ -129,12 +139,19 @@ def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS) -> list[Sha
     return shapes
 
 
+def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
+    return any(call.kernel and call.op == kernel.name
+               for cb in specs if isinstance(cb, CheckedBlock) and not model.runs_block(cb.block.name)
+               for _, calls, _ in cb.passes() for call in calls)
+
+
 _LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
 
 
 def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS) -> list[Shape]:
     """`--shapes`: comma-separated presets and literal MxNxK (MxN for kernels without a GEMM); a literal
-    applies to every kernel (K is dropped for those without a GEMM). Shapes of one bucket count once."""
+    applies to every kernel (K is dropped for those without a GEMM), a preset to the kernels its family's
+    blocks call. Shapes of one bucket count once."""
     shapes: dict[str, Shape] = {}
     for item in (s.strip() for s in text.split(",")):
         if item in PRESETS:
