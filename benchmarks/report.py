@@ -100,7 +100,8 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
           "on fp32 inputs (TF32 off; fp64 on the CPU); peak+ = max_memory_allocated during one call minus what was "
           "allocated before it",
           "- variants: eager = plain PyTorch HF-Llama style (baselines.py); torch.compile = the same functions, "
-          "default mode, dynamic=False; torch.compile max-autotune = the same with mode='max-autotune'; liger = Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
+          "default mode, dynamic=False; torch.compile max-autotune = the same with mode='max-autotune'; liger = "
+          "Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
           "LigerSiLUMulFunction, liger_rotary_pos_emb, liger_fused_linear_cross_entropy), for Qwen3 and Gemma-2 as "
           "apply_liger_kernel_to_qwen3 / _gemma2 use it (Gemma-2: LigerRMSNormForGemma2, LigerGELUMulFunction, the "
           "fused linear cross-entropy with softcap); liger+addnorm (Llama only) = also LigerFusedAddRMSNorm for "

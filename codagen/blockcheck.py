@@ -73,7 +73,8 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
             if src is None:
                 sink.add(o.loc, f"output '{o.name}' is an alias of '{o.alias}', which is not an input")
             elif src.dims != o.dims:
-                sink.add(o.loc, f"output '{o.name}' has shape {_fmt(o.dims)} but its alias '{o.alias}' has {_fmt(src.dims)}")
+                sink.add(o.loc, f"output '{o.name}' has shape {_fmt(o.dims)} but its alias '{o.alias}' has "
+                                f"{_fmt(src.dims)}")
             else:
                 used.add(o.alias)
             continue
@@ -389,7 +390,7 @@ def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
     if d not in (Dim.TILES_M, Dim.TILES_N):
         return None
     size = sizes.get("M" if d is Dim.TILES_M else "N")
-    return BlockDim(Fraction(1), f"tiles({size if size is not None else d.value[6]})")
+    return BlockDim(Fraction(1), d.value if size is None else f"tiles({size})")
 
 
 def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, group: int | None) -> bool:
@@ -516,7 +517,9 @@ def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) 
             return None
         return [Value(x.dims[:1], "float32")]
     if op in ("row_weights", "reduce_loss"):
-        want = (("target", "index"), ("token_weights", "float32")) + ((("x", "float32"),) if op == "reduce_loss" else ())
+        want = (("target", "index"), ("token_weights", "float32"))
+        if op == "reduce_loss":
+            want += (("x", "float32"),)
         for name, dtype in want:
             v = vals.get(name)
             if v is not None and (v.dims != (TOKENS,) or v.dtype != dtype):
@@ -564,7 +567,7 @@ def _elementwise_type(op: str, operands: list, loc, sink) -> list[Value] | None:
             return None
     shapes = {v.dims for _, v in operands if v.dims != ()}
     if len(shapes) > 1:
-        (xn, x), (yn, y) = operands
+        (_, x), (_, y) = operands
         sink.add(loc, f"{op}: x is {_fmt(x.dims)} and y is {_fmt(y.dims)}; elementwise finish steps take values "
                       "of one shape, or one value and a scalar")
         return None

@@ -12,8 +12,8 @@ state_dict() / save_pretrained() write the Hugging Face layout again. docs/huggi
 and what is refused.
 
 `transformers` is imported here only, inside the functions: `import codagen` never needs it. On a machine without a
-GPU, import codagen.hf before transformers' models (they import triton, and Triton's interpreter must be switched on
-first).
+GPU, importing codagen.hf switches Triton's interpreter on (codagen.runtime), also when transformers' models, which
+import triton, were imported first.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-# the runtime before transformers, whose models import triton: without a GPU, the runtime has to switch Triton's
-# interpreter on before triton loads
+# without a GPU, the runtime switches Triton's interpreter on, for the generated kernels these functions run
 from . import runtime  # noqa: F401
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
 
@@ -324,6 +323,7 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
     autocast_dtype = _autocast_dtype(inputs_embeds.device)
     cast = (lambda t: t) if autocast_dtype is None else (lambda t: t.to(autocast_dtype))
+
     def run_layer(x, h, rstd, layer, wn_next):
         attn, mlp = layer.self_attn, layer.mlp
         qkv_weight = cast(attn.qkv_proj.weight)

@@ -302,7 +302,8 @@ forward:
   - sum_tiles: {x: parts, out: total}
   - mul: {x: total, y: lam, out: scaled}
   - add: {x: scaled, y: 1.0, out: shifted}
-  - reduce_loss: {x: shifted, target: target, classes: width, ignore_index: -100, reduction: red, loss: loss, weights: _}
+  - reduce_loss: {x: shifted, target: target, classes: width, ignore_index: -100, reduction: red, loss: loss,
+                  weights: _}
 """
 
 

@@ -385,7 +385,8 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
     gluon_module = importlib.import_module(f"generated.kernels.gluon.{name}")
     chosen = runtime.Config(128, 128, 64, 8, 4, 4, backend="gluon")
     launches, gluon_launch = [], gluon_module.launch
-    monkeypatch.setattr(gluon_module, "launch", lambda *a, **kw: launches.append(kw["config"]) or gluon_launch(*a, **kw))
+    monkeypatch.setattr(gluon_module, "launch",
+                        lambda *a, **kw: launches.append(kw["config"]) or gluon_launch(*a, **kw))
     m, n, k = RAGGED["ragged1037x1000x872"]
     module = ViaConfig(importlib.import_module(f"generated.kernels.{name}"), chosen)
     check_launch(f"gpu tl->gluon {name} bf16", KERNELS[name], module, {"M": m, "N": n, "K": k}, torch.bfloat16,

@@ -30,7 +30,8 @@ def test_generated_code_imports_only_torch_triton_and_the_runtime():
     """Blocks and kernels (Triton and Gluon) at run time: none of the generator (YAML loader, templates, CLI), and
     of codagen only the runtime."""
     result = python("import sys, generated.blocks, generated.kernels, generated.kernels.gluon\n"
-                    "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jinja2', 'yaml', 'click', 'markupsafe')"
+                    "print(sorted(m for m in sys.modules"
+                    " if m.split('.')[0] in ('jinja2', 'yaml', 'click', 'markupsafe')"
                     " or (m.split('.')[0] == 'codagen' and m != 'codagen' and not m.startswith('codagen.runtime'))))")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "[]\n"
@@ -65,9 +66,11 @@ def test_generated_kernels_work_after_triton_was_imported(first):
                     "import torch\n"
                     "from generated.kernels import out_proj_residual_norm\n"
                     "g = torch.Generator().manual_seed(0)\n"
-                    "y, w, x = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((37, 29), (50, 29), (37, 50)))\n"
+                    "y, w, x = (torch.randn(s, generator=g, dtype=torch.float64)\n"
+                    "           for s in ((37, 29), (50, 29), (37, 50)))\n"
                     "wn = torch.randn(50, generator=g, dtype=torch.float64)\n"
-                    "x_out, h, ss = torch.ops.codagen.out_proj_residual_norm(y.float(), w.float(), x.float(), wn.float())\n"
+                    "x_out, h, ss = torch.ops.codagen.out_proj_residual_norm(y.float(), w.float(), x.float(),\n"
+                    "                                                         wn.float())\n"
                     "want = x + y @ w.T\n"
                     "from codagen.runtime import finish\n"
                     "part = torch.randn(37, 5, generator=g, dtype=torch.float64)\n"

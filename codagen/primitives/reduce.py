@@ -93,6 +93,7 @@ REDUCE = Primitive(
     "reduce: {op: sumsq, x: x_new, axis: cols, to: ss}",
     check=_check, reference=_reference, emitters={"tl": _emit, "gluon": _emit})
 
+
 def _check_group(c) -> ValueType | None:
     x = c.typed("x")
     if c.kernel.column_group is None:
@@ -116,7 +117,7 @@ def _emit_group(e, s):
         e.assign(s, f"tile.partial_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, OP={op}, AXIS=1)")
         return
     e.assign(s, f"tile.group_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
-                f"OP={_BY_NAME[s.args['op']].constant})")
+                f"OP={op})")
 
 
 def _reference_group(r, s):
