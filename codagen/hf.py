@@ -128,6 +128,14 @@ def _check_type(name: str, module: nn.Module, kind: type) -> None:
                         "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
 
 
+def _check_lm_head(lm_head: nn.Module) -> None:
+    """transformers' Llama LM head is a Linear without bias; lm_head_loss has no bias to add."""
+    _check_type("lm_head", lm_head, nn.Linear)
+    if lm_head.bias is not None:
+        raise TypeError("apply_codagen: lm_head has a bias, which transformers' Llama LM head does not have and "
+                        "codagen's loss block does not add")
+
+
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default"))
@@ -396,7 +404,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     _check_call(self.config, kwargs)
-    _check_type("lm_head", self.lm_head, nn.Linear)
+    _check_lm_head(self.lm_head)
     return_dict = kwargs.pop("return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -447,7 +455,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
         raise ValueError("apply_codagen: this model is already patched")
     check_config(model.config)
     check_modules(llama)
-    _check_type("lm_head", model.lm_head, nn.Linear)
+    _check_lm_head(model.lm_head)
     if chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     for i, layer in enumerate(llama.layers):

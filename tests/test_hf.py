@@ -304,3 +304,11 @@ def test_modified_modules_are_refused():
     ids, labels = tokens_and_labels()
     with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.0\.mlp\.down_proj" + message):
         patched(input_ids=ids, labels=labels)
+
+
+def test_lm_head_with_bias_is_refused():
+    """lm_head_loss adds no bias: an LM head given one (transformers' Llama has none) is refused, not dropped."""
+    model = tiny_llama()
+    model.lm_head = torch.nn.Linear(64, VOCAB, bias=True).to(DEVICE)
+    with pytest.raises(TypeError, match="^apply_codagen: lm_head has a bias"):
+        apply_codagen(model)
