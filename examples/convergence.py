@@ -20,7 +20,7 @@ import math
 import time
 from pathlib import Path
 
-import codagen.hf  # before transformers' models, which import triton (Triton's interpreter without a GPU)
+import codagen.hf
 import torch
 
 PRESETS = {

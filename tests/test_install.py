@@ -13,7 +13,7 @@ from conftest import REPO
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache")
 
 USE = """
-import codagen.hf  # before transformers' models, which import triton
+import codagen.hf
 import sys, torch, transformers, codagen, codagen_generated
 config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)

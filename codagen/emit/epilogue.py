@@ -36,6 +36,7 @@ class EpilogueEmitter:
         self.widths: set[Width] = set()
         self.tile_masks: set[Width] = set()
         self.joined: set[str] = set()  # tiles of pairs interleaved again for a store
+        self.pair_tile_mask = False  # whether the columns and mask of tiles of pairs (2*BLOCK_N) are declared
         self.groups = False  # whether the column groups' indices and mask are declared
 
     # -- declarations -------------------------------------------------------------------------------------
@@ -193,8 +194,8 @@ class EpilogueEmitter:
 
     def pair_tile_ptr_mask(self, name: str) -> tuple[str, str]:
         """Pointers and mask of a tile of pairs: its 2*BLOCK_N contiguous columns of each row."""
-        if "pair_tile" not in self.tile_masks:
-            self.tile_masks.add("pair_tile")
+        if not self.pair_tile_mask:
+            self.pair_tile_mask = True
             self.lines += ["cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)",
                            "tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]"]
         return (f"{name}_ptr + rows[:, None] * stride_{name}_m + cols_double[None, :] * stride_{name}_n",
