@@ -300,11 +300,12 @@ def test_removing_a_spec_removes_its_module(built):
     result = ok(codagen("build", "specs/", cwd=built))
     assert f"generated/kernels/{gone}.py" in result.stdout
     assert "generated/kernels/__init__.py" in result.stdout  # its index no longer lists the kernel
-    # and the Hopper package's index, which lists the kernels that keep the tl path only
+    # and the Hopper package's index and its module of the kernel
     assert "generated/kernels/gluon/__init__.py" in result.stdout
-    assert "generated/: 2 file(s) written, 1 removed" in result.stdout
+    assert f"generated/kernels/gluon/{gone}.py" in result.stdout
+    assert "generated/: 2 file(s) written, 2 removed" in result.stdout
     files = snapshot(built / "generated")
-    assert f"kernels/{gone}.py" not in files
+    assert f"kernels/{gone}.py" not in files and f"kernels/gluon/{gone}.py" not in files
     assert gone.encode() not in files["kernels/__init__.py"]
     ok(codagen("build", "specs/", "--check", cwd=built))
 

@@ -58,15 +58,28 @@ def test_valid_python_importing_nothing_at_package_level():
 
 def test_unlowered_steps_named_and_kept_on_tl():
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    gate_up = [str(f) for f in unlowered(*kernels["gate_up_swiglu"])]
-    assert any(line.startswith("specs/gate_up_swiglu.yaml:") and "swiglu: {x: zv, out: yv}" in line
-               and "keeps the tl kernel only" in line for line in gate_up)
+    rope = [str(f) for f in unlowered(*kernels["qkv_norm_rope"])]
+    assert any(line.startswith("specs/qkv_norm_rope.yaml:") and "rope: {x: z, positions: positions" in line
+               and "no Gluon lowering of 'rope' yet" in line and "keeps the tl kernel only" in line for line in rope)
     no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
     assert no_gemm and all("no GEMM" in line for line in no_gemm)
     files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/gate_up_swiglu.py" not in files
-    assert "gate_up_swiglu keeps" in files["kernels/gluon/__init__.py"]
-    assert any("gate_up_swiglu.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+    assert "kernels/gluon/qkv_norm_rope.py" not in files
+    assert "qkv_norm_rope keeps" in files["kernels/gluon/__init__.py"]
+    assert any("qkv_norm_rope.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+
+
+def test_gated_activations_of_the_accumulator_are_lowered():
+    """SwiGLU of the accumulator's pairs: split in registers, its half-width output stored by TMA through the
+    first half of an epilogue buffer; pairs loaded from memory keep the tl kernel."""
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    assert unlowered(*kernels["gate_up_swiglu"]) == []
+    source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
+    assert "yv = tile.swiglu(zv)" in source
+    assert "hopper.store_half_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
+    assert "hopper.descriptor(y, [config.block_m, config.block_n // 2])" in source
+    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
+    assert any("no Gluon lowering of pairs loaded from memory" in line for line in dgrad)
 
 
 def test_column_groups_kept_on_tl():
@@ -81,16 +94,18 @@ def test_column_groups_kept_on_tl():
 
 
 def test_cli_build_notes_the_fallbacks(tmp_path):
-    spec = tmp_path / "specs" / "gated.yaml"
+    spec = tmp_path / "specs" / "rotated.yaml"
     spec.parent.mkdir()
-    spec.write_text("kernel: gated\ndoc: A GEMM with SwiGLU.\ngemm: {a: a, b: b, b_layout: nk}\n"
-                    "inputs: {a: [M, K], b: [N, K]}\noutputs: {y: [M, N/2]}\n"
-                    "epilogue:\n  - swiglu: {x: acc, out: s}\n  - store: {x: s, to: y}\n")
+    spec.write_text("kernel: rotated\ndoc: A GEMM with RoPE.\ngemm: {a: a, b: b, b_layout: nk}\n"
+                    "inputs: {a: [M, K], b: [N, K], p: {shape: [M], dtype: index}, f: {shape: [N/2], dtype: float32}}\n"
+                    "outputs: {y: [M, N]}\n"
+                    "epilogue:\n  - rope: {x: acc, positions: p, freqs: f, out: s}\n  - store: {x: s, to: y}\n")
     run = subprocess.run([sys.executable, "-m", "codagen", "build", "specs/"], cwd=tmp_path, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
-    assert "note: specs/gated.yaml:7:5: swiglu: {x: acc, out: s}: no Gluon lowering of 'swiglu' yet" in run.stderr
-    assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated.py").exists()
+    assert ("note: specs/rotated.yaml:7:5: rope: {x: acc, positions: p, freqs: f, out: s}: no Gluon lowering of "
+            "'rope' yet") in run.stderr
+    assert not (tmp_path / "generated" / "kernels" / "gluon" / "rotated.py").exists()
 
 
 def test_lowering_is_one_registry_entry(monkeypatch):

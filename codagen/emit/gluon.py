@@ -5,7 +5,9 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
 
 - tile inputs of type T arrive by TMA into shared memory while the tile's mainloop runs, and are read from
   there into the accumulator's register layout when the epilogue starts;
-- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`);
+- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile half the
+  accumulator's width, a gated activation (SwiGLU, GeGLU) of its pairs split in registers, goes through the
+  first half of a buffer's memory (`hopper.store_half_tile`);
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
 
 Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
@@ -27,6 +29,8 @@ from ..primitives import step_text, unsupported_steps
 from .epilogue import EpilogueEmitter, fit
 from .kernel import AXIS, tensor_args, wrap
 from .templates import render
+
+GATED = ("swiglu", "geglu")  # pairwise steps on the accumulator's pairs that the Hopper backend lowers
 
 @dataclass(frozen=True)
 class Fallback:
@@ -50,10 +54,15 @@ def tma_inputs(k: Kernel) -> list[str]:
 
 
 def tma_outputs(k: Kernel) -> list[str]:
-    """Outputs stored as tiles of type T at full width: written by TMA from the epilogue's buffers."""
+    """Outputs stored as tiles of type T, N or N/2 wide: written by TMA from the epilogue's buffers."""
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
-            and len(o.dims) == 2 and o.dims[1].width is Width.FULL]
+            and len(o.dims) == 2 and o.dims[1].width in (Width.FULL, Width.HALF)]
+
+
+def half_width(k: Kernel, name: str) -> bool:
+    """Whether an output's tiles are half the accumulator's width (a gated activation's)."""
+    return k.output(name).dims[1].width is Width.HALF
 
 
 def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
@@ -74,8 +83,12 @@ def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | No
     if s.op == "store" and types[s.args["x"]].kind is Kind.TILE and s.target not in tma_outputs(k):
         return "only tiles of type T at full width are stored, through TMA"
     operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
-    if any(types[v].width in (Width.HALF, Width.DOUBLE) for v in operands):
-        return "no Gluon lowering of pairs (N/2 or 2*N columns) yet"
+    if any(types[v].width is Width.DOUBLE for v in operands):
+        return "no Gluon lowering of pairs loaded from memory (2*N columns) yet"
+    # a value N/2 wide lies in the layout that splitting the pairs gives; only a TMA store takes it as it is
+    halves = [v for v in operands if types[v].width is Width.HALF]
+    if halves and not (s.op == "store" or (s.op in GATED and halves == [s.out])):
+        return "a value N/2 wide is only stored by the Hopper backend yet (no other step takes its layout)"
     if any(types[v].kind is Kind.GROUP for v in operands):
         return "no Gluon lowering of column groups (group values [M, groups(N)]) yet"
     for v in operands:
@@ -111,6 +124,10 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         # tile starts with every store done (before its inputs' TMA loads)
         buffer = self.stores % self.buffers
         self.stores += 1
+        if half_width(self.kernel, s.target):  # through the first half of the buffer's memory
+            self.lines.append(f"hopper.store_half_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
+                              f"pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING={self.buffers - 1})")
+            return
         self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
                           f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
 
@@ -181,6 +198,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         epilogue=epilogue,
         tma_inputs=ins,
         tma_outputs=outs,
+        half_outputs=[o for o in outs if half_width(k, o)],
         buffers=buffers,
         scratch=epilogue_scratch(k),
         pointers=pointers,

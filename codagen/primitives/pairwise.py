@@ -45,7 +45,10 @@ def gated(name: str, act, act_name: str) -> Primitive:
     return Primitive(
         name, (X, OUT), f"out_j = {act_name}(g_j) · u_j, on the interleaved pairs (g_j, u_j) = (x_2j, x_2j+1).",
         "x: a tile of width N or 2*N; out: a tile of half that width.", f"{name}: {{x: zv, out: yv}}",
-        check=_check_gated, reference=reference, emitters={"tl": _emit_gated})
+        check=_check_gated, reference=reference,
+        # Gluon: the tile's halves are split in registers (tile.split_pairs) in a layout derived from the
+        # accumulator's; the Hopper backend takes pairs computed in registers only (emit/gluon.py)
+        emitters={"tl": _emit_gated, "gluon": _emit_gated})
 
 
 # -- their backward: (dy, saved pairs) -> interleaved (d gate, d up) -----------------------------------------

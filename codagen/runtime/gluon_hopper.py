@@ -246,6 +246,21 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
     return acc
 
 
+# a shared-memory buffer viewed as another block shape: `reinterpret` since Triton 3.9, `_reinterpret` before
+REINTERPRET_PUBLIC: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def store_half_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
+    """store_tile of a value half the tile's width (a gated activation of the tile's pairs), through the first
+    half of the buffer's memory, in the layout of the output's descriptor."""
+    if REINTERPRET_PUBLIC:
+        half = buffer.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    else:
+        half = buffer._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    store_tile(desc, half, value, row, col, PENDING)
+
+
 @gluon.jit
 def store_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
     """TMA store of an epilogue value through a shared-memory buffer, once at most PENDING of this consumer's
