@@ -60,6 +60,8 @@ def test_the_default_tile_is_widened_to_whole_groups(test_kernels):
     assert configs.widened(configs.GPU_DEFAULT, 64) == configs.GPU_DEFAULT
     split = Config(128, 128, 64, epilogue_split=2)
     assert configs.widened(split, 128).epilogue_n == 128
+    # slices of 512 columns would need a 1024-wide tile: the widest tile, its epilogue whole
+    assert (configs.widened(split, 512).block_n, configs.widened(split, 512).epilogue_split) == (512, 1)
 
 
 def test_runtime_candidates_hold_whole_groups():

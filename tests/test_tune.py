@@ -201,6 +201,14 @@ def test_presets_need_the_block_specs():
         shapes.parse_shapes("llama3-1b", rms, no_norm_stats)
 
 
+def test_a_kernel_named_at_presets_that_never_run_it_is_refused(tmp_path):
+    """gate_up_geglu runs in Gemma-2's blocks only: named with --kernels at a Llama preset, it would tune nothing."""
+    with pytest.raises(TuneError, match="no block of the presets in --shapes .llama3-1b. runs gate_up_geglu"):
+        command.jobs([REPO / "specs"], "llama3-1b", REPO / "generated", kernels="gate_up_geglu,matmul")
+    assert [j.checked.kernel.name for j in command.jobs([REPO / "specs"], "llama3-1b", REPO / "generated",
+                                                        kernels="matmul")] == ["matmul"]
+
+
 def test_literal_shapes_apply_to_every_kernel():
     assert [s.bucket for s in shapes.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
         "128x64x32", "8x8x8"]  # 100 and 128 rows share a bucket

@@ -150,7 +150,10 @@ def widened(config: Config, group: int | str | None, n: int | None = None) -> Co
     if group == "N":
         block_n = _row_width(n) * config.epilogue_split
         return dataclasses.replace(config, block_n=block_n) if block_n <= MAX_BLOCK else config
-    return dataclasses.replace(config, block_n=max(config.block_n, group * config.epilogue_split))
+    block_n = max(config.block_n, group * config.epilogue_split)
+    if block_n > MAX_BLOCK:  # slices of whole groups would be too wide a tile: the epilogue on the whole tile
+        return dataclasses.replace(config, block_n=max(config.block_n, group), epilogue_split=1)
+    return dataclasses.replace(config, block_n=block_n)
 
 
 def check_group(kernel: str, config: Config, group: int | str, n: int) -> None:

@@ -69,6 +69,10 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
                             "now; run codagen build first")
         selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks),
                             configs.table_path(tuning_dir, gpu, c.kernel.name)))
+    idle = [j.checked.kernel.name for j in selected if not j.shapes]
+    if kernels and idle:  # asked for by name: a kernel that would be skipped is an error, not a silent no-op
+        raise TuneError(f"--kernels: no block of the presets in --shapes ({shapes}) runs {', '.join(idle)}; give "
+                        "a preset of the model family whose blocks call it, or MxNxK shapes")
     return selected
 
 
