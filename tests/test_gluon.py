@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from codagen import api
 from codagen.emit.gluon import render_gluon, unlowered
 from codagen.primitives import PRIMITIVES
-from codagen.runtime import Config
+from codagen.runtime import Config, tile
 
 LOWERED = {p.name for p in PRIMITIVES.values() if "gluon" in p.emitters}  # primitives with a Gluon emitter
 
@@ -58,22 +60,27 @@ def test_valid_python_importing_nothing_at_package_level():
 
 def test_unlowered_steps_named_and_kept_on_tl():
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    rope = [str(f) for f in unlowered(*kernels["qkv_norm_rope"])]
-    assert any(line.startswith("specs/qkv_norm_rope.yaml:") and "rope: {x: z, positions: positions" in line
-               and "no Gluon lowering of 'rope' yet" in line and "keeps the tl kernel only" in line for line in rope)
+    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
+    assert any(line.startswith("specs/backward/swiglu_dgrad.yaml:") and "swiglu_bwd: {dy: acc, x: z" in line
+               and "no Gluon lowering of 'swiglu_bwd' yet" in line and "keeps the tl kernel only" in line
+               for line in dgrad)
     no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
     assert no_gemm and all("no GEMM" in line for line in no_gemm)
     files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/qkv_norm_rope.py" not in files
-    assert "qkv_norm_rope keeps" in files["kernels/gluon/__init__.py"]
-    assert any("qkv_norm_rope.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+    assert "kernels/gluon/swiglu_dgrad.py" not in files
+    assert "swiglu_dgrad keeps" in files["kernels/gluon/__init__.py"]
+    assert any("swiglu_dgrad.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
 
 
-def test_gated_activations_of_the_accumulator_are_lowered():
+def test_pairs_of_the_accumulator_are_lowered():
     """SwiGLU of the accumulator's pairs: split in registers, its half-width output stored by TMA through the
-    first half of an epilogue buffer; pairs loaded from memory keep the tl kernel."""
+    first half of an epilogue buffer; RoPE with its frequencies loaded per column; pairs loaded from memory
+    keep the tl kernel."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    assert unlowered(*kernels["gate_up_swiglu"]) == []
+    assert unlowered(*kernels["gate_up_swiglu"]) == [] and unlowered(*kernels["qkv_norm_rope"]) == []
+    rope = render_gluon([kernels["qkv_norm_rope"]], "codagen build specs/")["kernels/gluon/qkv_norm_rope.py"]
+    assert "freqs_of_columns = tl.load(freqs_ptr + (cols // 2) * stride_freqs_n, mask=col_mask" in rope
+    assert "tile.rope_by_columns(z, positions.to(tl.float32), freqs_of_columns, INVERSE=False)" in rope
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
     assert "hopper.store_half_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
@@ -94,18 +101,17 @@ def test_column_groups_kept_on_tl():
 
 
 def test_cli_build_notes_the_fallbacks(tmp_path):
-    spec = tmp_path / "specs" / "rotated.yaml"
+    spec = tmp_path / "specs" / "gated_bwd.yaml"
     spec.parent.mkdir()
-    spec.write_text("kernel: rotated\ndoc: A GEMM with RoPE.\ngemm: {a: a, b: b, b_layout: nk}\n"
-                    "inputs: {a: [M, K], b: [N, K], p: {shape: [M], dtype: index}, f: {shape: [N/2], dtype: float32}}\n"
-                    "outputs: {y: [M, N]}\n"
-                    "epilogue:\n  - rope: {x: acc, positions: p, freqs: f, out: s}\n  - store: {x: s, to: y}\n")
+    spec.write_text("kernel: gated_bwd\ndoc: A GEMM with SwiGLU's backward.\ngemm: {a: a, b: b, b_layout: nk}\n"
+                    "inputs: {a: [M, K], b: [N, K], z: [M, 2*N]}\noutputs: {dz: [M, 2*N]}\n"
+                    "epilogue:\n  - swiglu_bwd: {dy: acc, x: z, out: d}\n  - store: {x: d, to: dz}\n")
     run = subprocess.run([sys.executable, "-m", "codagen", "build", "specs/"], cwd=tmp_path, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
-    assert ("note: specs/rotated.yaml:7:5: rope: {x: acc, positions: p, freqs: f, out: s}: no Gluon lowering of "
-            "'rope' yet") in run.stderr
-    assert not (tmp_path / "generated" / "kernels" / "gluon" / "rotated.py").exists()
+    assert "note: specs/gated_bwd.yaml:7:5: swiglu_bwd: {dy: acc, x: z, out: d}: no Gluon lowering of 'swiglu_bwd' " \
+           "yet" in run.stderr
+    assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated_bwd.py").exists()
 
 
 def test_lowering_is_one_registry_entry(monkeypatch):
@@ -288,3 +294,26 @@ def test_hopper_config_from_a_tl_launchers_config():
         128, 128, 64, stages=5, group_m=16)
     with pytest.raises(ValueError, match="tl backend given to a Hopper"):
         hopper.launch_config(Config(), epilogue)
+
+
+@triton.jit
+def _ropes(x_ptr, pos_ptr, freqs_ptr, by_pair_ptr, by_column_ptr, INVERSE: tl.constexpr):
+    """RoPE of a 16x32 tile both ways: frequencies per pair (tile.rope) and per column (tile.rope_by_columns)."""
+    rows, cols, pairs = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, 16)
+    x = tl.load(x_ptr + rows[:, None] * 32 + cols[None, :])
+    pos = tl.load(pos_ptr + rows).to(tl.float32)
+    tl.store(by_pair_ptr + rows[:, None] * 32 + cols[None, :], tile.rope(x, pos, tl.load(freqs_ptr + pairs), INVERSE))
+    tl.store(by_column_ptr + rows[:, None] * 32 + cols[None, :],
+             tile.rope_by_columns(x, pos, tl.load(freqs_ptr + cols // 2), INVERSE))
+
+
+def test_rope_by_columns_is_rope():
+    """The Hopper kernels' RoPE (frequencies per column, angles split as the tile is) against the tl kernels'
+    (frequencies per pair), forward and inverse, under the interpreter on fresh random data."""
+    x, freqs = torch.randn(16, 32), torch.rand(16)
+    positions = torch.randint(0, 4096, (16,))
+    for inverse in (False, True):
+        by_pair, by_column = torch.empty_like(x), torch.empty_like(x)
+        _ropes[(1,)](x, positions, freqs, by_pair, by_column, inverse)
+        assert torch.equal(by_pair, by_column)
+        assert not torch.equal(by_pair, x)

@@ -7,7 +7,8 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
   there into the accumulator's register layout when the epilogue starts;
 - stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile half the
   accumulator's width, a gated activation (SwiGLU, GeGLU) of its pairs split in registers, goes through the
-  first half of a buffer's memory (`hopper.store_half_tile`);
+  first half of a buffer's memory (`hopper.store_half_tile`); a rotation (RoPE) of its pairs takes its
+  per-pair frequencies loaded once per column, in the accumulator's column layout;
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
 
 Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
@@ -31,6 +32,7 @@ from .kernel import AXIS, tensor_args, wrap
 from .templates import render
 
 GATED = ("swiglu", "geglu")  # pairwise steps on the accumulator's pairs that the Hopper backend lowers
+ROTARY = ("rope", "rope_bwd")  # and rotations of them, whose per-pair frequencies it loads per column
 
 @dataclass(frozen=True)
 class Fallback:
@@ -87,6 +89,10 @@ def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | No
         return "no Gluon lowering of pairs loaded from memory (2*N columns) yet"
     # a value N/2 wide lies in the layout that splitting the pairs gives; only a TMA store takes it as it is
     halves = [v for v in operands if types[v].width is Width.HALF]
+    if s.op in ROTARY and halves == [s.args["freqs"]]:
+        if k.input(s.args["freqs"]) is None:
+            return "the frequencies of a rotation are loaded by column in Gluon: an input only"
+        halves = []
     if halves and not (s.op == "store" or (s.op in GATED and halves == [s.out])):
         return "a value N/2 wide is only stored by the Hopper backend yet (no other step takes its layout)"
     if any(types[v].kind is Kind.GROUP for v in operands):
@@ -130,6 +136,15 @@ class GluonEpilogueEmitter(EpilogueEmitter):
             return
         self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
                           f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
+
+    def column_frequencies(self, name: str) -> str:
+        """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column
+        layout: both columns of a pair read its value."""
+        if f"{name}_of_columns" not in self.loaded:
+            self.loaded.add(f"{name}_of_columns")
+            self.lines.append(f"{name}_of_columns = tl.load({name}_ptr + (cols // 2) * stride_{name}_n, "
+                              "mask=col_mask, other=0.0).to(tl.float32)")
+        return f"{name}_of_columns"
 
     def t_dtype(self) -> str:
         # the tl text names T by an input's pointer; here the GEMM operand's TMA descriptor names it

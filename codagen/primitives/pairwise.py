@@ -117,6 +117,12 @@ def _emit_rotary(e, s):
         e.assign(s, f"tile.rope({args})")
 
 
+def _emit_rotary_by_columns(e, s):
+    """Gluon: the frequencies loaded once per column (cols // 2), in the accumulator's column layout."""
+    pos, freqs = e.ref(s.args["positions"]), e.column_frequencies(s.args["freqs"])
+    e.assign(s, f"tile.rope_by_columns({e.ref(s.args['x'])}, {pos}, {freqs}, INVERSE={s.op == 'rope_bwd'})")
+
+
 def rotary(name: str, doc: str, inverse: bool) -> Primitive:
     def reference(r, s):
         angle = r.value(s.args["positions"]).to(r.dtype)[:, None] * r.value(s.args["freqs"])[None, :]
@@ -130,7 +136,7 @@ def rotary(name: str, doc: str, inverse: bool) -> Primitive:
         "x: a tile of width N or 2*N; positions: a row vector (an index input or a value); freqs: a column "
         "vector of half x's width; out: like x.",
         f"{name}: {{x: z, positions: positions, freqs: freqs, out: rotated}}",
-        check=_check_rotary, reference=reference, emitters={"tl": _emit_rotary})
+        check=_check_rotary, reference=reference, emitters={"tl": _emit_rotary, "gluon": _emit_rotary_by_columns})
 
 
 PRIMITIVES = (

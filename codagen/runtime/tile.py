@@ -141,6 +141,20 @@ def rope(x, positions, freqs, INVERSE: tl.constexpr):
 
 
 @triton.jit
+def rope_by_columns(x, positions, column_freqs, INVERSE: tl.constexpr):
+    """rope of a tile of interleaved pairs given each column's frequency (a pair's two columns share one): the
+    angles are made in the tile's own layout and split as the tile is, so no value changes layout (the Hopper
+    kernels, whose accumulator layout a vector of half the width cannot take)."""
+    angle, _ = split_pairs(positions[:, None] * column_freqs[None, :])
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    if INVERSE:
+        sin = -sin
+    even, odd = split_pairs(x)
+    return join_pairs(even * cos - odd * sin, even * sin + odd * cos)
+
+
+@triton.jit
 def _expand(v, AXIS: tl.constexpr):
     if AXIS == 2:
         return v[:, :, None]
