@@ -16,6 +16,7 @@ from torch import nn
 
 from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
 from codagen.presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
+from examples.llama import rope_tables, rotate
 from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
 
 
@@ -151,11 +152,6 @@ class RMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 class PlainGemma2(nn.Module):
     """Parameter names follow transformers' Gemma2ForCausalLM (lm_head tied to the embeddings), so from_hf
     and to_hf apply to its state dict."""
@@ -188,10 +184,7 @@ class PlainGemma2(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = self.shape
         batch, seq = tokens.shape
-        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
-        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
-        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
-        cos, sin = emb.cos().float(), emb.sin().float()
+        cos, sin = rope_tables(s, seq, tokens.device)
         embed = self.model.embed_tokens
         x = embed(tokens) * torch.tensor(math.sqrt(s.dim), dtype=embed.weight.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -200,8 +193,7 @@ class PlainGemma2(nn.Module):
             q = a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim).transpose(1, 2)
             k = a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
             v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
-            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
-            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            q, k = rotate(q, cos, sin).to(n.dtype), rotate(k, cos, sin).to(n.dtype)
             y = attend(q, k, v, i, s).transpose(1, 2).reshape(batch, seq, s.attn_dim)
             x = x + layer.post_attention_layernorm(a.o_proj(y))
             m = layer.mlp

@@ -71,9 +71,18 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate_half(x):
+def rope_tables(shape, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's RoPE cos and sin for positions 0..seq-1, [seq, head_dim], angles in float64 (fp32 tables)."""
+    inv = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim)
+    angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat([angle, angle], dim=-1).to(device)
+    return emb.cos().float(), emb.sin().float()
+
+
+def rotate(x, cos, sin):
+    """Hugging Face's RoPE on a head's halves (rotate_half): dim j pairs with j + head_dim/2."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class PlainLlama(nn.Module):
@@ -107,10 +116,7 @@ class PlainLlama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = self.shape
         batch, seq = tokens.shape
-        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
-        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
-        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
-        cos, sin = emb.cos().float(), emb.sin().float()
+        cos, sin = rope_tables(s, seq, tokens.device)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             n = layer.input_layernorm(x)
@@ -118,8 +124,7 @@ class PlainLlama(nn.Module):
             q = a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim).transpose(1, 2)
             k = a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
             v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
-            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
-            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            q, k = rotate(q, cos, sin).to(n.dtype), rotate(k, cos, sin).to(n.dtype)
             groups = s.n_heads // s.n_kv_heads
             y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                                is_causal=True)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
-from examples.llama import RMSNorm, attention, rotate_half
+from examples.llama import RMSNorm, attention, rope_tables, rotate
 from generated.blocks import LmHeadLoss, NormStats, Qwen3PostAttention, Qwen3PreAttention
 
 HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
@@ -128,10 +128,7 @@ class PlainQwen3(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = self.shape
         batch, seq = tokens.shape
-        inv = 1.0 / s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim)
-        angle = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None, :]
-        emb = torch.cat([angle, angle], dim=-1).to(tokens.device)
-        cos, sin = emb.cos().float(), emb.sin().float()
+        cos, sin = rope_tables(s, seq, tokens.device)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             n = layer.input_layernorm(x)
@@ -139,8 +136,7 @@ class PlainQwen3(nn.Module):
             q = a.q_norm(a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim)).transpose(1, 2)
             k = a.k_norm(a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim)).transpose(1, 2)
             v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
-            q = (q * cos + rotate_half(q) * sin).to(n.dtype)
-            k = (k * cos + rotate_half(k) * sin).to(n.dtype)
+            q, k = rotate(q, cos, sin).to(n.dtype), rotate(k, cos, sin).to(n.dtype)
             groups = s.n_heads // s.n_kv_heads
             y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
                                                is_causal=True)
