@@ -505,19 +505,19 @@ def test_pre_attention_block(dtype):
     check_block("PreAttention", dtype, fused, plain, start)
 
 
-@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
-def test_post_attention_block(dtype):
+def check_post_attention(title: str, block, attn: int, eps: float, dtype: torch.dtype) -> None:
+    """A post-attention block (out-proj + residual -> RMSNorm -> SwiGLU MLP -> down + residual -> the next
+    norm's statistics) whose attention output is `attn` wide, forward and backward, against plain PyTorch."""
     start = time.perf_counter()
-    g = generator("post_attention")
-    m = M_TOKENS
-    y, x = low(g, dtype, m, D), low(g, dtype, m, D)
-    wn_next, wn_mlp = low(g, dtype, D, scale=0.1, offset=1.0), low(g, dtype, D, scale=0.1, offset=1.0)
-    w_o = low(g, dtype, D, D, scale=D**-0.5)
-    w_gate, w_up = low(g, dtype, FFN, D, scale=D**-0.5), low(g, dtype, FFN, D, scale=D**-0.5)
-    w_down = low(g, dtype, D, FFN, scale=FFN**-0.5)
-    upstream = low(g, dtype, m, D)
+    g = generator(title)
+    d, ffn, m = block.w_o.shape[0], block.w_down.shape[1], M_TOKENS
+    y, x = low(g, dtype, m, attn), low(g, dtype, m, d)
+    wn_next, wn_mlp = low(g, dtype, d, scale=0.1, offset=1.0), low(g, dtype, d, scale=0.1, offset=1.0)
+    w_o = low(g, dtype, d, attn, scale=attn**-0.5)
+    w_gate, w_up = low(g, dtype, ffn, d, scale=d**-0.5), low(g, dtype, ffn, d, scale=d**-0.5)
+    w_down = low(g, dtype, d, ffn, scale=ffn**-0.5)
+    upstream = low(g, dtype, m, d)
 
-    block = PostAttention(D, FFN, EPS, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_down.copy_(w_down)
         block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
@@ -532,11 +532,17 @@ def test_post_attention_block(dtype):
         leaves = [t.detach().to(cast).requires_grad_() for t in (y, x, w_o, wn_mlp, w_gate, w_up, w_down)]
         yp, xp, wop, wnp, wgp, wup, wdp = leaves
         x1 = xp + yp @ wop.T
-        n1 = rms_norm(x1, wnp)
+        n1 = rms_norm(x1, wnp, eps)
         x2p = x1 + (F.silu(n1 @ wgp.T) * (n1 @ wup.T)) @ wdp.T
         gp = torch.autograd.grad(x2p, leaves, upstream.to(cast))
-        return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p), **dict(zip(names, gp))}
-    check_block("PostAttention", dtype, fused, plain, start)
+        return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p, eps),
+                **dict(zip(names, gp))}
+    check_block(title, dtype, fused, plain, start)
+
+
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+def test_post_attention_block(dtype):
+    check_post_attention("PostAttention", PostAttention(D, FFN, EPS, device=DEVICE, dtype=dtype), D, EPS, dtype)
 
 
 # Qwen3-0.6B's layer: 16 q heads and 8 kv heads of 128 columns, so that the attention width (2048) is not the
@@ -585,37 +591,8 @@ def test_qwen3_pre_attention_block(dtype):
 
 @pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
 def test_qwen3_post_attention_block(dtype):
-    start = time.perf_counter()
-    g = generator("qwen3_post_attention")
-    m, eps = M_TOKENS, Q3_SHAPE.eps
-    y, x = low(g, dtype, m, Q3_ATTN), low(g, dtype, m, Q3_D)
-    wn_next, wn_mlp = low(g, dtype, Q3_D, scale=0.1, offset=1.0), low(g, dtype, Q3_D, scale=0.1, offset=1.0)
-    w_o = low(g, dtype, Q3_D, Q3_ATTN, scale=Q3_ATTN**-0.5)
-    w_gate, w_up = low(g, dtype, Q3_FFN, Q3_D, scale=Q3_D**-0.5), low(g, dtype, Q3_FFN, Q3_D, scale=Q3_D**-0.5)
-    w_down = low(g, dtype, Q3_D, Q3_FFN, scale=Q3_FFN**-0.5)
-    upstream = low(g, dtype, m, Q3_D)
-
-    block = Qwen3PostAttention(Q3_D, Q3_ATTN, Q3_FFN, eps, device=DEVICE, dtype=dtype)
-    with torch.no_grad():
-        block.w_o.copy_(w_o), block.wn_mlp.copy_(wn_mlp), block.w_down.copy_(w_down)
-        block.w_gate_up.copy_(interleave_rows(w_gate, w_up))
-    yb, xb = y.clone().requires_grad_(), x.clone().requires_grad_()
-    x2, h2, r2 = block(yb, xb, wn_next)
-    gr = torch.autograd.grad(x2, [yb, xb, block.w_o, block.wn_mlp, block.w_gate_up, block.w_down], upstream)
-    names = ["grad y", "grad x", "grad w_o", "grad wn_mlp", "grad w_gate", "grad w_up", "grad w_down"]
-    fused = {"x_out": x2, "h_next": h2, "rstd_next": r2,
-             **dict(zip(names, [gr[0], gr[1], gr[2], gr[3], gr[4][0::2], gr[4][1::2], gr[5]]))}
-
-    def plain(cast):
-        leaves = [t.detach().to(cast).requires_grad_() for t in (y, x, w_o, wn_mlp, w_gate, w_up, w_down)]
-        yp, xp, wop, wnp, wgp, wup, wdp = leaves
-        x1 = xp + yp @ wop.T
-        n1 = rms_norm(x1, wnp, eps)
-        x2p = x1 + (F.silu(n1 @ wgp.T) * (n1 @ wup.T)) @ wdp.T
-        gp = torch.autograd.grad(x2p, leaves, upstream.to(cast))
-        return {"x_out": x2p, "h_next": x2p * wn_next.to(cast), "rstd_next": rstd_of(x2p, eps),
-                **dict(zip(names, gp))}
-    check_block("Qwen3PostAttention", dtype, fused, plain, start)
+    block = Qwen3PostAttention(Q3_D, Q3_ATTN, Q3_FFN, Q3_SHAPE.eps, device=DEVICE, dtype=dtype)
+    check_post_attention("Qwen3PostAttention", block, Q3_ATTN, Q3_SHAPE.eps, dtype)
 
 
 # 17 row chunks: as many as 32k tokens make at the default chunk_rows of 2048, for the weight gradient's sum
