@@ -11,6 +11,7 @@ from codagen.convert import interleave_rows
 from examples.gemma2 import CodagenGemma2, Gemma2Shape, PlainGemma2, from_hf, to_hf
 from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
 from test_blocks import DEVICE, EPS, check_fp32, check_low, grads, leaf, rel, rope, targets
+from test_llama import trains_like_plain
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -186,21 +187,7 @@ def test_two_layer_gemma2_trains_like_plain_pytorch():
     plain = random_plain(SHAPE)
     fused = CodagenGemma2(SHAPE, chunk_rows=24).to(DEVICE)
     fused.load_state_dict(from_hf(plain.state_dict(), SHAPE))
-    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-2)
-    for step in range(10):
-        tokens, targets_ = batch()
-        losses = []
-        for model, opt in ((plain, opt_plain), (fused, opt_fused)):
-            opt.zero_grad()
-            loss = model(tokens, targets_)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert abs(losses[1] - losses[0]) <= 1e-4 * abs(losses[0]), (step, losses)
-    final = to_hf(fused.state_dict(), SHAPE)
-    for name, p in plain.state_dict().items():
-        assert rel(final[name], p) < 1e-4, name
+    trains_like_plain(plain, fused, (batch() for _ in range(10)), lambda sd: to_hf(sd, SHAPE))
 
 
 def test_gemma2_matches_transformers():

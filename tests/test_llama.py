@@ -45,25 +45,36 @@ def test_layout_helpers_are_inverse_and_pair_rotate_half_dims():
     assert torch.equal(g2, g) and torch.equal(u2, u)
 
 
-def test_two_layer_llama_trains_like_plain_pytorch():
-    torch.manual_seed(1)
-    plain = random_plain(SHAPE)
-    fused = CodagenLlama(SHAPE, chunk_rows=24).to(DEVICE)
-    fused.load_state_dict(from_hf(plain.state_dict(), SHAPE))
-    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-2)
-    for step in range(10):
-        tokens = torch.randint(0, SHAPE.vocab, (2, 19), device=DEVICE)
-        targets = torch.randint(0, SHAPE.vocab, (2, 19), device=DEVICE)
-        targets[:, -1] = -100
+def trains_like_plain(plain, fused, batches, to_plain_layout) -> None:
+    """AdamW on both models from the same weights over `batches` of (tokens, targets): each step's losses within
+    1e-4 of each other, and the fused model's final weights, in the plain model's layout, within 1e-4."""
+    opts = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (plain, fused)]
+    for step, (tokens, targets) in enumerate(batches):
         losses = []
-        for model, opt in ((plain, opt_plain), (fused, opt_fused)):
+        for model, opt in zip((plain, fused), opts):
             opt.zero_grad()
             loss = model(tokens, targets)
             loss.backward()
             opt.step()
             losses.append(loss.item())
         assert abs(losses[1] - losses[0]) <= 1e-4 * abs(losses[0]), (step, losses)
-    final = to_hf(fused.state_dict(), SHAPE)
+    final = to_plain_layout(fused.state_dict())
     for name, p in plain.state_dict().items():
         assert rel(final[name], p) < 1e-4, name
+
+
+def random_batches(vocab: int, steps: int = 10):
+    """Batches of 2 x 19 random tokens, drawn as they are used, the last target of each row ignored."""
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (2, 19), device=DEVICE)
+        targets = torch.randint(0, vocab, (2, 19), device=DEVICE)
+        targets[:, -1] = -100
+        yield tokens, targets
+
+
+def test_two_layer_llama_trains_like_plain_pytorch():
+    torch.manual_seed(1)
+    plain = random_plain(SHAPE)
+    fused = CodagenLlama(SHAPE, chunk_rows=24).to(DEVICE)
+    fused.load_state_dict(from_hf(plain.state_dict(), SHAPE))
+    trains_like_plain(plain, fused, random_batches(SHAPE.vocab), lambda sd: to_hf(sd, SHAPE))

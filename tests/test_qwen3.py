@@ -9,6 +9,7 @@ from codagen import runtime  # noqa: F401  (switches Triton's interpreter on whe
 from codagen.convert import LlamaShape
 from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf
 from generated.blocks import NormStats, Qwen3PreAttention
+from test_llama import random_batches, trains_like_plain
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -120,23 +121,7 @@ def test_two_layer_qwen3_trains_like_plain_pytorch():
     fused = CodagenQwen3(SHAPE, chunk_rows=24).to(DEVICE)
     fused.load_state_dict(qwen3_from_hf(plain.state_dict(), SHAPE))
     assert fused.head.w_vocab is fused.embed.weight
-    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    opt_fused = torch.optim.AdamW(fused.parameters(), lr=1e-2)
-    for step in range(10):
-        tokens = torch.randint(0, SHAPE.vocab, (2, 19), device=DEVICE)
-        targets = torch.randint(0, SHAPE.vocab, (2, 19), device=DEVICE)
-        targets[:, -1] = -100
-        losses = []
-        for model, opt in ((plain, opt_plain), (fused, opt_fused)):
-            opt.zero_grad()
-            loss = model(tokens, targets)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert abs(losses[1] - losses[0]) <= 1e-4 * abs(losses[0]), (step, losses)
-    final = qwen3_to_hf(fused.state_dict(), SHAPE)
-    for name, p in plain.state_dict().items():
-        assert rel(final[name], p) < 1e-4, name
+    trains_like_plain(plain, fused, random_batches(SHAPE.vocab), lambda sd: qwen3_to_hf(sd, SHAPE))
 
 
 def test_qwen3_matches_transformers():
