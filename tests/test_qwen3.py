@@ -9,33 +9,12 @@ from codagen import runtime  # noqa: F401  (switches Triton's interpreter on whe
 from codagen.convert import LlamaShape
 from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf
 from generated.blocks import NormStats, Qwen3PreAttention
+from test_blocks import DEVICE, EPS, leaf, rel, rms, rope
 from test_llama import random_batches, trains_like_plain
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EPS = 1e-6
 HD = 128
 SHAPE = LlamaShape(dim=64, ffn_dim=80, n_heads=2, n_kv_heads=1, head_dim=HD, n_layers=2, vocab=97,
                    rope_theta=1000000.0)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def rms(x, w, eps=EPS):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(z, positions, freqs):
-    """Rotation of the interleaved pairs (2i, 2i+1) by position * frequency."""
-    angle = positions[:, None].to(freqs.dtype) * freqs[None, :]
-    cos, sin = angle.cos(), angle.sin()
-    e, o = z[:, 0::2], z[:, 1::2]
-    return torch.stack([e * cos - o * sin, e * sin + o * cos], dim=2).reshape(z.shape)
-
-
-def leaf(*shape, dtype, scale=1.0, offset=0.0):
-    return (offset + scale * torch.randn(*shape, dtype=torch.float64, device=DEVICE)).to(dtype).requires_grad_()
 
 
 def qwen3_pre_attention_plain(x, wn, w_qkv, q_norm, k_norm, positions, freqs, heads, kv_heads):
