@@ -80,6 +80,8 @@ def parse_args(argv=None):
                          "run), e.g. --variants codagen, or --variants codagen torch.compile liger")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None, help="include torch.compile rows")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false",
+                    help="torch.compile's default mode only (max-autotune's compile takes minutes per pattern)")
     ap.add_argument("--no-liger", dest="liger", action="store_false", default=None)
     ap.add_argument("--liger-interpret", action="store_true",
                     help="CPU only: run the Liger rows under TRITON_INTERPRET=1 (slow; to check the calls)")

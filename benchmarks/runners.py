@@ -137,7 +137,8 @@ def builtin_variants(args) -> list:
         out.append(Variant(p.key, "eager", _eager_factory))
         if args.compile:
             out.append(Variant(p.key, "torch.compile", _compile_factory(None)))
-            out.append(Variant(p.key, MAX_AUTOTUNE, _compile_factory("max-autotune")))
+            if args.max_autotune:
+                out.append(Variant(p.key, MAX_AUTOTUNE, _compile_factory("max-autotune")))
         if args.liger:
             out.append(Variant(p.key, "liger", _liger_factory("liger")))
             if p.base != "lm_ce":   # patterns with a residual add + RMSNorm; Liger's Llama only

@@ -45,6 +45,8 @@ def test_torch_compile_runs_in_both_modes_on_every_pattern():
     variants = runners.builtin_variants(args)
     for mode in ("torch.compile", MAX_AUTOTUNE):
         assert {v.pattern for v in variants if v.name == mode} == set(cases.PATTERN_BY_KEY), mode
+    default_only = runners.builtin_variants(bench.parse_args(["--device", "cpu", "--compile", "--no-max-autotune"]))
+    assert {v.name for v in default_only} >= {"torch.compile"} and MAX_AUTOTUNE not in {v.name for v in default_only}
 
 
 def test_new_codagen_rows_check_against_the_reference_on_the_cpu():

@@ -1,0 +1,107 @@
+"""Where a training step's GPU time goes: a transformers Llama as it is, compiled, with Liger-Kernel and patched by
+codagen (examples/convergence.py's models and data), each profiled with torch.profiler over a few steps after
+warm-up. Writes profile.md: per model, its step time split into GEMMs, codagen's kernels, attention, the optimizer
+and the rest, and its most expensive kernels.
+
+    python benchmarks/profile_train.py --preset llama3.2-1b --out runs/profile   # GPU
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples import convergence as C  # noqa: E402
+
+# kernel name -> category, first match wins (lower-cased substrings)
+CATEGORIES = [("optimizer", ("multi_tensor", "adam", "foreach")),
+              ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+              ("GEMM (cuBLAS / nvjet)", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+              ("codagen", ("_kernel",)),
+              ("Liger / Inductor Triton", ("triton_", "liger", "_fwd", "_bwd"))]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return label
+    return "other"
+
+
+def profile(model, data, args, steps: int) -> tuple[float, list[tuple[str, float, int]]]:
+    """Mean GPU-busy ms per step and every kernel's (name, total ms per step, calls per step)."""
+    C.train(model, data, args, 3, first_step=0)  # warm-up: compilation, autotuning
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        C.train(model, data, args, steps, first_step=3)
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total, calls = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (total + event.time_range.elapsed_us() / 1e3 / steps, calls + 1)
+    rows = sorted(((n, t, c // steps) for n, (t, c) in kernels.items()), key=lambda r: -r[1])
+    return sum(t for _, t, _ in rows), rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(C.PRESETS), default="llama3.2-1b")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per model")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per model")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.device, args.lr = "cuda", 3e-4
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import codagen.hf
+    import transformers
+
+    config = transformers.LlamaConfig(**C.PRESETS[args.preset], attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        initial_state = transformers.LlamaForCausalLM(config).state_dict()
+    data = C.BigramData(config.vocab_size, 0)
+
+    def compiled(model):
+        model.compile()
+        return model
+
+    lines = [f"# Training step profile: {args.preset}, bfloat16, batch {args.batch} x seq {args.seq}", "",
+             f"{torch.cuda.get_device_name()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+             f"GPU time per step (kernels only, mean of {args.steps} steps after 3 warm-up steps).", ""]
+    for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
+                         ("Hugging Face + Liger-Kernel", C.liger), ("codagen", codagen.hf.apply_codagen)):
+        print(label, flush=True)
+        model = C.make_model(transformers, config, initial_state, torch.bfloat16, args.device)
+        try:
+            model = patch(model) if patch else model
+            busy, rows = profile(model, data, args, args.steps)
+        except Exception as error:  # Liger-Kernel is optional, as in examples/convergence.py
+            if patch is not C.liger:
+                raise
+            lines += [f"## {label}", "", f"left out: {error}", ""]
+            continue
+        finally:
+            del model
+            torch.cuda.empty_cache()
+        split = {}
+        for name, ms, _ in rows:
+            split[category(name)] = split.get(category(name), 0.0) + ms
+        lines += [f"## {label}: {busy:.1f} ms of kernels per step", "", "| part | ms per step | share |",
+                  "|---|---:|---:|"]
+        lines += [f"| {k} | {v:.2f} | {v / busy:.0%} |" for k, v in sorted(split.items(), key=lambda kv: -kv[1])]
+        lines += ["", "| kernel | ms per step | calls per step |", "|---|---:|---:|"]
+        lines += [f"| `{n[:90]}` | {t:.2f} | {c} |" for n, t, c in rows[:args.top]]
+        lines.append("")
+        (args.out / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
