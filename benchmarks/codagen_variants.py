@@ -18,7 +18,8 @@ from runners import AutogradRunner, Runner, Variant
 def codagen_variants(preset, tokens, dtype) -> list:
     """codagen's variants for this preset (Preset), token count and dtype: one per pattern of the preset's model
     family, and for lm_ce.fwdbwd a second one whose weight gradient is summed over the row chunks in the weights'
-    dtype (grad_sum: same) instead of fp32.
+    dtype (grad_sum: same) instead of fp32, and (Llama) a third with that sum and half the default chunk of rows
+    (less memory, more passes over the weight gradient).
 
     The generated modules are imported when a factory runs, so a broken import fails codagen's rows only.
     Weight relayout (interleaved gate/up rows, q/k rows in interleaved-pair order, per-column RoPE
@@ -49,10 +50,13 @@ def codagen_variants(preset, tokens, dtype) -> list:
     }
     return [Variant(key, "codagen", factory, note=notes[key]) for key, factory in factories.items()] + [
         Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: _cg_lm_ce(case, "same"),
-                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype")]
+                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype"),
+        Variant("lm_ce.fwdbwd", HALF_CHUNKS, lambda case: _cg_lm_ce(case, "same", chunk_fraction=0.5),
+                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype, chunks of half the default rows")]
 
 
 SAME_SUM = "codagen grad_sum=same"  # LmHeadLoss with its weight gradient summed over chunks in bf16/fp16
+HALF_CHUNKS = "codagen grad_sum=same, half chunks"  # and chunk_rows half its default
 
 
 def _family_variants(family: str) -> list:
@@ -288,7 +292,7 @@ def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
     return AutogradRunner(case.pattern, fwd)
 
 
-def _cg_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
+def _cg_lm_ce(case: Case, grad_sum: str = "float32", chunk_fraction: float = 1.0) -> Runner:
     """lm_ce.fwd / .fwdbwd: NormStats(xf, wnf) -> (h, rstd), then lm_head_loss(xf, h, rstd, target) with wnf as
     its norm weight (NormStats applies wnf in the forward; LmHeadLoss computes its gradient and xf's) and its
     default chunk_rows. lm_head_loss runs the forward alone under no_grad, and otherwise makes the gradients in
@@ -296,7 +300,7 @@ def _cg_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
     import inspect
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps
-    chunk_rows = inspect.signature(blocks.LmHeadLoss).parameters["chunk_rows"].default
+    chunk_rows = int(inspect.signature(blocks.LmHeadLoss).parameters["chunk_rows"].default * chunk_fraction)
 
     def fwd(xf, wnf, wv, target):
         h, rstd = blocks.NormStatsFunction.apply(xf, wnf, dm.d, eps)

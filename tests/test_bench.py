@@ -36,8 +36,8 @@ def test_every_model_preset_runs_as_batches_of_sequences():
 def test_codagen_variants_run_known_patterns():
     variants = codagen_variants.codagen_variants(cases.PRESETS["tiny"], 128, torch.bfloat16)
     assert {v.pattern for v in variants if v.name == "codagen"} == set(cases.PATTERN_BY_KEY)  # every pattern
-    assert {(v.pattern, v.name) for v in variants if v.name != "codagen"} == {("lm_ce.fwdbwd",
-                                                                                codagen_variants.SAME_SUM)}
+    assert {(v.pattern, v.name) for v in variants if v.name != "codagen"} == {
+        ("lm_ce.fwdbwd", codagen_variants.SAME_SUM), ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
 
 
 def test_torch_compile_runs_in_both_modes_on_every_pattern():
@@ -60,7 +60,8 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
     rows = run_case(preset, 128, args, variants, [])
     checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
     assert set(checked) == {("oproj_swiglu.fwdbwd", "codagen"), ("lm_ce.fwd", "codagen"),
-                            ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}
+                            ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.SAME_SUM),
+                            ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
     for key, row in checked.items():
         assert not row.error and row.ms is not None, (key, row.error)
         assert row.err_ref < 1e-5 and row.err_eager < 1e-5, (key, row.errs)
