@@ -150,7 +150,8 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
     if b.grad_forward is not None:
         grad_forward, grads, grad_values = _grad_forward(b, kernels, attrs, sink)
         values.update(grad_values)
-        saved = tuple(g for g in grads if g)
+        saved = tuple(g for g in grads if g) + ((grad_forward.grad_scale,) if grad_forward and
+                                                 grad_forward.grad_scale else ())
     sink.raise_if_any()
     return CheckedBlock(b, forward, backward, values, saved, tuple(grads), chunks, grad_forward)
 
@@ -213,6 +214,15 @@ def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tu
     resolve = lambda steps: tuple(c for c in (_resolve(s, b, kernels, env, define, used, sink)  # noqa: E731
                                               for s in steps) if c)
     before = resolve(g.before)
+    if g.grad_scale is not None:
+        v = env.get(g.grad_scale)
+        if g.grad_scale not in defined_at or v is None:
+            sink.add(g.loc, f"forward_with_grads.grad_scale: '{g.grad_scale}' is not made by forward_with_grads.before")
+        elif v.dims != () or v.dtype != "float32":
+            sink.add(defined_at[g.grad_scale], f"forward_with_grads.grad_scale '{g.grad_scale}' must be a [] float32 "
+                                               f"value (the output gradient the gradients are made for), got "
+                                               f"{_fmt(v.dims)} {v.dtype}")
+        used.add(g.grad_scale)
     outer = dict(env)
     chunk = resolve(g.chunk)
     made = [n for n in env if n not in outer]
@@ -263,7 +273,7 @@ def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tu
     if not sliced:
         sink.add(g.loc, "forward_with_grads.chunk reads no value with the token dimension M to cut into chunks")
     chunks = _row_chunks(g.rows, chunk, sliced, concatenated, summed, sums)
-    return GradForward(before, chunk, after, chunks, out), grads, env
+    return GradForward(before, chunk, after, chunks, out, g.grad_scale), grads, env
 
 
 def _sums(ref, attrs: dict, loc, sink) -> Arg:
@@ -507,6 +517,11 @@ def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) 
                           f"reduce, got {_fmt(x.dims)} {x.dtype}")
             return None
         return [Value(x.dims[:1], "float32")]
+    if op == "unit_scale":
+        if vals["x"].dtype != "float32":
+            sink.add(loc, f"unit_scale.x must be float32, got {vals['x'].dtype}")
+            return None
+        return [Value((), "float32")]
     if op in ("add", "sub", "mul", "div", "square"):
         return _elementwise_type(op, [(n, vals[n]) for n in ("x", "y") if vals.get(n) is not None], loc, sink)
     if op == "gather":

@@ -30,6 +30,7 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
                     ("weights", "out")),
     "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"),
                     ("token_weights", "value?"), ("out", "out")),
+    "unit_scale": (("x", "value"), ("out", "out")),
     "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
 }
 # the values of each finish-step argument of kind choice: by argument, or by step.argument where a step differs
@@ -98,10 +99,11 @@ class BlockStep:
 class GradForwardSpec:
     """`forward_with_grads`: the forward to run when gradients are wanted, in chunks of rows, which also
     makes the gradients of the block's one differentiable output, a scalar, as if that output's gradient were 1
-    (`before` and `after` run on all rows, `chunk` on each chunk)."""
+    or `grad_scale` (`before` and `after` run on all rows, `chunk` on each chunk)."""
 
     rows: str | int  # rows per chunk: an int attr or a number
     sums: str | None  # 'float32', 'same' or a choice attr between them; None: float32
+    grad_scale: str | None  # a [] value of `before`: the output gradient the gradients are made for; None: 1
     before: tuple[BlockStep, ...]
     chunk: tuple[BlockStep, ...]
     after: tuple[BlockStep, ...]
@@ -183,6 +185,7 @@ class GradForward:
     after: tuple[Call, ...]
     chunks: RowChunks
     output: str  # the differentiable output, a scalar: its gradient scales the saved gradients
+    grad_scale: str | None  # the output gradient they were made for (a saved [] value); None: 1
 
 
 @dataclass(frozen=True)

@@ -89,15 +89,17 @@ def _grad_forward(node: Node, sink: ErrorSink) -> GradForwardSpec | None:
     m = _Mapping(node, "forward_with_grads", sink)
     rows_node = m.take("row_chunks")
     sums_node = m.take("sums", required=False)
+    scale_node = m.take("grad_scale", required=False)
     before, chunk, after = (m.take(key, required=key == "chunk") for key in ("before", "chunk", "after"))
-    m.finish(["row_chunks", "sums", "before", "chunk", "after"])
+    m.finish(["row_chunks", "sums", "grad_scale", "before", "chunk", "after"])
     rows = _rows(rows_node, "forward_with_grads.row_chunks", sink) if rows_node is not None else None
     sums = None
     if sums_node is not None:
         sums = _name(sums_node, "forward_with_grads.sums", sink)
+    scale = _name(scale_node, "forward_with_grads.grad_scale", sink) if scale_node is not None else None
     steps = [_steps(n, f"forward_with_grads.{key}", sink) if n is not None else ()
              for key, n in (("before", before), ("chunk", chunk), ("after", after))]
-    return GradForwardSpec(rows, sums, *steps, node.loc)
+    return GradForwardSpec(rows, sums, scale, *steps, node.loc)
 
 
 def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:

@@ -239,13 +239,14 @@ def test_forward_with_grads_is_decided_by_the_check():
     """lm_head_loss: what its chunk loop slices, concatenates, sums (the weight's by its GEMM) and saves."""
     (block,) = [c for c in api.load([SPECS]) if isinstance(c, CheckedBlock) and c.block.name == "lm_head_loss"]
     g = block.grad_forward
-    assert [c.op for c in g.before] == ["row_weights"] and [c.op for c in g.after] == ["cross_entropy"]
+    assert [c.op for c in g.before] == ["row_weights", "unit_scale", "mul"]
+    assert [c.op for c in g.after] == ["cross_entropy"] and g.grad_scale == "scale"
     chunks = g.chunks
     assert (chunks.rows.value, chunks.sums.value, chunks.sums.is_name) == ("chunk_rows", "grad_sum", True)
     assert chunks.sliced == ("x", "h", "rstd", "target", "weights")
     assert chunks.concatenated == ("target_logit", "lse", "grad_x")
     assert (chunks.summed, chunks.summed_by_gemm) == (("grad_wn", "grad_w_vocab"), ("grad_w_vocab",))
-    assert g.output == "loss" and block.saved == ("grad_x", "grad_wn", "grad_w_vocab")
+    assert g.output == "loss" and block.saved == ("grad_x", "grad_wn", "grad_w_vocab", "scale")
     assert block.grads == ("grad_x", "", "", "", "grad_wn", "grad_w_vocab")
     assert [name for name, _, rows in block.passes() if rows] == ["forward with gradients"]
 
@@ -274,6 +275,10 @@ def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
      "'dwn_part' is made on each chunk of rows without the token dimension M"),
     ("forward_with_grads:\n", "backward_row_chunks: 4\nforward_with_grads:\n",
      "the block has no backward, save or backward_row_chunks besides"),
+    ("  grad_scale: scale", "  grad_scale: weights_total", "grad_scale: 'weights_total' is not made by "
+                                                            "forward_with_grads.before"),
+    ("  grad_scale: scale", "  grad_scale: weights", "grad_scale 'weights' must be a [] float32 value"),
+    ("    - unit_scale: {x: row_weight", "    - unit_scale: {x: target", "unit_scale.x must be float32, got index"),
 ])
 def test_forward_with_grads_mistakes_are_reported(tmp_path, old, new, words):
     errors = lm_head_mistake(tmp_path, old, new)

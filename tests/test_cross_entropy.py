@@ -113,6 +113,21 @@ def test_variant_fp16(variant):
     check_low(fused, plain, torch.float16)
 
 
+def test_fp16_gradients_of_a_mean_over_many_rows():
+    """softmax(z) / M is below fp16's normal range at M = 1000 rows and 3001 classes: gradients made for a loss
+    gradient of 1 lost precision there (wn 3-5x plain PyTorch's error, whose loss gradient of 1.7 keeps it a
+    little higher). The LM heads make them for grad_scale, the power of two of the rows' largest weight."""
+    fused, plain = run_variant("weighted", "mean", torch.float16, m=1000, vocab=3001)
+    check_low(fused, plain, torch.float16)
+
+
+@pytest.mark.parametrize("values, scale", [([1e-3, -3e-4], 512.0), ([0.75], 1.0), ([0.5], 1.0), ([1.0], 0.5), ([3.0, -9.0], 1 / 16),
+                                           ([0.0, 0.0], 1.0), ([], 1.0), ([float("inf")], 1.0), ([1e-30], 2.0**99)])
+def test_unit_scale_is_the_power_of_two_that_brings_the_largest_value_near_1(values, scale):
+    s = finish.unit_scale(torch.tensor(values, dtype=torch.float32, device=DEVICE))
+    assert s.shape == () and s.dtype == torch.float32 and s.item() == scale
+
+
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPU_CASES = [(variant, dtype) for variant in sorted(VARIANTS) for dtype in (torch.bfloat16, torch.float16)]
 

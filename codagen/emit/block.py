@@ -51,6 +51,12 @@ def _docstring(paragraphs: list[str], indent: int) -> str:
     return "\n".join(" " * indent + line if line and i else line for i, line in enumerate(lines + ['"""']))
 
 
+def _grad_factor(gf) -> str:
+    """What the backward multiplies the gradients made in the forward by: the output's gradient, over the output
+    gradient they were made for when the spec gives one (grad_scale)."""
+    return "grad_factor" if gf.grad_scale else f"grad_{gf.output}"
+
+
 def _value(a: Arg, rows: set[str] = frozenset()) -> str:
     """A name in scope (a value renamed to its row slice in a chunked backward), else a literal."""
     if not a.is_name:
@@ -107,7 +113,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         sums=_value(chunks.sums) if chunks else None,
         backward=_calls(cb.backward, body, chunks),
         drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
-        returns=_statement("return", [(f"{g}.mul_(grad_{gf.output})" if gf else g) if g else "None"
+        returns=_statement("return", [(f"{g}.mul_({_grad_factor(gf)})" if gf else g) if g else "None"
                                       for g in cb.grads] + ["None"] * len(b.attrs), 8),
         gf=gf,
         gf_doc=_docstring([f"{b.name} when a gradient is wanted: the forward also makes the gradients. {b.name}() "

@@ -143,6 +143,18 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
     return loss, weights
 
 
+def unit_scale(x: torch.Tensor) -> torch.Tensor:
+    """The power of two s that brings the largest |x| into [0.5, 1), as a float32 [] tensor (1 when x is empty,
+    all zero or not finite). Multiplying by it is exact in any binary float format: a forward that makes the
+    gradients of a mean loss can make them for an output gradient of s instead of 1, so that its half-precision
+    intermediates (fp16's range ends at 6e-5, below which precision is lost) hold values near 1 rather than near
+    1/rows. No host sync."""
+    top = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+    top = torch.where((top > 0) & torch.isfinite(top), top, 0.5)  # 0.5: s = 1
+    _, exponent = torch.frexp(top)  # top = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones((), device=x.device), -exponent)
+
+
 def row_weights(target: torch.Tensor, ignore_index: int, reduction: str,
                 token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's weight in a loss, as cross_entropy and reduce_loss return them, from the targets (and the
