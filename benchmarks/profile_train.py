@@ -33,13 +33,13 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile(model, data, args, steps: int) -> tuple[float, list[tuple[str, float, int]]]:
-    """Mean GPU-busy ms per step and every kernel's (name, total ms per step, calls per step); on the CPU, the
-    operators' own time."""
+def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str, float, int]]]:
+    """Wall ms per step (profiled, so a little slower than unprofiled), kernel ms per step, and every kernel's
+    (name, total ms per step, calls per step); on the CPU, the operators' own time."""
     C.train(model, data, args, 3, first_step=0)  # warm-up: compilation, autotuning
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        C.train(model, data, args, steps, first_step=3)
+        _, tokens_per_s = C.train(model, data, args, steps + 1, first_step=3)  # the first step is not timed
     kernels = {}
     on_gpu = torch.device(args.device).type == "cuda"
     for event in prof.events():
@@ -50,9 +50,10 @@ def profile(model, data, args, steps: int) -> tuple[float, list[tuple[str, float
         else:
             continue
         total, calls = kernels.get(event.name, (0.0, 0))
-        kernels[event.name] = (total + us / 1e3 / steps, calls + 1)
-    rows = sorted(((n, t, c // steps) for n, (t, c) in kernels.items()), key=lambda r: -r[1])
-    return sum(t for _, t, _ in rows), rows
+        kernels[event.name] = (total + us / 1e3 / (steps + 1), calls + 1)
+    rows = sorted(((n, t, c // (steps + 1)) for n, (t, c) in kernels.items()), key=lambda r: -r[1])
+    wall = 1e3 * args.batch * args.seq / tokens_per_s
+    return wall, sum(t for _, t, _ in rows), rows
 
 
 def main(argv=None):
@@ -84,14 +85,16 @@ def main(argv=None):
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [f"# Training step profile: {args.preset}, bfloat16, batch {args.batch} x seq {args.seq}", "",
              f"{where}; torch {torch.__version__}, transformers {transformers.__version__}; "
-             f"GPU time per step (kernels only, mean of {args.steps} steps after 3 warm-up steps).", ""]
+             f"A step's wall time (under the profiler) and its kernels' time, the mean of {args.steps + 1} profiled "
+             "steps after 3 warm-up steps; where the kernels' time is well below the wall time, the GPU waits for "
+             "the host.", ""]
     for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
                          ("Hugging Face + Liger-Kernel", C.liger), ("codagen", codagen.hf.apply_codagen)):
         print(label, flush=True)
         model = C.make_model(transformers, config, initial_state, torch.bfloat16, args.device)
         try:
             model = patch(model) if patch else model
-            busy, rows = profile(model, data, args, args.steps)
+            wall, busy, rows = profile(model, data, args, args.steps)
         except Exception as error:  # Liger-Kernel is optional, as in examples/convergence.py
             if patch is not C.liger:
                 raise
@@ -104,7 +107,8 @@ def main(argv=None):
         split = {}
         for name, ms, _ in rows:
             split[category(name)] = split.get(category(name), 0.0) + ms
-        lines += [f"## {label}: {busy:.1f} ms of kernels per step", "", "| part | ms per step | share |",
+        lines += [f"## {label}: {wall:.1f} ms per step, {busy:.1f} ms of it in kernels", "",
+                  "| part | ms per step | share of the kernels' time |",
                   "|---|---:|---:|"]
         lines += [f"| {k} | {v:.2f} | {v / busy:.0%} |" for k, v in sorted(split.items(), key=lambda kv: -kv[1])]
         lines += ["", "| kernel | ms per step | calls per step |", "|---|---:|---:|"]
