@@ -43,6 +43,8 @@ def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str
     kernels = {}
     on_gpu = torch.device(args.device).type == "cuda"
     for event in prof.events():
+        if getattr(event, "is_user_annotation", False):
+            continue  # a range such as Optimizer.step#AdamW.step: its kernels are counted themselves
         if on_gpu and event.device_type == torch.autograd.DeviceType.CUDA:
             us = event.time_range.elapsed_us()
         elif not on_gpu and not event.cpu_children:

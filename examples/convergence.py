@@ -40,24 +40,22 @@ DEFAULTS = {"tiny": (2, 16, 20, 0, "float32", 3e-3), "llama3.2-1b": (4, 1024, 10
 
 
 class BigramData:
-    """Sequences of a random sparse bigram chain over `active` tokens of the vocabulary (each token has `branches`
-    successors): a loss that falls from about ln(vocab) towards ln(branches) as a model learns it, within a few
-    hundred steps even for a large vocabulary."""
+    """Sequences of a random sparse bigram chain (each token has `branches` successors): a loss that falls from
+    ln(vocab) towards ln(branches) as a model learns it."""
 
-    def __init__(self, vocab: int, seed: int, branches: int = 4, active: int = 1024):
+    def __init__(self, vocab: int, seed: int, branches: int = 4):
         g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randperm(vocab, generator=g)[:min(vocab, active)]
-        self.successors = torch.randint(0, len(self.tokens), (len(self.tokens), branches), generator=g)
-        self.seed = seed
+        self.successors = torch.randint(0, vocab, (vocab, branches), generator=g)
+        self.vocab, self.seed = vocab, seed
 
     def batch(self, step: int, batch: int, seq: int, device) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        states = torch.empty(batch, seq, dtype=torch.long)
-        states[:, 0] = torch.randint(0, len(self.tokens), (batch,), generator=g)
+        tokens = torch.empty(batch, seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=g)
         choices = torch.randint(0, self.successors.shape[1], (batch, seq), generator=g)
         for t in range(1, seq):
-            states[:, t] = self.successors[states[:, t - 1], choices[:, t]]
-        return self.tokens[states].to(device)
+            tokens[:, t] = self.successors[tokens[:, t - 1], choices[:, t]]
+        return tokens.to(device)
 
 
 def make_model(transformers, config, initial_state, dtype, device):
