@@ -52,9 +52,9 @@ def source(module, config: HopperConfig) -> GluonASTSource:
             elif p == descs[1]:
                 block = [config.block_n, config.block_k] if decls[p[:-5]].dims == ("N", "K") else \
                     [config.block_k, config.block_n]
-            else:  # a tile input or output: N wide, or N/2 (a gated activation's)
-                half = decls[p[:-5]].dims[-1] == "N/2"
-                block = [config.block_m, config.block_n // 2 if half else config.block_n]
+            else:  # a tile input or output: N wide, N/2 (a gated activation's) or 2*N (pairs)
+                width = {"N/2": config.block_n // 2, "2*N": 2 * config.block_n}
+                block = [config.block_m, width.get(decls[p[:-5]].dims[-1], config.block_n)]
             layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
             sig[p] = f"tensordesc<bf16{block},{layout!r}>"
         elif p.endswith("_ptr"):

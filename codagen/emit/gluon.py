@@ -4,11 +4,16 @@ warp-specialized Gluon kernel (codagen/runtime/gluon_hopper.py describes the sch
 The epilogue is the spec's steps, lowered as for the tl kernel except that
 
 - tile inputs of type T arrive by TMA into shared memory while the tile's mainloop runs, and are read from
-  there into the accumulator's register layout when the epilogue starts;
-- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile half the
-  accumulator's width, a gated activation (SwiGLU, GeGLU) of its pairs split in registers, goes through the
-  first half of a buffer's memory (`hopper.store_half_tile`); a rotation (RoPE) of its pairs takes its
-  per-pair frequencies loaded once per column, in the accumulator's column layout;
+  there into the accumulator's register layout when the epilogue starts; a tile of pairs (2*N columns, such
+  as the saved (gate, up) pre-activations of a gated activation's backward) crosses whole, 2*BLOCK_N
+  columns, into a buffer twice as wide, and is read as its even and odd columns, each in the accumulator's
+  layout (`hopper.load_pairs`);
+- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile of pairs is
+  interleaved again in registers and leaves whole; a tile narrower than the buffer (a gated activation
+  (SwiGLU, GeGLU) of the accumulator's pairs split in registers, N/2 wide; a tile N wide where the buffers
+  hold pairs) goes through the first part of a buffer's memory (`hopper.store_narrow_tile`); a rotation
+  (RoPE) of the accumulator's pairs takes its per-pair frequencies loaded once per column, in the
+  accumulator's column layout;
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
 
 Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
@@ -50,21 +55,35 @@ class Fallback:
 
 
 def tma_inputs(k: Kernel) -> list[str]:
-    """Tile inputs of type T at full width: loaded by TMA into the epilogue's buffers."""
+    """Tile inputs of type T, N wide or tiles of pairs (2*N): loaded by TMA into the epilogue's buffers."""
     return [i.name for i in k.inputs if i.role is InputRole.TENSOR and i.dtype is DType.T
-            and i.type.kind is Kind.TILE and i.type.width is Width.FULL]
+            and i.type.kind is Kind.TILE and i.type.width in (Width.FULL, Width.DOUBLE)]
 
 
 def tma_outputs(k: Kernel) -> list[str]:
-    """Outputs stored as tiles of type T, N or N/2 wide: written by TMA from the epilogue's buffers."""
+    """Outputs stored as tiles of type T, N/2, N or 2*N wide: written by TMA from the epilogue's buffers."""
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
-            and len(o.dims) == 2 and o.dims[1].width in (Width.FULL, Width.HALF)]
+            and len(o.dims) == 2]
 
 
-def half_width(k: Kernel, name: str) -> bool:
-    """Whether an output's tiles are half the accumulator's width (a gated activation's)."""
-    return k.output(name).dims[1].width is Width.HALF
+def tile_width(k: Kernel, name: str) -> Width:
+    """The width of a TMA tensor's tiles: N/2 (a gated activation's output), N, or 2*N (pairs)."""
+    inp = k.input(name)
+    return inp.type.width if inp is not None else k.output(name).dims[1].width
+
+
+def buffer_columns(k: Kernel) -> int:
+    """The width of the epilogue's buffers in BLOCK_N: 2 where a tile of pairs crosses by TMA, else 1."""
+    return 2 if any(tile_width(k, n) is Width.DOUBLE for n in (*tma_inputs(k), *tma_outputs(k))) else 1
+
+
+# a TMA tensor's block by its tiles' width, as the launcher writes it
+BLOCKS = {Width.HALF: "[config.block_m, config.block_n // 2]", Width.FULL: "block_mn",
+          Width.DOUBLE: "[config.block_m, 2 * config.block_n]"}
+# the column of a tile's first element, as the epilogue writes it
+FIRST_COLUMN = {Width.HALF: "pid_n * (BLOCK_N // 2)", Width.FULL: "pid_n * BLOCK_N",
+                Width.DOUBLE: "pid_n * (2 * BLOCK_N)"}
 
 
 def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
@@ -83,10 +102,8 @@ def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
 def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | None:
     """Why the emitter cannot place a step's operands (a layout or TMA path it lacks), if it cannot."""
     if s.op == "store" and types[s.args["x"]].kind is Kind.TILE and s.target not in tma_outputs(k):
-        return "only tiles of type T at full width are stored, through TMA"
+        return "only tiles of type T are stored, through TMA"
     operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
-    if any(types[v].width is Width.DOUBLE for v in operands):
-        return "no Gluon lowering of pairs loaded from memory (2*N columns) yet"
     # a value N/2 wide lies in the layout that splitting the pairs gives; only a TMA store takes it as it is
     halves = [v for v in operands if types[v].width is Width.HALF]
     if s.op in ROTARY and halves == [s.args["freqs"]]:
@@ -115,6 +132,7 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         self.tma_inputs = tma_inputs(kernel)
         self.tma_outputs = tma_outputs(kernel)
         self.buffers = buffers
+        self.buffer_columns = buffer_columns(kernel)
         self.stores = 0  # TMA stores emitted so far
 
     def load(self, name: str) -> None:
@@ -130,12 +148,12 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         # tile starts with every store done (before its inputs' TMA loads)
         buffer = self.stores % self.buffers
         self.stores += 1
-        if half_width(self.kernel, s.target):  # through the first half of the buffer's memory
-            self.lines.append(f"hopper.store_half_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
-                              f"pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING={self.buffers - 1})")
-            return
-        self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
-                          f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
+        x, width = s.args["x"], tile_width(self.kernel, s.target)
+        value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
+        # a tile narrower than the buffer goes through the first part of its memory
+        store = "store_tile" if width is (Width.DOUBLE if self.buffer_columns == 2 else Width.FULL) else "store_narrow_tile"
+        self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
+                          f"{FIRST_COLUMN[width]}, PENDING={self.buffers - 1})")
 
     def column_frequencies(self, name: str) -> str:
         """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column
@@ -182,6 +200,23 @@ class Pointer:
         return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.strides)))
 
 
+def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
+    """A TMA tensor's tile in an epilogue buffer: the buffer, or its first part for a narrower tile."""
+    full = Width.DOUBLE if buffer_columns(k) == 2 else Width.FULL
+    return buffer if tile_width(k, name) is full else f"hopper.view({buffer}, {name}_desc)"
+
+
+def _input_reads(k: Kernel) -> list[str]:
+    """The consumer's reads of the tile inputs from their buffers, once their TMA loads have landed."""
+    lines = []
+    for i, name in enumerate(tma_inputs(k)):
+        if tile_width(k, name) is Width.DOUBLE:
+            lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc)")
+        else:
+            lines.append(f"{name} = {_buffer_of(k, name, f'buffers[{i}]')}.load(ACC).to(gl.float32)")
+    return lines
+
+
 def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
     buffers = epilogue_buffers(k)
     e = GluonEpilogueEmitter(k, types, buffers)
@@ -213,15 +248,19 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         epilogue=epilogue,
         tma_inputs=ins,
         tma_outputs=outs,
-        half_outputs=[o for o in outs if half_width(k, o)],
+        blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
+        input_loads=[(n, f"[pid_m * BLOCK_M, {FIRST_COLUMN[tile_width(k, n)]}]", _buffer_of(k, n, f"buffers[{i}]"))
+                     for i, n in enumerate(ins)],
+        input_reads=_input_reads(k),
         buffers=buffers,
+        columns=buffer_columns(k),
         scratch=epilogue_scratch(k),
         pointers=pointers,
         scalars=scalars,
         desc_params=wrap(descs, 4),
         pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
         stride_params=wrap(strides, 4),
-        epilogue_args=wrap([*ins, "buffers", *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers),
+        epilogue_args=wrap([*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers", *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers),
                             *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",

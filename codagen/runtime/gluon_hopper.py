@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
+from . import tile
 from .checks import Aliasing
 from .configs import Config
 from triton.experimental import gluon
@@ -41,11 +42,14 @@ else:
 @dataclass(frozen=True)
 class Epilogue:
     """What a kernel's epilogue holds in shared memory besides the operand ring: per consumer, `buffers` tiles
-    of type T (its TMA loads and stores), and `scratch` bytes for Triton's own use (a reduction over rows
-    crosses warps through shared memory: 4.2 KB at 128x128 tiles, measured)."""
+    of type T (its TMA loads and stores), each BLOCK_M x `columns` * BLOCK_N (2 where a tile of pairs, 2*N
+    columns, crosses by TMA; narrower tiles then use the first part of a buffer), and `scratch` bytes for
+    Triton's own use (a reduction over rows crosses warps through shared memory: 4.2 KB at 128x128 tiles,
+    measured)."""
 
     buffers: int
     scratch: int = 0
+    columns: int = 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class HopperConfig:
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
-        buffers = 2 * epilogue.buffers * self.block_m * self.block_n * element_size
+        buffers = 2 * epilogue.buffers * self.block_m * epilogue.columns * self.block_n * element_size
         return self.stages * stage + buffers + epilogue.scratch + 512
 
     def label(self) -> str:
@@ -83,6 +87,7 @@ class HopperConfig:
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
 MAX_STAGES = 6
+TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
 
 
 def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
@@ -133,6 +138,9 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
         if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
             raise ValueError(f"{kernel}: '{name}' spans 2**31 elements or more, which the Hopper kernel's 32-bit "
                              "offsets do not reach")
+    if epilogue.columns * config.block_n > TMA_BOX:
+        raise ValueError(f"{kernel}: {config.label()}: a tile of pairs spans 2 * block_n = "
+                         f"{epilogue.columns * config.block_n} columns, more than the {TMA_BOX} a TMA copy takes")
     smem = config.smem_bytes(torch.empty((), dtype=t_dtype).element_size(), epilogue)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{kernel}: {config.label()} needs {smem} bytes of shared memory, more than the "
@@ -251,14 +259,33 @@ REINTERPRET_PUBLIC: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descrip
 
 
 @gluon.jit
-def store_half_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
-    """store_tile of a value half the tile's width (a gated activation of the tile's pairs), through the first
-    half of the buffer's memory, in the layout of the output's descriptor."""
+def view(buffer, desc):
+    """The first part of a buffer's memory as a tile of a TMA descriptor's block shape, in its layout: a tile
+    narrower than the buffer (half its width: a gated activation's output, or a tile N wide in a buffer made
+    for tiles of pairs)."""
     if REINTERPRET_PUBLIC:
-        half = buffer.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        part = buffer.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
     else:
-        half = buffer._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-    store_tile(desc, half, value, row, col, PENDING)
+        part = buffer._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    return part
+
+
+@gluon.jit
+def load_pairs(buffer, like):
+    """A tile of interleaved pairs (2 * BLOCK_N columns) read from a shared-memory buffer as fp32, split into
+    its even and odd columns, each in the layout of `like` (the accumulator, BLOCK_N wide): the tile is read
+    in the layout that joining two such tiles gives, so every thread reads the pairs of the elements it holds
+    and the split moves no value between threads (the conversions assert as much)."""
+    PAIRS: gl.constexpr = tile.join_pairs(like, like).type.layout
+    even, odd = tile.split_pairs(buffer.load(PAIRS).to(gl.float32))
+    return (gl.convert_layout(even, like.type.layout, assert_trivial=True),
+            gl.convert_layout(odd, like.type.layout, assert_trivial=True))
+
+
+@gluon.jit
+def store_narrow_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
+    """store_tile of a value narrower than the buffer, through the first part of its memory (`view`)."""
+    store_tile(desc, view(buffer, desc), value, row, col, PENDING)
 
 
 @gluon.jit

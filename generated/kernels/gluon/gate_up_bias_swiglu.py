@@ -64,7 +64,7 @@ def gate_up_bias_swiglu_epilogue(
     yv = tile.swiglu(zv)
 
     # store: {x: yv, to: y}
-    hopper.store_half_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING=0)
+    hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING=0)
 
 
 @gluon.jit
