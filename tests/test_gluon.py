@@ -60,22 +60,21 @@ def test_valid_python_importing_nothing_at_package_level():
 
 def test_unlowered_steps_named_and_kept_on_tl():
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
-    assert any(line.startswith("specs/backward/swiglu_dgrad.yaml:") and "swiglu_bwd: {dy: acc, x: z" in line
-               and "no Gluon lowering of 'swiglu_bwd' yet" in line and "keeps the tl kernel only" in line
-               for line in dgrad)
+    qk_norm = [str(f) for f in unlowered(*kernels["qkv_qk_norm_rope"])]
+    assert any(line.startswith("specs/qwen3/qkv_qk_norm_rope.yaml:") and "group_reduce: {op: sumsq, x: zv" in line
+               and "no Gluon lowering of 'group_reduce' yet" in line and "keeps the tl kernel only" in line
+               for line in qk_norm)
     no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
     assert no_gemm and all("no GEMM" in line for line in no_gemm)
     files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/swiglu_dgrad.py" not in files
-    assert "swiglu_dgrad keeps" in files["kernels/gluon/__init__.py"]
-    assert any("swiglu_dgrad.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+    assert "kernels/gluon/qkv_qk_norm_rope.py" not in files
+    assert "qkv_qk_norm_rope keeps" in files["kernels/gluon/__init__.py"]
+    assert any("qkv_qk_norm_rope.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
 
 
 def test_pairs_of_the_accumulator_are_lowered():
     """SwiGLU of the accumulator's pairs: split in registers, its half-width output stored by TMA through the
-    first half of an epilogue buffer; RoPE with its frequencies loaded per column; pairs loaded from memory
-    keep the tl kernel."""
+    first half of an epilogue buffer; RoPE with its frequencies loaded per column."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
     assert unlowered(*kernels["gate_up_swiglu"]) == [] and unlowered(*kernels["qkv_norm_rope"]) == []
     rope = render_gluon([kernels["qkv_norm_rope"]], "codagen build specs/")["kernels/gluon/qkv_norm_rope.py"]
@@ -83,10 +82,40 @@ def test_pairs_of_the_accumulator_are_lowered():
     assert "tile.rope_by_columns(z, positions.to(tl.float32), freqs_of_columns, INVERSE=False)" in rope
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
-    assert "hopper.store_half_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
+    assert "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
     assert "hopper.descriptor(y, [config.block_m, config.block_n // 2])" in source
-    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
-    assert any("no Gluon lowering of pairs loaded from memory" in line for line in dgrad)
+
+
+def test_pairs_loaded_from_memory_are_lowered():
+    """The gated activations' backward (swiglu_dgrad, swiglu_bias_dgrad, geglu_dgrad): the saved pairs cross by
+    TMA whole (2*BLOCK_N columns) into a buffer twice as wide, and are read as their even and odd columns in
+    the accumulator's layout; dz, interleaved again, leaves whole through that buffer, y (N wide) through its
+    first half."""
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    for name in ("swiglu_dgrad", "swiglu_bias_dgrad", "geglu_dgrad"):
+        assert unlowered(*kernels[name]) == [], name
+    source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2)",
+                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, pid_n * (2 * BLOCK_N)], inputs_ready.index(CONSUMER),",
+                 "z_even, z_odd = hopper.load_pairs(buffers[0], acc)",
+                 "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
+                 "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, "
+                 "pid_n * (2 * BLOCK_N),",
+                 "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
+                 "hopper.descriptor(z, [config.block_m, 2 * config.block_n]),",
+                 "[2 * 1, BLOCK_M, 2 * BLOCK_N]"):
+        assert line in source, line
+
+
+def test_pairs_need_a_tma_box_of_2_block_n():
+    """A tile of pairs is one TMA copy of 2 * block_n columns: wider than TMA takes is refused at the launch."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    m = _module("swiglu_dgrad")
+    x = torch.randn(40, 24).bfloat16()
+    args = (x, torch.randn(24, 16).bfloat16(), torch.randn(40, 32).bfloat16())
+    outs = {"dz": torch.empty(40, 32).bfloat16(), "zdz_part": torch.empty(40, 1), "y": torch.empty(40, 16).bfloat16()}
+    with pytest.raises(ValueError, match="2 \\* block_n = 512 columns, more than the 256 a TMA copy takes"):
+        m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_m=64, block_n=256))
 
 
 def test_column_groups_kept_on_tl():
@@ -101,17 +130,17 @@ def test_column_groups_kept_on_tl():
 
 
 def test_cli_build_notes_the_fallbacks(tmp_path):
-    spec = tmp_path / "specs" / "gated_bwd.yaml"
+    spec = tmp_path / "specs" / "accumulated.yaml"
     spec.parent.mkdir()
-    spec.write_text("kernel: gated_bwd\ndoc: A GEMM with SwiGLU's backward.\ngemm: {a: a, b: b, b_layout: nk}\n"
-                    "inputs: {a: [M, K], b: [N, K], z: [M, 2*N]}\noutputs: {dz: [M, 2*N]}\n"
-                    "epilogue:\n  - swiglu_bwd: {dy: acc, x: z, out: d}\n  - store: {x: d, to: dz}\n")
+    spec.write_text("kernel: accumulated\ndoc: A GEMM added into its output.\ngemm: {a: a, b: b, b_layout: nk}\n"
+                    "inputs: {a: [M, K], b: [N, K]}\noutputs: {dx: {shape: [M, N], inplace: true}}\n"
+                    "epilogue:\n  - accumulate: {x: acc, into: dx}\n")
     run = subprocess.run([sys.executable, "-m", "codagen", "build", "specs/"], cwd=tmp_path, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
-    assert "note: specs/gated_bwd.yaml:7:5: swiglu_bwd: {dy: acc, x: z, out: d}: no Gluon lowering of 'swiglu_bwd' " \
+    assert "note: specs/accumulated.yaml:7:5: accumulate: {x: acc, into: dx}: no Gluon lowering of 'accumulate' " \
            "yet" in run.stderr
-    assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated_bwd.py").exists()
+    assert not (tmp_path / "generated" / "kernels" / "gluon" / "accumulated.py").exists()
 
 
 def test_lowering_is_one_registry_entry(monkeypatch):
@@ -156,16 +185,34 @@ epilogue:
 """
 
 
+# RoPE of pairs loaded from memory, and a tile input N wide read from the first half of a buffer made for pairs
+PAIRS_ROPE = """\
+kernel: pairs_rope
+doc: Rotated saved pairs beside a residual.
+gemm: {a: a, b: b, b_layout: nk}
+inputs: {a: [M, K], b: [N, K], z: [M, 2*N], r: [M, N], positions: {shape: [M], dtype: index}, freqs: [N]}
+outputs: {rotated: [M, 2*N], with_residual: [M, N]}
+epilogue:
+  - rope_bwd: {x: z, positions: positions, freqs: freqs, out: zr}
+  - store: {x: zr, to: rotated}
+  - add: {x: acc, y: r, out: s}
+  - store: {x: s, to: with_residual}
+"""
+
+
 def test_lowers_to_ttgir_for_sm90(tmp_path):
-    """Every module the backend generates, for specs/, tests/specs/ and CAST_ONE_HOT (which use every
-    primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90: in a
+    """Every module the backend generates, for specs/, tests/specs/, CAST_ONE_HOT and PAIRS_ROPE (which use
+    every primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90: in a
     subprocess, since the compiler needs Triton's interpreter off."""
     paths = sorted(str(p) for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
+    (tmp_path / "specs" / "pairs_rope.yaml").write_text(PAIRS_ROPE)
     lowered_ops = set()
+    rendered = {}
     for k, types in _kernels(TEST_SPECS) + _kernels(tmp_path / "specs"):
-        for rel, text in render_gluon([(k, types)], "test").items():
+        rendered[k.name] = render_gluon([(k, types)], "test")
+        for rel, text in rendered[k.name].items():
             if not rel.endswith("__init__.py"):
                 (tmp_path / Path(rel).name).write_text(text)
                 paths.append(str(tmp_path / Path(rel).name))
@@ -174,6 +221,10 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
         if not unlowered(k, types):
             lowered_ops |= {s.op for s in k.steps}
     assert LOWERED <= lowered_ops, "each primitive with a Gluon emitter is compiled by some kernel here"
+    pairs_rope = rendered["pairs_rope"]["kernels/gluon/pairs_rope.py"]
+    assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
+    assert "r = hopper.view(buffers[1], r_desc).load(ACC).to(gl.float32)" in pairs_rope
+    assert "hopper.store_narrow_tile(with_residual_desc, buffers[1], s, pid_m * BLOCK_M, pid_n * BLOCK_N" in pairs_rope
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, "-c", _TTGIR.format(benchmarks=str(REPO / "benchmarks")), *paths],
                          capture_output=True, text=True, env=env, cwd=REPO)

@@ -397,6 +397,34 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
     assert launches == [chosen]
 
 
+def test_hopper_pairs_written_over_their_input():
+    """swiglu_dgrad's dz may be written over z (its in_place_of): each tile's pairs are in shared memory before
+    its dz leaves through the same buffer, and no tile reads another's, so dz over z equals dz beside z bit for
+    bit, and so do the other outputs."""
+    hopper = hopper_runtime()
+    module = importlib.import_module("generated.kernels.gluon.swiglu_dgrad")
+    g = generator("gluon-pairs-in-place")
+    m, n, k = RAGGED[0]
+    grad_y = (torch.randn(m, k, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    w_down = (torch.randn(k, n, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    z = torch.randn(m, 2 * n, generator=g, device=DEVICE).bfloat16()
+    tiles = -(-n // hopper.default_config(module.EPILOGUE).block_n)
+
+    def outputs():
+        return {"zdz_part": torch.full((m, tiles), float("nan"), device=DEVICE),
+                "y": torch.full((m, n), float("nan"), device=DEVICE).bfloat16()}
+
+    beside, over = outputs(), outputs()
+    dz = torch.full_like(z, float("nan"))
+    module.launch(grad_y, w_down, z, dz=dz, **beside)
+    z_over = z.clone()
+    module.launch(grad_y, w_down, z_over, dz=z_over, **over)
+    sync()
+    assert not torch.isnan(dz).any() and not torch.isnan(beside["y"]).any()
+    assert torch.equal(z_over, dz)
+    assert all(torch.equal(over[name], beside[name]) for name in beside)
+
+
 def test_hopper_launch_refuses_overlapping_outputs():
     """The Hopper launcher's overlap checks are the tl launcher's: an output may be the very view of an input it
     updates in place, and nothing else that shares its memory."""

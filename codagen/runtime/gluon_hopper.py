@@ -92,10 +92,13 @@ TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
 
 def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
     """128x128 tiles with as many operand stages, up to MAX_STAGES, as fit beside the epilogue (16-bit
-    operands)."""
+    operands); where fewer than 3 fit (buffers of tiles of pairs, and scratch), stages of half the depth, twice
+    as many (the same bytes in flight, a deeper pipeline)."""
     config = HopperConfig(block_k=block_k, stages=MAX_STAGES)
     while config.stages > 2 and config.smem_bytes(2, epilogue) > SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
+    if config.stages < 3 and block_k > 32:
+        return default_config(epilogue, block_k // 2)
     return config
 
 
@@ -120,12 +123,15 @@ def available(device: torch.device) -> bool:
 def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
-    not bf16 or fp16, an empty K, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that
-    does not fit in shared memory."""
+    not bf16 or fp16, an empty K, a tile of pairs wider than a TMA copy, tensors that TMA cannot address,
+    offsets past 32 bits, or a tile shape that does not fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
         raise ValueError(f"{kernel}: K is 0; the Hopper kernel's mainloop needs at least one K step")
+    if epilogue.columns * config.block_n > TMA_BOX:
+        raise ValueError(f"{kernel}: {config.label()}: a tile of pairs spans 2 * block_n = "
+                         f"{epilogue.columns * config.block_n} columns, more than the {TMA_BOX} a TMA copy takes")
     if not available(values[tma_tensors[0]].device):
         raise ValueError(f"{kernel}: the Hopper kernel runs on an sm_90 GPU only")
     for name in tma_tensors:
@@ -138,9 +144,6 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
         if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
             raise ValueError(f"{kernel}: '{name}' spans 2**31 elements or more, which the Hopper kernel's 32-bit "
                              "offsets do not reach")
-    if epilogue.columns * config.block_n > TMA_BOX:
-        raise ValueError(f"{kernel}: {config.label()}: a tile of pairs spans 2 * block_n = "
-                         f"{epilogue.columns * config.block_n} columns, more than the {TMA_BOX} a TMA copy takes")
     smem = config.smem_bytes(torch.empty((), dtype=t_dtype).element_size(), epilogue)
     if smem > SMEM_LIMIT:
         raise ValueError(f"{kernel}: {config.label()} needs {smem} bytes of shared memory, more than the "
