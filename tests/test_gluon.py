@@ -83,39 +83,46 @@ def test_pairs_of_the_accumulator_are_lowered():
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
     assert "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
-    assert "hopper.descriptor(y, [config.block_m, config.block_n // 2])" in source
+    assert "hopper.descriptor(y, [config.block_m, slice_n // 2])" in source
 
 
 def test_pairs_loaded_from_memory_are_lowered():
-    """The gated activations' backward (swiglu_dgrad, swiglu_bias_dgrad, geglu_dgrad): the saved pairs cross by
-    TMA whole (2*BLOCK_N columns) into a buffer twice as wide, and are read as their even and odd columns in
-    the accumulator's layout; dz, interleaved again, leaves whole through that buffer, y (N wide) through its
-    first half."""
+    """The gated activations' backward (swiglu_dgrad, swiglu_bias_dgrad, geglu_dgrad), on 8 column slices of
+    the tile by default: each slice's saved pairs cross by TMA whole (2 * its columns) into a buffer twice as
+    wide as the slice, and are read as their even and odd columns in the accumulator's layout at the slice's
+    width; dz, interleaved again, leaves whole through that buffer, y (N wide) through its first half."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
     for name in ("swiglu_dgrad", "swiglu_bias_dgrad", "geglu_dgrad"):
         assert unlowered(*kernels[name]) == [], name
     source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
-    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2)",
-                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, pid_n * (2 * BLOCK_N)], inputs_ready.index(CONSUMER),",
-                 "z_even, z_odd = hopper.load_pairs(buffers[0], acc)",
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
+                 "mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)",
+                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER), "
+                 "buffers[0])",
+                 "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
+                 "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
                  "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, "
                  "pid_n * (2 * BLOCK_N),",
                  "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
-                 "hopper.descriptor(z, [config.block_m, 2 * config.block_n]),",
-                 "[2 * 1, BLOCK_M, 2 * BLOCK_N]"):
+                 "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
+                 "hopper.descriptor(y, [config.block_m, slice_n]),",
+                 "[2 * EPILOGUE_SPLIT, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
         assert line in source, line
 
 
-def test_pairs_need_a_tma_box_of_2_block_n():
-    """A tile of pairs is one TMA copy of 2 * block_n columns: wider than TMA takes is refused at the launch."""
+def test_epilogue_slices_that_tma_cannot_copy_refused():
+    """An epilogue slice of pairs is one TMA copy of 2 * block_n / epilogue_split columns: wider than TMA takes
+    is refused at the launch, and so are slices too narrow for a gated output's half."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
     m = _module("swiglu_dgrad")
     x = torch.randn(40, 24).bfloat16()
     args = (x, torch.randn(24, 16).bfloat16(), torch.randn(40, 32).bfloat16())
     outs = {"dz": torch.empty(40, 32).bfloat16(), "zdz_part": torch.empty(40, 1), "y": torch.empty(40, 16).bfloat16()}
-    with pytest.raises(ValueError, match="2 \\* block_n = 512 columns, more than the 256 a TMA copy takes"):
+    with pytest.raises(ValueError, match="2 \\* block_n / epilogue_split = 512 columns, more than the 256 a TMA"):
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_m=64, block_n=256))
+    with pytest.raises(ValueError, match="epilogue slices of 8 columns; they need 16 or more"):
+        m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_n=64, epilogue_split=8))
 
 
 def test_column_groups_kept_on_tl():
@@ -281,8 +288,9 @@ def test_backend_recorded_in_tables(tmp_path):
     assert configs._table(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
     with pytest.raises(ValueError, match="backend must be one of tl, gluon"):
         Config(backend="cuda")
-    with pytest.raises(ValueError, match="epilogue_split must be 1"):
-        Config(backend="gluon", epilogue_split=2)
+    assert Config(backend="gluon", epilogue_split=8).epilogue_n == 16  # the Hopper kernels' slices go to 8
+    with pytest.raises(ValueError, match="epilogue_split must be 1, 2 or 4 \\(backend tl\\)"):
+        Config(epilogue_split=8)
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
@@ -343,6 +351,10 @@ def test_hopper_config_from_a_tl_launchers_config():
     assert hopper.launch_config(None, epilogue) == hopper.default_config(epilogue)
     assert hopper.launch_config(Config(128, 128, 64, 16, 4, 5, backend="gluon"), epilogue) == hopper.HopperConfig(
         128, 128, 64, stages=5, group_m=16)
+    split = hopper.launch_config(Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"), epilogue)
+    assert split == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8) and split.epilogue_n == 16
+    pairs = hopper.Epilogue(buffers=1, columns=2, split=8)
+    assert hopper.default_config(pairs) == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8)
     with pytest.raises(ValueError, match="tl backend given to a Hopper"):
         hopper.launch_config(Config(), epilogue)
 

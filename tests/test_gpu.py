@@ -408,7 +408,7 @@ def test_hopper_pairs_written_over_their_input():
     grad_y = (torch.randn(m, k, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
     w_down = (torch.randn(k, n, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
     z = torch.randn(m, 2 * n, generator=g, device=DEVICE).bfloat16()
-    tiles = -(-n // hopper.default_config(module.EPILOGUE).block_n)
+    tiles = -(-n // hopper.default_config(module.EPILOGUE).epilogue_n)
 
     def outputs():
         return {"zdz_part": torch.full((m, tiles), float("nan"), device=DEVICE),

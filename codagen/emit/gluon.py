@@ -78,12 +78,15 @@ def buffer_columns(k: Kernel) -> int:
     return 2 if any(tile_width(k, n) is Width.DOUBLE for n in (*tma_inputs(k), *tma_outputs(k))) else 1
 
 
-# a TMA tensor's block by its tiles' width, as the launcher writes it
-BLOCKS = {Width.HALF: "[config.block_m, config.block_n // 2]", Width.FULL: "block_mn",
-          Width.DOUBLE: "[config.block_m, 2 * config.block_n]"}
-# the column of a tile's first element, as the epilogue writes it
+# a TMA tensor's block by its tiles' width (one epilogue slice's), as the launcher writes it
+BLOCKS = {Width.HALF: "[config.block_m, slice_n // 2]", Width.FULL: "[config.block_m, slice_n]",
+          Width.DOUBLE: "[config.block_m, 2 * slice_n]"}
+# the column of a slice's first element, as the epilogue writes it (pid_n and BLOCK_N are the slice's there)
 FIRST_COLUMN = {Width.HALF: "pid_n * (BLOCK_N // 2)", Width.FULL: "pid_n * BLOCK_N",
                 Width.DOUBLE: "pid_n * (2 * BLOCK_N)"}
+# ... and as the consumer writes it, for TMA loads
+SLICE_COLUMN = {Width.HALF: "slice_n * (SLICE_N // 2)", Width.FULL: "slice_n * SLICE_N",
+                Width.DOUBLE: "slice_n * (2 * SLICE_N)"}
 
 
 def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
@@ -176,6 +179,21 @@ def epilogue_buffers(k: Kernel) -> int:
     return max(len(tma_inputs(k)), 1)
 
 
+def default_split(k: Kernel) -> int:
+    """Column slices the epilogue runs on by default: 8 where tiles of pairs cross by TMA (at 128x128 a whole
+    tile's pairs and their results take some 500 registers per thread; a slice of 16 columns leaves
+    swiglu_dgrad's epilogue unspilled, compiled for sm_90), else the whole tile."""
+    return 8 if buffer_columns(k) == 2 else 1
+
+
+def _slice_buffers(buffers: int) -> str:
+    """The consumer's epilogue buffers of column slice `part`, as a tuple."""
+    if buffers == 1:
+        return "(epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"
+    return "(" + ", ".join(f"epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * {buffers} + {i})"
+                           for i in range(buffers)) + ")"
+
+
 def epilogue_scratch(k: Kernel) -> int:
     """Bytes of shared memory Triton takes for the epilogue: a reduction over rows crosses the warps through
     it (4.2 KB at 128x128 tiles, compiled for sm_90); reductions over columns stay within warps."""
@@ -211,9 +229,9 @@ def _input_reads(k: Kernel) -> list[str]:
     lines = []
     for i, name in enumerate(tma_inputs(k)):
         if tile_width(k, name) is Width.DOUBLE:
-            lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc)")
+            lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc_slice)")
         else:
-            lines.append(f"{name} = {_buffer_of(k, name, f'buffers[{i}]')}.load(ACC).to(gl.float32)")
+            lines.append(f"{name} = {_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE).to(gl.float32)")
     return lines
 
 
@@ -249,8 +267,10 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tma_inputs=ins,
         tma_outputs=outs,
         blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
-        input_loads=[(n, f"[pid_m * BLOCK_M, {FIRST_COLUMN[tile_width(k, n)]}]", _buffer_of(k, n, f"buffers[{i}]"))
+        input_loads=[(n, f"[pid_m * BLOCK_M, {SLICE_COLUMN[tile_width(k, n)]}]", _buffer_of(k, n, f"buffers[{i}]"))
                      for i, n in enumerate(ins)],
+        slice_buffers=_slice_buffers(buffers),
+        split=default_split(k),
         input_reads=_input_reads(k),
         buffers=buffers,
         columns=buffer_columns(k),
@@ -260,12 +280,12 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         desc_params=wrap(descs, 4),
         pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
         stride_params=wrap(strides, 4),
-        epilogue_args=wrap([*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers", *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers),
-                            *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
+        epilogue_args=wrap([*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers",
+                            *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers), *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
                             *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
-                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES"], 12),
+                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES", "EPILOGUE_SPLIT"], 12),
         tensor_names=names,
         tensor_names_quoted=", ".join(f'"{n}"' for n in names),
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),

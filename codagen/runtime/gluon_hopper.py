@@ -45,11 +45,13 @@ class Epilogue:
     of type T (its TMA loads and stores), each BLOCK_M x `columns` * BLOCK_N (2 where a tile of pairs, 2*N
     columns, crosses by TMA; narrower tiles then use the first part of a buffer), and `scratch` bytes for
     Triton's own use (a reduction over rows crosses warps through shared memory: 4.2 KB at 128x128 tiles,
-    measured)."""
+    measured). `split`: the column slices the default config runs the epilogue on (8 where tiles of pairs
+    cross: a whole tile's pairs, its accumulator and their results do not fit in a warpgroup's registers)."""
 
     buffers: int
     scratch: int = 0
     columns: int = 1
+    split: int = 1  # the default config's epilogue_split
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class HopperConfig:
     """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
     (BLOCK_M * BLOCK_N / 128 per thread: 128 at 128x128), so tiles are half the width the tl kernels use.
     Shared memory holds `stages` operand stages and the epilogue's buffers, within the 227 KiB a program has
-    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured)."""
+    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured). The epilogue
+    runs on `epilogue_split` column slices of the tile in turn (its inputs and outputs cross by TMA in
+    slices too), so that fewer values are live at a time."""
 
     block_m: int = 128
     block_n: int = 128
@@ -65,15 +69,16 @@ class HopperConfig:
     stages: int = 4
     group_m: int = 8
     consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
+    epilogue_split: int = 1
 
     @property
     def epilogue_n(self) -> int:
         """Columns that one partial reduction covers (tiles(N) counts these), as Config.epilogue_n."""
-        return self.block_n
+        return self.block_n // self.epilogue_split
 
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
-                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs}
+                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
@@ -82,7 +87,8 @@ class HopperConfig:
         return self.stages * stage + buffers + epilogue.scratch + 512
 
     def label(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
+                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -94,7 +100,7 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
     """128x128 tiles with as many operand stages, up to MAX_STAGES, as fit beside the epilogue (16-bit
     operands); where fewer than 3 fit (buffers of tiles of pairs, and scratch), stages of half the depth, twice
     as many (the same bytes in flight, a deeper pipeline)."""
-    config = HopperConfig(block_k=block_k, stages=MAX_STAGES)
+    config = HopperConfig(block_k=block_k, stages=MAX_STAGES, epilogue_split=epilogue.split)
     while config.stages > 2 and config.smem_bytes(2, epilogue) > SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
     if config.stages < 3 and block_k > 32:
@@ -104,14 +110,15 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m and num_stages as this kernel's stages."""
+    table chose this kernel) gives its tile shape, group_m, epilogue_split and num_stages as this kernel's
+    stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
         if config.backend != "gluon":
             raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
-                            group_m=config.group_m)
+                            group_m=config.group_m, epilogue_split=config.epilogue_split)
     return config
 
 
@@ -123,15 +130,19 @@ def available(device: torch.device) -> bool:
 def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
-    not bf16 or fp16, an empty K, a tile of pairs wider than a TMA copy, tensors that TMA cannot address,
+    not bf16 or fp16, an empty K, slices that TMA cannot copy, tensors that TMA cannot address,
     offsets past 32 bits, or a tile shape that does not fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
         raise ValueError(f"{kernel}: K is 0; the Hopper kernel's mainloop needs at least one K step")
-    if epilogue.columns * config.block_n > TMA_BOX:
-        raise ValueError(f"{kernel}: {config.label()}: a tile of pairs spans 2 * block_n = "
-                         f"{epilogue.columns * config.block_n} columns, more than the {TMA_BOX} a TMA copy takes")
+    slice_n = config.block_n // config.epilogue_split
+    if epilogue.columns * slice_n > TMA_BOX:
+        raise ValueError(f"{kernel}: {config.label()}: a slice of pairs spans 2 * block_n / epilogue_split = "
+                         f"{epilogue.columns * slice_n} columns, more than the {TMA_BOX} a TMA copy takes")
+    if slice_n < 16:
+        raise ValueError(f"{kernel}: {config.label()}: epilogue slices of {slice_n} columns; they need 16 or more "
+                         "(a TMA copy of a gated output's half slice spans 16 bytes at least)")
     if not available(values[tma_tensors[0]].device):
         raise ValueError(f"{kernel}: the Hopper kernel runs on an sm_90 GPU only")
     for name in tma_tensors:
@@ -255,6 +266,21 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index((step + k_steps + STAGES - 1) % STAGES))
     return acc
+
+
+@gluon.jit
+def column_slice(x, PART: gl.constexpr, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Columns [PART * w, (PART + 1) * w) of the accumulator, w = width / PARTS (a power of two), in LAYOUT:
+    the accumulator's layout at width w, which the halves of halves of x are in already (the conversion
+    asserts that no value moves)."""
+    if PARTS == 1:
+        return gl.convert_layout(x, LAYOUT, assert_trivial=True)
+    else:
+        left, right = gl.split(gl.permute(gl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+        if PART < PARTS // 2:
+            return column_slice(left, PART, PARTS // 2, LAYOUT)
+        else:
+            return column_slice(right, PART - PARTS // 2, PARTS // 2, LAYOUT)
 
 
 # a shared-memory buffer viewed as another block shape: `reinterpret` since Triton 3.9, `_reinterpret` before

@@ -59,13 +59,14 @@ ELEMENTWISE_CANDIDATES = tuple(
 # buffer per consumer, 4 beside two or three; a candidate that does not fit is refused at its launch and
 # discarded. GROUP_M 16 won some of the out-projection shapes on the H200 (benchmarks/results/h200-gluon.md).
 # Kernels whose tiles of pairs (2*N columns) cross by TMA have buffers twice as wide: 3 stages of BK 64 fit
-# beside them, or 5 of BK 32 (with a reduction over rows' scratch too).
+# beside them, or 5 of BK 32 (with a reduction over rows' scratch too); their epilogue runs on 8 column slices
+# (at 128x128 a whole tile's pairs spill, compiled for sm_90).
 GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 5, backend="gluon"),
     Config(128, 128, 64, 8, 4, 4, backend="gluon"),
     Config(128, 128, 64, 16, 4, 5, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 3, backend="gluon"),
-    Config(128, 128, 32, 8, 4, 5, backend="gluon"),
+    Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"),
+    Config(128, 128, 32, 8, 4, 5, epilogue_split=8, backend="gluon"),
 )
 
 

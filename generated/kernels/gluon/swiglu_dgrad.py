@@ -34,7 +34,7 @@ DECLS = (
 )
 TMA_TENSORS = ("grad_y", "w_down", "z", "dz", "y")  # addressed by TMA descriptors
 POINTER_TENSORS = ("zdz_part",)  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1, columns=2)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)  # its shared memory
 
 
 @gluon.jit
@@ -45,8 +45,9 @@ def swiglu_dgrad_epilogue(
     stride_zdz_part_m, stride_zdz_part_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, in the accumulator's layout: tile inputs come read from shared memory.
-    Stores cast to each output's dtype."""
+    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
+    in the accumulator's layout at the slice's width: tile inputs come read from shared memory; pid_n and
+    BLOCK_N are the slice's. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -90,12 +91,14 @@ def swiglu_dgrad_consumer(
     stride_zdz_part_m, stride_zdz_part_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
-    mainloop and its epilogue."""
+    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, each with its
+    own epilogue buffers."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    buffers = (epilogue_buffers.index(CONSUMER * 1),)
+    SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -105,24 +108,30 @@ def swiglu_dgrad_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs, by TMA while the mainloop runs, once the last tile's stores have read the buffers
         tma.store_wait(0)
-        mbarrier.expect(inputs_ready.index(CONSUMER), z_desc.block_type.nbytes)
-        hopper.tma_load(z_desc, [pid_m * BLOCK_M, pid_n * (2 * BLOCK_N)], inputs_ready.index(CONSUMER),
-                        buffers[0])
+        mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER), buffers[0])
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
-        z_even, z_odd = hopper.load_pairs(buffers[0], acc)
-        fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
-        swiglu_dgrad_epilogue(
-            acc, pid_m, pid_n, rows, cols,
-            z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, grad_y_desc,
-            M, N,
-            stride_zdz_part_m, stride_zdz_part_t,
-            BLOCK_M, BLOCK_N,
-        )
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
+            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+            z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)
+            fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
+            swiglu_dgrad_epilogue(
+                acc_slice, pid_m, slice_n, rows, cols,
+                z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, grad_y_desc,
+                M, N,
+                stride_zdz_part_m, stride_zdz_part_t,
+                BLOCK_M, SLICE_N,
+            )
         tile_count += 1
     tma.store_wait(0)
 
@@ -142,15 +151,15 @@ def swiglu_dgrad_kernel(
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
-    # per consumer, EPILOGUE.buffers tiles of type T, 2 * BLOCK_N wide (tiles of pairs), in the layout of
-    # the epilogue's TMA descriptors of that width
+    # per consumer and column slice, EPILOGUE.buffers tiles of type T, 2 slices wide (slices of pairs), in
+    # the layout of the epilogue's TMA descriptors of that width
     epilogue_buffers = gl.allocate_shared_memory(
-        grad_y_desc.dtype, [2 * 1, BLOCK_M, 2 * BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * BLOCK_N], grad_y_desc.dtype))
+        grad_y_desc.dtype, [2 * EPILOGUE_SPLIT, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)], grad_y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -166,13 +175,13 @@ def swiglu_dgrad_kernel(
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
             grad_y_desc, zdz_part_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, NUM_PROGRAMS, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
             0,
         )),
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
             grad_y_desc, zdz_part_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, NUM_PROGRAMS, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
             1,
         )),
         (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -194,14 +203,14 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     if plan.empty:
         return
     plan.aliasing.check(tensors)
-    block_mn = [config.block_m, config.block_n]
+    slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         swiglu_dgrad_kernel[(plan.programs,)](
             hopper.descriptor(grad_y, [config.block_m, config.block_k]),
             hopper.descriptor(w_down, [config.block_k, config.block_n]),
-            hopper.descriptor(z, [config.block_m, 2 * config.block_n]),
-            hopper.descriptor(dz, [config.block_m, 2 * config.block_n]),
-            hopper.descriptor(y, block_mn),
+            hopper.descriptor(z, [config.block_m, 2 * slice_n]),
+            hopper.descriptor(dz, [config.block_m, 2 * slice_n]),
+            hopper.descriptor(y, [config.block_m, slice_n]),
             zdz_part,
             plan.m, plan.n, plan.k,
             zdz_part.stride(0), zdz_part.stride(1),
