@@ -45,9 +45,9 @@ class Config:
     # tile's loads by construction; Triton supports it on Hopper for descriptor loads, without flatten, so a
     # launch whose operands cannot go through TMA runs without it
     warp_specialize: bool = False
-    # run the epilogue on each of this many column slices of the tile in turn (1, 2 or 4; the gluon backend
-    # also 8), so that it holds fewer registers at a time: a heavy epilogue on a 128x256 tile spills
-    # otherwise. Partial reductions over columns are per slice, so tiles(N) counts slices (see epilogue_n).
+    # run the epilogue on each of this many column slices of the tile in turn (1, 2, 4 or 8), so that it holds
+    # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions over
+    # columns are per slice, so tiles(N) counts slices (see epilogue_n).
     epilogue_split: int = 1
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
@@ -65,11 +65,9 @@ class Config:
         for name in ("persistent", "tma", "flatten", "warp_specialize"):
             if type(getattr(self, name)) is not bool:
                 fail(f"{name} must be True or False, got {getattr(self, name)!r}")
-        splits = (1, 2, 4, 8) if self.backend == "gluon" else (1, 2, 4)
-        if self.epilogue_split not in splits or self.block_n % (2 * self.epilogue_split):
-            fail(f"epilogue_split must be {', '.join(map(str, splits[:-1]))} or {splits[-1]} (backend "
-                 f"{self.backend}), and block_n a multiple of twice it (whole pairs in each slice), got "
-                 f"{self.epilogue_split} with block_n {self.block_n}")
+        if self.epilogue_split not in (1, 2, 4, 8) or self.block_n % (2 * self.epilogue_split):
+            fail(f"epilogue_split must be 1, 2, 4 or 8, and block_n a multiple of twice it (whole pairs in each "
+                 f"slice), got {self.epilogue_split} with block_n {self.block_n}")
         for name in ("block_m", "block_n", "block_k"):
             size = getattr(self, name)
             if not (MIN_BLOCK <= size <= MAX_BLOCK and size & (size - 1) == 0):
