@@ -295,16 +295,36 @@ def test_backend_recorded_in_tables(tmp_path):
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
-    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates, gluon_candidates
     from codagen.tune.harness import times_hopper
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
-    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + GLUON_CANDIDATES
+    whole = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split == 1)
+    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + whole
+    assert set(gluon_candidates(kernels["swiglu_dgrad"])) - set(whole) == {
+        c for c in GLUON_CANDIDATES if c.epilogue_split == 8}
     assert candidates(kernels["matmul"]) == GEMM_CANDIDATES
     assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
     assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
     tl_matmul = importlib.import_module("generated.kernels.matmul")
     assert not times_hopper(tl_matmul, torch.device("cpu"))  # the interpreter runs no Gluon kernel
+
+
+def test_every_hopper_kernel_has_a_candidate_that_fits():
+    """`codagen tune` can pick each Hopper kernel: some Gluon candidate fits its shared memory with the epilogue
+    slices its default runs (the kernels with tiles of pairs need 3 stages of BK 64, or 5 of BK 32, and 8
+    slices; RoPE 4)."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.tune.candidates import gluon_candidates
+
+    kernels = {k.name: k for k, _ in _kernels(SPECS)}
+    for path in sorted((REPO / "generated" / "kernels" / "gluon").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        epilogue = _module(path.stem).EPILOGUE
+        fitting = [c for c in gluon_candidates(kernels[path.stem]) if c.epilogue_split == epilogue.split
+                   and hopper.launch_config(c, epilogue).smem_bytes(2, epilogue) <= hopper.SMEM_LIMIT]
+        assert fitting, path.stem
 
 
 def _matmul_args():

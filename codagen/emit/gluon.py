@@ -180,10 +180,15 @@ def epilogue_buffers(k: Kernel) -> int:
 
 
 def default_split(k: Kernel) -> int:
-    """Column slices the epilogue runs on by default: 8 where tiles of pairs cross by TMA (at 128x128 a whole
-    tile's pairs and their results take some 500 registers per thread; a slice of 16 columns leaves
-    swiglu_dgrad's epilogue unspilled, compiled for sm_90), else the whole tile."""
-    return 8 if buffer_columns(k) == 2 else 1
+    """Column slices the epilogue runs on by default, compiled for sm_90 at 128x128 tiles: 8 where tiles of
+    pairs cross by TMA (a whole tile's pairs and their results take some 500 registers per thread; slices of
+    16 columns leave swiglu_dgrad's epilogue unspilled); 4 where a rotation takes sines and cosines (each
+    call inlines libdevice's reduction of large angles, whose registers spilled 800 bytes per thread over a
+    whole tile: qkv_norm_rope; slices of 32 columns keep only the reduction's own 28-byte array); else the
+    whole tile."""
+    if buffer_columns(k) == 2:
+        return 8
+    return 4 if any(s.op in ROTARY for s in k.steps) else 1
 
 
 def _slice_buffers(buffers: int) -> str:
