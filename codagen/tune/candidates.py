@@ -59,26 +59,27 @@ ELEMENTWISE_CANDIDATES = tuple(
 # and only on sm_90: its tile shape, group_m and operand stages (num_stages). 5 stages fit beside one epilogue
 # buffer per consumer, 4 beside two or three; a candidate that does not fit is refused at its launch and
 # discarded. GROUP_M 16 won some of the out-projection shapes on the H200 (benchmarks/results/h200-gluon.md).
-# The epilogue on column slices holds fewer registers at a time: 4 slices leave RoPE's sines and cosines
-# unspilled, compiled for sm_90. Kernels whose tiles of pairs (2*N columns) cross by TMA have buffers twice as
-# wide: 3 stages of BK 64 fit beside them, or 5 of BK 32 (with a reduction over rows' scratch too); their
-# epilogue runs on 8 slices (a whole tile's pairs spill).
+# The epilogue on column slices holds fewer registers at a time: on 4 slices RoPE's sines and cosines and the
+# RMSNorm backward's epilogues (norm_dgrad*) stop spilling, compiled for sm_90 (from 800-1700 bytes of stack
+# per thread to 32-40); BK 32 makes room for two epilogue buffers and a reduction's scratch. Kernels whose
+# tiles of pairs (2*N columns) cross by TMA have buffers twice as wide: 3 stages of BK 64 fit beside them, or
+# 5 of BK 32; their epilogue runs on 8 slices (a whole tile's pairs spill).
 GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 5, backend="gluon"),
     Config(128, 128, 64, 8, 4, 4, backend="gluon"),
     Config(128, 128, 64, 16, 4, 5, backend="gluon"),
-    Config(128, 128, 32, 8, 4, 5, backend="gluon"),  # beside two epilogue buffers and a reduction's scratch
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
+    Config(128, 128, 32, 8, 4, 5, epilogue_split=4, backend="gluon"),
     Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"),
     Config(128, 128, 32, 8, 4, 5, epilogue_split=8, backend="gluon"),
 )
 
 
 def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
-    """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, and on the column slices
-    its Hopper kernel runs by default (codagen.emit.gluon.default_split), which leave its epilogue unspilled."""
-    split = default_split(kernel)
-    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, split))
+    """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, and on the
+    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs)."""
+    splits = (1, 4, default_split(kernel))
+    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits)
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
