@@ -60,17 +60,17 @@ def test_valid_python_importing_nothing_at_package_level():
 
 
 def test_unlowered_steps_named_and_kept_on_tl():
-    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    qk_norm = [str(f) for f in unlowered(*kernels["qkv_qk_norm_rope"])]
-    assert any(line.startswith("specs/qwen3/qkv_qk_norm_rope.yaml:") and "group_reduce: {op: sumsq, x: zv" in line
-               and "no Gluon lowering of 'group_reduce' yet" in line and "keeps the tl kernel only" in line
-               for line in qk_norm)
-    no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(TEST_SPECS))
+    found = [str(f) for f in unlowered(*kernels["t_select_accumulate"])]
+    assert any(line.startswith(f"{TEST_SPECS.relative_to(REPO)}/t_select_accumulate.yaml:")
+               and "accumulate: {x: acc, into: acc_tile}: no Gluon lowering of 'accumulate' yet" in line
+               and "keeps the tl kernel only" in line for line in found)
+    no_gemm = [str(f) for f in unlowered(*dict((k.name, (k, t)) for k, t in _kernels(SPECS))["rmsnorm_stats"])]
     assert no_gemm and all("no GEMM" in line for line in no_gemm)
-    files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/qkv_qk_norm_rope.py" not in files
-    assert "qkv_qk_norm_rope keeps" in files["kernels/gluon/__init__.py"]
-    assert any("qkv_qk_norm_rope.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+    files = render_gluon(list(kernels.values()), "codagen build tests/specs/")
+    assert "kernels/gluon/t_select_accumulate.py" not in files
+    assert "t_select_accumulate keeps" in files["kernels/gluon/__init__.py"]
+    assert any("t_select_accumulate.yaml:" in line for line in api.hopper_fallbacks([TEST_SPECS]))
 
 
 def test_pairs_of_the_accumulator_are_lowered():
@@ -98,8 +98,7 @@ def test_pairs_loaded_from_memory_are_lowered():
     source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
     for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
                  "mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)",
-                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER), "
-                 "buffers[0])",
+                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER),",
                  "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
@@ -126,15 +125,21 @@ def test_epilogue_slices_that_tma_cannot_copy_refused():
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_n=64, epilogue_split=8))
 
 
-def test_column_groups_kept_on_tl():
-    """group_reduce has no Gluon entry, and no step that reads a group value is lowered: the build names them."""
+def test_column_groups_are_lowered():
+    """Qwen3's QK-norm: a group value is held over its group's columns in the accumulator's layout
+    (hopper.group_reduce), meets tiles as it is, and is stored by the first column of each group; the default
+    config's epilogue slices hold whole heads (no slicing at 128 columns)."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    found = [str(f) for f in unlowered(*kernels["qkv_qk_norm_rope"])]
-    assert any("group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of 'group_reduce' yet" in line
-               for line in found)
-    assert any("store: {x: rho, to: head_rstd}: no Gluon lowering of column groups" in line for line in found)
-    files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/qkv_qk_norm_rope.py" not in files and "kernels/gluon/qk_norm_rope_bwd.py" not in files
+    assert unlowered(*kernels["qkv_qk_norm_rope"]) == []
+    source = render_gluon([kernels["qkv_qk_norm_rope"]], "codagen build specs/")["kernels/gluon/qkv_qk_norm_rope.py"]
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, column_group=128)",
+                 "ss = hopper.group_reduce(zv, tile_mask, GROUP=128, OP=tile.SUMSQ)",
+                 "tl.store(head_rstd_ptr + rows[:, None] * stride_head_rstd_m + (cols // 128)[None, :] * "
+                 "stride_head_rstd_n,",
+                 "rho.to(head_rstd_ptr.dtype.element_ty), mask=tile_mask & (cols % 128 == 0)[None, :])",
+                 "gain = rho * wn_qk[None, :]"):
+        assert line in source, line
+    assert "expand_groups" not in source
 
 
 def test_cli_build_notes_the_fallbacks(tmp_path):
@@ -208,14 +213,22 @@ epilogue:
 """
 
 
+# every group_reduce op, and group values loaded, stored and meeting rows, columns and tiles (tests/specs/
+# t_group_reduce.yaml without its accumulate)
+GROUPS = (TEST_SPECS / "t_group_reduce.yaml").read_text().replace("kernel: t_group_reduce", "kernel: groups") \
+    .replace("  g_acc: {shape: [M, groups(N)], inplace: true}\n", "") \
+    .replace("  - accumulate: {x: gr, into: g_acc}\n", "")
+
+
 def test_lowers_to_ttgir_for_sm90(tmp_path):
-    """Every module the backend generates, for specs/, tests/specs/, CAST_ONE_HOT and PAIRS_ROPE (which use
-    every primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90: in a
-    subprocess, since the compiler needs Triton's interpreter off."""
+    """Every module the backend generates, for specs/, tests/specs/, CAST_ONE_HOT, PAIRS_ROPE and GROUPS
+    (which use every primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90:
+    in a subprocess, since the compiler needs Triton's interpreter off."""
     paths = sorted(str(p) for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
     (tmp_path / "specs" / "pairs_rope.yaml").write_text(PAIRS_ROPE)
+    (tmp_path / "specs" / "groups.yaml").write_text(GROUPS)
     lowered_ops = set()
     rendered = {}
     for k, types in _kernels(TEST_SPECS) + _kernels(tmp_path / "specs"):
@@ -229,6 +242,7 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
         if not unlowered(k, types):
             lowered_ops |= {s.op for s in k.steps}
     assert LOWERED <= lowered_ops, "each primitive with a Gluon emitter is compiled by some kernel here"
+    assert "kernels/gluon/groups.py" in rendered["groups"]
     pairs_rope = rendered["pairs_rope"]["kernels/gluon/pairs_rope.py"]
     assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
     assert "r = hopper.view(buffers[1], r_desc).load(SLICE).to(gl.float32)" in pairs_rope

@@ -14,7 +14,10 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
   hold pairs) goes through the first part of a buffer's memory (`hopper.store_narrow_tile`); a rotation
   (RoPE) of the accumulator's pairs takes its per-pair frequencies loaded once per column, in the
   accumulator's column layout;
-- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
+- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer);
+- a group value (one per row and column group, [M, groups(N)]) is held over its group's columns, a tile in
+  the accumulator's layout (`hopper.group_reduce`): steps on it are the tl text on a tile, it meets a tile as
+  it is, the first column of each group stores it, and every column loads its group's.
 
 Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
 are its "tl" text, since Triton's builtins, called from a @gluon.jit function, run with Gluon's semantics, and
@@ -36,6 +39,7 @@ from .epilogue import EpilogueEmitter, fit
 from .kernel import AXIS, tensor_args, wrap
 from .templates import render
 
+DEFAULT_BLOCK_N = 128  # the Hopper kernels' default tile width (codagen/runtime/gluon_hopper.py, HopperConfig)
 GATED = ("swiglu", "geglu")  # pairwise steps on the accumulator's pairs that the Hopper backend lowers
 ROTARY = ("rope", "rope_bwd")  # and rotations of them, whose per-pair frequencies it loads per column
 
@@ -64,7 +68,7 @@ def tma_outputs(k: Kernel) -> list[str]:
     """Outputs stored as tiles of type T, N/2, N or 2*N wide: written by TMA from the epilogue's buffers."""
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
-            and len(o.dims) == 2]
+            and len(o.dims) == 2 and o.dims[1].width in (Width.HALF, Width.FULL, Width.DOUBLE)]
 
 
 def tile_width(k: Kernel, name: str) -> Width:
@@ -93,6 +97,9 @@ def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
     """Why the Hopper backend cannot lower this kernel yet: every step it cannot, or the kernel itself."""
     if k.gemm is None:
         return [Fallback(k, None, "no GEMM; the Hopper backend schedules GEMM mainloops only")]
+    if k.whole_rows:
+        return [Fallback(k, None, "column_group N (a tile as wide as the row); the Hopper kernels' tiles are "
+                                  "128 columns wide")]
     missing = unsupported_steps(k, GluonEpilogueEmitter.backend)
     found = []
     for s in k.steps:
@@ -115,8 +122,6 @@ def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | No
         halves = []
     if halves and not (s.op == "store" or (s.op in GATED and halves == [s.out])):
         return "a value N/2 wide is only stored by the Hopper backend yet (no other step takes its layout)"
-    if any(types[v].kind is Kind.GROUP for v in operands):
-        return "no Gluon lowering of column groups (group values [M, groups(N)]) yet"
     for v in operands:
         inp = k.input(v)
         if inp is not None and inp.type.kind is Kind.TILE and v not in tma_inputs(k):
@@ -142,7 +147,31 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         if name in self.tma_inputs:  # read from shared memory by the consumer before the epilogue
             self.loaded.add(name)
             return
+        inp = self.kernel.input(name)
+        if inp is not None and inp.type.kind is Kind.GROUP and name not in self.loaded:
+            # held over its groups' columns, in the accumulator's layout: each column loads its group's value
+            self.loaded.add(name)
+            self.need_width(Width.FULL, tile=True)
+            self.lines.append(f"{name} = tl.load({self.group_ptr(name)}, mask=tile_mask, other=0.0).to(tl.float32)")
+            return
         super().load(name)
+
+    def group_ptr(self, name: str) -> str:
+        """Pointers to a group value's element of each column of the tile: its group's."""
+        return f"{name}_ptr + rows[:, None] * stride_{name}_m + (cols // {self.kernel.column_group})[None, :] * " \
+               f"stride_{name}_n"
+
+    def broadcast(self, text: str, t: ValueType, into: ValueType | None) -> str:
+        if t.kind is Kind.GROUP and into is not None and into.kind is Kind.TILE:
+            return text  # held over its groups' columns already
+        return super().broadcast(text, t, into)
+
+    def tensor_ptr_mask(self, name: str, t: ValueType, half: str | None = None) -> tuple[str, str, str | None]:
+        if t.kind is not Kind.GROUP:
+            return super().tensor_ptr_mask(name, t, half)
+        # a write of a group value, held over its groups' columns: the first column of each group writes it
+        self.need_width(Width.FULL, tile=True)
+        return self.group_ptr(name), f"tile_mask & (cols % {self.kernel.column_group} == 0)[None, :]", None
 
     def store_tile(self, s: Step) -> None:
         """A tile of type T at full width, stored to its output through shared memory by TMA."""
@@ -154,7 +183,8 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         x, width = s.args["x"], tile_width(self.kernel, s.target)
         value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
         # a tile narrower than the buffer goes through the first part of its memory
-        store = "store_tile" if width is (Width.DOUBLE if self.buffer_columns == 2 else Width.FULL) else "store_narrow_tile"
+        buffer_width = Width.DOUBLE if self.buffer_columns == 2 else Width.FULL
+        store = "store_tile" if width is buffer_width else "store_narrow_tile"
         self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
                           f"{FIRST_COLUMN[width]}, PENDING={self.buffers - 1})")
 
@@ -186,17 +216,19 @@ def default_split(k: Kernel) -> int:
     call inlines libdevice's reduction of large angles, whose registers spilled 800 bytes per thread over a
     whole tile: qkv_norm_rope; slices of 32 columns keep only the reduction's own 28-byte array); else the
     whole tile."""
-    if buffer_columns(k) == 2:
-        return 8
-    return 4 if any(s.op in ROTARY for s in k.steps) else 1
+    split = 8 if buffer_columns(k) == 2 else 4 if any(s.op in ROTARY for s in k.steps) else 1
+    while split > 1 and k.column_group and (DEFAULT_BLOCK_N // split) % k.column_group:
+        split //= 2  # each slice holds whole column groups
+    return split
 
 
-def _slice_buffers(buffers: int) -> str:
-    """The consumer's epilogue buffers of column slice `part`, as a tuple."""
+def _slice_buffers(buffers: int) -> list[str]:
+    """The lines that make `buffers`, the consumer's epilogue buffers of column slice `part`, as a tuple."""
     if buffers == 1:
-        return "(epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"
-    return "(" + ", ".join(f"epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * {buffers} + {i})"
-                           for i in range(buffers)) + ")"
+        return ["buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"]
+    return [f"first = (CONSUMER * EPILOGUE_SPLIT + part) * {buffers}  # the slice's first buffer",
+            "buffers = (" + ", ".join(f"epilogue_buffers.index(first{f' + {i}' if i else ''})"
+                                      for i in range(buffers)) + ")"]
 
 
 def epilogue_scratch(k: Kernel) -> int:
@@ -259,6 +291,10 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
     strides = [s for p in pointers for s in p.strides]
     names = [d.name for d in tensors]
+    quoted = ", ".join(f'"{n}"' for n in names)
+    epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers",
+                     *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers), *scalars,
+                     *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
     return render(
         "kernel_gluon.py.j2",
         k=k,
@@ -285,14 +321,16 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         desc_params=wrap(descs, 4),
         pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
         stride_params=wrap(strides, 4),
-        epilogue_args=wrap([*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers",
-                            *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers), *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
+        epilogue_args=wrap(epilogue_args, 12),
+        epilogue_call_args=wrap(epilogue_args, 16),
+        stride_call_args=wrap(strides, 16),
+        plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
                             *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
-                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES", "EPILOGUE_SPLIT"], 12),
+                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
+                            "EPILOGUE_SPLIT"], 12),
         tensor_names=names,
-        tensor_names_quoted=", ".join(f'"{n}"' for n in names),
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
         decls=[t.decl_src for t in tensor_args(k)],
     )

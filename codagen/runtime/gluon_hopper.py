@@ -52,6 +52,7 @@ class Epilogue:
     scratch: int = 0
     columns: int = 1
     split: int = 1  # the default config's epilogue_split
+    column_group: int | None = None  # the kernel's column_group: each epilogue slice must hold whole groups
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,8 @@ def available(device: torch.device) -> bool:
 def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
-    not bf16 or fp16, an empty K, slices that TMA cannot copy, tensors that TMA cannot address,
-    offsets past 32 bits, or a tile shape that does not fit in shared memory."""
+    not bf16 or fp16, an empty K, slices that TMA cannot copy or that split column groups, tensors that TMA
+    cannot address, offsets past 32 bits, or a tile shape that does not fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
@@ -140,6 +141,9 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
     if epilogue.columns * slice_n > TMA_BOX:
         raise ValueError(f"{kernel}: {config.label()}: a slice of pairs spans 2 * block_n / epilogue_split = "
                          f"{epilogue.columns * slice_n} columns, more than the {TMA_BOX} a TMA copy takes")
+    if epilogue.column_group and slice_n % epilogue.column_group:
+        raise ValueError(f"{kernel}: {config.label()}: epilogue slices of {slice_n} columns do not hold whole "
+                         f"column groups of {epilogue.column_group}")
     if slice_n < 16:
         raise ValueError(f"{kernel}: {config.label()}: epilogue slices of {slice_n} columns; they need 16 or more "
                          "(a TMA copy of a gated output's half slice spans 16 bytes at least)")
@@ -309,6 +313,16 @@ def load_pairs(buffer, like):
     even, odd = tile.split_pairs(buffer.load(PAIRS).to(gl.float32))
     return (gl.convert_layout(even, like.type.layout, assert_trivial=True),
             gl.convert_layout(odd, like.type.layout, assert_trivial=True))
+
+
+@gluon.jit
+def group_reduce(x, mask, GROUP: gl.constexpr, OP: gl.constexpr):
+    """tile.group_reduce of a tile in the accumulator's layout, each group's value held over the group's GROUP
+    columns (tile.expand_groups), in x's layout: reduced within the threads and lanes that hold a row's
+    columns, and expanded back to the elements they came from, so no value moves (the conversion asserts as
+    much). A group value held so meets tiles as it is."""
+    return gl.convert_layout(tile.expand_groups(tile.group_reduce(x, mask, GROUP, OP), GROUP), x.type.layout,
+                             assert_trivial=True)
 
 
 @gluon.jit

@@ -21,6 +21,7 @@
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml)
 - qkv_norm_rope (specs/qkv_norm_rope.yaml)
+- qkv_qk_norm_rope (specs/qwen3/qkv_qk_norm_rope.yaml)
 - swiglu_bias_dgrad (specs/backward/swiglu_bias_dgrad.yaml)
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml)
 
@@ -44,18 +45,6 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/qwen3/backward/qk_norm_rope_bwd.yaml:6:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
   mainloops only; it keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:26:5: group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of
-  'group_reduce' yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:27:5: mul: {x: ss, y: 0.0078125, out: ms}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:28:5: add: {x: ms, y: eps, out: ms_eps}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:29:5: rsqrt: {x: ms_eps, out: rho}: no Gluon lowering of column groups (group
-  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:30:5: store: {x: rho, to: head_rstd}: no Gluon lowering of column groups (group
-  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:31:5: mul: {x: rho, y: wn_qk, out: gain}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
   the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops

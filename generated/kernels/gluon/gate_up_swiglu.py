@@ -43,9 +43,8 @@ def gate_up_swiglu_epilogue(
     stride_rstd_m,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
-    in the accumulator's layout at the slice's width; pid_n and
-    BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
     row_mask = rows < M
 
     # scale: {x: acc, by: rstd, out: zv}

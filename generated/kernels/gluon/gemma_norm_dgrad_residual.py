@@ -49,9 +49,9 @@ def gemma_norm_dgrad_residual_epilogue(
     stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
-    in the accumulator's layout at the slice's width: tile inputs come read from shared memory; pid_n and
-    BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
+    read from shared memory. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -129,17 +129,21 @@ def gemma_norm_dgrad_residual_consumer(
         mbarrier.expect(inputs_ready.index(CONSUMER),
                         EPILOGUE_SPLIT * (x_desc.block_type.nbytes + grad_x_desc.block_type.nbytes))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            buffers = (epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * 2 + 0), epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * 2 + 1))
+            first = (CONSUMER * EPILOGUE_SPLIT + part) * 2  # the slice's first buffer
+            buffers = (epilogue_buffers.index(first), epilogue_buffers.index(first + 1))
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            hopper.tma_load(x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER), buffers[0])
-            hopper.tma_load(grad_x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER), buffers[1])
+            hopper.tma_load(x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER),
+                            buffers[0])
+            hopper.tma_load(grad_x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER),
+                            buffers[1])
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
         for part in gl.static_range(EPILOGUE_SPLIT):
-            buffers = (epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * 2 + 0), epilogue_buffers.index((CONSUMER * EPILOGUE_SPLIT + part) * 2 + 1))
+            first = (CONSUMER * EPILOGUE_SPLIT + part) * 2  # the slice's first buffer
+            buffers = (epilogue_buffers.index(first), epilogue_buffers.index(first + 1))
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))

@@ -46,9 +46,8 @@ def lm_head_logits_epilogue(
     stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
-    in the accumulator's layout at the slice's width; pid_n and
-    BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 

@@ -38,9 +38,8 @@ def matmul_epilogue(
     M, N,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
-    in the accumulator's layout at the slice's width; pid_n and
-    BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
 
     # store: {x: acc, to: out_tile}
     hopper.store_tile(out_tile_desc, buffers[0], acc, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)

@@ -47,9 +47,9 @@ def swiglu_bias_dgrad_epilogue(
     stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1) in fp32,
-    in the accumulator's layout at the slice's width: tile inputs come read from shared memory; pid_n and
-    BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
+    read from shared memory. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -128,7 +128,8 @@ def swiglu_bias_dgrad_consumer(
         for part in gl.static_range(EPILOGUE_SPLIT):
             buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER), buffers[0])
+            hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER),
+                            buffers[0])
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
