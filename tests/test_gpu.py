@@ -49,8 +49,9 @@ printed, not asserted:
 
 Hopper kernels (test_gluon_kernel; sm_90 with Triton's Gluon only, skipped elsewhere): every module of
 generated/kernels/gluon/, bf16 and fp16, with the launcher's default config, at two ragged shapes
-(M, N, K multiples of no tile; N and K of 8, which TMA needs) and at the Llama-3-1B places of the kernel
-above, judged by the same three numbers and the same 2x rule. Only these:
+(M, N, K multiples of no tile; N and K of 8, which TMA needs; N of whole column groups where the kernel has
+them) and at the Llama-3-1B places of the kernel above, judged by the same three numbers and the same 2x
+rule; and swiglu_dgrad's dz written over z, equal to dz beside it. Only these:
 
     python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gluon
 
@@ -328,9 +329,12 @@ RAGGED = ((1037, 1000, 872), (333, 2056, 200))  # M, N, K
 
 
 def gluon_shapes(name: str) -> dict[str, tuple[int, int, int]]:
-    # an output N/2 wide (a gated activation's) is addressed by TMA too: N/2 a multiple of 8 (16-byte rows)
+    # an output N/2 wide (a gated activation's) is addressed by TMA too: N/2 a multiple of 8 (16-byte rows);
+    # N is whole column groups where the kernel has them
     half = any(o.dims[-1].width is Width.HALF for o in KERNELS[name].outputs)
-    ragged = [(m, -(-n // 16) * 16 if half else n, k) for m, n, k in RAGGED]
+    group = KERNELS[name].column_group if isinstance(KERNELS[name].column_group, int) else 1
+    step = max(16 if half else 1, group)
+    ragged = [(m, -(-n // step) * step, k) for m, n, k in RAGGED]
     llama = {use: (M_VOCAB if VOCAB in (n, k) else M_TOKENS, n, k) for use, (n, k) in kernel_shapes()[name].items()}
     return {**{f"ragged{m}x{n}x{k}": (m, n, k) for m, n, k in ragged}, **llama}
 
