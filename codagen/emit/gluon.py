@@ -177,8 +177,10 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         """A tile of type T at full width, stored to its output through shared memory by TMA."""
         # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
         # other buffers' stores in flight. Several buffers come only with as many tile inputs, and then each
-        # tile starts with every store done (before its inputs' TMA loads)
+        # tile starts with every store done (before its inputs' TMA loads): as each column slice has buffers of
+        # its own, a buffer's first store in the slice waits for none
         buffer = self.stores % self.buffers
+        pending = None if self.tma_inputs and self.stores < self.buffers else self.buffers - 1
         self.stores += 1
         x, width = s.args["x"], tile_width(self.kernel, s.target)
         value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
@@ -186,7 +188,7 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         buffer_width = Width.DOUBLE if self.buffer_columns == 2 else Width.FULL
         store = "store_tile" if width is buffer_width else "store_narrow_tile"
         self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
-                          f"{FIRST_COLUMN[width]}, PENDING={self.buffers - 1})")
+                          f"{FIRST_COLUMN[width]}, PENDING={pending})")
 
     def column_frequencies(self, name: str) -> str:
         """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column

@@ -334,9 +334,11 @@ def store_narrow_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
 @gluon.jit
 def store_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
     """TMA store of an epilogue value through a shared-memory buffer, once at most PENDING of this consumer's
-    earlier stores are still reading their buffers (so this buffer's last store is done with it). The copy
-    runs on while the epilogue goes on; TMA skips what lies past the tensor's edges."""
-    tma.store_wait(PENDING)
+    earlier stores are still reading their buffers (so this buffer's last store is done with it; None: no
+    store has read it since the consumer last waited for all). The copy runs on while the epilogue goes on;
+    TMA skips what lies past the tensor's edges."""
+    if PENDING is not None:
+        tma.store_wait(PENDING)
     buffer.store(value.to(desc.dtype))
     fence_async_shared()
     tma_store(desc, [row, col], buffer)

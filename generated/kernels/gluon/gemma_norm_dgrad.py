@@ -76,7 +76,7 @@ def gemma_norm_dgrad_epilogue(
     dxv = centered * rstd[:, None]
 
     # store: {x: dxv, to: dx}
-    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn

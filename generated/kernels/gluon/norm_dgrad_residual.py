@@ -77,7 +77,7 @@ def norm_dgrad_residual_epilogue(
     dxv = grad_x + dnorm
 
     # store: {x: dxv, to: dx}
-    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
@@ -91,7 +91,7 @@ def norm_dgrad_residual_epilogue(
     nv = xn * wn[None, :]
 
     # store: {x: nv, to: normed}
-    hopper.store_tile(normed_desc, buffers[1], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=1)
+    hopper.store_tile(normed_desc, buffers[1], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
 
 @gluon.jit

@@ -56,7 +56,7 @@ def out_proj_residual_norm_epilogue(
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}
-    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]

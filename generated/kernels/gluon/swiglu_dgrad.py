@@ -56,7 +56,7 @@ def swiglu_dgrad_epilogue(
 
     # store: {x: dzv, to: dz}
     hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, pid_n * (2 * BLOCK_N),
-                      PENDING=0)
+                      PENDING=None)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored_even = dzv_even.to(grad_y_desc.dtype).to(tl.float32)
