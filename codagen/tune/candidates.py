@@ -75,11 +75,18 @@ GLUON_CANDIDATES = (
 )
 
 
+# Column groups as wide as the tile (Qwen3's 128-column heads) keep the epilogue on whole tiles, where
+# QK-norm with RoPE spills 1400-1500 bytes per thread at 128x128; 64-row tiles hold half as much (216 bytes).
+GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
+
+
 def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
     """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, and on the
-    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs)."""
+    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs); for a
+    kernel with column groups, 64-row tiles too."""
     splits = (1, 4, default_split(kernel))
-    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits)
+    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits) + (
+        GLUON_GROUP_CANDIDATES if kernel.column_group else ())
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
