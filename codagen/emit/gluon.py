@@ -174,7 +174,7 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         return self.group_ptr(name), f"tile_mask & (cols % {self.kernel.column_group} == 0)[None, :]", None
 
     def store_tile(self, s: Step) -> None:
-        """A tile of type T at full width, stored to its output through shared memory by TMA."""
+        """A tile of type T (N/2, N or 2*N wide), stored to its output through shared memory by TMA."""
         # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
         # other buffers' stores in flight. Several buffers come only with as many tile inputs, and then each
         # tile starts with every store done (before its inputs' TMA loads): as each column slice has buffers of
@@ -228,8 +228,8 @@ def _slice_buffers(buffers: int) -> list[str]:
     """The lines that make `buffers`, the consumer's epilogue buffers of column slice `part`, as a tuple."""
     if buffers == 1:
         return ["buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"]
-    return [f"first = (CONSUMER * EPILOGUE_SPLIT + part) * {buffers}  # the slice's first buffer",
-            "buffers = (" + ", ".join(f"epilogue_buffers.index(first{f' + {i}' if i else ''})"
+    return [f"first_buffer = (CONSUMER * EPILOGUE_SPLIT + part) * {buffers}",
+            "buffers = (" + ", ".join(f"epilogue_buffers.index(first_buffer{f' + {i}' if i else ''})"
                                       for i in range(buffers)) + ")"]
 
 

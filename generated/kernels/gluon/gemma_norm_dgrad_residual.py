@@ -129,8 +129,8 @@ def gemma_norm_dgrad_residual_consumer(
         mbarrier.expect(inputs_ready.index(CONSUMER),
                         EPILOGUE_SPLIT * (x_desc.block_type.nbytes + grad_x_desc.block_type.nbytes))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            first = (CONSUMER * EPILOGUE_SPLIT + part) * 2  # the slice's first buffer
-            buffers = (epilogue_buffers.index(first), epilogue_buffers.index(first + 1))
+            first_buffer = (CONSUMER * EPILOGUE_SPLIT + part) * 2
+            buffers = (epilogue_buffers.index(first_buffer), epilogue_buffers.index(first_buffer + 1))
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             hopper.tma_load(x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER),
                             buffers[0])
@@ -142,8 +142,8 @@ def gemma_norm_dgrad_residual_consumer(
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
         for part in gl.static_range(EPILOGUE_SPLIT):
-            first = (CONSUMER * EPILOGUE_SPLIT + part) * 2  # the slice's first buffer
-            buffers = (epilogue_buffers.index(first), epilogue_buffers.index(first + 1))
+            first_buffer = (CONSUMER * EPILOGUE_SPLIT + part) * 2
+            buffers = (epilogue_buffers.index(first_buffer), epilogue_buffers.index(first_buffer + 1))
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
