@@ -30,7 +30,8 @@ from codagen.runtime.gluon_hopper import HopperConfig, default_config  # noqa: E
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
-           HopperConfig(block_k=32, stages=10))  # after each kernel's default (default_config)
+           HopperConfig(block_k=32, stages=10), HopperConfig(stages=3, epilogue_split=4),
+           HopperConfig(stages=3, epilogue_split=8))  # after each kernel's default (default_config)
 
 
 def names() -> list[str]:
@@ -52,9 +53,10 @@ def source(module, config: HopperConfig) -> GluonASTSource:
             elif p == descs[1]:
                 block = [config.block_n, config.block_k] if decls[p[:-5]].dims == ("N", "K") else \
                     [config.block_k, config.block_n]
-            else:  # a tile input or output: N wide, or N/2 (a gated activation's)
-                half = decls[p[:-5]].dims[-1] == "N/2"
-                block = [config.block_m, config.block_n // 2 if half else config.block_n]
+            else:  # a tile input or output, in epilogue slices: N wide, N/2 (a gated activation's) or 2*N (pairs)
+                slice_n = config.block_n // config.epilogue_split
+                width = {"N/2": slice_n // 2, "2*N": 2 * slice_n}
+                block = [config.block_m, width.get(decls[p[:-5]].dims[-1], slice_n)]
             layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
             sig[p] = f"tensordesc<bf16{block},{layout!r}>"
         elif p.endswith("_ptr"):

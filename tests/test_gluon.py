@@ -8,6 +8,7 @@ float64 on an H200."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -59,23 +60,22 @@ def test_valid_python_importing_nothing_at_package_level():
 
 
 def test_unlowered_steps_named_and_kept_on_tl():
-    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
-    assert any(line.startswith("specs/backward/swiglu_dgrad.yaml:") and "swiglu_bwd: {dy: acc, x: z" in line
-               and "no Gluon lowering of 'swiglu_bwd' yet" in line and "keeps the tl kernel only" in line
-               for line in dgrad)
-    no_gemm = [str(f) for f in unlowered(*kernels["rmsnorm_stats"])]
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(TEST_SPECS))
+    found = [str(f) for f in unlowered(*kernels["t_select_accumulate"])]
+    assert any(line.startswith(f"{TEST_SPECS.relative_to(REPO)}/t_select_accumulate.yaml:")
+               and "accumulate: {x: acc, into: acc_tile}: no Gluon lowering of 'accumulate' yet" in line
+               and "keeps the tl kernel only" in line for line in found)
+    no_gemm = [str(f) for f in unlowered(*dict((k.name, (k, t)) for k, t in _kernels(SPECS))["rmsnorm_stats"])]
     assert no_gemm and all("no GEMM" in line for line in no_gemm)
-    files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/swiglu_dgrad.py" not in files
-    assert "swiglu_dgrad keeps" in files["kernels/gluon/__init__.py"]
-    assert any("swiglu_dgrad.yaml:" in line for line in api.hopper_fallbacks([SPECS]))
+    files = render_gluon(list(kernels.values()), "codagen build tests/specs/")
+    assert "kernels/gluon/t_select_accumulate.py" not in files
+    assert "t_select_accumulate keeps" in files["kernels/gluon/__init__.py"]
+    assert any("t_select_accumulate.yaml:" in line for line in api.hopper_fallbacks([TEST_SPECS]))
 
 
 def test_pairs_of_the_accumulator_are_lowered():
     """SwiGLU of the accumulator's pairs: split in registers, its half-width output stored by TMA through the
-    first half of an epilogue buffer; RoPE with its frequencies loaded per column; pairs loaded from memory
-    keep the tl kernel."""
+    first half of an epilogue buffer; RoPE with its frequencies loaded per column."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
     assert unlowered(*kernels["gate_up_swiglu"]) == [] and unlowered(*kernels["qkv_norm_rope"]) == []
     rope = render_gluon([kernels["qkv_norm_rope"]], "codagen build specs/")["kernels/gluon/qkv_norm_rope.py"]
@@ -83,35 +83,77 @@ def test_pairs_of_the_accumulator_are_lowered():
     assert "tile.rope_by_columns(z, positions.to(tl.float32), freqs_of_columns, INVERSE=False)" in rope
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
-    assert "hopper.store_half_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
-    assert "hopper.descriptor(y, [config.block_m, config.block_n // 2])" in source
-    dgrad = [str(f) for f in unlowered(*kernels["swiglu_dgrad"])]
-    assert any("no Gluon lowering of pairs loaded from memory" in line for line in dgrad)
+    assert "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
+    assert "hopper.descriptor(y, [config.block_m, slice_n // 2])" in source
 
 
-def test_column_groups_kept_on_tl():
-    """group_reduce has no Gluon entry, and no step that reads a group value is lowered: the build names them."""
+def test_pairs_loaded_from_memory_are_lowered():
+    """The gated activations' backward (swiglu_dgrad, swiglu_bias_dgrad, geglu_dgrad), on 8 column slices of
+    the tile by default: each slice's saved pairs cross by TMA whole (2 * its columns) into a buffer twice as
+    wide as the slice, and are read as their even and odd columns in the accumulator's layout at the slice's
+    width; dz, interleaved again, leaves whole through that buffer, y (N wide) through its first half."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
-    found = [str(f) for f in unlowered(*kernels["qkv_qk_norm_rope"])]
-    assert any("group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of 'group_reduce' yet" in line
-               for line in found)
-    assert any("store: {x: rho, to: head_rstd}: no Gluon lowering of column groups" in line for line in found)
-    files = render_gluon(list(kernels.values()), "codagen build specs/")
-    assert "kernels/gluon/qkv_qk_norm_rope.py" not in files and "kernels/gluon/qk_norm_rope_bwd.py" not in files
+    for name in ("swiglu_dgrad", "swiglu_bias_dgrad", "geglu_dgrad"):
+        assert unlowered(*kernels[name]) == [], name
+    source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
+                 "mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)",
+                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER),",
+                 "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
+                 "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
+                 "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
+                 "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, "
+                 "pid_n * (2 * BLOCK_N),",
+                 "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
+                 "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
+                 "hopper.descriptor(y, [config.block_m, slice_n]),",
+                 "[2 * EPILOGUE_SPLIT, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
+        assert line in source, line
+
+
+def test_epilogue_slices_that_tma_cannot_copy_refused():
+    """An epilogue slice of pairs is one TMA copy of 2 * block_n / epilogue_split columns: wider than TMA takes
+    is refused at the launch, and so are slices too narrow for a gated output's half."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    m = _module("swiglu_dgrad")
+    x = torch.randn(40, 24).bfloat16()
+    args = (x, torch.randn(24, 16).bfloat16(), torch.randn(40, 32).bfloat16())
+    outs = {"dz": torch.empty(40, 32).bfloat16(), "zdz_part": torch.empty(40, 1), "y": torch.empty(40, 16).bfloat16()}
+    with pytest.raises(ValueError, match="2 \\* block_n / epilogue_split = 512 columns, more than the 256 a TMA"):
+        m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_m=64, block_n=256))
+    with pytest.raises(ValueError, match="epilogue slices of 8 columns; they need 16 or more"):
+        m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_n=64, epilogue_split=8))
+
+
+def test_column_groups_are_lowered():
+    """Qwen3's QK-norm: a group value is held over its group's columns in the accumulator's layout
+    (hopper.group_reduce), meets tiles as it is, and is stored by the first column of each group; the default
+    config's epilogue slices hold whole heads (no slicing at 128 columns)."""
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    assert unlowered(*kernels["qkv_qk_norm_rope"]) == []
+    source = render_gluon([kernels["qkv_qk_norm_rope"]], "codagen build specs/")["kernels/gluon/qkv_qk_norm_rope.py"]
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, column_group=128)",
+                 "ss = hopper.group_reduce(zv, tile_mask, GROUP=128, OP=tile.SUMSQ)",
+                 "tl.store(head_rstd_ptr + rows[:, None] * stride_head_rstd_m + (cols // 128)[None, :] * "
+                 "stride_head_rstd_n,",
+                 "rho.to(head_rstd_ptr.dtype.element_ty), mask=tile_mask & (cols % 128 == 0)[None, :])",
+                 "gain = rho * wn_qk[None, :]"):
+        assert line in source, line
+    assert "expand_groups" not in source
 
 
 def test_cli_build_notes_the_fallbacks(tmp_path):
-    spec = tmp_path / "specs" / "gated_bwd.yaml"
+    spec = tmp_path / "specs" / "accumulated.yaml"
     spec.parent.mkdir()
-    spec.write_text("kernel: gated_bwd\ndoc: A GEMM with SwiGLU's backward.\ngemm: {a: a, b: b, b_layout: nk}\n"
-                    "inputs: {a: [M, K], b: [N, K], z: [M, 2*N]}\noutputs: {dz: [M, 2*N]}\n"
-                    "epilogue:\n  - swiglu_bwd: {dy: acc, x: z, out: d}\n  - store: {x: d, to: dz}\n")
+    spec.write_text("kernel: accumulated\ndoc: A GEMM added into its output.\ngemm: {a: a, b: b, b_layout: nk}\n"
+                    "inputs: {a: [M, K], b: [N, K]}\noutputs: {dx: {shape: [M, N], inplace: true}}\n"
+                    "epilogue:\n  - accumulate: {x: acc, into: dx}\n")
     run = subprocess.run([sys.executable, "-m", "codagen", "build", "specs/"], cwd=tmp_path, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr
-    assert "note: specs/gated_bwd.yaml:7:5: swiglu_bwd: {dy: acc, x: z, out: d}: no Gluon lowering of 'swiglu_bwd' " \
+    assert "note: specs/accumulated.yaml:7:5: accumulate: {x: acc, into: dx}: no Gluon lowering of 'accumulate' " \
            "yet" in run.stderr
-    assert not (tmp_path / "generated" / "kernels" / "gluon" / "gated_bwd.py").exists()
+    assert not (tmp_path / "generated" / "kernels" / "gluon" / "accumulated.py").exists()
 
 
 def test_lowering_is_one_registry_entry(monkeypatch):
@@ -156,16 +198,42 @@ epilogue:
 """
 
 
+# RoPE of pairs loaded from memory, and a tile input N wide read from the first half of a buffer made for pairs
+PAIRS_ROPE = """\
+kernel: pairs_rope
+doc: Rotated saved pairs beside a residual.
+gemm: {a: a, b: b, b_layout: nk}
+inputs: {a: [M, K], b: [N, K], z: [M, 2*N], r: [M, N], positions: {shape: [M], dtype: index}, freqs: [N]}
+outputs: {rotated: [M, 2*N], with_residual: [M, N]}
+epilogue:
+  - rope_bwd: {x: z, positions: positions, freqs: freqs, out: zr}
+  - store: {x: zr, to: rotated}
+  - add: {x: acc, y: r, out: s}
+  - store: {x: s, to: with_residual}
+"""
+
+
+# every group_reduce op, and group values loaded, stored and meeting rows, columns and tiles (tests/specs/
+# t_group_reduce.yaml without its accumulate)
+GROUPS = (TEST_SPECS / "t_group_reduce.yaml").read_text().replace("kernel: t_group_reduce", "kernel: groups") \
+    .replace("  g_acc: {shape: [M, groups(N)], inplace: true}\n", "") \
+    .replace("  - accumulate: {x: gr, into: g_acc}\n", "")
+
+
 def test_lowers_to_ttgir_for_sm90(tmp_path):
-    """Every module the backend generates, for specs/, tests/specs/ and CAST_ONE_HOT (which use every
-    primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90: in a
-    subprocess, since the compiler needs Triton's interpreter off."""
+    """Every module the backend generates, for specs/, tests/specs/, CAST_ONE_HOT, PAIRS_ROPE and GROUPS
+    (which use every primitive it lowers), compiled by the installed Triton's Gluon as far as TTGIR for sm_90:
+    in a subprocess, since the compiler needs Triton's interpreter off."""
     paths = sorted(str(p) for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
+    (tmp_path / "specs" / "pairs_rope.yaml").write_text(PAIRS_ROPE)
+    (tmp_path / "specs" / "groups.yaml").write_text(GROUPS)
     lowered_ops = set()
+    rendered = {}
     for k, types in _kernels(TEST_SPECS) + _kernels(tmp_path / "specs"):
-        for rel, text in render_gluon([(k, types)], "test").items():
+        rendered[k.name] = render_gluon([(k, types)], "test")
+        for rel, text in rendered[k.name].items():
             if not rel.endswith("__init__.py"):
                 (tmp_path / Path(rel).name).write_text(text)
                 paths.append(str(tmp_path / Path(rel).name))
@@ -174,6 +242,11 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
         if not unlowered(k, types):
             lowered_ops |= {s.op for s in k.steps}
     assert LOWERED <= lowered_ops, "each primitive with a Gluon emitter is compiled by some kernel here"
+    assert "kernels/gluon/groups.py" in rendered["groups"]
+    pairs_rope = rendered["pairs_rope"]["kernels/gluon/pairs_rope.py"]
+    assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
+    assert "r = hopper.view(buffers[1], r_desc).load(SLICE).to(gl.float32)" in pairs_rope
+    assert "hopper.store_narrow_tile(with_residual_desc, buffers[1], s, pid_m * BLOCK_M, pid_n * BLOCK_N" in pairs_rope
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, "-c", _TTGIR.format(benchmarks=str(REPO / "benchmarks")), *paths],
                          capture_output=True, text=True, env=env, cwd=REPO)
@@ -230,21 +303,42 @@ def test_backend_recorded_in_tables(tmp_path):
     assert configs._table(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
     with pytest.raises(ValueError, match="backend must be one of tl, gluon"):
         Config(backend="cuda")
-    with pytest.raises(ValueError, match="epilogue_split must be 1"):
-        Config(backend="gluon", epilogue_split=2)
+    assert Config(backend="gluon", epilogue_split=8).epilogue_n == 16  # the epilogue on slices of 16 columns
+    # where the Hopper kernel refuses the arguments, the tl kernel runs with the same slices
+    assert dataclasses.replace(Config(backend="gluon", epilogue_split=8), backend="tl").epilogue_n == 16
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
-    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates, gluon_candidates
     from codagen.tune.harness import times_hopper
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
-    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + GLUON_CANDIDATES
+    tiles_and_quarters = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, 4))
+    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters
+    assert gluon_candidates(kernels["swiglu_dgrad"]) == GLUON_CANDIDATES  # and eighths
     assert candidates(kernels["matmul"]) == GEMM_CANDIDATES
     assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
     assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
     tl_matmul = importlib.import_module("generated.kernels.matmul")
     assert not times_hopper(tl_matmul, torch.device("cpu"))  # the interpreter runs no Gluon kernel
+
+
+def test_every_hopper_kernel_has_a_candidate_that_fits():
+    """`codagen tune` can pick each Hopper kernel: some Gluon candidate fits its shared memory (the kernels with
+    tiles of pairs need 3 stages of BK 64, or 5 of BK 32), and where its default runs the epilogue on slices
+    (8 for tiles of pairs, 4 for RoPE), one that fits runs those."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.tune.candidates import gluon_candidates
+
+    kernels = {k.name: k for k, _ in _kernels(SPECS)}
+    for path in sorted((REPO / "generated" / "kernels" / "gluon").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        epilogue = _module(path.stem).EPILOGUE
+        fitting = [c for c in gluon_candidates(kernels[path.stem])
+                   if hopper.launch_config(c, epilogue).smem_bytes(2, epilogue) <= hopper.SMEM_LIMIT]
+        assert fitting, path.stem
+        assert epilogue.split == 1 or epilogue.split in {c.epilogue_split for c in fitting}, path.stem
 
 
 def _matmul_args():
@@ -292,6 +386,10 @@ def test_hopper_config_from_a_tl_launchers_config():
     assert hopper.launch_config(None, epilogue) == hopper.default_config(epilogue)
     assert hopper.launch_config(Config(128, 128, 64, 16, 4, 5, backend="gluon"), epilogue) == hopper.HopperConfig(
         128, 128, 64, stages=5, group_m=16)
+    split = hopper.launch_config(Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"), epilogue)
+    assert split == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8) and split.epilogue_n == 16
+    pairs = hopper.Epilogue(buffers=1, columns=2, split=8)
+    assert hopper.default_config(pairs) == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8)
     with pytest.raises(ValueError, match="tl backend given to a Hopper"):
         hopper.launch_config(Config(), epilogue)
 
@@ -317,3 +415,24 @@ def test_rope_by_columns_is_rope():
         _ropes[(1,)](x, positions, freqs, by_pair, by_column, inverse)
         assert torch.equal(by_pair, by_column)
         assert not torch.equal(by_pair, x)
+
+
+@triton.jit
+def _column_slices(x_ptr, out_ptr, PARTS: tl.constexpr):
+    """Each of the PARTS column slices of a 16x64 tile (tile.column_slice) stored in its place."""
+    rows, cols = tl.arange(0, 16), tl.arange(0, 64)
+    x = tl.load(x_ptr + rows[:, None] * 64 + cols[None, :])
+    width: tl.constexpr = 64 // PARTS
+    for part in tl.static_range(PARTS):
+        slice_cols = part * width + tl.arange(0, width)
+        tl.store(out_ptr + rows[:, None] * 64 + slice_cols[None, :], tile.column_slice(x, part, PARTS))
+
+
+def test_column_slices_up_to_eight():
+    """The epilogue's column slices (1, 2, 4 or 8 of a tile; the Hopper kernels' pairs take 8), under the
+    interpreter on fresh random data: together they are the tile, each in its place."""
+    x = torch.randn(16, 64)
+    for parts in (1, 2, 4, 8):
+        out = torch.full_like(x, float("nan"))
+        _column_slices[(1,)](x, out, parts)
+        assert torch.equal(out, x), parts

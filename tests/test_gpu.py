@@ -49,8 +49,9 @@ printed, not asserted:
 
 Hopper kernels (test_gluon_kernel; sm_90 with Triton's Gluon only, skipped elsewhere): every module of
 generated/kernels/gluon/, bf16 and fp16, with the launcher's default config, at two ragged shapes
-(M, N, K multiples of no tile; N and K of 8, which TMA needs) and at the Llama-3-1B places of the kernel
-above, judged by the same three numbers and the same 2x rule. Only these:
+(M, N, K multiples of no tile; N and K of 8, which TMA needs; N of whole column groups where the kernel has
+them) and at the Llama-3-1B places of the kernel above, judged by the same three numbers and the same 2x
+rule; and swiglu_dgrad's dz written over z, equal to dz beside it. Only these:
 
     python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gluon
 
@@ -328,9 +329,12 @@ RAGGED = ((1037, 1000, 872), (333, 2056, 200))  # M, N, K
 
 
 def gluon_shapes(name: str) -> dict[str, tuple[int, int, int]]:
-    # an output N/2 wide (a gated activation's) is addressed by TMA too: N/2 a multiple of 8 (16-byte rows)
+    # an output N/2 wide (a gated activation's) is addressed by TMA too: N/2 a multiple of 8 (16-byte rows);
+    # N is whole column groups where the kernel has them
     half = any(o.dims[-1].width is Width.HALF for o in KERNELS[name].outputs)
-    ragged = [(m, -(-n // 16) * 16 if half else n, k) for m, n, k in RAGGED]
+    group = KERNELS[name].column_group if isinstance(KERNELS[name].column_group, int) else 1
+    step = max(16 if half else 1, group)
+    ragged = [(m, -(-n // step) * step, k) for m, n, k in RAGGED]
     llama = {use: (M_VOCAB if VOCAB in (n, k) else M_TOKENS, n, k) for use, (n, k) in kernel_shapes()[name].items()}
     return {**{f"ragged{m}x{n}x{k}": (m, n, k) for m, n, k in ragged}, **llama}
 
@@ -395,6 +399,34 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
     check_launch(f"gpu tl->gluon {name} bf16", KERNELS[name], module, {"M": m, "N": n, "K": k}, torch.bfloat16,
                  lambda: chosen, f"tl-gluon/{name}", start)
     assert launches == [chosen]
+
+
+def test_hopper_pairs_written_over_their_input():
+    """swiglu_dgrad's dz may be written over z (its in_place_of): each tile's pairs are in shared memory before
+    its dz leaves through the same buffer, and no tile reads another's, so dz over z equals dz beside z bit for
+    bit, and so do the other outputs."""
+    hopper = hopper_runtime()
+    module = importlib.import_module("generated.kernels.gluon.swiglu_dgrad")
+    g = generator("gluon-pairs-in-place")
+    m, n, k = RAGGED[0]
+    grad_y = (torch.randn(m, k, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    w_down = (torch.randn(k, n, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    z = torch.randn(m, 2 * n, generator=g, device=DEVICE).bfloat16()
+    tiles = -(-n // hopper.default_config(module.EPILOGUE).epilogue_n)
+
+    def outputs():
+        return {"zdz_part": torch.full((m, tiles), float("nan"), device=DEVICE),
+                "y": torch.full((m, n), float("nan"), device=DEVICE).bfloat16()}
+
+    beside, over = outputs(), outputs()
+    dz = torch.full_like(z, float("nan"))
+    module.launch(grad_y, w_down, z, dz=dz, **beside)
+    z_over = z.clone()
+    module.launch(grad_y, w_down, z_over, dz=z_over, **over)
+    sync()
+    assert not torch.isnan(dz).any() and not torch.isnan(beside["y"]).any()
+    assert torch.equal(z_over, dz)
+    assert all(torch.equal(over[name], beside[name]) for name in beside)
 
 
 def test_hopper_launch_refuses_overlapping_outputs():

@@ -187,7 +187,7 @@ def test_a_host_scalar_must_be_a_number(test_kernels):
     (dict(num_warps=3), "num_warps must be a power of two from 1 to 32"),
     (dict(num_stages=0), "group_m and num_stages must be at least 1"),
     (dict(group_m=0), "group_m and num_stages must be at least 1"),
-    (dict(epilogue_split=3), "epilogue_split must be 1, 2 or 4"),
+    (dict(epilogue_split=3), "epilogue_split must be 1, 2, 4 or 8"),
     (dict(persistent=1), "persistent must be True or False"),
     (dict(flatten=True), "flatten pipelines a persistent program's loop over tiles"),
     (dict(warp_specialize=True, persistent=True), "warp_specialize needs persistent=True and tma=True"),

@@ -471,8 +471,8 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
 def test_epilogue_split_halves_what_tiles_n_counts_in():
     assert Config(64, 128, epilogue_split=2).epilogue_n == 64 and Config(64, 128).epilogue_n == 128
     assert "epilogue/2" in Config(64, 128, epilogue_split=2).label()
-    for bad in ({"epilogue_split": 3}, {"epilogue_split": 8}, {"epilogue_split": 4, "block_n": 4}):
-        with pytest.raises(ValueError, match="epilogue_split must be 1, 2 or 4"):
+    for bad in ({"epilogue_split": 3}, {"epilogue_split": 16}, {"epilogue_split": 8, "block_n": 8}):
+        with pytest.raises(ValueError, match="epilogue_split must be 1, 2, 4 or 8"):
             Config(**bad)
 
 

@@ -108,16 +108,19 @@ class EpilogueEmitter:
         self.load(operand)
         inp = self.kernel.input(operand)
         text = f"{operand}.to(tl.float32)" if inp is not None and inp.dtype is DType.INDEX else operand
-        return _broadcast(text, self.types[operand], into, self.kernel.column_group)
+        return self.broadcast(text, self.types[operand], into)
 
     def halves(self, operand, into: ValueType | None = None) -> tuple[str, str]:
         """Source for an operand's even and odd halves; an operand that is not a pair is both."""
         if not self.is_pair(operand):
             return (self.ref(operand, into),) * 2
         self.load(operand)
-        even, odd = (_broadcast(f"{operand}_{half}", self.types[operand], into, self.kernel.column_group)
-                     for half in HALVES)
+        even, odd = (self.broadcast(f"{operand}_{half}", self.types[operand], into) for half in HALVES)
         return even, odd
+
+    def broadcast(self, text: str, t: ValueType, into: ValueType | None) -> str:
+        """Source for a value of type t where a value of type `into` is made (a row vector in a tile: [:, None])."""
+        return _broadcast(text, t, into, self.kernel.column_group)
 
     # -- what primitives' emitters call (codagen/primitives) ---------------------------------------------
     def line(self, text: str) -> None:

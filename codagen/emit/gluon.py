@@ -4,12 +4,20 @@ warp-specialized Gluon kernel (codagen/runtime/gluon_hopper.py describes the sch
 The epilogue is the spec's steps, lowered as for the tl kernel except that
 
 - tile inputs of type T arrive by TMA into shared memory while the tile's mainloop runs, and are read from
-  there into the accumulator's register layout when the epilogue starts;
-- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile half the
-  accumulator's width, a gated activation (SwiGLU, GeGLU) of its pairs split in registers, goes through the
-  first half of a buffer's memory (`hopper.store_half_tile`); a rotation (RoPE) of its pairs takes its
-  per-pair frequencies loaded once per column, in the accumulator's column layout;
-- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer).
+  there into the accumulator's register layout when the epilogue starts; a tile of pairs (2*N columns, such
+  as the saved (gate, up) pre-activations of a gated activation's backward) crosses whole, 2*BLOCK_N
+  columns, into a buffer twice as wide, and is read as its even and odd columns, each in the accumulator's
+  layout (`hopper.load_pairs`);
+- stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile of pairs is
+  interleaved again in registers and leaves whole; a tile narrower than the buffer (a gated activation
+  (SwiGLU, GeGLU) of the accumulator's pairs split in registers, N/2 wide; a tile N wide where the buffers
+  hold pairs) goes through the first part of a buffer's memory (`hopper.store_narrow_tile`); a rotation
+  (RoPE) of the accumulator's pairs takes its per-pair frequencies loaded once per column, in the
+  accumulator's column layout;
+- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer);
+- a group value (one per row and column group, [M, groups(N)]) is held over its group's columns, a tile in
+  the accumulator's layout (`hopper.group_reduce`): steps on it are the tl text on a tile, it meets a tile as
+  it is, the first column of each group stores it, and every column loads its group's.
 
 Each primitive the backend lowers has a "gluon" entry in the registry's `emitters` (codagen/primitives): most
 are its "tl" text, since Triton's builtins, called from a @gluon.jit function, run with Gluon's semantics, and
@@ -31,6 +39,7 @@ from .epilogue import EpilogueEmitter, fit
 from .kernel import AXIS, tensor_args, wrap
 from .templates import render
 
+DEFAULT_BLOCK_N = 128  # the Hopper kernels' default tile width (codagen/runtime/gluon_hopper.py, HopperConfig)
 GATED = ("swiglu", "geglu")  # pairwise steps on the accumulator's pairs that the Hopper backend lowers
 ROTARY = ("rope", "rope_bwd")  # and rotations of them, whose per-pair frequencies it loads per column
 
@@ -50,27 +59,47 @@ class Fallback:
 
 
 def tma_inputs(k: Kernel) -> list[str]:
-    """Tile inputs of type T at full width: loaded by TMA into the epilogue's buffers."""
+    """Tile inputs of type T, N wide or tiles of pairs (2*N): loaded by TMA into the epilogue's buffers."""
     return [i.name for i in k.inputs if i.role is InputRole.TENSOR and i.dtype is DType.T
-            and i.type.kind is Kind.TILE and i.type.width is Width.FULL]
+            and i.type.kind is Kind.TILE and i.type.width in (Width.FULL, Width.DOUBLE)]
 
 
 def tma_outputs(k: Kernel) -> list[str]:
-    """Outputs stored as tiles of type T, N or N/2 wide: written by TMA from the epilogue's buffers."""
+    """Outputs stored as tiles of type T, N/2, N or 2*N wide: written by TMA from the epilogue's buffers."""
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
-            and len(o.dims) == 2 and o.dims[1].width in (Width.FULL, Width.HALF)]
+            and len(o.dims) == 2 and o.dims[1].width in (Width.HALF, Width.FULL, Width.DOUBLE)]
 
 
-def half_width(k: Kernel, name: str) -> bool:
-    """Whether an output's tiles are half the accumulator's width (a gated activation's)."""
-    return k.output(name).dims[1].width is Width.HALF
+def tile_width(k: Kernel, name: str) -> Width:
+    """The width of a TMA tensor's tiles: N/2 (a gated activation's output), N, or 2*N (pairs)."""
+    inp = k.input(name)
+    return inp.type.width if inp is not None else k.output(name).dims[1].width
+
+
+def buffer_columns(k: Kernel) -> int:
+    """The width of the epilogue's buffers in BLOCK_N: 2 where a tile of pairs crosses by TMA, else 1."""
+    return 2 if any(tile_width(k, n) is Width.DOUBLE for n in (*tma_inputs(k), *tma_outputs(k))) else 1
+
+
+# a TMA tensor's block by its tiles' width (one epilogue slice's), as the launcher writes it
+BLOCKS = {Width.HALF: "[config.block_m, slice_n // 2]", Width.FULL: "[config.block_m, slice_n]",
+          Width.DOUBLE: "[config.block_m, 2 * slice_n]"}
+# the column of a slice's first element, as the epilogue writes it (pid_n and BLOCK_N are the slice's there)
+FIRST_COLUMN = {Width.HALF: "pid_n * (BLOCK_N // 2)", Width.FULL: "pid_n * BLOCK_N",
+                Width.DOUBLE: "pid_n * (2 * BLOCK_N)"}
+# ... and as the consumer writes it, for TMA loads
+SLICE_COLUMN = {Width.HALF: "slice_n * (SLICE_N // 2)", Width.FULL: "slice_n * SLICE_N",
+                Width.DOUBLE: "slice_n * (2 * SLICE_N)"}
 
 
 def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
     """Why the Hopper backend cannot lower this kernel yet: every step it cannot, or the kernel itself."""
     if k.gemm is None:
         return [Fallback(k, None, "no GEMM; the Hopper backend schedules GEMM mainloops only")]
+    if k.whole_rows:
+        return [Fallback(k, None, "column_group N (a tile as wide as the row); the Hopper kernels' tiles are "
+                                  "128 columns wide")]
     missing = unsupported_steps(k, GluonEpilogueEmitter.backend)
     found = []
     for s in k.steps:
@@ -83,10 +112,8 @@ def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
 def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | None:
     """Why the emitter cannot place a step's operands (a layout or TMA path it lacks), if it cannot."""
     if s.op == "store" and types[s.args["x"]].kind is Kind.TILE and s.target not in tma_outputs(k):
-        return "only tiles of type T at full width are stored, through TMA"
+        return "only tiles of type T are stored, through TMA"
     operands = [v for v in s.args.values() if isinstance(v, str) and v in types] + ([s.out] if s.out else [])
-    if any(types[v].width is Width.DOUBLE for v in operands):
-        return "no Gluon lowering of pairs loaded from memory (2*N columns) yet"
     # a value N/2 wide lies in the layout that splitting the pairs gives; only a TMA store takes it as it is
     halves = [v for v in operands if types[v].width is Width.HALF]
     if s.op in ROTARY and halves == [s.args["freqs"]]:
@@ -95,8 +122,6 @@ def _beyond_emitter(k: Kernel, types: dict[str, ValueType], s: Step) -> str | No
         halves = []
     if halves and not (s.op == "store" or (s.op in GATED and halves == [s.out])):
         return "a value N/2 wide is only stored by the Hopper backend yet (no other step takes its layout)"
-    if any(types[v].kind is Kind.GROUP for v in operands):
-        return "no Gluon lowering of column groups (group values [M, groups(N)]) yet"
     for v in operands:
         inp = k.input(v)
         if inp is not None and inp.type.kind is Kind.TILE and v not in tma_inputs(k):
@@ -115,27 +140,55 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         self.tma_inputs = tma_inputs(kernel)
         self.tma_outputs = tma_outputs(kernel)
         self.buffers = buffers
+        self.buffer_columns = buffer_columns(kernel)
         self.stores = 0  # TMA stores emitted so far
 
     def load(self, name: str) -> None:
         if name in self.tma_inputs:  # read from shared memory by the consumer before the epilogue
             self.loaded.add(name)
             return
+        inp = self.kernel.input(name)
+        if inp is not None and inp.type.kind is Kind.GROUP and name not in self.loaded:
+            # held over its groups' columns, in the accumulator's layout: each column loads its group's value
+            self.loaded.add(name)
+            self.need_width(Width.FULL, tile=True)
+            self.lines.append(f"{name} = tl.load({self.group_ptr(name)}, mask=tile_mask, other=0.0).to(tl.float32)")
+            return
         super().load(name)
 
+    def group_ptr(self, name: str) -> str:
+        """Pointers to a group value's element of each column of the tile: its group's."""
+        return f"{name}_ptr + rows[:, None] * stride_{name}_m + (cols // {self.kernel.column_group})[None, :] * " \
+               f"stride_{name}_n"
+
+    def broadcast(self, text: str, t: ValueType, into: ValueType | None) -> str:
+        if t.kind is Kind.GROUP and into is not None and into.kind is Kind.TILE:
+            return text  # held over its groups' columns already
+        return super().broadcast(text, t, into)
+
+    def tensor_ptr_mask(self, name: str, t: ValueType, half: str | None = None) -> tuple[str, str, str | None]:
+        if t.kind is not Kind.GROUP:
+            return super().tensor_ptr_mask(name, t, half)
+        # a write of a group value, held over its groups' columns: the first column of each group writes it
+        self.need_width(Width.FULL, tile=True)
+        return self.group_ptr(name), f"tile_mask & (cols % {self.kernel.column_group} == 0)[None, :]", None
+
     def store_tile(self, s: Step) -> None:
-        """A tile of type T at full width, stored to its output through shared memory by TMA."""
+        """A tile of type T (N/2, N or 2*N wide), stored to its output through shared memory by TMA."""
         # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
         # other buffers' stores in flight. Several buffers come only with as many tile inputs, and then each
-        # tile starts with every store done (before its inputs' TMA loads)
+        # tile starts with every store done (before its inputs' TMA loads): as each column slice has buffers of
+        # its own, a buffer's first store in the slice waits for none
         buffer = self.stores % self.buffers
+        pending = None if self.tma_inputs and self.stores < self.buffers else self.buffers - 1
         self.stores += 1
-        if half_width(self.kernel, s.target):  # through the first half of the buffer's memory
-            self.lines.append(f"hopper.store_half_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
-                              f"pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING={self.buffers - 1})")
-            return
-        self.lines.append(f"hopper.store_tile({s.target}_desc, buffers[{buffer}], {self.ref(s.args['x'])}, "
-                          f"pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING={self.buffers - 1})")
+        x, width = s.args["x"], tile_width(self.kernel, s.target)
+        value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
+        # a tile narrower than the buffer goes through the first part of its memory
+        buffer_width = Width.DOUBLE if self.buffer_columns == 2 else Width.FULL
+        store = "store_tile" if width is buffer_width else "store_narrow_tile"
+        self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
+                          f"{FIRST_COLUMN[width]}, PENDING={pending})")
 
     def column_frequencies(self, name: str) -> str:
         """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column
@@ -156,6 +209,28 @@ def epilogue_buffers(k: Kernel) -> int:
     for the stores. One store waits for the last to have read the buffer; a second buffer would let it run on
     but costs an operand stage at 128x128 tiles, which the mainloop needs more (measured on the H200)."""
     return max(len(tma_inputs(k)), 1)
+
+
+def default_split(k: Kernel) -> int:
+    """Column slices the epilogue runs on by default, compiled for sm_90 at 128x128 tiles: 8 where tiles of
+    pairs cross by TMA (a whole tile's pairs and their results take some 500 registers per thread; slices of
+    16 columns leave swiglu_dgrad's epilogue unspilled); 4 where a rotation takes sines and cosines (each
+    call inlines libdevice's reduction of large angles, whose registers spilled 800 bytes per thread over a
+    whole tile: qkv_norm_rope; slices of 32 columns keep only the reduction's own 28-byte array); else the
+    whole tile."""
+    split = 8 if buffer_columns(k) == 2 else 4 if any(s.op in ROTARY for s in k.steps) else 1
+    while split > 1 and k.column_group and (DEFAULT_BLOCK_N // split) % k.column_group:
+        split //= 2  # each slice holds whole column groups
+    return split
+
+
+def _slice_buffers(buffers: int) -> list[str]:
+    """The lines that make `buffers`, the consumer's epilogue buffers of column slice `part`, as a tuple."""
+    if buffers == 1:
+        return ["buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"]
+    return [f"first_buffer = (CONSUMER * EPILOGUE_SPLIT + part) * {buffers}",
+            "buffers = (" + ", ".join(f"epilogue_buffers.index(first_buffer{f' + {i}' if i else ''})"
+                                      for i in range(buffers)) + ")"]
 
 
 def epilogue_scratch(k: Kernel) -> int:
@@ -182,6 +257,23 @@ class Pointer:
         return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.strides)))
 
 
+def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
+    """A TMA tensor's tile in an epilogue buffer: the buffer, or its first part for a narrower tile."""
+    full = Width.DOUBLE if buffer_columns(k) == 2 else Width.FULL
+    return buffer if tile_width(k, name) is full else f"hopper.view({buffer}, {name}_desc)"
+
+
+def _input_reads(k: Kernel) -> list[str]:
+    """The consumer's reads of the tile inputs from their buffers, once their TMA loads have landed."""
+    lines = []
+    for i, name in enumerate(tma_inputs(k)):
+        if tile_width(k, name) is Width.DOUBLE:
+            lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc_slice)")
+        else:
+            lines.append(f"{name} = {_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE).to(gl.float32)")
+    return lines
+
+
 def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
     buffers = epilogue_buffers(k)
     e = GluonEpilogueEmitter(k, types, buffers)
@@ -201,6 +293,10 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
     strides = [s for p in pointers for s in p.strides]
     names = [d.name for d in tensors]
+    quoted = ", ".join(f'"{n}"' for n in names)
+    epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers",
+                     *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers), *scalars,
+                     *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
     return render(
         "kernel_gluon.py.j2",
         k=k,
@@ -213,22 +309,30 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         epilogue=epilogue,
         tma_inputs=ins,
         tma_outputs=outs,
-        half_outputs=[o for o in outs if half_width(k, o)],
+        blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
+        input_loads=[(n, f"[pid_m * BLOCK_M, {SLICE_COLUMN[tile_width(k, n)]}]", _buffer_of(k, n, f"buffers[{i}]"))
+                     for i, n in enumerate(ins)],
+        slice_buffers=_slice_buffers(buffers),
+        split=default_split(k),
+        input_reads=_input_reads(k),
         buffers=buffers,
+        columns=buffer_columns(k),
         scratch=epilogue_scratch(k),
         pointers=pointers,
         scalars=scalars,
         desc_params=wrap(descs, 4),
         pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
         stride_params=wrap(strides, 4),
-        epilogue_args=wrap([*ins, "buffers", *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers),
-                            *scalars, *([f"{k.gemm.a}_desc"] if casts_to_t else [])], 12),
+        epilogue_args=wrap(epilogue_args, 12),
+        epilogue_call_args=wrap(epilogue_args, 16),
+        stride_call_args=wrap(strides, 16),
+        plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
                             *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
-                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES"], 12),
+                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
+                            "EPILOGUE_SPLIT"], 12),
         tensor_names=names,
-        tensor_names_quoted=", ".join(f'"{n}"' for n in names),
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
         decls=[t.decl_src for t in tensor_args(k)],
     )

@@ -46,8 +46,9 @@ def gated(name: str, act, act_name: str) -> Primitive:
         name, (X, OUT), f"out_j = {act_name}(g_j) · u_j, on the interleaved pairs (g_j, u_j) = (x_2j, x_2j+1).",
         "x: a tile of width N or 2*N; out: a tile of half that width.", f"{name}: {{x: zv, out: yv}}",
         check=_check_gated, reference=reference,
-        # Gluon: the tile's halves are split in registers (tile.split_pairs) in a layout derived from the
-        # accumulator's; the Hopper backend takes pairs computed in registers only (emit/gluon.py)
+        # Gluon: the accumulator's pairs are split in registers (tile.split_pairs) in a layout derived from
+        # the accumulator's, whose result the Hopper backend only stores; pairs loaded from memory arrive as
+        # halves in the accumulator's layout (emit/gluon.py)
         emitters={"tl": _emit_gated, "gluon": _emit_gated})
 
 
@@ -86,7 +87,8 @@ def gated_bwd(name: str, act, forward: str, formula: str) -> Primitive:
         f"The gradient of {forward} at the saved pairs x given dy, interleaved (d gate, d up): {formula}.",
         "dy: a tile of width w (N/2 or N); x: the saved pairs, a tile of width 2w; out: a tile of width 2w.",
         f"{name}: {{dy: acc, x: z1, out: dz}}", check=_check_gated_bwd, reference=reference,
-        emitters={"tl": _emit_gated_bwd})
+        # Gluon: saved pairs loaded from memory (2*N) arrive as halves in the accumulator's layout
+        emitters={"tl": _emit_gated_bwd, "gluon": _emit_gated_bwd})
 
 
 # -- rotary embedding ----------------------------------------------------------------------------------------
@@ -118,7 +120,11 @@ def _emit_rotary(e, s):
 
 
 def _emit_rotary_by_columns(e, s):
-    """Gluon: the frequencies loaded once per column (cols // 2), in the accumulator's column layout."""
+    """Gluon: the frequencies loaded once per column (cols // 2), in the accumulator's column layout. Pairs
+    loaded from memory are halves in that layout already, with one frequency per column of the accumulator."""
+    if e.is_pair(s.args["x"]):
+        _emit_rotary(e, s)
+        return
     pos, freqs = e.ref(s.args["positions"]), e.column_frequencies(s.args["freqs"])
     e.assign(s, f"tile.rope_by_columns({e.ref(s.args['x'])}, {pos}, {freqs}, INVERSE={s.op == 'rope_bwd'})")
 

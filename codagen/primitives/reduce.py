@@ -120,6 +120,14 @@ def _emit_group(e, s):
                 f"OP={op})")
 
 
+def _emit_group_gluon(e, s):
+    """Gluon: a group value is held over its group's columns, in the accumulator's layout (emit/gluon.py)."""
+    x = s.args["x"]
+    e.need_width(Width.FULL, tile=True)
+    e.assign(s, f"hopper.group_reduce({e.ref(x)}, {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
+                f"OP={_BY_NAME[s.args['op']].constant})")
+
+
 def _reference_group(r, s):
     x, group = r.value(s.args["x"]), r.kernel.column_group
     rows, cols = x.shape
@@ -137,6 +145,6 @@ GROUP_REDUCE = Primitive(
     "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)], or a row "
     "vector [M] with column_group N.",
     "group_reduce: {op: sumsq, x: q, out: ss_head}",
-    check=_check_group, reference=_reference_group, emitters={"tl": _emit_group})
+    check=_check_group, reference=_reference_group, emitters={"tl": _emit_group, "gluon": _emit_group_gluon})
 
 PRIMITIVES = (REDUCE, GROUP_REDUCE)

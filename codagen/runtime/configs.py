@@ -45,9 +45,9 @@ class Config:
     # tile's loads by construction; Triton supports it on Hopper for descriptor loads, without flatten, so a
     # launch whose operands cannot go through TMA runs without it
     warp_specialize: bool = False
-    # run the epilogue on each of this many column slices of the tile in turn (1, 2 or 4), so that it holds
-    # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions
-    # over columns are per slice, so tiles(N) counts slices (see epilogue_n).
+    # run the epilogue on each of this many column slices of the tile in turn (1, 2, 4 or 8), so that it holds
+    # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions over
+    # columns are per slice, so tiles(N) counts slices (see epilogue_n).
     epilogue_split: int = 1
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
@@ -65,8 +65,8 @@ class Config:
         for name in ("persistent", "tma", "flatten", "warp_specialize"):
             if type(getattr(self, name)) is not bool:
                 fail(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.epilogue_split not in (1, 2, 4) or self.block_n % (2 * self.epilogue_split):
-            fail(f"epilogue_split must be 1, 2 or 4, and block_n a multiple of twice it (whole pairs in each "
+        if self.epilogue_split not in (1, 2, 4, 8) or self.block_n % (2 * self.epilogue_split):
+            fail(f"epilogue_split must be 1, 2, 4 or 8, and block_n a multiple of twice it (whole pairs in each "
                  f"slice), got {self.epilogue_split} with block_n {self.block_n}")
         for name in ("block_m", "block_n", "block_k"):
             size = getattr(self, name)
@@ -81,8 +81,6 @@ class Config:
             fail("flatten pipelines a persistent program's loop over tiles: it needs persistent=True")
         if self.backend not in BACKENDS:
             fail(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "gluon" and self.epilogue_split != 1:
-            fail("the gluon backend runs the epilogue on whole tiles: epilogue_split must be 1")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
+from . import tile
 from .checks import Aliasing
 from .configs import Config
 from triton.experimental import gluon
@@ -41,11 +42,17 @@ else:
 @dataclass(frozen=True)
 class Epilogue:
     """What a kernel's epilogue holds in shared memory besides the operand ring: per consumer, `buffers` tiles
-    of type T (its TMA loads and stores), and `scratch` bytes for Triton's own use (a reduction over rows
-    crosses warps through shared memory: 4.2 KB at 128x128 tiles, measured)."""
+    of type T (its TMA loads and stores), each BLOCK_M x `columns` * BLOCK_N (2 where a tile of pairs, 2*N
+    columns, crosses by TMA; narrower tiles then use the first part of a buffer), and `scratch` bytes for
+    Triton's own use (a reduction over rows crosses warps through shared memory: 4.2 KB at 128x128 tiles,
+    measured). `split`: the column slices the default config runs the epilogue on (8 where tiles of pairs
+    cross: a whole tile's pairs, its accumulator and their results do not fit in a warpgroup's registers)."""
 
     buffers: int
     scratch: int = 0
+    columns: int = 1
+    split: int = 1  # the default config's epilogue_split
+    column_group: int | None = None  # the kernel's column_group: each epilogue slice must hold whole groups
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,9 @@ class HopperConfig:
     """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
     (BLOCK_M * BLOCK_N / 128 per thread: 128 at 128x128), so tiles are half the width the tl kernels use.
     Shared memory holds `stages` operand stages and the epilogue's buffers, within the 227 KiB a program has
-    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured)."""
+    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured). The epilogue
+    runs on `epilogue_split` column slices of the tile in turn (its inputs and outputs cross by TMA in
+    slices too), so that fewer values are live at a time."""
 
     block_m: int = 128
     block_n: int = 128
@@ -61,49 +70,56 @@ class HopperConfig:
     stages: int = 4
     group_m: int = 8
     consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
+    epilogue_split: int = 1
 
     @property
     def epilogue_n(self) -> int:
         """Columns that one partial reduction covers (tiles(N) counts these), as Config.epilogue_n."""
-        return self.block_n
+        return self.block_n // self.epilogue_split
 
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
-                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs}
+                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
-        buffers = 2 * epilogue.buffers * self.block_m * self.block_n * element_size
+        buffers = 2 * epilogue.buffers * self.block_m * epilogue.columns * self.block_n * element_size
         return self.stages * stage + buffers + epilogue.scratch + 512
 
     def label(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
+                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
 MAX_STAGES = 6
+TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
 
 
 def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
     """128x128 tiles with as many operand stages, up to MAX_STAGES, as fit beside the epilogue (16-bit
-    operands)."""
-    config = HopperConfig(block_k=block_k, stages=MAX_STAGES)
+    operands); where fewer than 3 fit (buffers of tiles of pairs, and scratch), stages of half the depth, twice
+    as many (the same bytes in flight, a deeper pipeline)."""
+    config = HopperConfig(block_k=block_k, stages=MAX_STAGES, epilogue_split=epilogue.split)
     while config.stages > 2 and config.smem_bytes(2, epilogue) > SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
+    if config.stages < 3 and block_k > 32:
+        return default_config(epilogue, block_k // 2)
     return config
 
 
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m and num_stages as this kernel's stages."""
+    table chose this kernel) gives its tile shape, group_m, epilogue_split and num_stages as this kernel's
+    stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
         if config.backend != "gluon":
             raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
-                            group_m=config.group_m)
+                            group_m=config.group_m, epilogue_split=config.epilogue_split)
     return config
 
 
@@ -115,12 +131,22 @@ def available(device: torch.device) -> bool:
 def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
-    not bf16 or fp16, an empty K, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that
-    does not fit in shared memory."""
+    not bf16 or fp16, an empty K, slices that TMA cannot copy or that split column groups, tensors that TMA
+    cannot address, offsets past 32 bits, or a tile shape that does not fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
         raise ValueError(f"{kernel}: K is 0; the Hopper kernel's mainloop needs at least one K step")
+    slice_n = config.block_n // config.epilogue_split
+    if epilogue.columns * slice_n > TMA_BOX:
+        raise ValueError(f"{kernel}: {config.label()}: a slice of pairs spans 2 * block_n / epilogue_split = "
+                         f"{epilogue.columns * slice_n} columns, more than the {TMA_BOX} a TMA copy takes")
+    if epilogue.column_group and slice_n % epilogue.column_group:
+        raise ValueError(f"{kernel}: {config.label()}: epilogue slices of {slice_n} columns do not hold whole "
+                         f"column groups of {epilogue.column_group}")
+    if slice_n < 16:
+        raise ValueError(f"{kernel}: {config.label()}: epilogue slices of {slice_n} columns; they need 16 or more "
+                         "(a TMA copy of a gated output's half slice spans 16 bytes at least)")
     if not available(values[tma_tensors[0]].device):
         raise ValueError(f"{kernel}: the Hopper kernel runs on an sm_90 GPU only")
     for name in tma_tensors:
@@ -246,27 +272,73 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
     return acc
 
 
+@gluon.jit
+def column_slice(x, PART: gl.constexpr, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Columns [PART * w, (PART + 1) * w) of the accumulator, w = width / PARTS (a power of two), in LAYOUT:
+    the accumulator's layout at width w, which the halves of halves of x are in already (the conversion
+    asserts that no value moves)."""
+    if PARTS == 1:
+        return gl.convert_layout(x, LAYOUT, assert_trivial=True)
+    else:
+        left, right = gl.split(gl.permute(gl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+        if PART < PARTS // 2:
+            return column_slice(left, PART, PARTS // 2, LAYOUT)
+        else:
+            return column_slice(right, PART - PARTS // 2, PARTS // 2, LAYOUT)
+
+
 # a shared-memory buffer viewed as another block shape: `reinterpret` since Triton 3.9, `_reinterpret` before
 REINTERPRET_PUBLIC: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
-def store_half_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
-    """store_tile of a value half the tile's width (a gated activation of the tile's pairs), through the first
-    half of the buffer's memory, in the layout of the output's descriptor."""
+def view(buffer, desc):
+    """The first part of a buffer's memory as a tile of a TMA descriptor's block shape, in its layout: a tile
+    narrower than the buffer (half its width: a gated activation's output, or a tile N wide in a buffer made
+    for tiles of pairs)."""
     if REINTERPRET_PUBLIC:
-        half = buffer.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        part = buffer.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
     else:
-        half = buffer._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-    store_tile(desc, half, value, row, col, PENDING)
+        part = buffer._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    return part
+
+
+@gluon.jit
+def load_pairs(buffer, like):
+    """A tile of interleaved pairs (2 * BLOCK_N columns) read from a shared-memory buffer as fp32, split into
+    its even and odd columns, each in the layout of `like` (the accumulator, BLOCK_N wide): the tile is read
+    in the layout that joining two such tiles gives, so every thread reads the pairs of the elements it holds
+    and the split moves no value between threads (the conversions assert as much)."""
+    PAIRS: gl.constexpr = tile.join_pairs(like, like).type.layout
+    even, odd = tile.split_pairs(buffer.load(PAIRS).to(gl.float32))
+    return (gl.convert_layout(even, like.type.layout, assert_trivial=True),
+            gl.convert_layout(odd, like.type.layout, assert_trivial=True))
+
+
+@gluon.jit
+def group_reduce(x, mask, GROUP: gl.constexpr, OP: gl.constexpr):
+    """tile.group_reduce of a tile in the accumulator's layout, each group's value held over the group's GROUP
+    columns (tile.expand_groups), in x's layout: reduced within the threads and lanes that hold a row's
+    columns, and expanded back to the elements they came from, so no value moves (the conversion asserts as
+    much). A group value held so meets tiles as it is."""
+    return gl.convert_layout(tile.expand_groups(tile.group_reduce(x, mask, GROUP, OP), GROUP), x.type.layout,
+                             assert_trivial=True)
+
+
+@gluon.jit
+def store_narrow_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
+    """store_tile of a value narrower than the buffer, through the first part of its memory (`view`)."""
+    store_tile(desc, view(buffer, desc), value, row, col, PENDING)
 
 
 @gluon.jit
 def store_tile(desc, buffer, value, row, col, PENDING: gl.constexpr):
     """TMA store of an epilogue value through a shared-memory buffer, once at most PENDING of this consumer's
-    earlier stores are still reading their buffers (so this buffer's last store is done with it). The copy
-    runs on while the epilogue goes on; TMA skips what lies past the tensor's edges."""
-    tma.store_wait(PENDING)
+    earlier stores are still reading their buffers (so this buffer's last store is done with it; None: no
+    store has read it since the consumer last waited for all). The copy runs on while the epilogue goes on;
+    TMA skips what lies past the tensor's edges."""
+    if PENDING is not None:
+        tma.store_wait(PENDING)
     buffer.store(value.to(desc.dtype))
     fence_async_shared()
     tma_store(desc, [row, col], buffer)

@@ -65,10 +65,12 @@ def _column_half(x, SECOND: tl.constexpr):
 
 @triton.jit
 def column_slice(x, PART: tl.constexpr, PARTS: tl.constexpr):
-    """Columns [PART * w, (PART + 1) * w) of x, w = width / PARTS; PARTS is 1, 2 or 4 (halves of halves)."""
+    """Columns [PART * w, (PART + 1) * w) of x, w = width / PARTS; PARTS is 1, 2, 4 or 8 (halves of halves)."""
     if PARTS >= 2:
         x = _column_half(x, PART // (PARTS // 2))
-    if PARTS == 4:
+    if PARTS >= 4:
+        x = _column_half(x, (PART // (PARTS // 4)) % 2)
+    if PARTS == 8:
         x = _column_half(x, PART % 2)
     return x
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..emit.gluon import default_split
 from ..errors import SpecError, ValidationFailed
 from ..model import Kernel
 from ..runtime import configs
@@ -58,18 +59,41 @@ ELEMENTWISE_CANDIDATES = tuple(
 # and only on sm_90: its tile shape, group_m and operand stages (num_stages). 5 stages fit beside one epilogue
 # buffer per consumer, 4 beside two or three; a candidate that does not fit is refused at its launch and
 # discarded. GROUP_M 16 won some of the out-projection shapes on the H200 (benchmarks/results/h200-gluon.md).
+# The epilogue on column slices holds fewer registers at a time: on 4 slices RoPE's sines and cosines and the
+# RMSNorm backward's epilogues (norm_dgrad*) stop spilling, compiled for sm_90 (from 800-1700 bytes of stack
+# per thread to 32-40); BK 32 makes room for two epilogue buffers and a reduction's scratch. Kernels whose
+# tiles of pairs (2*N columns) cross by TMA have buffers twice as wide: 3 stages of BK 64 fit beside them, or
+# 5 of BK 32; their epilogue runs on 8 slices (a whole tile's pairs spill).
 GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 5, backend="gluon"),
     Config(128, 128, 64, 8, 4, 4, backend="gluon"),
     Config(128, 128, 64, 16, 4, 5, backend="gluon"),
+    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
+    Config(128, 128, 32, 8, 4, 5, epilogue_split=4, backend="gluon"),
+    Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"),
+    Config(128, 128, 32, 8, 4, 5, epilogue_split=8, backend="gluon"),
 )
+
+
+# Column groups as wide as the tile (Qwen3's 128-column heads) keep the epilogue on whole tiles, where
+# QK-norm with RoPE spills 1400-1500 bytes per thread at 128x128; 64-row tiles hold half as much (216 bytes).
+GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
+
+
+def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
+    """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, and on the
+    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs); for a
+    kernel with column groups, 64-row tiles too."""
+    splits = (1, 4, default_split(kernel))
+    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits) + (
+        GLUON_GROUP_CANDIDATES if kernel.column_group else ())
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
     """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it. For a
     kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
     at the spec's column_group."""
-    pool = ELEMENTWISE_CANDIDATES if not kernel.gemm else GEMM_CANDIDATES + (GLUON_CANDIDATES if hopper else ())
+    pool = ELEMENTWISE_CANDIDATES if not kernel.gemm else GEMM_CANDIDATES + (gluon_candidates(kernel) if hopper else ())
     fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))
     if not fitting:
         widest = max(c.epilogue_n for c in pool)

@@ -177,6 +177,10 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     if plan.empty:
         return
     plan.aliasing.check(tensors)
+    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/geglu_dgrad.py
+        runtime.configs.launch_hopper(__package__, NAME, grad_y=grad_y, w_down=w_down, z=z, dz=dz, zdz_part=zdz_part,
+                                      y=y, config=plan.config)
+        return
     tma = plan.tma and runtime.aligned(grad_y, w_down)
     grad_y_desc = runtime.descriptor(grad_y, plan.config.block_m, plan.config.block_k) if tma else None
     w_down_desc = runtime.descriptor(w_down, plan.config.block_k, plan.config.block_n) if tma else None
@@ -207,10 +211,12 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.configs.check_tl_only(NAME, config)
+    if chosen is None and config.backend == "gluon":
+        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

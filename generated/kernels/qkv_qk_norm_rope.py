@@ -216,6 +216,11 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
     if plan.empty:
         return
     plan.aliasing.check(tensors)
+    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/qkv_qk_norm_rope.py
+        runtime.configs.launch_hopper(__package__, NAME, h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs,
+                                      wn_qk=wn_qk, v_pass=v_pass, eps=eps, qkv=qkv, z=z, head_rstd=head_rstd,
+                                      config=plan.config)
+        return
     tma = plan.tma and runtime.aligned(h, w_qkv)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
@@ -251,9 +256,11 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=128)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=128)
     runtime.configs.check_group(NAME, config, 128, N)
-    runtime.configs.check_tl_only(NAME, config)
+    if chosen is None and config.backend == "gluon":
+        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 

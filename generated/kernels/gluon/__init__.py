@@ -6,6 +6,7 @@
 - gate_up_bias_swiglu (specs/gate_up_bias_swiglu.yaml)
 - gate_up_geglu (specs/gemma2/gate_up_geglu.yaml)
 - gate_up_swiglu (specs/gate_up_swiglu.yaml)
+- geglu_dgrad (specs/gemma2/backward/geglu_dgrad.yaml)
 - gemma_norm_dgrad (specs/gemma2/backward/gemma_norm_dgrad.yaml)
 - gemma_norm_dgrad_residual (specs/gemma2/backward/gemma_norm_dgrad_residual.yaml)
 - gemma_proj_sumsq (specs/gemma2/gemma_proj_sumsq.yaml)
@@ -20,21 +21,12 @@
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml)
 - qkv_norm_rope (specs/qkv_norm_rope.yaml)
+- qkv_qk_norm_rope (specs/qwen3/qkv_qk_norm_rope.yaml)
+- swiglu_bias_dgrad (specs/backward/swiglu_bias_dgrad.yaml)
+- swiglu_dgrad (specs/backward/swiglu_dgrad.yaml)
 
 Kernels that keep the tl path only, and why:
 
-- specs/gemma2/backward/geglu_dgrad.yaml:16:5: geglu_bwd: {dy: acc, x: z, out: dzv}: no Gluon lowering of
-  'geglu_bwd' yet; geglu_dgrad keeps the tl kernel only
-- specs/gemma2/backward/geglu_dgrad.yaml:17:5: store: {x: dzv, to: dz}: only tiles of type T at full width are
-  stored, through TMA; geglu_dgrad keeps the tl kernel only
-- specs/gemma2/backward/geglu_dgrad.yaml:18:5: cast: {x: dzv, dtype: T, out: dz_stored}: no Gluon lowering of pairs
-  loaded from memory (2*N columns) yet; geglu_dgrad keeps the tl kernel only
-- specs/gemma2/backward/geglu_dgrad.yaml:19:5: mul: {x: z, y: dz_stored, out: dot}: no Gluon lowering of pairs
-  loaded from memory (2*N columns) yet; geglu_dgrad keeps the tl kernel only
-- specs/gemma2/backward/geglu_dgrad.yaml:20:5: reduce: {op: sum, x: dot, axis: cols, to: zdz_part}: no Gluon
-  lowering of pairs loaded from memory (2*N columns) yet; geglu_dgrad keeps the tl kernel only
-- specs/gemma2/backward/geglu_dgrad.yaml:21:5: geglu: {x: z, out: yv}: no Gluon lowering of pairs loaded from memory
-  (2*N columns) yet; geglu_dgrad keeps the tl kernel only
 - specs/gemma2/backward/gemma_post_norm_dgrad.yaml:4:1: gemma_post_norm_dgrad: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
 - specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules
@@ -53,50 +45,10 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/qwen3/backward/qk_norm_rope_bwd.yaml:6:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
   mainloops only; it keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:26:5: group_reduce: {op: sumsq, x: zv, out: ss}: no Gluon lowering of
-  'group_reduce' yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:27:5: mul: {x: ss, y: 0.0078125, out: ms}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:28:5: add: {x: ms, y: eps, out: ms_eps}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:29:5: rsqrt: {x: ms_eps, out: rho}: no Gluon lowering of column groups (group
-  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:30:5: store: {x: rho, to: head_rstd}: no Gluon lowering of column groups (group
-  values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
-- specs/qwen3/qkv_qk_norm_rope.yaml:31:5: mul: {x: rho, y: wn_qk, out: gain}: no Gluon lowering of column groups
-  (group values [M, groups(N)]) yet; qkv_qk_norm_rope keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
   the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:17:5: swiglu_bwd: {dy: acc, x: z, out: dzv}: no Gluon lowering of
-  'swiglu_bwd' yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:18:5: store: {x: dzv, to: dz}: only tiles of type T at full width are
-  stored, through TMA; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:19:5: cast: {x: dzv, dtype: T, out: dz_stored}: no Gluon lowering of pairs
-  loaded from memory (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:20:5: sub: {x: z, y: b_gate_up, out: z_unbiased}: no Gluon lowering of pairs
-  loaded from memory (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:21:5: mul: {x: z_unbiased, y: dz_stored, out: dot}: no Gluon lowering of
-  pairs loaded from memory (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:22:5: reduce: {op: sum, x: dot, axis: cols, to: zdz_part}: no Gluon lowering
-  of pairs loaded from memory (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:23:5: reduce: {op: sum, x: dzv, axis: rows, to: db_part}: no Gluon lowering
-  of pairs loaded from memory (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
-- specs/backward/swiglu_bias_dgrad.yaml:24:5: swiglu: {x: z, out: yv}: no Gluon lowering of pairs loaded from memory
-  (2*N columns) yet; swiglu_bias_dgrad keeps the tl kernel only
 - specs/backward/swiglu_bwd_rowdot.yaml:5:1: swiglu_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:16:5: swiglu_bwd: {dy: acc, x: z, out: dzv}: no Gluon lowering of 'swiglu_bwd'
-  yet; swiglu_dgrad keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:17:5: store: {x: dzv, to: dz}: only tiles of type T at full width are stored,
-  through TMA; swiglu_dgrad keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:18:5: cast: {x: dzv, dtype: T, out: dz_stored}: no Gluon lowering of pairs loaded
-  from memory (2*N columns) yet; swiglu_dgrad keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:19:5: mul: {x: z, y: dz_stored, out: dot}: no Gluon lowering of pairs loaded from
-  memory (2*N columns) yet; swiglu_dgrad keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:20:5: reduce: {op: sum, x: dot, axis: cols, to: zdz_part}: no Gluon lowering of
-  pairs loaded from memory (2*N columns) yet; swiglu_dgrad keeps the tl kernel only
-- specs/backward/swiglu_dgrad.yaml:21:5: swiglu: {x: z, out: yv}: no Gluon lowering of pairs loaded from memory (2*N
-  columns) yet; swiglu_dgrad keeps the tl kernel only
 """

@@ -48,8 +48,9 @@ def norm_dgrad_epilogue(
     stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, in the accumulator's layout: tile inputs come read from shared memory.
-    Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
+    read from shared memory. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -72,7 +73,7 @@ def norm_dgrad_epilogue(
     dxv = centered * rstd[:, None]
 
     # store: {x: dxv, to: dx}
-    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
@@ -101,12 +102,14 @@ def norm_dgrad_consumer(
     stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
-    mainloop and its epilogue."""
+    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, each with its
+    own epilogue buffers."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    buffers = (epilogue_buffers.index(CONSUMER * 1),)
+    SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -116,24 +119,31 @@ def norm_dgrad_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs, by TMA while the mainloop runs, once the last tile's stores have read the buffers
         tma.store_wait(0)
-        mbarrier.expect(inputs_ready.index(CONSUMER), x_desc.block_type.nbytes)
-        hopper.tma_load(x_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], inputs_ready.index(CONSUMER),
-                        buffers[0])
+        mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * x_desc.block_type.nbytes)
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            hopper.tma_load(x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER),
+                            buffers[0])
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
-        x = buffers[0].load(ACC).to(gl.float32)
-        fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
-        norm_dgrad_epilogue(
-            acc, pid_m, pid_n, rows, cols,
-            x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
-            M, N,
-            stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
-            BLOCK_M, BLOCK_N,
-        )
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
+            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+            x = buffers[0].load(SLICE).to(gl.float32)
+            fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
+            norm_dgrad_epilogue(
+                acc_slice, pid_m, slice_n, rows, cols,
+                x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
+                M, N,
+                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
+                BLOCK_M, SLICE_N,
+            )
         tile_count += 1
     tma.store_wait(0)
 
@@ -153,14 +163,15 @@ def norm_dgrad_kernel(
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
-    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer and column slice, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA
+    # descriptors
     epilogue_buffers = gl.allocate_shared_memory(
-        dz_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dz_desc.dtype))
+        dz_desc.dtype, [2 * EPILOGUE_SPLIT, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], dz_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -177,12 +188,14 @@ def norm_dgrad_kernel(
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, dx_desc, normed_desc,
             rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, M, N, K, stride_rstd_m, stride_wn_n, stride_zdz_m,
             stride_dwn_part_n, stride_dwn_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT,
             0,
         )),
         (norm_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, dx_desc, normed_desc,
             rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, M, N, K, stride_rstd_m, stride_wn_n, stride_zdz_m,
             stride_dwn_part_n, stride_dwn_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT,
             1,
         )),
         (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -204,14 +217,14 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     if plan.empty:
         return
     plan.aliasing.check(tensors)
-    block_mn = [config.block_m, config.block_n]
+    slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         norm_dgrad_kernel[(plan.programs,)](
             hopper.descriptor(dz, [config.block_m, config.block_k]),
             hopper.descriptor(w, [config.block_k, config.block_n]),
-            hopper.descriptor(x, block_mn),
-            hopper.descriptor(dx, block_mn),
-            hopper.descriptor(normed, block_mn),
+            hopper.descriptor(x, [config.block_m, slice_n]),
+            hopper.descriptor(dx, [config.block_m, slice_n]),
+            hopper.descriptor(normed, [config.block_m, slice_n]),
             rstd, wn, zdz, dwn_part,
             plan.m, plan.n, plan.k,
             rstd.stride(0),

@@ -46,8 +46,9 @@ def out_proj_residual_norm_epilogue(
     stride_wn_n, stride_ss_m, stride_ss_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, in the accumulator's layout: tile inputs come read from shared memory.
-    Stores cast to each output's dtype."""
+    """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
+    read from shared memory. Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -55,7 +56,7 @@ def out_proj_residual_norm_epilogue(
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}
-    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
@@ -83,12 +84,14 @@ def out_proj_residual_norm_consumer(
     stride_wn_n, stride_ss_m, stride_ss_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
-    mainloop and its epilogue."""
+    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, each with its
+    own epilogue buffers."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    buffers = (epilogue_buffers.index(CONSUMER * 1),)
+    SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -98,24 +101,31 @@ def out_proj_residual_norm_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs, by TMA while the mainloop runs, once the last tile's stores have read the buffers
         tma.store_wait(0)
-        mbarrier.expect(inputs_ready.index(CONSUMER), x_desc.block_type.nbytes)
-        hopper.tma_load(x_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], inputs_ready.index(CONSUMER),
-                        buffers[0])
+        mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * x_desc.block_type.nbytes)
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            hopper.tma_load(x_desc, [pid_m * BLOCK_M, slice_n * SLICE_N], inputs_ready.index(CONSUMER),
+                            buffers[0])
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, False)
         step += 2 * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC))
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
-        x = buffers[0].load(ACC).to(gl.float32)
-        fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
-        out_proj_residual_norm_epilogue(
-            acc, pid_m, pid_n, rows, cols,
-            x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr,
-            M, N,
-            stride_wn_n, stride_ss_m, stride_ss_t,
-            BLOCK_M, BLOCK_N,
-        )
+        for part in gl.static_range(EPILOGUE_SPLIT):
+            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
+            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+            x = buffers[0].load(SLICE).to(gl.float32)
+            fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
+            out_proj_residual_norm_epilogue(
+                acc_slice, pid_m, slice_n, rows, cols,
+                x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr,
+                M, N,
+                stride_wn_n, stride_ss_m, stride_ss_t,
+                BLOCK_M, SLICE_N,
+            )
         tile_count += 1
     tma.store_wait(0)
 
@@ -135,14 +145,15 @@ def out_proj_residual_norm_kernel(
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_o_desc, STAGES)
-    # per consumer, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA descriptors
+    # per consumer and column slice, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA
+    # descriptors
     epilogue_buffers = gl.allocate_shared_memory(
-        y_desc.dtype, [2 * 1, BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], y_desc.dtype))
+        y_desc.dtype, [2 * EPILOGUE_SPLIT, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -158,13 +169,13 @@ def out_proj_residual_norm_kernel(
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
             ss_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES,
+            GROUP_M, STAGES, EPILOGUE_SPLIT,
             0,
         )),
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
             ss_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES,
+            GROUP_M, STAGES, EPILOGUE_SPLIT,
             1,
         )),
         (hopper.load_operands, (y_desc, w_o_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -186,14 +197,14 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     if plan.empty:
         return
     plan.aliasing.check(tensors)
-    block_mn = [config.block_m, config.block_n]
+    slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         out_proj_residual_norm_kernel[(plan.programs,)](
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w_o, [config.block_n, config.block_k]),
-            hopper.descriptor(x, block_mn),
-            hopper.descriptor(x_out, block_mn),
-            hopper.descriptor(h, block_mn),
+            hopper.descriptor(x, [config.block_m, slice_n]),
+            hopper.descriptor(x_out, [config.block_m, slice_n]),
+            hopper.descriptor(h, [config.block_m, slice_n]),
             wn, ss,
             plan.m, plan.n, plan.k,
             wn.stride(0),
