@@ -391,8 +391,10 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
         assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU) == best
     rs = module("rmsnorm_stats")
     assert configs.pick_config(rs.NAME, rs.FINGERPRINT, tmp_path, 45, 40, 0, CPU) == best
-    # another bucket, another fingerprint: not in the table; without `run`, the default, untuned
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 65, 40, 24, CPU) == GPU_DEFAULT
+    # another token count: the nearest tuned one of the same widths; other widths or another fingerprint: not
+    # in the table, and without `run` the default, untuned
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 1000, 40, 24, CPU) == best
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 48, 24, CPU) == GPU_DEFAULT
     assert configs.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
     assert not as_gpu.trials
     # --missing-only: the shape is in the table now, so nothing is timed again
@@ -400,6 +402,14 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     assert command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path,
                     timer=timer, missing_only=True, log=log.append) == []
     assert timer.calls == 0 and "matmul 45x40x24: in the table already (bucket 64x40x24), skipped" in log
+
+
+def test_an_untuned_token_count_takes_the_nearest_tuned_one():
+    table = {"8192x64x32": POOL[0], "32768x64x32": POOL[1], "2048x64x32": POOL[2], "4096x96x32": GPU_DEFAULT}
+    near = lambda m: configs.nearest_tuned(table, configs.shape_bucket(m, 64, 32))  # noqa: E731
+    assert (near(5000), near(16384), near(100_000), near(4096), near(1)) == (POOL[0], POOL[1], POOL[1], POOL[0],
+                                                                             POOL[2])
+    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 64, 16)) is None
 
 
 def test_codagen_no_tune_uses_the_default(tmp_path, as_gpu, monkeypatch):

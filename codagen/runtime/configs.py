@@ -222,6 +222,18 @@ def shape_bucket(m: int, n: int, k: int) -> str:
     return f"{1 << max(int(m) - 1, 0).bit_length()}x{int(n)}x{int(k)}"
 
 
+def nearest_tuned(table: dict, bucket: str) -> Config | None:
+    """For a token count that was not tuned: the entry of the same N and K whose M bucket is nearest (by
+    ratio; between two as near, the larger). Tables hold a few token counts per model width, and a
+    configuration tuned at 8k tokens serves 4k far better than the untuned default (which the tile-shape
+    dependent kernels could not leave at run time)."""
+    m, rest = bucket.split("x", 1)
+    m_log = int(m).bit_length()
+    near = [(abs(int(key.split("x", 1)[0]).bit_length() - m_log), -int(key.split("x", 1)[0]), key)
+            for key in table if key.split("x", 1)[1] == rest]
+    return table[min(near)[2]] if near else None
+
+
 def table_path(tuning_dir: Path, gpu: str, kernel: str) -> Path:
     return Path(tuning_dir) / gpu / f"{kernel}.json"
 
@@ -325,8 +337,9 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
-    `run(config)` launches the kernel on the caller's arguments with `config`; given, an untuned shape is
-    tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
+    A token count the table lacks takes the table's entry at the nearest one of the same N and K (nearest_tuned).
+    `run(config)` launches the kernel on the caller's arguments with `config`; given, a shape of other widths
+    is tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
     (no `inplace` outputs: an accumulation would be applied once per trial). `decls` (the module's DECLS)
     says whether outputs depend on the tile shape (without it, tuning keeps the default tile shape) and,
     with `values` (name -> tensor), whether an output aliases an input (then there is no tuning). `group`: the
@@ -341,7 +354,8 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
 
     gpu = gpu_key(device)
     bucket = shape_bucket(m, n, k)
-    hit = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__).get(bucket)
+    table = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__)
+    hit = table.get(bucket) or nearest_tuned(table, bucket)
     if hit is not None:
         return hit
     key = (kernel, fingerprint, gpu, bucket)
