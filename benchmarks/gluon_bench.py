@@ -97,9 +97,9 @@ def _fmt(errs: dict) -> str:
     return errs["error"] if "error" in errs else " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 
 
-def timing(checked, tl_module, gl_module, device, configs, rows: list, save, log) -> None:
+def timing(checked, tl_module, gl_module, device, configs, shapes: dict, rows: list, save, log) -> None:
     """Appends a row per shape to `rows`, and saves after each."""
-    for where, shape in TIMED.items():
+    for where, shape in shapes.items():
         tl_config = runtime.pick_config(tl_module.NAME, tl_module.FINGERPRINT, tl_module.TUNING,
                                         shape.m, shape.n, shape.k, device)
         outcome = harness.tune_shape(checked, tl_module, shape, device, pool=[tl_config])
@@ -169,7 +169,10 @@ def main() -> None:
     ap.add_argument("--check-kernels", help="kernels to check (default: every module of generated/kernels/gluon)")
     ap.add_argument("--kernels", default="matmul,out_proj_residual_norm", help="kernels to time")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"Gluon configurations to time, of {list(CONFIGS)}")
+    ap.add_argument("--shapes", help="MxNxK,... to time at instead of the Llama projections' shapes (for kernels "
+                                     "of other places, e.g. swiglu_dgrad's 32768x8192x2048)")
     args = ap.parse_args()
+    shapes = TIMED if not args.shapes else {s: Shape(*map(int, s.split("x"))) for s in args.shapes.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     saved = args.out / "h200-gluon.json"
@@ -196,8 +199,8 @@ def main() -> None:
         tl_module = importlib.import_module(f"generated.kernels.{name}")
         gl_module = importlib.import_module(f"generated.kernels.gluon.{name}")
         print(f"time: {name}", flush=True)
-        timing(checked[name], tl_module, gl_module, device, [CONFIGS[c] for c in args.configs.split(",")], times,
-               save, print)
+        timing(checked[name], tl_module, gl_module, device, [CONFIGS[c] for c in args.configs.split(",")], shapes,
+               times, save, print)
     save()
     print(report(info, checks, times))
 
