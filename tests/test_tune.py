@@ -394,7 +394,7 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     # another token count: the nearest tuned one of the same widths; other widths or another fingerprint: not
     # in the table, and without `run` the default, untuned
     assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 1000, 40, 24, CPU) == best
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 48, 24, CPU) == GPU_DEFAULT
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 48, 24, CPU, decls=mm.DECLS) == GPU_DEFAULT
     assert configs.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
     assert not as_gpu.trials
     # --missing-only: the shape is in the table now, so nothing is timed again
@@ -410,6 +410,29 @@ def test_an_untuned_token_count_takes_the_nearest_tuned_one():
     assert (near(5000), near(16384), near(100_000), near(4096), near(1)) == (POOL[0], POOL[1], POOL[1], POOL[0],
                                                                              POOL[2])
     assert configs.nearest_tuned(table, configs.shape_bucket(4096, 64, 16)) is None
+    # other widths: nearest in M, N and K together; only configurations that fit
+    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 80, 32), other_widths=True) == GPU_DEFAULT
+    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 64, 16), other_widths=True) == GPU_DEFAULT
+    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 80, 32), other_widths=True,
+                                 fits=lambda c: c != GPU_DEFAULT) == POOL[0]
+
+
+def test_tile_dependent_kernels_take_a_tuned_tile_of_other_widths(tmp_path, as_gpu):
+    """A kernel whose outputs have the tile count in their shape cannot change its tile at run time: where the
+    table has no entry of its widths, it takes the nearest entry of other widths, in its op's allocation and in
+    its launch alike; other kernels tune at run time."""
+    tuned = dataclasses.replace(GPU_DEFAULT, block_n=64, epilogue_split=2)
+    for name in ("out_proj_residual_norm", "matmul"):
+        k = checked(name).kernel
+        tables.write_table(tmp_path / "test-gpu" / f"{name}.json", k, "test-gpu", triton.__version__,
+                           {"64x40x24": entry(tuned, 1.0)})
+    mod = module("out_proj_residual_norm")
+    for decls in (None, mod.DECLS):
+        assert configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=decls,
+                                   run=lambda c: pytest.fail("no run-time tuning")) == tuned
+    mm = module("matmul")
+    configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=mm.DECLS, run=lambda c: None)
+    assert as_gpu.trials  # tuned at run time: matmul's outputs do not depend on its tile
 
 
 def test_codagen_no_tune_uses_the_default(tmp_path, as_gpu, monkeypatch):

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -222,15 +223,18 @@ def shape_bucket(m: int, n: int, k: int) -> str:
     return f"{1 << max(int(m) - 1, 0).bit_length()}x{int(n)}x{int(k)}"
 
 
-def nearest_tuned(table: dict, bucket: str) -> Config | None:
-    """For a token count that was not tuned: the entry of the same N and K whose M bucket is nearest (by
-    ratio; between two as near, the larger). Tables hold a few token counts per model width, and a
-    configuration tuned at 8k tokens serves 4k far better than the untuned default (which the tile-shape
-    dependent kernels could not leave at run time)."""
-    m, rest = bucket.split("x", 1)
-    m_log = int(m).bit_length()
-    near = [(abs(int(key.split("x", 1)[0]).bit_length() - m_log), -int(key.split("x", 1)[0]), key)
-            for key in table if key.split("x", 1)[1] == rest]
+def nearest_tuned(table: dict, bucket: str, other_widths: bool = False, fits=lambda config: True) -> Config | None:
+    """For a shape that was not tuned: the entry of the same N and K whose M is nearest (by ratio; between two
+    as near, the larger), or with `other_widths`, the entry nearest in M, N and K together; only entries
+    for which fits(config) holds. Tables hold a few token counts per model width, and a configuration tuned
+    at 8k tokens serves 4k far better than the untuned default (which spills in the kernels with heavy
+    epilogues, and which kernels with tile-shaped partial sums cannot leave at run time)."""
+    want = [math.log2(max(int(d), 1)) for d in bucket.split("x")]
+    near = []
+    for key, config in table.items():
+        have = [math.log2(max(int(d), 1)) for d in key.split("x")]
+        if (other_widths or have[1:] == want[1:]) and fits(config):
+            near.append((sum(abs(h - w) for h, w in zip(have, want)), -have[0], key))
     return table[min(near)[2]] if near else None
 
 
@@ -337,9 +341,10 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
-    A token count the table lacks takes the table's entry at the nearest one of the same N and K (nearest_tuned).
-    `run(config)` launches the kernel on the caller's arguments with `config`; given, a shape of other widths
-    is tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
+    A token count the table lacks takes the table's entry at the nearest one of the same N and K (nearest_tuned);
+    widths it lacks, for a kernel whose outputs depend on the tile shape (or without `decls`), the nearest
+    entry of other widths. `run(config)` launches the kernel on the caller's arguments with `config`; given,
+    another shape is tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
     (no `inplace` outputs: an accumulation would be applied once per trial). `decls` (the module's DECLS)
     says whether outputs depend on the tile shape (without it, tuning keeps the default tile shape) and,
     with `values` (name -> tensor), whether an output aliases an input (then there is no tuning). `group`: the
@@ -355,7 +360,11 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     gpu = gpu_key(device)
     bucket = shape_bucket(m, n, k)
     table = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__)
-    hit = table.get(bucket) or nearest_tuned(table, bucket)
+    fits = lambda config: fits_group(config, group, n)  # noqa: E731
+    hit = table.get(bucket) or nearest_tuned(table, bucket, fits=fits)
+    tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
+    if hit is None and tile_dependent:  # run-time tuning could not change the tile: a tuned one of other widths
+        hit = nearest_tuned(table, bucket, other_widths=True, fits=fits)
     if hit is not None:
         return hit
     key = (kernel, fingerprint, gpu, bucket)
@@ -364,7 +373,6 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
         return hit or default
     if values is not None and _aliased(decls or (), values):
         return default  # trial launches would read what the previous ones wrote
-    tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
     with _tuning:
         if key not in _tuned:
             _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent, group, n), run, default)
