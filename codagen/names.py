@@ -21,7 +21,7 @@ INTERNAL = frozenset("""
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
     gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers
     inputs_ready slice_n acc_slice first_buffer k_steps step tile_count i
-    nn kernels finish chosen check_launch cols_group col_mask_group group_mask
+    nn kernels finish chosen check_launch cols_group col_mask_group group_mask grad_factor
 """.split())
 # Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves
 # of pairs, emit/epilogue.py), x_of_columns (per-pair values by column, emit/gluon.py), stride_x_m and the
