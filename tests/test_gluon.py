@@ -436,3 +436,24 @@ def test_column_slices_up_to_eight():
         out = torch.full_like(x, float("nan"))
         _column_slices[(1,)](x, out, parts)
         assert torch.equal(out, x), parts
+
+
+def test_every_hopper_launch_plan_takes_the_buffers_its_tl_twin_allocates(monkeypatch):
+    """Each Hopper kernel's launch checks (shapes, partial-reduction widths per epilogue slice, column groups, TMA
+    alignment) accept the arguments the tuner and the GPU tests draw for its default configuration, as if on a
+    Hopper GPU: a mismatch there would refuse every launch on the GPU."""
+    from codagen.runtime import gluon_hopper as hopper
+    from codagen.tune import harness
+    from codagen.tune.shapes import Shape
+
+    monkeypatch.setattr(hopper, "available", lambda device: True)
+    kernels = {c.kernel.name: c.kernel for c in api.load([SPECS]) if isinstance(c, api.Checked)}
+    names = sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
+    assert names
+    for name in names:
+        module = importlib.import_module(f"generated.kernels.gluon.{name}")
+        config = hopper.launch_config(None, module.EPILOGUE)
+        shape = Shape(300, 1024, 256)  # M ragged; N and K as TMA needs them (16-byte rows), whole groups of 128
+        args = harness.make_inputs(kernels[name], module, shape, torch.device("cpu"))
+        args.update(harness.new_outputs(kernels[name], module, shape, config, torch.device("cpu")))
+        module.check_launch(tuple(args[d.name] for d in module.DECLS), config)

@@ -304,6 +304,9 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         uses_tl=any("tl." in line for line in epilogue),
         uses_tile=any("tile." in line for line in epilogue),
         uses_triton=k.tile_dependent,
+        # as the tl launcher binds sizes: gated outputs split N in halves; column groups tile N
+        bind_args=(", even_n=True" if any(t.width is Width.HALF for t in types.values()) else "")
+        + (f", group={k.column_group}" if k.column_group else ""),
         b_kn=k.gemm.b_layout.value == "kn",
         regenerate=regenerate,
         epilogue=epilogue,

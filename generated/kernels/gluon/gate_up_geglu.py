@@ -197,7 +197,7 @@ def check_launch(tensors, config=None) -> None:
 
 def _plan(tensors, config) -> hopper.LaunchPlan:
     values = dict(zip(("h", "w_gate_up", "rstd", "z", "y"), tensors))
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)

@@ -230,5 +230,5 @@ def _plan(tensors, config) -> hopper.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
-    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return hopper.LaunchPlan.make(device, M, N, K, config, runtime.Aliasing(NAME, DECLS, tensors))

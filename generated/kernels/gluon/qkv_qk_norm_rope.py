@@ -23,6 +23,7 @@ from codagen.runtime import tile
 NAME = "qkv_qk_norm_rope"
 SPEC = "specs/qwen3/qkv_qk_norm_rope.yaml"
 SHA256 = "5ce4a8a1d31d1003d5b40b53086eaf5d63d49f9d54cba52d65a5f423e944ca39"
+COLUMN_GROUP = 128  # columns of each group: every epilogue slice holds whole ones
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_qkv", ("N", "K"), "T"),
@@ -255,7 +256,7 @@ def check_launch(tensors, config=None) -> None:
 def _plan(tensors, config) -> hopper.LaunchPlan:
     values = dict(
         zip(("h", "w_qkv", "rstd", "positions", "freqs", "wn_qk", "v_pass", "qkv", "z", "head_rstd"), tensors))
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=128)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     hopper.check(NAME, config, EPILOGUE, t_dtype, K, values, TMA_TENSORS, POINTER_TENSORS)
