@@ -327,15 +327,16 @@ def test_lm_head_logits_exist_one_chunk_at_a_time(monkeypatch):
 
 
 def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
-    """Between forward and backward the block holds the gradients, no logits; the backward scales them in
-    place, so that a second backward through the same graph is refused rather than scaled twice."""
+    """Between forward and backward the block holds the gradients (and the scalar loss gradient they were made
+    for), no logits; the backward scales them in place, so that a second backward through the same graph is
+    refused rather than scaled twice."""
     m, dim, vocab = 37, 16, 300
     block = LmHeadLoss(dim, vocab, chunk_rows=16, device=DEVICE)
     x = torch.randn(m, dim, device=DEVICE, requires_grad=True)
     h, rstd = NormStats(dim, EPS)(x.detach(), block.wn.detach())
     loss = block(x, h, rstd, torch.randint(0, vocab, (m,), device=DEVICE))
     saved = loss.grad_fn.saved_tensors
-    assert sum(t.numel() for t in saved) == x.numel() + dim + vocab * dim
+    assert sum(t.numel() for t in saved) == x.numel() + dim + vocab * dim + 1
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
