@@ -35,6 +35,7 @@ PRESETS = {
                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+NEARBY = 5  # steps either side over which Hugging Face's bf16-vs-fp32 difference sets a step's scale (bf16 runs)
 # per preset: batch, seq, steps, bench steps, dtype, learning rate
 DEFAULTS = {"tiny": (2, 16, 20, 0, "float32", 3e-3), "llama3.2-1b": (4, 1024, 100, 10, "bfloat16", 3e-4)}
 
@@ -173,6 +174,10 @@ def main(argv=None) -> dict:
         scale = [abs(a - b) for a, b in zip(hf_curve, curves["Hugging Face (float32)"])]
         summary["max_abs_hf_vs_fp32"] = max(scale)
         summary["steps_within_2x_hf_vs_fp32"] = sum(d <= 2 * s for d, s in zip(difference, scale))
+        # the two differences are rounding noise of like size, so step by step one exceeds twice the other at
+        # some steps where bf16 and fp32 happen to meet; against HF's difference over the steps around (+-5)
+        nearby = [max(scale[max(0, i - NEARBY):i + NEARBY + 1]) for i in range(len(scale))]
+        summary["steps_within_2x_nearby_hf_vs_fp32"] = sum(d <= 2 * s for d, s in zip(difference, nearby))
         summary["max_within_2x_max_hf_vs_fp32"] = max(difference) <= 2 * max(scale)
 
     throughput, left_out = {}, {}
@@ -229,8 +234,9 @@ def report(summary, curves, plotted, args) -> str:
         lines += [f"- largest |loss difference|, Hugging Face {args.dtype} vs float32: "
                   f"{summary['max_abs_hf_vs_fp32']:.3g}",
                   f"- steps where codagen's difference is within 2x Hugging Face's {args.dtype}-vs-float32 "
-                  f"difference: {summary['steps_within_2x_hf_vs_fp32']} of {args.steps}; largest within 2x largest: "
-                  f"{summary['max_within_2x_max_hf_vs_fp32']}"]
+                  f"difference at the same step: {summary['steps_within_2x_hf_vs_fp32']} of {args.steps}; at most "
+                  f"{NEARBY} steps away: {summary['steps_within_2x_nearby_hf_vs_fp32']} of {args.steps}; largest "
+                  f"within 2x largest: {summary['max_within_2x_max_hf_vs_fp32']}"]
     lines += ["", "| step | " + " | ".join(curves) + " |", "|---:|" + "---:|" * len(curves)]
     shown = sorted({0, args.steps - 1, *range(0, args.steps, max(1, args.steps // 10))})
     lines += [f"| {s + 1} | " + " | ".join(f"{c[s]:.4f}" for c in curves.values()) + " |" for s in shown]
