@@ -44,6 +44,10 @@ GEMM_CANDIDATES = (
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=4),
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=4),
     dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=4),
+    # eighths of a 128x128 tile: compiled for sm_90 (triton 3.9), the SwiGLU and RMSNorm backward epilogues
+    # (swiglu_dgrad, norm_dgrad_residual) stop spilling there (0 bytes of stack, from 552 and 488 on quarters)
+    dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=8),
+    dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), epilogue_split=8),
 )
 # Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
 # benchmarks/results/h200-kernels.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
