@@ -4,6 +4,7 @@
 #
 #   benchmarks/gpu_run.sh tests SECONDS                      # pytest -m gpu over tests/
 #   benchmarks/gpu_run.sh bench SECONDS TAG [bench.py args]  # benchmarks/bench.py ... --out $OUT --tag TAG
+#   benchmarks/gpu_run.sh tune SECONDS [codagen tune args]   # codagen tune specs/ ...; the tables to $OUT/tuning.tar
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -28,4 +29,9 @@ case $what in
     timeout "$limit" python3 benchmarks/bench.py --out "$OUT" --tag "$tag" "$@" > "$OUT/bench-$tag.log" 2>&1
     echo "bench exit: $?"
     tail -n 30 "$OUT/bench-$tag.log" ;;
+  tune)  # --budget stops it cleanly before the limit: the shapes finished are written
+    python3 -m codagen tune specs/ --budget "$((limit - 20))" "$@" > "$OUT/tune.log" 2>&1
+    echo "tune exit: $?"
+    tar -cf "$OUT/tuning.tar" generated/tuning
+    tail -n 20 "$OUT/tune.log" ;;
 esac
