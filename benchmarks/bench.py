@@ -18,7 +18,7 @@ inputs rotated among a few sets when they would fit in L2) in two passes over al
 gives the mean of the two medians and their spread; peak memory above the inputs is read with
 ``torch.cuda.max_memory_allocated`` after a reset. Results (report.py): ``<gpu>.md``, ``<gpu>.json`` and a
 bar chart ``<gpu>.png`` in --out. The report ends with each fused kernel against the cuBLAS GEMM of its shape
-(kernels.py; ``--no-kernels`` skips it, ``--patterns kernels`` runs it alone).
+(fused_kernels.py; ``--no-kernels`` skips it, ``--patterns kernels`` runs it alone).
 """
 from __future__ import annotations
 
@@ -149,10 +149,10 @@ def main(argv=None):
             run_case(preset, tokens, args, variants, rows,
                      checkpoint=lambda: write_report(rows, env, args, out, kernel_rows, chart=False))
             if args.kernels and selected("kernels", args.patterns):
-                import kernels
+                import fused_kernels
 
                 log(f"\n== {pname} T={tokens}  fused kernels vs the cuBLAS GEMM of the same shape")
-                kernel_rows += kernels.run(pname, tokens, args.device_obj, args.dtype_obj,
+                kernel_rows += fused_kernels.run(pname, tokens, args.device_obj, args.dtype_obj,
                                            lambda fn: bench_ms(fn, args.device_obj, args.warmup, args.rep), log)
                 write_report(rows, env, args, out, kernel_rows, chart=False)
             log(f"[{time.time() - t_start:.0f}s elapsed]")

@@ -157,9 +157,9 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
                          f"{fmt_err(r.err_ref).strip()} | {r.worst} | {note} |")
         L += ["", "</details>", ""]
     if kernel_rows:
-        import kernels
+        import fused_kernels
 
-        L += kernels.report_lines(list(kernel_rows))
+        L += fused_kernels.report_lines(list(kernel_rows))
     md = out / f"{stem}.md"
     md.write_text("\n".join(L) + "\n")
     (out / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [_row_json(r) for r in rows],

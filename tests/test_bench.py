@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench  # noqa: E402
 import cases  # noqa: E402
 import codagen_variants  # noqa: E402
-import kernels  # noqa: E402
+import fused_kernels  # noqa: E402
 import report  # noqa: E402
 import runners  # noqa: E402
 from harness import Row, run_case  # noqa: E402
@@ -121,7 +121,7 @@ def test_rows_become_the_report(tmp_path):
     lm_title = cases.PATTERN_BY_KEY["lm_ce.fwdbwd"].title
     rows += [Row("tiny", 128, "lm_ce.fwdbwd", lm_title, variant, ms=1.0, ms_passes=[1.0], peak_mib=peak)
              for variant, peak in (("liger", 1008.0), ("codagen", 900.4))]
-    kernel_rows = [kernels.KernelRow("tiny", 128, "matmul", "the GEMM of x", "128x64x64", "64x64x32", 2.0, 1.0)]
+    kernel_rows = [fused_kernels.KernelRow("tiny", 128, "matmul", "the GEMM of x", "128x64x64", "64x64x32", 2.0, 1.0)]
     args = types.SimpleNamespace(quick=True, tag="", warmup=5, rep=20, min_iters=3, max_sets=4, passes=2,
                                  device_obj=torch.device("cpu"), dtype_obj=torch.bfloat16)
     env = {"date": "today", "device": "cpu", "gpu": "none", "torch": "t", "triton": "t", "liger-kernel": "-",
