@@ -121,8 +121,9 @@ def test_fp16_gradients_of_a_mean_over_many_rows():
     check_low(fused, plain, torch.float16)
 
 
-@pytest.mark.parametrize("values, scale", [([1e-3, -3e-4], 512.0), ([0.75], 1.0), ([0.5], 1.0), ([1.0], 0.5), ([3.0, -9.0], 1 / 16),
-                                           ([0.0, 0.0], 1.0), ([], 1.0), ([float("inf")], 1.0), ([1e-30], 2.0**99)])
+@pytest.mark.parametrize("values, scale", [([1e-3, -3e-4], 512.0), ([0.75], 1.0), ([0.5], 1.0), ([1.0], 0.5),
+                                           ([3.0, -9.0], 1 / 16), ([0.0, 0.0], 1.0), ([], 1.0), ([float("inf")], 1.0),
+                                           ([1e-30], 2.0**99)])
 def test_unit_scale_is_the_power_of_two_that_brings_the_largest_value_near_1(values, scale):
     s = finish.unit_scale(torch.tensor(values, dtype=torch.float32, device=DEVICE))
     assert s.shape == () and s.dtype == torch.float32 and s.item() == scale

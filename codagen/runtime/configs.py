@@ -341,15 +341,15 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
-    A token count the table lacks takes the table's entry at the nearest one of the same N and K (nearest_tuned);
-    widths it lacks, for a kernel whose outputs depend on the tile shape (or without `decls`), the nearest
-    entry of other widths. `run(config)` launches the kernel on the caller's arguments with `config`; given,
-    another shape is tuned on those arguments once per process. Pass it only when every output is overwritten by a launch
-    (no `inplace` outputs: an accumulation would be applied once per trial). `decls` (the module's DECLS)
-    says whether outputs depend on the tile shape (without it, tuning keeps the default tile shape) and,
-    with `values` (name -> tensor), whether an output aliases an input (then there is no tuning). `group`: the
-    kernel's column_group, which every epilogue slice must hold whole (defaults are widened to it); "N": one
-    slice must span the n columns."""
+    A token count the table lacks takes the table's entry at the nearest one of the same N and K
+    (nearest_tuned); widths it lacks, for a kernel whose outputs depend on the tile shape (or without
+    `decls`), the nearest entry of other widths. `run(config)` launches the kernel on the caller's arguments
+    with `config`; given, another shape is tuned on those arguments once per process. Pass it only when every
+    output is overwritten by a launch (no `inplace` outputs: an accumulation would be applied once per trial).
+    `decls` (the module's DECLS) says whether outputs depend on the tile shape (without it, tuning keeps the
+    default tile shape) and, with `values` (name -> tensor), whether an output aliases an input (then there is
+    no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
+    widened to it); "N": one slice must span the n columns."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
     default = widened(GPU_DEFAULT, group, n)
