@@ -86,9 +86,10 @@ def rotate(x, cos, sin):
 
 
 class PlainLlama(nn.Module):
-    """Parameter names follow transformers' LlamaForCausalLM, so codagen.convert applies to its state dict."""
+    """Parameter names follow transformers' LlamaForCausalLM, so codagen.convert applies to its state dict.
+    `tied`: the LM head is the embedding's weight (tie_word_embeddings), with no lm_head of its own."""
 
-    def __init__(self, shape: LlamaShape, ignore_index: int = -100, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, ignore_index: int = -100, device=None, dtype=None, tied: bool = False):
         super().__init__()
         self.shape, self.ignore_index = shape, ignore_index
         kw = dict(device=device, dtype=dtype)
@@ -111,7 +112,7 @@ class PlainLlama(nn.Module):
             layer.mlp.down_proj = nn.Linear(shape.ffn_dim, shape.dim, bias=False, **kw)
             self.model.layers.append(layer)
         self.model.norm = RMSNorm(shape.dim, shape.eps, **kw)
-        self.lm_head = nn.Linear(shape.dim, shape.vocab, bias=False, **kw)
+        self.lm_head = None if tied else nn.Linear(shape.dim, shape.vocab, bias=False, **kw)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = self.shape
@@ -124,6 +125,7 @@ class PlainLlama(nn.Module):
             q = a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim).transpose(1, 2)
             k = a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
             v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            q, k = self.query_key(a, q, k)
             q, k = rotate(q, cos, sin).to(n.dtype), rotate(k, cos, sin).to(n.dtype)
             groups = s.n_heads // s.n_kv_heads
             y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
@@ -132,5 +134,12 @@ class PlainLlama(nn.Module):
             n = layer.post_attention_layernorm(x)
             m = layer.mlp
             x = x + m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n))
-        logits = self.lm_head(self.model.norm(x)).float()
+        logits = F.linear(self.model.norm(x), self.lm_head_weight()).float()
         return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
+
+    def query_key(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k, [batch, heads, seq, head_dim], as RoPE takes them: Llama's are the projections themselves."""
+        return q, k
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

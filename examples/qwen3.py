@@ -15,11 +15,10 @@ qkv columns for its block (`Layer.wn_qk`); autograd sums their gradients over th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
-from examples.llama import RMSNorm, attention, rope_tables, rotate
+from examples.llama import PlainLlama, RMSNorm, attention
 from generated.blocks import LmHeadLoss, NormStats, Qwen3PostAttention, Qwen3PreAttention
 
 HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
@@ -96,53 +95,15 @@ def qwen3_to_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, tor
 
 # ---- the reference: a plain PyTorch Qwen3 in Hugging Face's layout and names ----
 
-class PlainQwen3(nn.Module):
-    """Parameter names follow transformers' Qwen3ForCausalLM; the LM head is tied to the embedding."""
+class PlainQwen3(PlainLlama):
+    """Parameter names follow transformers' Qwen3ForCausalLM: Llama's, with each attention's q_norm and k_norm
+    (an RMSNorm of every q and k head before RoPE), and the LM head tied to the embedding."""
 
     def __init__(self, shape: LlamaShape, ignore_index: int = -100, device=None, dtype=None):
-        super().__init__()
-        self.shape, self.ignore_index = shape, ignore_index
-        kw = dict(device=device, dtype=dtype)
-        hd = shape.head_dim
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(shape.vocab, shape.dim, **kw)
-        self.model.layers = nn.ModuleList()
-        for _ in range(shape.n_layers):
-            layer = nn.Module()
-            layer.input_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
-            layer.self_attn = a = nn.Module()
-            a.q_proj = nn.Linear(shape.dim, shape.n_heads * hd, bias=False, **kw)
-            a.k_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
-            a.v_proj = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False, **kw)
-            a.o_proj = nn.Linear(shape.n_heads * hd, shape.dim, bias=False, **kw)
-            a.q_norm = RMSNorm(hd, shape.eps, **kw)
-            a.k_norm = RMSNorm(hd, shape.eps, **kw)
-            layer.post_attention_layernorm = RMSNorm(shape.dim, shape.eps, **kw)
-            layer.mlp = m = nn.Module()
-            m.gate_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
-            m.up_proj = nn.Linear(shape.dim, shape.ffn_dim, bias=False, **kw)
-            m.down_proj = nn.Linear(shape.ffn_dim, shape.dim, bias=False, **kw)
-            self.model.layers.append(layer)
-        self.model.norm = RMSNorm(shape.dim, shape.eps, **kw)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        s = self.shape
-        batch, seq = tokens.shape
-        cos, sin = rope_tables(s, seq, tokens.device)
-        x = self.model.embed_tokens(tokens)
+        super().__init__(shape, ignore_index, device, dtype, tied=True)
         for layer in self.model.layers:
-            n = layer.input_layernorm(x)
-            a = layer.self_attn
-            q = a.q_norm(a.q_proj(n).reshape(batch, seq, s.n_heads, s.head_dim)).transpose(1, 2)
-            k = a.k_norm(a.k_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim)).transpose(1, 2)
-            v = a.v_proj(n).reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
-            q, k = rotate(q, cos, sin).to(n.dtype), rotate(k, cos, sin).to(n.dtype)
-            groups = s.n_heads // s.n_kv_heads
-            y = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                               is_causal=True)
-            x = x + a.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
-            n = layer.post_attention_layernorm(x)
-            m = layer.mlp
-            x = x + m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n))
-        logits = F.linear(self.model.norm(x), self.model.embed_tokens.weight).float()  # tied LM head
-        return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
+            layer.self_attn.q_norm = RMSNorm(shape.head_dim, shape.eps, device=device, dtype=dtype)
+            layer.self_attn.k_norm = RMSNorm(shape.head_dim, shape.eps, device=device, dtype=dtype)
+
+    def query_key(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return attn.q_norm(q), attn.k_norm(k)

@@ -15,8 +15,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def random_plain(shape):
-    model = PlainLlama(shape).to(DEVICE)
+def random_plain(shape, plain=PlainLlama):
+    """Norm weights near 1, the others small (a Llama-like plain model: PlainLlama, PlainQwen3)."""
+    model = plain(shape).to(DEVICE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

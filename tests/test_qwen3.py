@@ -10,7 +10,7 @@ from codagen.convert import LlamaShape
 from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf
 from generated.blocks import NormStats, Qwen3PreAttention
 from test_blocks import DEVICE, EPS, leaf, rel, rms, rope
-from test_llama import random_batches, trains_like_plain
+from test_llama import random_batches, random_plain, trains_like_plain
 
 HD = 128
 SHAPE = LlamaShape(dim=64, ffn_dim=80, n_heads=2, n_kv_heads=1, head_dim=HD, n_layers=2, vocab=97,
@@ -75,19 +75,8 @@ def test_qwen3_pre_attention_fp16_within_twice_plain():
         assert rel(value, truth[name]) <= 2 * rel(unfused[name], truth[name]) + 1e-4, name
 
 
-def random_plain(shape):
-    model = PlainQwen3(shape).to(DEVICE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.05)
-    return model
-
-
 def test_converters_round_trip_exactly():
-    sd = random_plain(SHAPE).state_dict()
+    sd = random_plain(SHAPE, PlainQwen3).state_dict()
     back = qwen3_to_hf(qwen3_from_hf(sd, SHAPE), SHAPE)
     for k, v in sd.items():
         assert torch.equal(back[k], v), k
@@ -96,7 +85,7 @@ def test_converters_round_trip_exactly():
 
 def test_two_layer_qwen3_trains_like_plain_pytorch():
     torch.manual_seed(2)
-    plain = random_plain(SHAPE)
+    plain = random_plain(SHAPE, PlainQwen3)
     fused = CodagenQwen3(SHAPE, chunk_rows=24).to(DEVICE)
     fused.load_state_dict(qwen3_from_hf(plain.state_dict(), SHAPE))
     assert fused.head.w_vocab is fused.embed.weight
