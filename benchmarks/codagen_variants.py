@@ -35,8 +35,8 @@ def codagen_variants(preset, tokens, dtype) -> list:
         "down_qkv_rope.fwd": "kernels out_proj_residual_norm -> finish.rstd -> qkv_norm_rope",
         "block.fwd": "PostAttentionFunction -> PreAttentionFunction",
         "block.fwdbwd": "PostAttentionFunction -> PreAttentionFunction",
-        "lm_ce.fwd": "NormStatsFunction -> lm_head_loss (the forward alone)",
-        "lm_ce.fwdbwd": "NormStatsFunction -> lm_head_loss (gradients made in the forward over row chunks)",
+        "lm_ce.fwd": "lm_head_loss (the forward alone)",
+        "lm_ce.fwdbwd": "lm_head_loss (gradients and the norm statistics made in the forward over row chunks)",
     }
     factories = {
         "oproj_swiglu.fwd": _cg_oproj_swiglu,
@@ -65,11 +65,11 @@ def _family_variants(family: str) -> list:
     if family == "qwen3":
         block, lm_ce = _cg_qwen3_block, _cg_lm_ce
         block_note = "Qwen3PostAttentionFunction -> Qwen3PreAttentionFunction"
-        lm_note = "NormStatsFunction -> lm_head_loss"
+        lm_note = "lm_head_loss"
     else:
         block, lm_ce = _cg_gemma2_block, _cg_gemma2_lm_ce
         block_note = "Gemma2PostAttentionFunction -> Gemma2PreAttentionFunction"
-        lm_note = "Gemma2NormStatsFunction -> gemma2_lm_head_loss"
+        lm_note = "gemma2_lm_head_loss"
     return [Variant("block.fwd", "codagen", block, note=block_note),
             Variant("block.fwdbwd", "codagen", block, note=block_note),
             Variant("lm_ce.fwd", "codagen", lm_ce, note=lm_note + " (the forward alone)"),
@@ -277,8 +277,8 @@ def _cg_gemma2_block(case: Case) -> Runner:
 
 
 def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
-    """Gemma-2's lm_ce.fwd / .fwdbwd: Gemma2NormStats(xf, wnf) -> (h, rstd), then gemma2_lm_head_loss with the
-    preset's final logit softcap, as _cg_lm_ce runs Llama's."""
+    """Gemma-2's lm_ce.fwd / .fwdbwd: gemma2_lm_head_loss with the preset's final logit softcap, as _cg_lm_ce
+    runs Llama's."""
     import inspect
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps
@@ -286,24 +286,22 @@ def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
     chunk_rows = inspect.signature(blocks.Gemma2LmHeadLoss).parameters["chunk_rows"].default
 
     def fwd(xf, wnf, wv, target):
-        h, rstd = blocks.Gemma2NormStatsFunction.apply(xf, wnf, dm.d, eps)
-        return (head.gemma2_lm_head_loss(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, dm.softcap, -100, "mean",
+        return (head.gemma2_lm_head_loss(xf, target, wnf, wv, dm.d, dm.vocab, eps, dm.softcap, -100, "mean",
                                          chunk_rows, grad_sum=grad_sum),)
     return AutogradRunner(case.pattern, fwd)
 
 
 def _cg_lm_ce(case: Case, grad_sum: str = "float32", chunk_fraction: float = 1.0) -> Runner:
-    """lm_ce.fwd / .fwdbwd: NormStats(xf, wnf) -> (h, rstd), then lm_head_loss(xf, h, rstd, target) with wnf as
-    its norm weight (NormStats applies wnf in the forward; LmHeadLoss computes its gradient and xf's) and its
-    default chunk_rows. lm_head_loss runs the forward alone under no_grad, and otherwise makes the gradients in
-    the forward (LmHeadLossFunction), which autograd.grad then scales by the loss's gradient."""
+    """lm_ce.fwd / .fwdbwd: lm_head_loss(xf, target) with wnf as its norm weight and its default chunk_rows (times
+    chunk_fraction). lm_head_loss runs the forward alone under no_grad, and otherwise makes the gradients in the
+    forward (LmHeadLossFunction), the final norm's statistics a chunk of rows at a time, which autograd.grad then
+    scales by the loss's gradient."""
     import inspect
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps
     chunk_rows = int(inspect.signature(blocks.LmHeadLoss).parameters["chunk_rows"].default * chunk_fraction)
 
     def fwd(xf, wnf, wv, target):
-        h, rstd = blocks.NormStatsFunction.apply(xf, wnf, dm.d, eps)
-        return (blocks.lm_head_loss.lm_head_loss(xf, h, rstd, target, wnf, wv, dm.d, dm.vocab, -100, "mean",
-                                                 chunk_rows, grad_sum=grad_sum),)
+        return (blocks.lm_head_loss.lm_head_loss(xf, target, wnf, wv, dm.d, dm.vocab, eps, -100, "mean", chunk_rows,
+                                                 grad_sum=grad_sum),)
     return AutogradRunner(case.pattern, fwd)

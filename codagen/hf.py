@@ -307,8 +307,8 @@ def _refuse_call(what: str) -> None:
 
 def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
            **attention_kwargs):
-    """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer,
-    and the final norm's h = x * norm.weight and rstd, which lm_head_loss takes."""
+    """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
+    (lm_head_loss makes the final norm's statistics itself), and (batch, seq)."""
     config = llama.config
     check_modules(llama, patched=True)
     blocks, _ = _blocks()
@@ -374,7 +374,7 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
                                                                use_reentrant=False)
             else:
                 x, h, rstd = run_layer(x, h, rstd, layer, wn_next)
-    return x, h, rstd, (batch, seq)
+    return x, (batch, seq)
 
 
 def _check_call(config, kwargs) -> None:
@@ -393,7 +393,7 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
 
     _check_call(self.config, kwargs)
     kwargs.pop("return_dict", None)
-    x, _, _, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
     return BaseModelOutputWithPast(last_hidden_state=self.norm(x.view(batch, seq, -1)))
 
 
@@ -410,7 +410,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     llama = self.model
-    x, h, rstd, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
     loss = logits = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:
@@ -422,9 +422,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
         reduction = "mean" if num_items_in_batch is None else "sum"
         with torch.autocast(x.device.type, enabled=False):
-            loss = lm_head_loss(x, h, rstd, shift_labels.reshape(-1).to(x.device), norm_weight, weight,
-                                weight.shape[1], weight.shape[0], ignore_index, reduction, self.codagen_chunk_rows,
-                                "nan", "float32")
+            loss = lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight, weight.shape[1],
+                                weight.shape[0], self.config.rms_norm_eps, ignore_index, reduction,
+                                self.codagen_chunk_rows, "nan", "float32")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     else:

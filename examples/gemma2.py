@@ -66,8 +66,8 @@ class CodagenGemma2(nn.Module):
         self.shape = shape
         self.norm_stats = Gemma2NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = Gemma2LmHeadLoss(shape.dim, shape.vocab, shape.final_softcap, ignore_index, "mean", chunk_rows,
-                                     device=device, dtype=dtype)
+        self.head = Gemma2LmHeadLoss(shape.dim, shape.vocab, shape.eps, shape.final_softcap, ignore_index, "mean",
+                                     chunk_rows, device=device, dtype=dtype)
         self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
         with torch.no_grad():  # Gemma's norm weights start at 0: a scale of 1 + 0
             for name, p in self.named_parameters():
@@ -88,7 +88,8 @@ class CodagenGemma2(nn.Module):
             y = attention(qkv, i, s, batch, seq)
             wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
             x, h, rstd = layer.post(y, x, wn_next)
-        return self.head(x, h, rstd, targets.reshape(-1))
+        del h, rstd  # the head makes its norm's statistics itself, a chunk of rows at a time
+        return self.head(x, targets.reshape(-1))
 
 
 def from_hf(sd: dict[str, torch.Tensor], shape: Gemma2Shape) -> dict[str, torch.Tensor]:

@@ -41,7 +41,8 @@ class CodagenLlama(nn.Module):
         self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
         self.norm_stats = NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = LmHeadLoss(shape.dim, shape.vocab, ignore_index, "mean", chunk_rows, device=device, dtype=dtype)
+        self.head = LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
+                               dtype=dtype)
         self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,8 @@ class CodagenLlama(nn.Module):
             y = attention(qkv, self.shape, batch, seq)
             wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
             x, h, rstd = layer.post(y, x, wn_next)
-        return self.head(x, h, rstd, targets.reshape(-1))
+        del h, rstd  # the head makes its norm's statistics itself, a chunk of rows at a time
+        return self.head(x, targets.reshape(-1))
 
 
 # ---- the reference: a plain PyTorch Llama in Hugging Face's layout and names ----

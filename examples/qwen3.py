@@ -51,7 +51,8 @@ class CodagenQwen3(nn.Module):
         self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
         self.norm_stats = NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = LmHeadLoss(shape.dim, shape.vocab, ignore_index, "mean", chunk_rows, device=device, dtype=dtype)
+        self.head = LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
+                               dtype=dtype)
         if tie_embeddings:
             self.head.w_vocab = self.embed.weight  # one parameter: its gradient sums both uses
         self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
@@ -69,7 +70,8 @@ class CodagenQwen3(nn.Module):
             y = attention(qkv, self.shape, batch, seq)
             wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
             x, h, rstd = layer.post(y, x, wn_next)
-        return self.head(x, h, rstd, targets.reshape(-1))
+        del h, rstd  # the head makes its norm's statistics itself, a chunk of rows at a time
+        return self.head(x, targets.reshape(-1))
 
 
 def qwen3_from_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:

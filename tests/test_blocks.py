@@ -186,12 +186,11 @@ def run_lm_head(m, dim, vocab, target, reduction, dtype, chunk_rows=8192, empty_
     x = leaf(m, dim, dtype=dtype)
     wn = leaf(dim, dtype=dtype, scale=0.1, offset=1.0)
     w_vocab = leaf(vocab, dim, dtype=dtype, scale=dim**-0.5 * 3)
-    block = LmHeadLoss(dim, vocab, -100, reduction, chunk_rows, empty_mean, grad_sum, device=DEVICE, dtype=dtype)
+    block = LmHeadLoss(dim, vocab, EPS, -100, reduction, chunk_rows, empty_mean, grad_sum, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.detach().requires_grad_()
-    h, rstd = NormStats(dim, EPS)(xb.detach(), block.wn.detach())
-    loss = block(xb, h, rstd, target)
+    loss = block(xb, target)
     upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
     g = torch.autograd.grad(loss, [xb, block.wn, block.w_vocab], upstream)
     fused = {"loss": loss, "x": g[0], "wn": g[1], "w_vocab": g[2]}
@@ -234,10 +233,9 @@ def test_lm_head_loss_without_gradients_makes_none(monkeypatch):
     """Under no_grad, or with no input that wants a gradient, the forward keeps no logits and makes no
     gradient: the kernels of the forward with gradients never run, and the loss is the same."""
     m, dim, vocab = 37, 32, 77
-    block = LmHeadLoss(dim, vocab, chunk_rows=16, device=DEVICE)
+    block = LmHeadLoss(dim, vocab, EPS, chunk_rows=16, device=DEVICE)
     x, target = torch.randn(m, dim, device=DEVICE), targets(m, vocab)
-    h, rstd = NormStats(dim, EPS)(x, block.wn.detach())
-    with_grads = block(x.requires_grad_(), h, rstd, target).detach()
+    with_grads = block(x.requires_grad_(), target).detach()
     x.requires_grad_(False)
 
     def refuse(**_):
@@ -245,9 +243,9 @@ def test_lm_head_loss_without_gradients_makes_none(monkeypatch):
     for kernel in (kernels.lm_head_logits, kernels.lm_head_ce_dz):
         monkeypatch.setattr(kernel, kernel.__name__.rsplit(".", 1)[1], refuse)
     with torch.no_grad():
-        loss = block(x, h, rstd, target)
+        loss = block(x, target)
     block.requires_grad_(False)
-    frozen = block(x, h, rstd, target)
+    frozen = block(x, target)
     assert loss.grad_fn is None and frozen.grad_fn is None
     assert rel(loss, with_grads) < 1e-5 and rel(frozen, with_grads) < 1e-5
 
@@ -308,13 +306,13 @@ def test_lm_head_loss_asserts_on_the_gpu_for_a_target_out_of_bounds():
 
 
 def test_lm_head_logits_exist_one_chunk_at_a_time(monkeypatch):
-    """The forward with gradients stores logits and dz for at most chunk_rows rows at a time, never M x V."""
+    """The forward with gradients stores the normed rows, logits and dz for at most chunk_rows rows at a time,
+    never M x V, nor a normed copy of all M rows."""
     m, dim, vocab, chunk_rows = 37, 16, 300, 16
-    block = LmHeadLoss(dim, vocab, chunk_rows=chunk_rows, device=DEVICE)
+    block = LmHeadLoss(dim, vocab, EPS, chunk_rows=chunk_rows, device=DEVICE)
     x = torch.randn(m, dim, device=DEVICE, requires_grad=True)
-    h, rstd = NormStats(dim, EPS)(x.detach(), block.wn.detach())
     rows = []
-    for kernel in (kernels.lm_head_logits, kernels.lm_head_ce_dz):
+    for kernel in (kernels.rmsnorm_stats, kernels.lm_head_logits, kernels.lm_head_ce_dz):
         name = kernel.__name__.rsplit(".", 1)[1]
 
         def recorded(real=getattr(kernel, name), **args):
@@ -322,8 +320,8 @@ def test_lm_head_logits_exist_one_chunk_at_a_time(monkeypatch):
             rows.append(out[0].shape[0])
             return out
         monkeypatch.setattr(kernel, name, recorded)
-    block(x, h, rstd, torch.randint(0, vocab, (m,), device=DEVICE))
-    assert rows == [16, 16, 16, 16, 5, 5]  # logits and dz of each chunk in turn
+    block(x, torch.randint(0, vocab, (m,), device=DEVICE))
+    assert rows == [16] * 6 + [5] * 3  # h, logits and dz of each chunk in turn
 
 
 def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
@@ -331,10 +329,9 @@ def test_lm_head_keeps_only_the_gradients_and_scales_them_once():
     for), no logits; the backward scales them in place, so that a second backward through the same graph is
     refused rather than scaled twice."""
     m, dim, vocab = 37, 16, 300
-    block = LmHeadLoss(dim, vocab, chunk_rows=16, device=DEVICE)
+    block = LmHeadLoss(dim, vocab, EPS, chunk_rows=16, device=DEVICE)
     x = torch.randn(m, dim, device=DEVICE, requires_grad=True)
-    h, rstd = NormStats(dim, EPS)(x.detach(), block.wn.detach())
-    loss = block(x, h, rstd, torch.randint(0, vocab, (m,), device=DEVICE))
+    loss = block(x, torch.randint(0, vocab, (m,), device=DEVICE))
     saved = loss.grad_fn.saved_tensors
     assert sum(t.numel() for t in saved) == x.numel() + dim + vocab * dim + 1
     loss.backward(retain_graph=True)

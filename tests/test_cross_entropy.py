@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.runtime import finish
 from generated.blocks import (LmHeadLossRows, LmHeadLossSmooth, LmHeadLossSoftcap, LmHeadLossWeighted,
-                              LmHeadLossZloss, NormStats)
+                              LmHeadLossZloss)
 from test_blocks import DEVICE, EPS, check_fp32, check_low, leaf, rel, rms, targets
 
 M, DIM, VOCAB, CHUNK = 37, 16, 77, 16  # 37 rows in chunks of 16; a vocabulary no multiple of a tile width
@@ -60,21 +60,20 @@ def run_variant(variant, reduction, dtype, m=M, vocab=VOCAB, target=None, grad=T
     if variant == "weighted":
         extra["token_weights"] = torch.rand(m, device=DEVICE) + 0.25
     if variant == "rows":
-        block = cls(DIM, vocab, -100, CHUNK, device=DEVICE, dtype=dtype)
+        block = cls(DIM, vocab, EPS, -100, CHUNK, device=DEVICE, dtype=dtype)
         upstream = torch.randn(m, device=DEVICE)
     else:
-        block = cls(DIM, vocab, **kwargs, reduction=reduction, chunk_rows=CHUNK, device=DEVICE, dtype=dtype)
+        block = cls(DIM, vocab, EPS, **kwargs, reduction=reduction, chunk_rows=CHUNK, device=DEVICE, dtype=dtype)
         upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.detach().requires_grad_(grad)
-    h, rstd = NormStats(DIM, EPS)(xb.detach(), block.wn.detach())
     if not grad:
         with torch.no_grad():
             block.requires_grad_(False)
-            fused = {"loss": block(xb, h, rstd, target, *extra.values())}
+            fused = {"loss": block(xb, target, *extra.values())}
     else:
-        loss = block(xb, h, rstd, target, *extra.values())
+        loss = block(xb, target, *extra.values())
         g = torch.autograd.grad(loss, [xb, block.wn, block.w_vocab], upstream)
         fused = {"loss": loss, "x": g[0], "wn": g[1], "w_vocab": g[2]}
 

@@ -101,12 +101,11 @@ def run_lm_head(m, dim, vocab, dtype, softcap=2.0, chunk_rows=16):
     wn = norm_weight(dim, dtype)
     w_vocab = leaf(vocab, dim, dtype=dtype, scale=dim**-0.5 * 3)
     target = targets(m, vocab)
-    block = Gemma2LmHeadLoss(dim, vocab, softcap, chunk_rows=chunk_rows, device=DEVICE, dtype=dtype)
+    block = Gemma2LmHeadLoss(dim, vocab, EPS, softcap, chunk_rows=chunk_rows, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.detach().requires_grad_()
-    h, rstd = Gemma2NormStats(dim, EPS)(xb.detach(), block.wn.detach())
-    loss = block(xb, h, rstd, target)
+    loss = block(xb, target)
     g = torch.autograd.grad(loss, [xb, block.wn, block.w_vocab])
     fused = {"loss": loss, "x": g[0], "wn": g[1], "w_vocab": g[2]}
 

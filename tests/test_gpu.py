@@ -646,12 +646,11 @@ def test_lm_head_loss_block(dtype, grad_sum):
     target[1], target[2], target[-1] = 0, VOCAB - 1, -100  # both edge columns and an ignored last row
     upstream = torch.tensor(1.7, device=DEVICE)  # the loss's gradient need not be 1
 
-    block = LmHeadLoss(D, VOCAB, -100, "mean", LM_CHUNK_ROWS, grad_sum=grad_sum, device=DEVICE, dtype=dtype)
+    block = LmHeadLoss(D, VOCAB, EPS, -100, "mean", LM_CHUNK_ROWS, grad_sum=grad_sum, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         block.wn.copy_(wn), block.w_vocab.copy_(w_vocab)
     xb = x.clone().requires_grad_()
-    h, rstd = NormStats(D, EPS)(xb.detach(), block.wn.detach())
-    loss = block(xb, h, rstd, target)
+    loss = block(xb, target)
     gx, gwn, gw = torch.autograd.grad(loss, [xb, block.wn, block.w_vocab], upstream)
     fused = {"loss": loss, "grad x": gx, "grad wn": gwn, "grad w_vocab": gw}
 

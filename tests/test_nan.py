@@ -155,12 +155,12 @@ def test_cross_entropy_of_a_nan_lse_is_nan():
 
 def test_lm_head_loss_with_one_nan_weight_is_nan_like_cross_entropy():
     """One NaN in w_vocab makes one column of logits NaN: F.cross_entropy gives NaN, and so must the block."""
-    from generated.blocks import LmHeadLoss, NormStats
+    from generated.blocks import LmHeadLoss
     from test_blocks import EPS, rms, targets
 
     m, dim, vocab = 37, 32, 77
     g = torch.Generator().manual_seed(11)
-    block = LmHeadLoss(dim, vocab, -100, "mean", 16, device=DEVICE)
+    block = LmHeadLoss(dim, vocab, EPS, -100, "mean", 16, device=DEVICE)
     x = torch.randn(m, dim, generator=g).to(DEVICE)
     target = targets(m, vocab)
     for nan in (False, True):
@@ -168,7 +168,6 @@ def test_lm_head_loss_with_one_nan_weight_is_nan_like_cross_entropy():
             block.w_vocab.copy_(torch.randn(vocab, dim, generator=g) * dim**-0.5)
             if nan:
                 block.w_vocab[40, 7] = float("nan")
-        h, rstd = NormStats(dim, EPS)(x, block.wn.detach())
-        loss = block(x, h, rstd, target)
+        loss = block(x, target)
         plain = F.cross_entropy(rms(x, block.wn.detach()) @ block.w_vocab.detach().T, target, ignore_index=-100)
         assert plain.isnan().item() is nan and loss.isnan().item() is nan
