@@ -17,9 +17,9 @@ from runners import AutogradRunner, Runner, Variant
 
 def codagen_variants(preset, tokens, dtype) -> list:
     """codagen's variants for this preset (Preset), token count and dtype: one per pattern of the preset's model
-    family, and for lm_ce.fwdbwd a second one whose weight gradient is summed over the row chunks in the weights'
-    dtype (grad_sum: same) instead of fp32, and (Llama) a third with that sum and half the default chunk of rows
-    (less memory, more passes over the weight gradient).
+    family, and for lm_ce.fwdbwd a second one whose weight gradient is summed over the row chunks in fp32
+    (grad_sum: float32) instead of the weights' dtype (the default), and (Llama) a third with half the default
+    chunk of rows (less memory, more passes over the weight gradient).
 
     The generated modules are imported when a factory runs, so a broken import fails codagen's rows only.
     Weight relayout (interleaved gate/up rows, q/k rows in interleaved-pair order, per-column RoPE
@@ -49,14 +49,14 @@ def codagen_variants(preset, tokens, dtype) -> list:
         "lm_ce.fwdbwd": _cg_lm_ce,
     }
     return [Variant(key, "codagen", factory, note=notes[key]) for key, factory in factories.items()] + [
-        Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: _cg_lm_ce(case, "same"),
-                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype"),
-        Variant("lm_ce.fwdbwd", HALF_CHUNKS, lambda case: _cg_lm_ce(case, "same", chunk_fraction=0.5),
-                note=notes["lm_ce.fwdbwd"] + "; dW summed in the weights' dtype, chunks of half the default rows")]
+        Variant("lm_ce.fwdbwd", FP32_SUM, lambda case: _cg_lm_ce(case, "float32"),
+                note=notes["lm_ce.fwdbwd"] + "; dW summed in fp32"),
+        Variant("lm_ce.fwdbwd", HALF_CHUNKS, lambda case: _cg_lm_ce(case, chunk_fraction=0.5),
+                note=notes["lm_ce.fwdbwd"] + "; chunks of half the default rows")]
 
 
-SAME_SUM = "codagen grad_sum=same"  # LmHeadLoss with its weight gradient summed over chunks in bf16/fp16
-HALF_CHUNKS = "codagen grad_sum=same, half chunks"  # and chunk_rows half its default
+FP32_SUM = "codagen grad_sum=float32"  # LmHeadLoss with its weight gradient summed over chunks in fp32
+HALF_CHUNKS = "codagen half chunks"  # LmHeadLoss with chunk_rows half its default
 
 
 def _family_variants(family: str) -> list:
@@ -75,8 +75,8 @@ def _family_variants(family: str) -> list:
             Variant("lm_ce.fwd", "codagen", lm_ce, note=lm_note + " (the forward alone)"),
             Variant("lm_ce.fwdbwd", "codagen", lm_ce,
                     note=lm_note + " (gradients made in the forward over row chunks)"),
-            Variant("lm_ce.fwdbwd", SAME_SUM, lambda case: lm_ce(case, "same"),
-                    note=lm_note + "; dW summed in the weights' dtype")]
+            Variant("lm_ce.fwdbwd", FP32_SUM, lambda case: lm_ce(case, "float32"),
+                    note=lm_note + "; dW summed in fp32")]
 
 
 # -- codagen's factories and the layout helpers they share ------------------------------------------------
@@ -276,7 +276,7 @@ def _cg_gemma2_block(case: Case) -> Runner:
                           leaves=("x0", "y0", "wo", "wna", "wn1", "w_gate_up", "w2", "wnm", "wn2", "w_qkv"))
 
 
-def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
+def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "same") -> Runner:
     """Gemma-2's lm_ce.fwd / .fwdbwd: gemma2_lm_head_loss with the preset's final logit softcap, as _cg_lm_ce
     runs Llama's."""
     import inspect
@@ -291,7 +291,7 @@ def _cg_gemma2_lm_ce(case: Case, grad_sum: str = "float32") -> Runner:
     return AutogradRunner(case.pattern, fwd)
 
 
-def _cg_lm_ce(case: Case, grad_sum: str = "float32", chunk_fraction: float = 1.0) -> Runner:
+def _cg_lm_ce(case: Case, grad_sum: str = "same", chunk_fraction: float = 1.0) -> Runner:
     """lm_ce.fwd / .fwdbwd: lm_head_loss(xf, target) with wnf as its norm weight and its default chunk_rows (times
     chunk_fraction). lm_head_loss runs the forward alone under no_grad, and otherwise makes the gradients in the
     forward (LmHeadLossFunction), the final norm's statistics a chunk of rows at a time, which autograd.grad then

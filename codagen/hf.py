@@ -424,7 +424,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         with torch.autocast(x.device.type, enabled=False):
             loss = lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight, weight.shape[1],
                                 weight.shape[0], self.config.rms_norm_eps, ignore_index, reduction,
-                                self.codagen_chunk_rows, "nan", "float32")
+                                self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     else:

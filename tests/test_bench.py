@@ -37,7 +37,7 @@ def test_codagen_variants_run_known_patterns():
     variants = codagen_variants.codagen_variants(cases.PRESETS["tiny"], 128, torch.bfloat16)
     assert {v.pattern for v in variants if v.name == "codagen"} == set(cases.PATTERN_BY_KEY)  # every pattern
     assert {(v.pattern, v.name) for v in variants if v.name != "codagen"} == {
-        ("lm_ce.fwdbwd", codagen_variants.SAME_SUM), ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
+        ("lm_ce.fwdbwd", codagen_variants.FP32_SUM), ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
 
 
 def test_torch_compile_runs_in_both_modes_on_every_pattern():
@@ -60,7 +60,7 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
     rows = run_case(preset, 128, args, variants, [])
     checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
     assert set(checked) == {("oproj_swiglu.fwdbwd", "codagen"), ("lm_ce.fwd", "codagen"),
-                            ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.SAME_SUM),
+                            ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.FP32_SUM),
                             ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
     for key, row in checked.items():
         assert not row.error and row.ms is not None, (key, row.error)
@@ -89,7 +89,7 @@ def test_each_family_runs_its_own_patterns_and_variants():
         keys = {(v.pattern, v.name) for v in codagen_variants.codagen_variants(cases.PRESETS[preset], 128,
                                                                                 torch.bfloat16)}
         assert keys == {(p.key, "codagen") for p in cases.PRESETS[preset].patterns} | {
-            ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}, family
+            ("lm_ce.fwdbwd", codagen_variants.FP32_SUM)}, family
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "gemma2-tiny"])
@@ -104,7 +104,7 @@ def test_family_rows_check_against_the_reference_on_the_cpu(preset):
     rows = run_case(bp, 128, args, variants, [])
     assert {(r.pattern, r.variant) for r in rows} == {
         (p, v) for p in ("block.fwdbwd", "lm_ce.fwdbwd") for v in ("eager", CUBLAS, "codagen")} | {
-        ("lm_ce.fwdbwd", codagen_variants.SAME_SUM)}
+        ("lm_ce.fwdbwd", codagen_variants.FP32_SUM)}
     checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
     for key, row in checked.items():
         assert not row.error, (key, row.error)
