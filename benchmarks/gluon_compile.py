@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from codagen.runtime.gluon_hopper import HopperConfig, default_config  # noqa: E402
+from spills import jit_specialization  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
@@ -67,7 +68,8 @@ def source(module, config: HopperConfig) -> GluonASTSource:
             sig[p] = "i32"
         else:
             sig[p] = "fp32"  # host scalars
-    return GluonASTSource(kernel, sig, {(params.index(k),): v for k, v in meta.items()})
+    unit_strides, attrs = jit_specialization(module, params, sig)
+    return GluonASTSource(kernel, sig, {**{(params.index(k),): v for k, v in meta.items()}, **unit_strides}, attrs)
 
 
 def compile_kernel(module, config: HopperConfig):
@@ -102,7 +104,8 @@ def main() -> None:
              "partition with setmaxnreg: SETMAXREG lists the counts its SASS sets); STACK: bytes of stack per "
              "thread, mostly spilled registers (0: no spill); SMEM: bytes of shared memory a program uses; "
              "HGMMA: warpgroup MMA instructions in the SASS. The first row of a kernel is its launcher's default "
-             "(as many operand stages as fit beside its epilogue).", ""]
+             "(as many operand stages as fit beside its epilogue). Compiled as the JIT compiles a launch on "
+             "contiguous tensors at a model's shapes (spills.jit_specialization).", ""]
     for name in (args.kernels.split(",") if args.kernels else names()):
         module = importlib.import_module(f"generated.kernels.gluon.{name}")
         lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | SETMAXREG |",

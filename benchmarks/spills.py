@@ -34,6 +34,29 @@ from codagen.tune.harness import scalar_names  # noqa: E402
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 
 
+def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict]:
+    """What Triton's JIT makes of a launch on contiguous tensors at a model's shapes, where every size, row
+    stride and base address is a multiple of 16: each tensor's last stride is 1, which the JIT turns into a
+    constexpr (so the compiler knows rows are contiguous), and pointers and the other ints are marked
+    divisible by 16 (so loads and stores can be vectorized). Without this, a compile sees strides it knows
+    nothing about, and its registers, spills and instructions are not those of the GPU's compile.
+    Returns (constexprs, attrs) keyed as ASTSource takes them; `sig` gets the unit strides as constexprs."""
+    strides: dict[str, list[str]] = {}
+    for p in params:
+        if p.startswith("stride_"):
+            tensor = max((d.name for d in module.DECLS if p.startswith(f"stride_{d.name}_")), key=len)
+            strides.setdefault(tensor, []).append(p)
+    unit = {names[-1] for names in strides.values()}
+    constexprs, attrs = {}, {}
+    for p in params:
+        if p in unit:
+            sig[p] = "constexpr"
+            constexprs[(params.index(p),)] = 1
+        elif sig[p].startswith("*") or (sig[p] == "i32" and p != "NUM_PROGRAMS"):
+            attrs[(params.index(p),)] = [["tt.divisibility", 16]]
+    return constexprs, attrs
+
+
 def signature(module, config: Config) -> tuple[dict, dict]:
     """Triton types of the kernel's parameters for bf16 tensors, and its constexprs for `config`."""
     kernel = getattr(module, f"{module.NAME}_kernel")
@@ -71,7 +94,8 @@ def usage(module, config: Config, arch: int) -> dict | str:
     kernel = getattr(module, f"{module.NAME}_kernel")
     sig, consts = signature(module, config)
     params = list(sig)
-    src = ASTSource(kernel, sig, {(params.index(k),): v for k, v in consts.items()})
+    unit_strides, attrs = jit_specialization(module, params, sig)
+    src = ASTSource(kernel, sig, {**{(params.index(k),): v for k, v in consts.items()}, **unit_strides}, attrs)
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
@@ -97,7 +121,8 @@ def main() -> None:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton "
              f"{triton.__version__}; bf16 tensors; command: `python benchmarks/spills.py`",
              "- REG: registers per thread (255 is the most there are); STACK: bytes of stack per thread, mostly "
-             "spilled registers (0: no spill). Each kernel in each candidate of `codagen tune`.",
+             "spilled registers (0: no spill). Each kernel in each candidate of `codagen tune`, compiled as the JIT "
+             "compiles a launch on contiguous tensors at a model's shapes (jit_specialization).",
              "- `ws` rows: whether this compile warp-specializes for sm_90 is not established (in the first "
              "run, on triton 3.9, every `ws` row equalled its twin without `ws`).", ""]
     for name in names:

@@ -168,11 +168,13 @@ def test_preset_shapes_follow_the_block_specs():
     assert buckets("lm_head_logits") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
     assert buckets("lm_head_logsumexp") == ["8192x128256x2048", "32768x128256x2048"]  # the forward is not chunked
     assert buckets("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
-    assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0"]
+    # the norm's statistics of every row (norm_stats, an LM head's forward), and of a chunk of rows (its forward
+    # with gradients)
+    assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0", "2048x2048x0"]
     assert buckets("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
     where = {(u.kernel, u.shape.bucket): u.where for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"])}
     assert where["out_proj_residual_norm", "8192x2048x8192"] == "post_attention forward: y1 @ w_down^T"
-    assert where["rmsnorm_stats", "8192x2048x0"] == "norm_stats forward: rmsnorm_stats(x, wn)"
+    assert where["rmsnorm_stats", "2048x2048x0"] == "lm_head_loss forward with gradients: rmsnorm_stats(x, wn)"
     # the first of the LM-head blocks (by name) whose forward with gradients runs this GEMM
     assert where["matmul", "2048x2048x128256"].endswith("_loss forward with gradients: dz @ w_vocab")
 
@@ -195,10 +197,11 @@ def test_presets_need_the_block_specs():
     only_kernels = [c for c in all_specs() if isinstance(c, api.Checked)]
     with pytest.raises(TuneError, match="hold no block spec"):
         shapes.parse_shapes("llama3-1b", kernel, only_kernels)
-    rms = checked("rmsnorm_stats").kernel  # no GEMM, and no block calls it but norm_stats
-    no_norm_stats = [c for c in all_specs() if not (isinstance(c, CheckedBlock) and c.block.name == "norm_stats")]
+    rms = checked("rmsnorm_stats").kernel  # no GEMM: norm_stats and the LM heads call it
+    no_callers = [c for c in all_specs() if not (isinstance(c, CheckedBlock) and any(
+        call.op == "rmsnorm_stats" for _, calls, _ in c.passes() for call in calls))]
     with pytest.raises(TuneError, match="no block among the specs given"):
-        shapes.parse_shapes("llama3-1b", rms, no_norm_stats)
+        shapes.parse_shapes("llama3-1b", rms, no_callers)
 
 
 def test_a_kernel_named_at_presets_that_never_run_it_is_refused(tmp_path):

@@ -212,13 +212,12 @@ def epilogue_buffers(k: Kernel) -> int:
 
 
 def default_split(k: Kernel) -> int:
-    """Column slices the epilogue runs on by default, compiled for sm_90 at 128x128 tiles: 8 where tiles of
-    pairs cross by TMA (a whole tile's pairs and their results take some 500 registers per thread; slices of
-    16 columns leave swiglu_dgrad's epilogue unspilled); 4 where a rotation takes sines and cosines (each
-    call inlines libdevice's reduction of large angles, whose registers spilled 800 bytes per thread over a
-    whole tile: qkv_norm_rope; slices of 32 columns keep only the reduction's own 28-byte array); else the
-    whole tile."""
-    split = 8 if buffer_columns(k) == 2 else 4 if any(s.op in ROTARY for s in k.steps) else 1
+    """Column slices the epilogue runs on by default, where the whole 128x128 tile spills, compiled for sm_90
+    with triton 3.6 (benchmarks/results/h200-gluon-compile.md): 8 where tiles of pairs cross by TMA (a whole
+    tile's pairs and their results spill 2.8-4.2 KB per thread; slices of 16 columns none, or 0.3 KB); 4 where
+    the epilogue also reduces over rows through a scratch (the RMSNorm backward's weight gradient: 0.5-0.8 KB
+    on the whole tile, none on quarters); else the whole tile (RoPE's included, since tile.sincos)."""
+    split = 8 if buffer_columns(k) == 2 else 4 if epilogue_scratch(k) else 1
     while split > 1 and k.column_group and (DEFAULT_BLOCK_N // split) % k.column_group:
         split //= 2  # each slice holds whole column groups
     return split

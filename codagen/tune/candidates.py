@@ -44,9 +44,9 @@ GEMM_CANDIDATES = (
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), epilogue_split=4),
     dataclasses.replace(_c(128, 256, 64, 8, 3, True, True), warp_specialize=True, epilogue_split=4),
     dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=4),
-    # eighths of a 128x128 tile: compiled for sm_90 with triton 3.9, the SwiGLU and RMSNorm backward epilogues
-    # (swiglu_dgrad, norm_dgrad_residual) spill 552 and 488 bytes per thread on quarters and none on eighths
-    # (with triton 3.6 neither spills on quarters; eighths hold 171 and 192 registers instead of 255)
+    # eighths of a 128x128 tile: compiled for sm_90 with triton 3.6 (benchmarks/results/sm90-spills.md), the
+    # SwiGLU and RMSNorm backward epilogues (swiglu_dgrad, norm_dgrad_residual) hold 172 and 139 registers per
+    # thread on eighths, 241 and 171 on quarters, and spill 1768 and 72 bytes on the whole tile
     dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=8),
     dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), epilogue_split=8),
 )
@@ -64,9 +64,9 @@ ELEMENTWISE_CANDIDATES = tuple(
 # and only on sm_90: its tile shape, group_m and operand stages (num_stages). 5 stages fit beside one epilogue
 # buffer per consumer, 4 beside two or three; a candidate that does not fit is refused at its launch and
 # discarded. GROUP_M 16 won some of the out-projection shapes on the H200 (benchmarks/results/h200-gluon.md).
-# The epilogue on column slices holds fewer registers at a time: on 4 slices RoPE's sines and cosines and the
-# RMSNorm backward's epilogues (norm_dgrad*) stop spilling, compiled for sm_90 (from 800-1700 bytes of stack
-# per thread to 32-40); BK 32 makes room for two epilogue buffers and a reduction's scratch. Kernels whose
+# The epilogue on column slices holds fewer registers at a time: on 4 slices the RMSNorm backward's epilogues
+# (norm_dgrad*) stop spilling, compiled for sm_90 with triton 3.6 (from 540-820 bytes of stack per thread to
+# none); BK 32 makes room for two epilogue buffers and a reduction's scratch. Kernels whose
 # tiles of pairs (2*N columns) cross by TMA have buffers twice as wide: 3 stages of BK 64 fit beside them, or
 # 5 of BK 32; their epilogue runs on 8 slices (a whole tile's pairs spill).
 GLUON_CANDIDATES = (

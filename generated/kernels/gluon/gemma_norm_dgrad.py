@@ -37,7 +37,7 @@ DECLS = (
 )
 TMA_TENSORS = ("dz", "w", "x", "dx", "normed")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "wn", "zdz", "dwn_part")  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1, scratch=8192)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=1, scratch=8192, split=4)  # its shared memory
 
 
 @gluon.jit

@@ -33,7 +33,7 @@ DECLS = (
 )
 TMA_TENSORS = ("h", "w_qkv", "qkv")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "positions", "freqs")  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1, split=4)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 
 
 @gluon.jit
