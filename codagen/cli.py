@@ -90,14 +90,17 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
 @click.option("--kernels", default=None, metavar="A,B", help="Tune only these kernels.")
 @click.option("--tokens", default="8192,32768", show_default=True, metavar="T,...",
               help="Token counts (M) of the presets.")
+@click.option("--attrs", default=None, metavar="NAME=N,...",
+              help="Block attrs for the presets' shapes, over the presets' values and the specs' defaults, e.g. "
+                   "chunk_rows=1024 (the LM heads' row chunks).")
 @click.option("--missing-only", is_flag=True, help="Skip shapes the table already holds (to continue a run).")
 def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
-         missing_only: bool) -> None:
+         attrs: str | None, missing_only: bool) -> None:
     """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
     from .tune import TuneError, command  # torch and triton load only for this command
 
     try:
-        command.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens,
+        command.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens, attrs=attrs,
                     missing_only=missing_only, log=click.echo)
     except ValidationFailed as e:
         _report(e)

@@ -192,6 +192,31 @@ def test_shapes_follow_edits_to_the_block_specs(tmp_path):
     assert [str(s) for s in shapes.preset_shapes(loaded, "tiny", logits, (100,))] == ["100x1000x64"]
 
 
+def test_attrs_set_the_block_attrs_of_the_preset_shapes():
+    """--attrs chunk_rows=1024: the LM heads' chunked kernels at 1024 rows, the rest as the preset gives them."""
+    buckets = lambda name, attrs: [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+        "llama3-1b", checked(name).kernel, all_specs(), attrs=shapes.parse_attrs(attrs, all_specs()))]
+    assert buckets("lm_head_logits", "chunk_rows=1024") == ["1024x128256x2048"]
+    assert buckets("norm_dgrad", "chunk_rows=1024,dim=4096") == ["1024x4096x128256"]
+    assert buckets("gate_up_swiglu", "chunk_rows=1024") == ["8192x16384x2048", "32768x16384x2048"]
+    job, = command.jobs([REPO / "specs"], "llama3-8b", REPO / "generated", kernels="lm_head_logits",
+                        attrs="chunk_rows=512")
+    assert [s.bucket for s in job.shapes] == ["512x128256x4096"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("chunk_row=1024", "'chunk_row' is no int attr of the block specs given (attn_dim, chunk_rows, dim"),
+    ("eps=1", "'eps' is no int attr"),  # a float attr
+    ("chunk_rows=0", "'chunk_rows=0': expected chunk_rows=N with N a positive integer"),
+    ("chunk_rows=1e3", "expected chunk_rows=N"),
+    ("chunk_rows", "expected chunk_rows=N"),
+])
+def test_attrs_mistakes_are_named(text, words):
+    with pytest.raises(TuneError) as e:
+        shapes.parse_attrs(text, all_specs())
+    assert words in str(e.value)
+
+
 def test_presets_need_the_block_specs():
     kernel = checked("gate_up_swiglu").kernel
     only_kernels = [c for c in all_specs() if isinstance(c, api.Checked)]

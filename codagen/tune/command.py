@@ -19,7 +19,7 @@ from ..runtime import configs
 from . import TuneError
 from .candidates import candidates
 from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
-from .shapes import TOKENS, Shape, parse_shapes, parse_tokens
+from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
 
 
@@ -46,7 +46,7 @@ class Job:
 
 
 def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None = None, tokens: str | None = None,
-         tuning_dir: str | Path | None = None, gpu: str = "gpu") -> list[Job]:
+         tuning_dir: str | Path | None = None, gpu: str = "gpu", attrs: str | None = None) -> list[Job]:
     """What a run would tune: the selected kernels of the specs under `paths`, their shapes and tables."""
     out = Path(out)
     tuning_dir = Path(tuning_dir) if tuning_dir is not None else out / "tuning"
@@ -61,13 +61,14 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
                             f"the specs given define {', '.join(sorted(names))}")
         found = [c for c in found if c.kernel.name in wanted]
     toks = parse_tokens(tokens) if tokens else TOKENS
+    given = parse_attrs(attrs, specs) if attrs else {}
     selected = []
     for c in found:
         module = load_module(out, c.kernel.name)
         if getattr(module, "FINGERPRINT", None) != fingerprint(c.kernel):
             raise TuneError(f"{out}/kernels/{c.kernel.name}.py does not compute what {c.kernel.source} describes "
                             "now; run codagen build first")
-        selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks),
+        selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks, given),
                             configs.table_path(tuning_dir, gpu, c.kernel.name)))
     idle = [j.checked.kernel.name for j in selected if not j.shapes]
     if kernels and idle:  # asked for by name: a kernel that would be skipped is an error, not a silent no-op
@@ -77,7 +78,8 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
 
 
 def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | None = None, kernels: str | None = None,
-        tokens: str | None = None, missing_only: bool = False, tuning_dir: str | Path | None = None,
+        tokens: str | None = None, attrs: str | None = None, missing_only: bool = False,
+        tuning_dir: str | Path | None = None,
         device: torch.device | None = None, gpu: str | None = None,
         timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
         pools: dict | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
@@ -93,7 +95,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
             raise TuneError("codagen tune times kernels on a CUDA GPU, and this machine has none")
         device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu or configs.gpu_key(device)
-    selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu)
+    selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs)
     runs = sum(len(j.shapes) * len((pools or {}).get(j.checked.kernel.name,
                                                      candidates(j.checked.kernel, times_hopper(j.module, device))))
                for j in selected)

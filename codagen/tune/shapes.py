@@ -42,26 +42,26 @@ class Use:
     where: str  # e.g. "post_attention forward: y1 @ w_down^T"
 
 
-def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = False) -> list[Use]:
+def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = False, attrs=None) -> list[Use]:
     """Every kernel at every shape where the blocks among `specs` (api.load's result) run it for `model`, in
     block and step order, each with the first step that gives it: with family_only, only the blocks that
     `model`'s family runs (LlamaShape.runs_block: what tuning and the benchmark take), else every block (a
     Llama preset then gives every kernel its dims). A GEMM kernel that no block calls (a plain GEMM) gets every
     GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one bucket count once
-    per kernel."""
+    per kernel. `attrs` (parse_attrs) override the model's values and the specs' defaults, e.g. chunk_rows."""
     kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
     uses: dict[tuple[str, str], Use] = {}
     blocks = (c for c in specs if isinstance(c, CheckedBlock) and (model.runs_block(c.block.name) or not family_only))
     for cb in sorted(blocks, key=lambda c: c.block.name):
-        attrs = _attr_values(cb.block, model)
+        values = _attr_values(cb.block, model, attrs or {})
         for pass_name, calls, chunk in cb.passes():
-            chunk_rows = None if chunk is None else attrs[chunk.value] if chunk.is_name else chunk.value
+            chunk_rows = None if chunk is None else values[chunk.value] if chunk.is_name else chunk.value
             for call in (c for c in calls if c.kernel):
                 kernel = kernels[call.op]
                 where = f"{cb.block.name} {pass_name}: {_step_text(kernel, call)}"
                 for t in tokens:
                     rows = min(t, chunk_rows) if chunk_rows else t
-                    shape = _call_shape(kernel, call, cb, attrs, rows)
+                    shape = _call_shape(kernel, call, cb, values, rows)
                     uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
     called = {call.op for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
               for call in calls if call.kernel}
@@ -73,10 +73,10 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
     return list(uses.values())
 
 
-def _attr_values(block: Block, model: LlamaShape) -> dict:
-    """The block's attrs as the model gives them (by name), else their defaults; required attrs the model
-    lacks stay out, and are reported if a dimension needs them."""
-    given = model.attrs()
+def _attr_values(block: Block, model: LlamaShape, attrs: dict) -> dict:
+    """The block's attrs as `attrs` or else the model gives them (by name), else their defaults; required attrs
+    the model lacks stay out, and are reported if a dimension needs them."""
+    given = {**model.attrs(), **attrs}
     return {a.name: given.get(a.name, a.default) for a in block.attrs if a.name in given or a.default is not None}
 
 
@@ -123,11 +123,12 @@ def _step_text(kernel: Kernel, call: Call) -> str:
     return f"{kernel.name}({', '.join(tensors)})"
 
 
-def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS) -> list[Shape]:
+def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS, attrs=None) -> list[Shape]:
     """The shapes of block_uses for `kernel` at a preset: none where only blocks of other model families call
     it (tuning all of specs/ at a Llama preset leaves Gemma-2's kernels alone)."""
     model = PRESETS[preset]
-    shapes = [u.shape for u in block_uses(specs, model, tokens, family_only=True) if u.kernel == kernel.name]
+    shapes = [u.shape for u in block_uses(specs, model, tokens, family_only=True, attrs=attrs)
+              if u.kernel == kernel.name]
     if not shapes and _called_by_other_families(specs, model, kernel):
         return []
     if not shapes:
@@ -148,14 +149,14 @@ def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
 _LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
 
 
-def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS) -> list[Shape]:
+def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None) -> list[Shape]:
     """`--shapes`: comma-separated presets and literal MxNxK (MxN for kernels without a GEMM); a literal
     applies to every kernel (K is dropped for those without a GEMM), a preset to the kernels its family's
-    blocks call. Shapes of one bucket count once."""
+    blocks call, with `attrs` (parse_attrs) for their attrs. Shapes of one bucket count once."""
     shapes: dict[str, Shape] = {}
     for item in (s.strip() for s in text.split(",")):
         if item in PRESETS:
-            found = preset_shapes(specs, item, kernel, tokens)
+            found = preset_shapes(specs, item, kernel, tokens, attrs)
         elif (match := _LITERAL.fullmatch(item)) is not None:
             m, n, k = (int(g or 0) for g in match.groups())
             if m < 1 or n < 1 or (kernel.gemm and k < 1):
@@ -168,6 +169,22 @@ def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS) -> list[Sha
         for s in found:
             shapes.setdefault(s.bucket, s)
     return list(shapes.values())
+
+
+def parse_attrs(text: str, specs) -> dict[str, int]:
+    """`--attrs`: comma-separated NAME=VALUE, each an int attr of a block among `specs` and a positive int,
+    e.g. chunk_rows=1024 to tune the LM heads' kernels at chunks of that many rows."""
+    known = sorted({a.name for cb in specs if isinstance(cb, CheckedBlock) for a in cb.block.attrs if a.kind == "int"})
+    attrs = {}
+    for item in (s.strip() for s in text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in known:
+            raise TuneError(f"--attrs: {name!r} is no int attr of the block specs given"
+                            f"{' (' + ', '.join(known) + ')' if known else ''}")
+        if not value.isdigit() or int(value) < 1:
+            raise TuneError(f"--attrs: {item!r}: expected {name}=N with N a positive integer")
+        attrs[name] = int(value)
+    return attrs
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
