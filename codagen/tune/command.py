@@ -79,8 +79,7 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
 
 def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | None = None, kernels: str | None = None,
         tokens: str | None = None, attrs: str | None = None, missing_only: bool = False,
-        tuning_dir: str | Path | None = None,
-        device: torch.device | None = None, gpu: str | None = None,
+        tuning_dir: str | Path | None = None, device: torch.device | None = None, gpu: str | None = None,
         timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
         pools: dict | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
     """Tune and write tables; returns the tables written. `device`, `gpu`, `timer`, `check_rows` and
