@@ -50,8 +50,9 @@ GEMM_CANDIDATES = (
     dataclasses.replace(_c(128, 128, 64, 8, 4, False, True), epilogue_split=8),
     dataclasses.replace(_c(128, 128, 64, 8, 4, True, True), epilogue_split=8),
     # two programs per SM: with 3 stages (96 KB of shared memory) and the epilogue on eighths, the forward
-    # epilogues hold at most 128 registers per thread (gate_up_swiglu 123, qkv_norm_rope 124, compiled for
-    # sm_90 with triton 3.6), so two programs fit an SM and one's epilogue runs beside the other's mainloop
+    # epilogues hold at most 128 registers per thread (out_proj_residual_norm 110, gate_up_swiglu 123,
+    # qkv_norm_rope 124, lm_head_logsumexp 128; compiled for sm_90 with triton 3.6), so two programs fit an SM
+    # and one's epilogue runs beside the other's mainloop
     dataclasses.replace(_c(128, 128, 64, 8, 3, False, True), epilogue_split=8),
 )
 # Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
