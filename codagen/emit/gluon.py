@@ -77,9 +77,15 @@ def tile_width(k: Kernel, name: str) -> Width:
     return inp.type.width if inp is not None else k.output(name).dims[1].width
 
 
+def buffer_width(k: Kernel) -> Width:
+    """The width of the epilogue's buffers: 2*N where a tile of pairs crosses by TMA, else N."""
+    doubles = any(tile_width(k, n) is Width.DOUBLE for n in (*tma_inputs(k), *tma_outputs(k)))
+    return Width.DOUBLE if doubles else Width.FULL
+
+
 def buffer_columns(k: Kernel) -> int:
-    """The width of the epilogue's buffers in BLOCK_N: 2 where a tile of pairs crosses by TMA, else 1."""
-    return 2 if any(tile_width(k, n) is Width.DOUBLE for n in (*tma_inputs(k), *tma_outputs(k))) else 1
+    """The width of the epilogue's buffers in BLOCK_N."""
+    return 2 if buffer_width(k) is Width.DOUBLE else 1
 
 
 # a TMA tensor's block by its tiles' width (one epilogue slice's), as the launcher writes it
@@ -140,7 +146,6 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         self.tma_inputs = tma_inputs(kernel)
         self.tma_outputs = tma_outputs(kernel)
         self.buffers = buffers
-        self.buffer_columns = buffer_columns(kernel)
         self.stores = 0  # TMA stores emitted so far
 
     def load(self, name: str) -> None:
@@ -185,8 +190,7 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         x, width = s.args["x"], tile_width(self.kernel, s.target)
         value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
         # a tile narrower than the buffer goes through the first part of its memory
-        buffer_width = Width.DOUBLE if self.buffer_columns == 2 else Width.FULL
-        store = "store_tile" if width is buffer_width else "store_narrow_tile"
+        store = "store_tile" if width is buffer_width(self.kernel) else "store_narrow_tile"
         self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
                           f"{FIRST_COLUMN[width]}, PENDING={pending})")
 
@@ -258,8 +262,7 @@ class Pointer:
 
 def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
     """A TMA tensor's tile in an epilogue buffer: the buffer, or its first part for a narrower tile."""
-    full = Width.DOUBLE if buffer_columns(k) == 2 else Width.FULL
-    return buffer if tile_width(k, name) is full else f"hopper.view({buffer}, {name}_desc)"
+    return buffer if tile_width(k, name) is buffer_width(k) else f"hopper.view({buffer}, {name}_desc)"
 
 
 def _input_reads(k: Kernel) -> list[str]:

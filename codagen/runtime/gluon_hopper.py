@@ -274,17 +274,9 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
 
 @gluon.jit
 def column_slice(x, PART: gl.constexpr, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
-    """Columns [PART * w, (PART + 1) * w) of the accumulator, w = width / PARTS (a power of two), in LAYOUT:
-    the accumulator's layout at width w, which the halves of halves of x are in already (the conversion
-    asserts that no value moves)."""
-    if PARTS == 1:
-        return gl.convert_layout(x, LAYOUT, assert_trivial=True)
-    else:
-        left, right = gl.split(gl.permute(gl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-        if PART < PARTS // 2:
-            return column_slice(left, PART, PARTS // 2, LAYOUT)
-        else:
-            return column_slice(right, PART - PARTS // 2, PARTS // 2, LAYOUT)
+    """tile.column_slice of the accumulator, in LAYOUT: the accumulator's layout at the slice's width, which
+    the halves of halves of x are in already (the conversion asserts that no value moves)."""
+    return gl.convert_layout(tile.column_slice(x, PART, PARTS), LAYOUT, assert_trivial=True)
 
 
 # a shared-memory buffer viewed as another block shape: `reinterpret` since Triton 3.9, `_reinterpret` before
