@@ -645,14 +645,18 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
     mm = module("matmul")
     assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
+    # another token count of the same widths: the tuned entry, no run-time tuning
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
+                               run=lambda c: pytest.fail("tuned at run time")) == Config(**entry["config"])
 
+    # widths the table lacks: tuned at run time on the caller's arguments
     g = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(3000, 512, device=dev, dtype=torch.bfloat16, generator=g)
-    b = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16, generator=g)
+    a = torch.randn(3000, 768, device=dev, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(1024, 768, device=dev, dtype=torch.bfloat16, generator=g)
     out = torch.full((3000, 1024), float("nan"), device=dev, dtype=torch.bfloat16)
-    config = configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
+    config = configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 768, dev, decls=mm.DECLS,
                                  run=lambda c: mm.launch(a, b, out_tile=out, config=c))
     assert config in configs.RUNTIME_GEMM_CANDIDATES
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 512, dev) == config  # remembered
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 768, dev) == config  # remembered
     mm.launch(a, b, out_tile=out, config=config)
     assert harness.relative_error(out, a.double() @ b.double().T) < 1e-2
