@@ -54,6 +54,11 @@ GEMM_CANDIDATES = (
     # qkv_norm_rope 124, lm_head_logsumexp 128; compiled for sm_90 with triton 3.6), so two programs fit an SM
     # and one's epilogue runs beside the other's mainloop
     dataclasses.replace(_c(128, 128, 64, 8, 3, False, True), epilogue_split=8),
+    # two programs per SM for the backward epilogues: 64x128 tiles in 4 warps, 4 stages (96 KB), hold 245
+    # registers per thread on quarters (swiglu_dgrad) and 229 on halves (norm_dgrad_residual) without
+    # spilling, at most 256 for two programs of 128 threads
+    dataclasses.replace(_c(64, 128, 64, 4, 4, False, True), epilogue_split=2),
+    dataclasses.replace(_c(64, 128, 64, 4, 4, False, True), epilogue_split=4),
 )
 # Pruned on the H200 (2026-12-02, graph-timed sweep of 8 configs over the Llama kernels, see
 # benchmarks/results/h200-kernels.md): pointer loads, 4 warps on 128x128 and 256-row tiles never won.
@@ -82,6 +87,9 @@ GLUON_CANDIDATES = (
     Config(128, 128, 32, 8, 4, 5, epilogue_split=4, backend="gluon"),
     Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"),
     Config(128, 128, 32, 8, 4, 5, epilogue_split=8, backend="gluon"),
+    # 64-row tiles per consumer: half the epilogue buffers, so tiles of pairs fit 5 stages (188 KB) where
+    # 128-row ones fit 3; on quarters swiglu_dgrad and norm_dgrad_residual do not spill
+    Config(64, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
 )
 
 
