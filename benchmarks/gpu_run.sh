@@ -22,6 +22,9 @@ case $what in
       python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
       timeout "$limit" python3 -m pytest -m gpu -v -rfE -p no:cacheprovider tests/ "$@"
       echo "pytest exit: $?"; } > "$OUT/gpu-tests.log" 2>&1
+    # the log is committed: this machine's paths (the checkout, python's prefix, temporary files) by role
+    prefix=$(python3 -c "import sys; print(sys.prefix)")
+    sed -i -e "s#$PWD#.#g" -e "s#$prefix#<python>#g" -e "s#${TMPDIR:-/tmp}/#<tmp>/#g" "$OUT/gpu-tests.log"
     tail -n 25 "$OUT/gpu-tests.log" ;;
   bench)
     tag=$1

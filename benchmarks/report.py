@@ -217,10 +217,14 @@ def vs_baselines_table(grows: list, pats: list, variant: str) -> list:
 
 
 def _rel(a: str) -> str:
-    try:
-        return str(Path(a).resolve().relative_to(ROOT)) if os.path.exists(a) else a
-    except ValueError:
+    """A path argument as the report records it: relative to the repository, or (outside it, where it names
+    only this machine's folder) by its name."""
+    if not os.path.exists(a):
         return a
+    try:
+        return str(Path(a).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(a).name
 
 
 def _f(x, spec):
