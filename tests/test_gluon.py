@@ -97,8 +97,8 @@ def test_pairs_loaded_from_memory_are_lowered():
         assert unlowered(*kernels[name]) == [], name
     source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
     for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
-                 "mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)",
-                 "hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER),",
+                 "mbarrier.expect(ready, z_desc.block_type.nbytes)",
+                 "hopper.tma_load(z_desc, [row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
                  "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
@@ -107,7 +107,13 @@ def test_pairs_loaded_from_memory_are_lowered():
                  "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
                  "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
                  "hopper.descriptor(y, [config.block_m, slice_n]),",
-                 "[2 * EPILOGUE_SPLIT, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
+                 "[2 * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
+        assert line in source, line
+    # slice `part` in its stage's buffers, loaded during the mainloop or once the slice before it there is done
+    for line in ("slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES",
+                 "mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)",
+                 "if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:",
+                 "slice_n + EPILOGUE_STAGES, SLICE_N)"):
         assert line in source, line
 
 
@@ -123,6 +129,36 @@ def test_epilogue_slices_that_tma_cannot_copy_refused():
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_m=64, block_n=256))
     with pytest.raises(ValueError, match="epilogue slices of 8 columns; they need 16 or more"):
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_n=64, epilogue_split=8))
+    with pytest.raises(ValueError, match="epilogue_stages 4 does not divide epilogue_split 2"):
+        m.check_launch((*args, *outs.values()), hopper.HopperConfig(epilogue_split=2, epilogue_stages=4))
+
+
+def test_epilogue_stages():
+    """A Hopper config's epilogue stages: fewer than its slices shrink the epilogue's buffers in proportion,
+    which makes room for operand stages; the tl kernel has none (a table's Hopper choice that falls back to it
+    drops them)."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.runtime import configs
+
+    pairs = hopper.Epilogue(buffers=1, columns=2, split=8)
+    whole = hopper.HopperConfig(stages=3, epilogue_split=8)
+    streamed = hopper.HopperConfig(stages=3, epilogue_split=8, epilogue_stages=2)
+    assert whole.smem_bytes(2, pairs) - streamed.smem_bytes(2, pairs) == 2 * 128 * 2 * 16 * 6 * 2  # 6 slices fewer
+    assert dataclasses.replace(streamed, stages=6).smem_bytes(2, pairs) <= hopper.SMEM_LIMIT
+    assert whole.meta()["EPILOGUE_STAGES"] == 8 and streamed.meta()["EPILOGUE_STAGES"] == 2
+    assert streamed.label() == "128x128x64 s3 g8 r232 epilogue/8 in 2"
+    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon")
+    assert hopper.launch_config(chosen, pairs) == dataclasses.replace(streamed, stages=6)
+    for bad in (3, 16, 0):
+        with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
+            Config(epilogue_split=8, epilogue_stages=bad, backend="gluon")
+    with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
+        Config(epilogue_split=8, epilogue_stages=2)  # a tl config
+    with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
+        Config(epilogue_split=2, epilogue_stages=4, backend="gluon")
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+        chosen, backend="tl", epilogue_stages=None)
 
 
 def test_column_groups_are_lowered():
@@ -259,6 +295,43 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
         assert "ttng.async_tma_copy_global_to_local" in ttgir, path
         if "hopper.store_tile(" in Path(path).read_text():  # a kernel that stores tiles (not lm_head_logsumexp)
             assert "ttng.async_tma_copy_local_to_global" in ttgir, path
+
+
+_STREAMED_TTGIR = """
+import dataclasses, importlib, json, sys
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile
+from codagen.runtime import gluon_hopper as hopper
+found = {{}}
+for name in sys.argv[1:]:
+    module = importlib.import_module("generated.kernels.gluon." + name)
+    whole = hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4))
+    found[name] = [gluon_compile.ttgir(module, config) for config in (whole, dataclasses.replace(whole, epilogue_stages=2))]
+print(json.dumps(found))
+"""
+
+
+def test_tile_inputs_streamed_through_epilogue_stages():
+    """Every Hopper kernel with tile inputs, compiled as far as TTGIR for sm_90 with 2 epilogue stages of its 4
+    or 8 slices: each consumer allocates buffers for 2 slices, not all, and waits for a slice's stores to have
+    read its buffers before each of the later slices loads into them."""
+    names = sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py")
+                   if "_load_inputs(" in p.read_text())
+    assert {"swiglu_dgrad", "norm_dgrad_residual"} <= set(names)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _STREAMED_TTGIR.format(benchmarks=str(REPO / "benchmarks")), *names],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in names:
+        epilogue = _module(name).EPILOGUE
+        split = max(epilogue.split, 4)
+        whole, streamed = found[name]
+        buffers = f"x128x{epilogue.columns * 128 // split}xbf16"
+        assert f"memdesc<{2 * split * epilogue.buffers}{buffers}" in whole, name
+        assert f"memdesc<{2 * 2 * epilogue.buffers}{buffers}" in streamed, name
+        reloads = 2 * (split - 2)  # per consumer, the slices after the first two
+        assert streamed.count("async_tma_store_wait") == whole.count("async_tma_store_wait") + reloads, name
 
 
 def _module(name: str):

@@ -51,7 +51,8 @@ Hopper kernels (test_gluon_kernel; sm_90 with Triton's Gluon only, skipped elsew
 generated/kernels/gluon/, bf16 and fp16, with the launcher's default config, at two ragged shapes
 (M, N, K multiples of no tile; N and K of 8, which TMA needs; N of whole column groups where the kernel has
 them) and at the Llama-3-1B places of the kernel above, judged by the same three numbers and the same 2x
-rule; and swiglu_dgrad's dz written over z, equal to dz beside it. Only these:
+rule; those with tile inputs also with the inputs streamed through 1 or 2 epilogue stages
+(test_gluon_tile_inputs_streamed); and swiglu_dgrad's dz written over z, equal to dz beside it. Only these:
 
     python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gluon
 
@@ -76,6 +77,7 @@ in bf16, as the Llama. Only these:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -364,6 +366,27 @@ def test_gluon_kernel(name, shape, dtype):
     check_launch(f"gpu gluon {name}[{shape}] {dtype}", kernel, module, {"M": m, "N": n, "K": k}, LOW[dtype],
                  lambda: config, f"gluon/{name}/{shape}/{dtype}", start)
 
+
+STREAMED_CASES = [pytest.param(name, shape, stages, id=f"{name}-ragged{shape}-in{stages}")
+                  for name in sorted(p.stem for p in GLUON.glob("*.py") if "_load_inputs(" in p.read_text())
+                  for shape in range(len(RAGGED)) for stages in (1, 2)]
+
+
+@pytest.mark.parametrize("name,shape,stages", STREAMED_CASES)
+def test_gluon_tile_inputs_streamed(name, shape, stages):
+    """The Hopper kernels with tile inputs, their inputs streamed through 1 or 2 epilogue stages of 4 or 8
+    slices (each stage's buffers loaded 2-8 times per tile), with as many operand stages as fit, bf16."""
+    start = time.perf_counter()
+    hopper = hopper_runtime()
+    module = importlib.import_module(f"generated.kernels.gluon.{name}")
+    epilogue = module.EPILOGUE
+    config = hopper.HopperConfig(stages=hopper.MAX_STAGES, epilogue_split=max(epilogue.split, 4),
+                                 epilogue_stages=stages)
+    while config.smem_bytes(2, epilogue) > hopper.SMEM_LIMIT:
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    m, n, k = list(gluon_shapes(name).values())[shape]
+    check_launch(f"gpu gluon {name} streamed", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
+                 torch.bfloat16, lambda: config, f"gluon-streamed/{name}/{shape}/{stages}", start)
 
 
 class ViaConfig:

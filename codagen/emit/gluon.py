@@ -228,12 +228,21 @@ def default_split(k: Kernel) -> int:
 
 
 def _slice_buffers(buffers: int) -> list[str]:
-    """The lines that make `buffers`, the consumer's epilogue buffers of column slice `part`, as a tuple."""
+    """The lines that make `slot`, the consumer's epilogue stage of column slice `part`, and `buffers`, that
+    stage's epilogue buffers, as a tuple."""
+    lines = ["slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES"]
     if buffers == 1:
-        return ["buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)"]
-    return [f"first_buffer = (CONSUMER * EPILOGUE_SPLIT + part) * {buffers}",
-            "buffers = (" + ", ".join(f"epilogue_buffers.index(first_buffer{f' + {i}' if i else ''})"
-                                      for i in range(buffers)) + ")"]
+        return lines + ["buffers = (epilogue_buffers.index(slot),)"]
+    return lines + [f"first_buffer = slot * {buffers}",
+                    "buffers = (" + ", ".join(f"epilogue_buffers.index(first_buffer{f' + {i}' if i else ''})"
+                                              for i in range(buffers)) + ")"]
+
+
+def _load_inputs(k: Kernel, indent: int, slice_n: str) -> list[str]:
+    """The call that loads column slice `slice_n`'s tile inputs into `buffers`, `indent` columns in."""
+    descs = ", ".join(f"{n}_desc" for n in tma_inputs(k))
+    return fit(" " * indent + f"{k.name}_load_inputs({descs}, buffers, inputs_ready.index(slot), pid_m * BLOCK_M, "
+               f"{slice_n}, SLICE_N)", 120)
 
 
 def epilogue_scratch(k: Kernel) -> int:
@@ -315,8 +324,11 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tma_inputs=ins,
         tma_outputs=outs,
         blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
-        input_loads=[(n, f"[pid_m * BLOCK_M, {SLICE_COLUMN[tile_width(k, n)]}]", _buffer_of(k, n, f"buffers[{i}]"))
-                     for i, n in enumerate(ins)],
+        input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
+        load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, row, "
+                            "slice_n, SLICE_N: gl.constexpr):", 120),
+        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + part"),
+        reload_inputs=_load_inputs(k, 16, "slice_n + EPILOGUE_STAGES"),
         slice_buffers=_slice_buffers(buffers),
         split=default_split(k),
         input_reads=_input_reads(k),
@@ -336,7 +348,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
                             *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
                             "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
-                            "EPILOGUE_SPLIT"], 12),
+                            "EPILOGUE_SPLIT", "EPILOGUE_STAGES"], 12),
         tensor_names=names,
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
         decls=[t.decl_src for t in tensor_args(k)],

@@ -50,6 +50,10 @@ class Config:
     # fewer registers at a time: a heavy epilogue on a 128x256 tile spills otherwise. Partial reductions over
     # columns are per slice, so tiles(N) counts slices (see epilogue_n).
     epilogue_split: int = 1
+    # the Hopper kernel only: how many of a consumer's epilogue slices have shared-memory buffers at once
+    # (1, 2, 4 or 8, dividing epilogue_split; None: every slice of the tile). With fewer, a tile's inputs
+    # stream through them slice by slice, which leaves room for more operand stages
+    epilogue_stages: int | None = None
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
     # group_m and num_stages (its operand stages); the other fields are the tl kernel's
@@ -82,6 +86,11 @@ class Config:
             fail("flatten pipelines a persistent program's loop over tiles: it needs persistent=True")
         if self.backend not in BACKENDS:
             fail(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.epilogue_stages is not None and (
+                type(self.epilogue_stages) is not int or self.epilogue_stages not in (1, 2, 4, 8)
+                or self.epilogue_split % self.epilogue_stages or self.backend != "gluon"):
+            fail(f"epilogue_stages is the Hopper (gluon) kernel's: None, or 1, 2, 4 or 8 dividing epilogue_split "
+                 f"({self.epilogue_split}), got {self.epilogue_stages!r} with backend {self.backend!r}")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")
@@ -106,6 +115,7 @@ class Config:
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
                 + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
+                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
                 + (f" {self.backend}" if self.backend != "tl" else ""))
 
 
@@ -123,7 +133,7 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     except ValueError as e:
         log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
                  "running the tl kernel", kernel, e)
-        return dataclasses.replace(config, backend="tl")
+        return dataclasses.replace(config, backend="tl", epilogue_stages=None)
     return config
 
 

@@ -41,12 +41,14 @@ else:
 
 @dataclass(frozen=True)
 class Epilogue:
-    """What a kernel's epilogue holds in shared memory besides the operand ring: per consumer, `buffers` tiles
-    of type T (its TMA loads and stores), each BLOCK_M x `columns` * BLOCK_N (2 where a tile of pairs, 2*N
-    columns, crosses by TMA; narrower tiles then use the first part of a buffer), and `scratch` bytes for
-    Triton's own use (a reduction over rows crosses warps through shared memory: 4.2 KB at 128x128 tiles,
-    measured). `split`: the column slices the default config runs the epilogue on (8 where tiles of pairs
-    cross: a whole tile's pairs, its accumulator and their results do not fit in a warpgroup's registers)."""
+    """What a kernel's epilogue holds in shared memory besides the operand ring: per consumer and epilogue
+    stage (HopperConfig.epilogue_stages), `buffers` slices of type T (its TMA loads and stores), each BLOCK_M x
+    `columns` * the slice's width (2 where a tile of pairs, 2*N columns, crosses by TMA; narrower tiles then
+    use the first part of a buffer), and `scratch` bytes for Triton's own use on a 128x128 slice, in
+    proportion to a slice's size (a reduction over rows crosses warps through shared memory: 4.2 KB on
+    128x128 tiles, 0.7 KB on 128x32 slices, compiled for sm_90). `split`: the column slices the default config
+    runs the epilogue on (8 where tiles of pairs cross: a whole tile's pairs, its accumulator and their
+    results do not fit in a warpgroup's registers)."""
 
     buffers: int
     scratch: int = 0
@@ -62,7 +64,10 @@ class HopperConfig:
     Shared memory holds `stages` operand stages and the epilogue's buffers, within the 227 KiB a program has
     on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured). The epilogue
     runs on `epilogue_split` column slices of the tile in turn (its inputs and outputs cross by TMA in
-    slices too), so that fewer values are live at a time."""
+    slices too), so that fewer values are live at a time. `epilogue_stages` of those slices have buffers of
+    their own (None: all of them): the first that many slices' inputs load while the mainloop runs, and each
+    later slice's once an earlier slice's stores are done with its buffers, so that a tile's inputs stream
+    through a ring of small buffers and more operand stages fit beside them."""
 
     block_m: int = 128
     block_n: int = 128
@@ -71,25 +76,35 @@ class HopperConfig:
     group_m: int = 8
     consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
     epilogue_split: int = 1
+    epilogue_stages: int | None = None
 
     @property
     def epilogue_n(self) -> int:
         """Columns that one partial reduction covers (tiles(N) counts these), as Config.epilogue_n."""
         return self.block_n // self.epilogue_split
 
+    @property
+    def slices_in_flight(self) -> int:
+        """The epilogue slices with buffers of their own, per consumer."""
+        return self.epilogue_stages or self.epilogue_split
+
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
-                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split}
+                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
+                "EPILOGUE_STAGES": self.slices_in_flight}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
-        buffers = 2 * epilogue.buffers * self.block_m * epilogue.columns * self.block_n * element_size
-        return self.stages * stage + buffers + epilogue.scratch + 512
+        buffers = (2 * epilogue.buffers * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight
+                   * element_size)
+        scratch = epilogue.scratch * self.block_m * self.epilogue_n // (128 * 128)
+        return self.stages * stage + buffers + scratch + 512
 
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
-                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else ""))
+                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
+                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -111,15 +126,16 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m, epilogue_split and num_stages as this kernel's
-    stages."""
+    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages and num_stages as
+    this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
         if config.backend != "gluon":
             raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
-                            group_m=config.group_m, epilogue_split=config.epilogue_split)
+                            group_m=config.group_m, epilogue_split=config.epilogue_split,
+                            epilogue_stages=config.epilogue_stages)
     return config
 
 
@@ -131,13 +147,17 @@ def available(device: torch.device) -> bool:
 def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.dtype, k: int, values: dict,
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
-    not bf16 or fp16, an empty K, slices that TMA cannot copy or that split column groups, tensors that TMA
-    cannot address, offsets past 32 bits, or a tile shape that does not fit in shared memory."""
+    not bf16 or fp16, an empty K, slices that TMA cannot copy, that split column groups or that the epilogue's
+    stages do not divide, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that does not
+    fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
         raise ValueError(f"{kernel}: K is 0; the Hopper kernel's mainloop needs at least one K step")
     slice_n = config.block_n // config.epilogue_split
+    if config.epilogue_split % config.slices_in_flight:
+        raise ValueError(f"{kernel}: {config.label()}: epilogue_stages {config.epilogue_stages} does not divide "
+                         f"epilogue_split {config.epilogue_split}")
     if epilogue.columns * slice_n > TMA_BOX:
         raise ValueError(f"{kernel}: {config.label()}: a slice of pairs spans 2 * block_n / epilogue_split = "
                          f"{epilogue.columns * slice_n} columns, more than the {TMA_BOX} a TMA copy takes")

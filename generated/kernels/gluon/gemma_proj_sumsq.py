@@ -73,11 +73,11 @@ def gemma_proj_sumsq_consumer(
     stride_ss_m, stride_ss_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
-    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, each with its
-    own epilogue buffers."""
+    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
+    the epilogue buffers of stage part % EPILOGUE_STAGES."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -93,7 +93,8 @@ def gemma_proj_sumsq_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+            buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
@@ -123,35 +124,38 @@ def gemma_proj_sumsq_kernel(
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
-    # per consumer and column slice, EPILOGUE.buffers tiles of type T in the layout of the epilogue's TMA
+    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
     # descriptors
     epilogue_buffers = gl.allocate_shared_memory(
-        y_desc.dtype, [2 * EPILOGUE_SPLIT, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+        y_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    inputs_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    inputs_ready = gl.allocate_shared_memory(gl.int64, [2 * EPILOGUE_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(2 * EPILOGUE_STAGES):
         mbarrier.init(inputs_ready.index(i), count=1)
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (gemma_proj_sumsq_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, M, N, K,
             stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES,
             0,
         )),
         (gemma_proj_sumsq_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, M, N, K,
             stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES,
             1,
         )),
         (hopper.load_operands, (y_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,

@@ -96,6 +96,13 @@ def swiglu_bias_dgrad_epilogue(
 
 
 @gluon.jit
+def swiglu_bias_dgrad_load_inputs(z_desc, buffers, ready, row, slice_n, SLICE_N: gl.constexpr):
+    """TMA loads of one epilogue slice's tile inputs into its buffers; `ready` completes when all have landed."""
+    mbarrier.expect(ready, z_desc.block_type.nbytes)
+    hopper.tma_load(z_desc, [row, slice_n * (2 * SLICE_N)], ready, buffers[0])
+
+
+@gluon.jit
 def swiglu_bias_dgrad_consumer(
     # the ring of operand stages and its barriers; this kernel's epilogue buffers and their barriers
     a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready,
@@ -107,14 +114,15 @@ def swiglu_bias_dgrad_consumer(
     stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
-    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, each with its
-    own epilogue buffers."""
+    mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
+    the epilogue buffers of stage part % EPILOGUE_STAGES."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
+    LOADS: gl.constexpr = EPILOGUE_SPLIT // EPILOGUE_STAGES  # per tile, into each stage's buffers
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -122,26 +130,28 @@ def swiglu_bias_dgrad_consumer(
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, 2 * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        # the tile's inputs, by TMA while the mainloop runs, once the last tile's stores have read the buffers
+        # the tile's inputs by TMA, once the last tile's stores have read the buffers: the first EPILOGUE_STAGES
+        # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
         tma.store_wait(0)
-        mbarrier.expect(inputs_ready.index(CONSUMER), EPILOGUE_SPLIT * z_desc.block_type.nbytes)
-        for part in gl.static_range(EPILOGUE_SPLIT):
-            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
-            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            hopper.tma_load(z_desc, [pid_m * BLOCK_M, slice_n * (2 * SLICE_N)], inputs_ready.index(CONSUMER),
-                            buffers[0])
+        for part in gl.static_range(EPILOGUE_STAGES):
+            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+            buffers = (epilogue_buffers.index(slot),)
+            swiglu_bias_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                          pid_n * EPILOGUE_SPLIT + part, SLICE_N)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        mbarrier.wait(inputs_ready.index(CONSUMER), tile_count & 1)
         for part in gl.static_range(EPILOGUE_SPLIT):
-            buffers = (epilogue_buffers.index(CONSUMER * EPILOGUE_SPLIT + part),)
+            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+            buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+            # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
+            mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
             z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)
-            fence_async_shared()  # these reads before the next tile's TMA writes into the buffers
+            fence_async_shared()  # these reads before the next TMA writes into the buffers
             swiglu_bias_dgrad_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
                 z_even, z_odd, buffers, dz_desc, y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, grad_y_desc,
@@ -149,6 +159,10 @@ def swiglu_bias_dgrad_consumer(
                 stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
                 BLOCK_M, SLICE_N,
             )
+            if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
+                swiglu_bias_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                              slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
     tma.store_wait(0)
 
@@ -168,24 +182,25 @@ def swiglu_bias_dgrad_kernel(
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
-    # per consumer and column slice, EPILOGUE.buffers tiles of type T, 2 slices wide (slices of pairs), in
+    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T, 2 slices wide (slices of pairs), in
     # the layout of the epilogue's TMA descriptors of that width
     epilogue_buffers = gl.allocate_shared_memory(
-        grad_y_desc.dtype, [2 * EPILOGUE_SPLIT, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)],
+        grad_y_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)], grad_y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    inputs_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    inputs_ready = gl.allocate_shared_memory(gl.int64, [2 * EPILOGUE_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(2 * EPILOGUE_STAGES):
         mbarrier.init(inputs_ready.index(i), count=1)
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
@@ -193,14 +208,14 @@ def swiglu_bias_dgrad_kernel(
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
             grad_y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, M, N, K, stride_b_gate_up_n, stride_zdz_part_m,
             stride_zdz_part_t, stride_db_part_n, stride_db_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            STAGES, EPILOGUE_SPLIT,
+            STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
             0,
         )),
         (swiglu_bias_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
             grad_y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, M, N, K, stride_b_gate_up_n, stride_zdz_part_m,
             stride_zdz_part_t, stride_db_part_n, stride_db_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            STAGES, EPILOGUE_SPLIT,
+            STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
             1,
         )),
         (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
