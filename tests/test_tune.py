@@ -657,6 +657,7 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     config = configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 768, dev, decls=mm.DECLS,
                                  run=lambda c: mm.launch(a, b, out_tile=out, config=c))
     assert config in configs.RUNTIME_GEMM_CANDIDATES
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 768, dev) == config  # remembered
+    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 768, dev,
+                               decls=mm.DECLS) == config  # remembered
     mm.launch(a, b, out_tile=out, config=config)
     assert harness.relative_error(out, a.double() @ b.double().T) < 1e-2
