@@ -138,3 +138,43 @@ def test_rows_become_the_report(tmp_path):
     assert "| pattern | liger | codagen |\n|---|---|---|\n| lm_ce.fwdbwd | 1,008 | 900 |" in text  # peak memory
     assert "codagen / cuBLAS GEMMs alone=1.50  eager=0.75" in report.summary(rows)
     assert "peak MiB: liger=1,008  codagen=900" in report.summary(rows)
+
+
+@pytest.mark.parametrize("kernel", ["swiglu_dgrad", "norm_dgrad_residual"])
+def test_epilogue_parts_keep_what_they_do_not_leave_out(kernel, tmp_path):
+    """benchmarks/epilogue_parts.py's variants of a kernel: one per output left out and the GEMM alone, each a
+    valid spec that the Hopper backend lowers; under the interpreter, on fresh random data at a ragged shape,
+    each writes the outputs it keeps exactly as the kernel does, and the GEMM alone writes the accumulator."""
+    import epilogue_parts
+    from codagen.runtime import Config
+    from codagen.tune.command import load_module
+    from codagen.tune.harness import make_inputs, new_outputs
+    from codagen.tune.shapes import Shape
+
+    found = epilogue_parts.variants(epilogue_parts.spec_of(kernel, REPO / "specs"))
+    spec = found[kernel]
+    assert set(found) == {kernel, f"{kernel}_gemm_alone"} | {f"{kernel}_without_{o}" for o in spec["outputs"]}
+    out = epilogue_parts.build(found, tmp_path)
+    assert {p.stem for p in (out / "kernels" / "gluon").glob("*.py")} >= set(found)
+    shape, config = Shape(37, 48, 40), Config(16, 32, 16, 8, 4, 1)
+    checked = {c.kernel.name: c.kernel for c in epilogue_parts.api.load([tmp_path / "specs"])}
+    full = load_module(out, kernel)
+    seed = int(torch.randint(0, 2**31, ()))  # fresh data each run
+    inputs = make_inputs(checked[kernel], full, shape, torch.device("cpu"), torch.float32, seed=seed)
+    results = {}
+    for name in found:
+        module = load_module(out, name)
+        args = {d.name: inputs[d.name] for d in module.DECLS if not d.output}
+        outs = new_outputs(checked[name], module, shape, config, torch.device("cpu"), torch.float32)
+        module.launch(**args, **outs, config=config)
+        results[name] = outs
+    for name, outs in results.items():
+        if name == f"{kernel}_gemm_alone":
+            a, b = inputs[spec["gemm"]["a"]].double(), inputs[spec["gemm"]["b"]].double()
+            want = a @ (b if spec["gemm"].get("b_layout") == "kn" else b.T)
+            torch.testing.assert_close(outs["product"].double(), want, rtol=1e-5, atol=1e-5)
+            continue
+        if name != kernel:
+            assert outs and set(outs) < set(results[kernel]), name
+        for o, t in outs.items():
+            assert not torch.isnan(t).any() and torch.equal(t, results[kernel][o]), (name, o)

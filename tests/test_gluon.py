@@ -306,7 +306,8 @@ found = {{}}
 for name in sys.argv[1:]:
     module = importlib.import_module("generated.kernels.gluon." + name)
     whole = hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4))
-    found[name] = [gluon_compile.ttgir(module, config) for config in (whole, dataclasses.replace(whole, epilogue_stages=2))]
+    streamed = dataclasses.replace(whole, epilogue_stages=2)
+    found[name] = [gluon_compile.ttgir(module, config) for config in (whole, streamed)]
 print(json.dumps(found))
 """
 
