@@ -14,7 +14,7 @@ import torch
 
 import baselines as B
 from cases import PATTERN_BY_KEY, Case, Preset, make_input_set, upcast
-from measure import bench_ms, compare, detach_named, free, l2_bytes, one_call, sync
+from measure import bench_ms, compare, detach_named, free, host_ms, l2_bytes, one_call, sync
 from report import fmt_err, fmt_mib, ratio, spread
 from runners import CUBLAS, AutogradRunner
 
@@ -29,6 +29,7 @@ class Row:
     ms: Optional[float] = None
     ms_passes: list = field(default_factory=list)
     peak_mib: Optional[float] = None
+    host_ms: Optional[float] = None  # host time per call to enqueue its work (measure.host_ms)
     err_eager: Optional[float] = None
     err_ref: Optional[float] = None
     worst: str = ""
@@ -127,12 +128,14 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
                 free(device)
         eager_named = None
 
-        # peak memory and a first time estimate, one call each
+        # peak memory and a first time estimate, one call each; the host's time per call
         for row, runner, states in built:
             try:
                 est, peak = one_call(lambda: runner.run(states[0]), device)
                 row.peak_mib = None if peak is None else peak / 2**20
                 row._est = est
+                if device.type == "cuda":  # on the CPU every call is synchronous: host time is the time
+                    row.host_ms = host_ms(lambda: runner.run(states[0]), device)
             except Exception as e:  # noqa: BLE001
                 row.error = f"{type(e).__name__}: {e}"[:300]
         # timing: passes over all variants, interleaved
@@ -162,6 +165,8 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
             log(f"   {row.variant:22s} {row.ms:9.3f} ms  x{ratio(row.ms, cub):>6s} cuBLAS  "
                 f"x{ratio(row.ms, eag):>6s} eager"
                 f"  spread {spread(row.ms_passes)}  peak+ {fmt_mib(row.peak_mib)}"
+                + (f"  host {row.host_ms:.3f} ms" if row.host_ms is not None else "")
+                +
                 f"  ({sets[0].nbytes() / 2**20:.0f} MiB inputs, {len(sets)} set{'s' if len(sets) > 1 else ''})")
         log(f"   [{pat.key} done in {time.time() - t0:.1f}s]")
         del built, sets, ref

@@ -83,6 +83,19 @@ def one_call(fn, device) -> tuple:
     return (time.perf_counter() - t0) * 1e3, None
 
 
+def host_ms(fn, device, calls: int = 10) -> float:
+    """Milliseconds of host time per call to enqueue `calls` calls back to back (the GPU's work runs on
+    asynchronously): at or above the GPU time of a call, the GPU waits for the host, and the timed figure is
+    the host's."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync(device)
+    return elapsed * 1e3 / calls
+
+
 def free(device):
     gc.collect()
     if device.type == "cuda":

@@ -98,7 +98,8 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
           "weight-grad GEMM per linear layer); GEMM TFLOP/s = those GEMMs' FLOPs / the row's time",
           "- err = ||out - ref|| / ||ref||, worst over outputs and gradients, vs eager bf16 and vs the eager function "
           "on fp32 inputs (TF32 off; fp64 on the CPU); peak+ = max_memory_allocated during one call minus what was "
-          "allocated before it",
+          "allocated before it; host ms = host time per call to enqueue its work, 10 calls back to back (GPU only): "
+          "at or above ms, the GPU waits for the host",
           "- variants: eager = plain PyTorch HF-Llama style (baselines.py); torch.compile = the same functions, "
           "default mode, dynamic=False; torch.compile max-autotune = the same with mode='max-autotune'; liger = "
           "Liger-Kernel as apply_liger_kernel_to_llama uses it (LigerRMSNorm, "
@@ -142,9 +143,9 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
                 L += [""] + vs_baselines_table(grows, pats, v)
         L += peak_table(grows, [pk for pk in pats if pk.startswith(PEAK_PATTERNS)], variants)
         L += ["", "<details><summary>all rows</summary>", "",
-              "| pattern | variant | ms | x cuBLAS | x eager | spread | GEMM TFLOP/s | peak+ MiB | err vs eager | "
-              "err vs fp32 ref | worst | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| pattern | variant | ms | x cuBLAS | x eager | spread | host ms | GEMM TFLOP/s | peak+ MiB | "
+              "err vs eager | err vs fp32 ref | worst | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for pk in pats:
             pr_rows = [r for r in grows if r.pattern == pk]
             cub = next((r.ms for r in pr_rows if r.variant == CUBLAS), None)
@@ -153,7 +154,8 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
                 tf = "-" if not r.ms else f"{r.gemm_tflop / (r.ms / 1e3):.3g}"
                 note = r.error or r.note
                 L.append(f"| {pk} | {r.variant} | {_f(r.ms, '.3f')} | {_div(r.ms, cub)} | {_div(r.ms, eag)} | "
-                         f"{spread(r.ms_passes)} | {tf} | {_f(r.peak_mib, ',.0f')} | {fmt_err(r.err_eager).strip()} | "
+                         f"{spread(r.ms_passes)} | {_f(r.host_ms, '.3f')} | {tf} | "
+                         f"{_f(r.peak_mib, ',.0f')} | {fmt_err(r.err_eager).strip()} | "
                          f"{fmt_err(r.err_ref).strip()} | {r.worst} | {note} |")
         L += ["", "</details>", ""]
     if kernel_rows:

@@ -116,7 +116,7 @@ def test_family_rows_check_against_the_reference_on_the_cpu(preset):
 
 def test_rows_become_the_report(tmp_path):
     title = cases.PATTERN_BY_KEY["block.fwd"].title
-    rows = [Row("tiny", 128, "block.fwd", title, variant, ms=ms, ms_passes=[ms * 0.99, ms * 1.01])
+    rows = [Row("tiny", 128, "block.fwd", title, variant, ms=ms, ms_passes=[ms * 0.99, ms * 1.01], host_ms=ms / 4)
             for variant, ms in ((CUBLAS, 1.0), ("eager", 2.0), ("codagen", 1.5))]
     lm_title = cases.PATTERN_BY_KEY["lm_ce.fwdbwd"].title
     rows += [Row("tiny", 128, "lm_ce.fwdbwd", lm_title, variant, ms=1.0, ms_passes=[1.0], peak_mib=peak)
@@ -131,6 +131,7 @@ def test_rows_become_the_report(tmp_path):
     assert md.name == "cpu-quick.md" and "## tiny, 128 tokens" in text
     assert f"| {title} | 1.000 (1.00x) | 2.000 (2.00x) | - | 1.500 (1.50x) |" in text  # no liger row there
     assert "| block.fwd | 1.500 | 1.50 | 0.75 |" in text  # codagen / cuBLAS, codagen / eager
+    assert "| block.fwd | codagen | 1.500 | 1.50 | 0.75 | 2.0% | 0.375 |" in text  # ... spread, host ms
     assert "| matmul | the GEMM of x | 128x64x64 | 64x64x32 | 2.0000 | 1.0000 | 2.00 |" in text
     data = json.loads((tmp_path / "cpu-quick.json").read_text())
     assert [r["variant"] for r in data["rows"]] == [CUBLAS, "eager", "codagen", "liger", "codagen"]
