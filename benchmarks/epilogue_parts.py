@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 from codagen import api  # noqa: E402
 
 
-
 def _names(value) -> set[str]:
     """The value and tensor names a step's arguments mention."""
     if isinstance(value, str):
@@ -87,6 +86,7 @@ def variants(spec: dict) -> dict[str, dict]:
 
 
 def spec_of(kernel: str, specs: Path) -> dict:
+    """The YAML of the spec under `specs` that defines `kernel`, as written."""
     for c in api.load([specs]):
         if isinstance(c, api.Checked) and c.kernel.name == kernel:
             return yaml.safe_load(Path(c.kernel.source).read_text())
@@ -137,8 +137,8 @@ def measure(args) -> list[str]:
             module = load_module(out, name)
             inputs = make_inputs(kernel, module, shape, device)
             inplace = {o.name for o in kernel.outputs if o.inplace}
-            outs = new_outputs(kernel, module, shape, config, device, initial={n: inputs[n] for n in inplace})
-            launch_args = {n: v for n, v in inputs.items() if n not in inplace}
+            outs = new_outputs(kernel, module, shape, config, device, initial={x: inputs[x] for x in inplace})
+            launch_args = {x: v for x, v in inputs.items() if x not in inplace}
 
             def fn():
                 module.launch(**launch_args, **outs, config=config)

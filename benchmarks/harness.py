@@ -166,8 +166,7 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
                 f"x{ratio(row.ms, eag):>6s} eager"
                 f"  spread {spread(row.ms_passes)}  peak+ {fmt_mib(row.peak_mib)}"
                 + (f"  host {row.host_ms:.3f} ms" if row.host_ms is not None else "")
-                +
-                f"  ({sets[0].nbytes() / 2**20:.0f} MiB inputs, {len(sets)} set{'s' if len(sets) > 1 else ''})")
+                + f"  ({sets[0].nbytes() / 2**20:.0f} MiB inputs, {len(sets)} set{'s' if len(sets) > 1 else ''})")
         log(f"   [{pat.key} done in {time.time() - t0:.1f}s]")
         del built, sets, ref
         free(device)

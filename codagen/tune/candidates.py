@@ -95,7 +95,8 @@ GLUON_CANDIDATES = (
     Config(64, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
     # tile inputs streamed through 2 or 4 slices' buffers instead of the whole tile's (epilogue_stages): at
     # 128x128 tiles, 6 or 5 stages of BK 64 fit beside tiles of pairs (swiglu_dgrad, 229,720-229,752 bytes,
-    # compiled for sm_90), and 4-6 beside the RMSNorm backward's two inputs (197,272 bytes at 5 stages)
+    # compiled for sm_90), and 4-6 beside the RMSNorm backward's two inputs (197,272 bytes at 5 stages); on the
+    # H200 they won 7 of the 12 shapes of swiglu_dgrad and norm_dgrad_residual (2026-12-03)
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon"),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon"),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon"),
