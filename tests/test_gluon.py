@@ -531,3 +531,18 @@ def test_every_hopper_launch_plan_takes_the_buffers_its_tl_twin_allocates(monkey
         args = harness.make_inputs(kernels[name], module, shape, torch.device("cpu"))
         args.update(harness.new_outputs(kernels[name], module, shape, config, torch.device("cpu")))
         module.check_launch(tuple(args[d.name] for d in module.DECLS), config)
+
+
+def test_descriptors_share_their_layout():
+    """A TMA descriptor's shared-memory layout is made once per block shape and dtype (most of a descriptor's
+    host time), and is the layout Gluon makes for that block."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from triton.experimental.gluon import language as gl
+
+    a, b = torch.empty(256, 128, dtype=torch.bfloat16), torch.empty(512, 64, dtype=torch.bfloat16)
+    da, db = hopper.descriptor(a, [128, 64]), hopper.descriptor(b, [128, 64])
+    assert da.layout is db.layout
+    assert da.layout == gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
+    assert hopper.descriptor(a.half(), [128, 64]).layout == gl.NVMMASharedLayout.get_default_for([128, 64],
+                                                                                                  gl.float16)
+    assert (list(da.shape), list(da.strides), list(da.block_shape)) == ([256, 128], [128, 1], [128, 64])

@@ -15,6 +15,7 @@ Import this module only where Gluon kernels can run (a Hopper GPU with Triton's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -219,8 +220,14 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     if t.data_ptr() % 16:
         raise ValueError(f"TMA needs a 16-byte aligned base, got a tensor at {t.data_ptr():#x} (a view at an "
                          "offset?); the tl kernel takes it")
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a TMA block: made once per block shape and dtype, since making it takes most
+    of a descriptor's host time (6.6 of 8.5 us with triton 3.6, measured on the CPU)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
 @gluon.jit
