@@ -20,7 +20,7 @@ INTERNAL = frozenset("""
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
     gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers
-    inputs_ready slice_n acc_slice first_buffer k_steps step tile_count i
+    inputs_ready slice_n acc_slice first_buffer slot k_steps step tile_count i
     nn kernels finish chosen check_launch cols_group col_mask_group group_mask grad_factor
 """.split())
 # Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves
@@ -29,7 +29,7 @@ INTERNAL = frozenset("""
 RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns")
 RESERVED_PREFIXES = ("stride_", "offs_")
 # What a kernel named k defines besides k itself: checked against the kernel's own names (validate.py)
-KERNEL_FUNCTIONS = ("kernel", "epilogue", "consumer", "op")
+KERNEL_FUNCTIONS = ("kernel", "epilogue", "consumer", "load_inputs", "op")
 # torch.ops.codagen.<kernel> is an attribute of an op namespace, which has one public attribute of its own
 TAKEN_KERNEL_NAMES = frozenset({"name"})
 

@@ -98,7 +98,7 @@ def test_pairs_loaded_from_memory_are_lowered():
     source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
     for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
                  "mbarrier.expect(ready, z_desc.block_type.nbytes)",
-                 "hopper.tma_load(z_desc, [row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
+                 "hopper.tma_load(z_desc, [first_row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
                  "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",

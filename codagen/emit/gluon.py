@@ -325,7 +325,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tma_outputs=outs,
         blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
         input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
-        load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, row, "
+        load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, first_row, "
                             "slice_n, SLICE_N: gl.constexpr):", 120),
         prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + part"),
         reload_inputs=_load_inputs(k, 16, "slice_n + EPILOGUE_STAGES"),

@@ -95,11 +95,11 @@ def norm_dgrad_residual_epilogue(
 
 
 @gluon.jit
-def norm_dgrad_residual_load_inputs(x_desc, grad_x_desc, buffers, ready, row, slice_n, SLICE_N: gl.constexpr):
+def norm_dgrad_residual_load_inputs(x_desc, grad_x_desc, buffers, ready, first_row, slice_n, SLICE_N: gl.constexpr):
     """TMA loads of one epilogue slice's tile inputs into its buffers; `ready` completes when all have landed."""
     mbarrier.expect(ready, x_desc.block_type.nbytes + grad_x_desc.block_type.nbytes)
-    hopper.tma_load(x_desc, [row, slice_n * SLICE_N], ready, buffers[0])
-    hopper.tma_load(grad_x_desc, [row, slice_n * SLICE_N], ready, buffers[1])
+    hopper.tma_load(x_desc, [first_row, slice_n * SLICE_N], ready, buffers[0])
+    hopper.tma_load(grad_x_desc, [first_row, slice_n * SLICE_N], ready, buffers[1])
 
 
 @gluon.jit

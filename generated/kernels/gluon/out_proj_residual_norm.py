@@ -73,10 +73,10 @@ def out_proj_residual_norm_epilogue(
 
 
 @gluon.jit
-def out_proj_residual_norm_load_inputs(x_desc, buffers, ready, row, slice_n, SLICE_N: gl.constexpr):
+def out_proj_residual_norm_load_inputs(x_desc, buffers, ready, first_row, slice_n, SLICE_N: gl.constexpr):
     """TMA loads of one epilogue slice's tile inputs into its buffers; `ready` completes when all have landed."""
     mbarrier.expect(ready, x_desc.block_type.nbytes)
-    hopper.tma_load(x_desc, [row, slice_n * SLICE_N], ready, buffers[0])
+    hopper.tma_load(x_desc, [first_row, slice_n * SLICE_N], ready, buffers[0])
 
 
 @gluon.jit

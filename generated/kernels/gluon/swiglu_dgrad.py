@@ -80,10 +80,10 @@ def swiglu_dgrad_epilogue(
 
 
 @gluon.jit
-def swiglu_dgrad_load_inputs(z_desc, buffers, ready, row, slice_n, SLICE_N: gl.constexpr):
+def swiglu_dgrad_load_inputs(z_desc, buffers, ready, first_row, slice_n, SLICE_N: gl.constexpr):
     """TMA loads of one epilogue slice's tile inputs into its buffers; `ready` completes when all have landed."""
     mbarrier.expect(ready, z_desc.block_type.nbytes)
-    hopper.tma_load(z_desc, [row, slice_n * (2 * SLICE_N)], ready, buffers[0])
+    hopper.tma_load(z_desc, [first_row, slice_n * (2 * SLICE_N)], ready, buffers[0])
 
 
 @gluon.jit
