@@ -32,7 +32,10 @@ from spills import jit_specialization  # noqa: E402
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
            HopperConfig(block_k=32, stages=10), HopperConfig(stages=3, epilogue_split=4),
-           HopperConfig(stages=3, epilogue_split=8))  # after each kernel's default (default_config)
+           HopperConfig(stages=3, epilogue_split=8), HopperConfig(stages=6, direct_stores=True),
+           HopperConfig(stages=6, epilogue_split=4, direct_stores=True),
+           HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, direct_stores=True),
+           HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True))  # after each kernel's default (default_config)
 
 
 def names() -> list[str]:
@@ -46,9 +49,11 @@ def source(module, config: HopperConfig) -> GluonASTSource:
     params = list(inspect.signature(kernel.fn).parameters)
     descs = [p for p in params if p.endswith("_desc")]
     meta = config.meta()
-    sig = {}
+    sig, absent = {}, {}
     for p in params:
-        if p in descs:
+        if p in descs and config.direct_stores and decls[p[:-5]].output:
+            sig[p], absent[(params.index(p),)] = "constexpr", None  # the launcher passes None: no TMA store
+        elif p in descs:
             if p == descs[0]:
                 block = [config.block_m, config.block_k]
             elif p == descs[1]:
@@ -69,7 +74,8 @@ def source(module, config: HopperConfig) -> GluonASTSource:
         else:
             sig[p] = "fp32"  # host scalars
     unit_strides, attrs = jit_specialization(module, params, sig)
-    return GluonASTSource(kernel, sig, {**{(params.index(k),): v for k, v in meta.items()}, **unit_strides}, attrs)
+    return GluonASTSource(kernel, sig, {**{(params.index(k),): v for k, v in meta.items()}, **unit_strides, **absent},
+                          attrs)
 
 
 def compile_kernel(module, config: HopperConfig):

@@ -84,7 +84,9 @@ def test_pairs_of_the_accumulator_are_lowered():
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
     assert "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
-    assert "hopper.descriptor(y, [config.block_m, slice_n // 2])" in source
+    assert "hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), M, N // 2)" \
+        in source
+    assert "hopper.store_descriptor(y, [config.block_m, slice_n // 2], config)" in source
 
 
 def test_pairs_loaded_from_memory_are_lowered():
@@ -96,25 +98,30 @@ def test_pairs_loaded_from_memory_are_lowered():
     for name in ("swiglu_dgrad", "swiglu_bias_dgrad", "geglu_dgrad"):
         assert unlowered(*kernels[name]) == [], name
     source = render_gluon([kernels["swiglu_dgrad"]], "codagen build specs/")["kernels/gluon/swiglu_dgrad.py"]
-    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)",
+    for line in ("EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, columns=2, split=8)",
                  "mbarrier.expect(ready, z_desc.block_type.nbytes)",
                  "hopper.tma_load(z_desc, [first_row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
                  "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
-                 "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, "
-                 "pid_n * (2 * BLOCK_N),",
+                 "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,",
                  "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
+                 "hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, tile.join_pairs(dzv_even, dzv_odd), "
+                 "pid_m * BLOCK_M,",
+                 "hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)",
                  "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
-                 "hopper.descriptor(y, [config.block_m, slice_n]),",
+                 "hopper.store_descriptor(y, [config.block_m, slice_n], config),",
                  "[2 * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
         assert line in source, line
-    # slice `part` in its stage's buffers, loaded during the mainloop or once the slice before it there is done
+    # slice `part` in its stage's buffers, loaded during the mainloop, or once the slice before it there is
+    # done: stored, or with direct stores read
     for line in ("slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES",
                  "mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)",
-                 "if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:",
+                 "if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:",
+                 "if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:",
                  "slice_n + EPILOGUE_STAGES, SLICE_N)"):
         assert line in source, line
+    assert source.count("slice_n + EPILOGUE_STAGES, SLICE_N)") == 2
 
 
 def test_epilogue_slices_that_tma_cannot_copy_refused():
@@ -159,6 +166,73 @@ def test_epilogue_stages():
     a, b, out = (t.bfloat16() for t in _matmul_args())
     assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", epilogue_stages=None)
+
+
+def test_direct_stores():
+    """A Hopper config's direct stores: the buffers that only stores used are not allocated (the tile inputs'
+    stay), which makes room for operand stages; the launcher passes no TMA descriptor for outputs; the tl
+    kernel has none (it always stores from registers), and a table's Hopper choice that falls back drops it."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.runtime import configs
+
+    stores_only, pairs = _module("gate_up_swiglu").EPILOGUE, _module("swiglu_dgrad").EPILOGUE
+    assert (stores_only.buffers, stores_only.inputs, pairs.buffers, pairs.inputs) == (1, 0, 1, 1)
+    assert _module("lm_head_logsumexp").EPILOGUE.buffers == 0  # nothing crosses by TMA in its epilogue
+    tma = hopper.HopperConfig(stages=5, epilogue_split=4)
+    direct = dataclasses.replace(tma, direct_stores=True)
+    assert tma.smem_bytes(2, stores_only) - direct.smem_bytes(2, stores_only) == 2 * 128 * 32 * 4 * 2
+    assert dataclasses.replace(direct, stages=6).smem_bytes(2, stores_only) <= hopper.SMEM_LIMIT
+    assert tma.smem_bytes(2, pairs) == direct.smem_bytes(2, pairs)  # its buffers hold the pairs it loads
+    assert direct.meta()["DIRECT_STORES"] is True and tma.meta()["DIRECT_STORES"] is False
+    assert direct.label() == "128x128x64 s5 g8 r232 epilogue/4 direct"
+    chosen = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True)
+    assert chosen.label() == "128x128x64 g8 w4 s5 epilogue/4 direct gluon"
+    assert hopper.launch_config(chosen, stores_only) == direct
+    y = torch.empty(64, 32).bfloat16()
+    assert hopper.store_descriptor(y, [128, 16], direct) is None
+    assert hopper.store_descriptor(y, [128, 16], tma).block_shape == [128, 16]
+    with pytest.raises(ValueError, match="direct_stores is the Hopper"):
+        Config(direct_stores=True)  # a tl config
+    with pytest.raises(ValueError, match="direct_stores must be True or False"):
+        Config(direct_stores=1, backend="gluon")
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+        chosen, backend="tl", direct_stores=False)
+
+
+_DIRECT_TTGIR = """
+import importlib, json, sys
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile
+from codagen.runtime import gluon_hopper as hopper
+found = {{}}
+for name in sys.argv[1:]:
+    module = importlib.import_module("generated.kernels.gluon." + name)
+    split = max(module.EPILOGUE.split, 4) if not module.EPILOGUE.column_group else 1
+    found[name] = gluon_compile.ttgir(module, hopper.HopperConfig(stages=3, epilogue_split=split,
+                                                                  direct_stores=True))
+print(json.dumps(found))
+"""
+
+
+def test_direct_stores_lower_to_ttgir_for_sm90():
+    """Every Hopper kernel that stores tiles by TMA, compiled as far as TTGIR for sm_90 with direct stores:
+    its tiles leave by plain stores, no TMA store is made or waited for, and only the tile inputs have
+    buffers."""
+    names = sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py")
+                   if "hopper.store_direct(" in p.read_text())
+    assert {"swiglu_dgrad", "gate_up_swiglu", "out_proj_residual_norm", "matmul"} <= set(names)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", _DIRECT_TTGIR.format(benchmarks=str(REPO / "benchmarks")), *names],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in names:
+        ttgir, epilogue = found[name], _module(name).EPILOGUE
+        assert "async_tma_copy_local_to_global" not in ttgir and "async_tma_store_wait" not in ttgir, name
+        assert "tt.store" in ttgir, name
+        loads = "async_tma_copy_global_to_local" in ttgir.split("ttg.warp_specialize")[1].split("partition0")[0]
+        assert loads == bool(epilogue.inputs), name  # the consumer's own TMA loads: tile inputs only
 
 
 def test_column_groups_are_lowered():

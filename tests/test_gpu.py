@@ -389,6 +389,35 @@ def test_gluon_tile_inputs_streamed(name, shape, stages):
                  torch.bfloat16, lambda: config, f"gluon-streamed/{name}/{shape}/{stages}", start)
 
 
+def _whole_groups(name: str, split: int) -> bool:
+    """Whether slices of a 128-column tile in `split` hold whole column groups of the kernel."""
+    group = KERNELS[name].column_group
+    return not isinstance(group, int) or (128 // split) % group == 0
+
+
+DIRECT_CASES = [pytest.param(name, shape, split, id=f"{name}-ragged{shape}-split{split}")
+                for name in sorted(p.stem for p in GLUON.glob("*.py") if "hopper.store_direct(" in p.read_text())
+                for shape in range(len(RAGGED)) for split in (1, 4, 8) if _whole_groups(name, split)]
+
+
+@pytest.mark.parametrize("name,shape,split", DIRECT_CASES)
+def test_gluon_direct_stores(name, shape, split):
+    """The Hopper kernels that store tiles, with direct stores (from registers, masked at the edges) on the
+    whole tile or its 4 or 8 slices, tile inputs streamed through 2 epilogue stages where there are slices, as
+    many operand stages as fit, bf16."""
+    start = time.perf_counter()
+    hopper = hopper_runtime()
+    module = importlib.import_module(f"generated.kernels.gluon.{name}")
+    epilogue = module.EPILOGUE
+    config = hopper.HopperConfig(stages=hopper.MAX_STAGES, epilogue_split=split,
+                                 epilogue_stages=2 if split > 1 and epilogue.inputs else None, direct_stores=True)
+    while config.smem_bytes(2, epilogue) > hopper.SMEM_LIMIT:
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    m, n, k = list(gluon_shapes(name).values())[shape]
+    check_launch(f"gpu gluon {name} direct", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
+                 torch.bfloat16, lambda: config, f"gluon-direct/{name}/{shape}/{split}", start)
+
+
 class ViaConfig:
     """A kernel module whose launch runs with `config` whatever it is given (check_launch launches with
     config=None, which would take the tuning table's choice), with the module's launch signature."""

@@ -11,7 +11,9 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
 - stores of tiles of type T go through shared memory with TMA (`hopper.store_tile`); a tile of pairs is
   interleaved again in registers and leaves whole; a tile narrower than the buffer (a gated activation
   (SwiGLU, GeGLU) of the accumulator's pairs split in registers, N/2 wide; a tile N wide where the buffers
-  hold pairs) goes through the first part of a buffer's memory (`hopper.store_narrow_tile`); a rotation
+  hold pairs) goes through the first part of a buffer's memory (`hopper.store_narrow_tile`); with direct
+  stores (a constexpr of the kernel), every such tile leaves from registers instead (`hopper.store_direct`),
+  and the buffers hold the tile inputs alone; a rotation
   (RoPE) of the accumulator's pairs takes its per-pair frequencies loaded once per column, in the
   accumulator's column layout;
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer);
@@ -94,6 +96,8 @@ BLOCKS = {Width.HALF: "[config.block_m, slice_n // 2]", Width.FULL: "[config.blo
 # the column of a slice's first element, as the epilogue writes it (pid_n and BLOCK_N are the slice's there)
 FIRST_COLUMN = {Width.HALF: "pid_n * (BLOCK_N // 2)", Width.FULL: "pid_n * BLOCK_N",
                 Width.DOUBLE: "pid_n * (2 * BLOCK_N)"}
+# the columns of a tensor of tiles of that width
+COLUMNS = {Width.HALF: "N // 2", Width.FULL: "N", Width.DOUBLE: "2 * N"}
 # ... and as the consumer writes it, for TMA loads
 SLICE_COLUMN = {Width.HALF: "slice_n * (SLICE_N // 2)", Width.FULL: "slice_n * SLICE_N",
                 Width.DOUBLE: "slice_n * (2 * SLICE_N)"}
@@ -179,7 +183,8 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         return self.group_ptr(name), f"tile_mask & (cols % {self.kernel.column_group} == 0)[None, :]", None
 
     def store_tile(self, s: Step) -> None:
-        """A tile of type T (N/2, N or 2*N wide), stored to its output through shared memory by TMA."""
+        """A tile of type T (N/2, N or 2*N wide), stored to its output through shared memory by TMA, or, with
+        direct stores, from registers."""
         # buffers in turn; a buffer is rewritten once the store that last read it is done, which leaves the
         # other buffers' stores in flight. Several buffers come only with as many tile inputs, and then each
         # tile starts with every store done (before its inputs' TMA loads): as each column slice has buffers of
@@ -191,8 +196,13 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
         # a tile narrower than the buffer goes through the first part of its memory
         store = "store_tile" if width is buffer_width(self.kernel) else "store_narrow_tile"
-        self.lines.append(f"hopper.{store}({s.target}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
-                          f"{FIRST_COLUMN[width]}, PENDING={pending})")
+        out = s.target
+        self.lines += ["if DIRECT_STORES:",
+                       f"    hopper.store_direct({out}_ptr, stride_{out}_m, stride_{out}_n, {value}, pid_m * BLOCK_M, "
+                       f"{FIRST_COLUMN[width]}, M, {COLUMNS[width]})",
+                       "else:",
+                       f"    hopper.{store}({out}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
+                       f"{FIRST_COLUMN[width]}, PENDING={pending})"]
 
     def column_frequencies(self, name: str) -> str:
         """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column
@@ -209,10 +219,11 @@ class GluonEpilogueEmitter(EpilogueEmitter):
 
 
 def epilogue_buffers(k: Kernel) -> int:
-    """Shared-memory tiles per consumer: one per tile input (all read before the first store), at least one
-    for the stores. One store waits for the last to have read the buffer; a second buffer would let it run on
-    but costs an operand stage at 128x128 tiles, which the mainloop needs more (measured on the H200)."""
-    return max(len(tma_inputs(k)), 1)
+    """Shared-memory tiles per consumer and epilogue stage: one per tile input (all read before the first
+    store), at least one where tiles are stored by TMA, none where nothing crosses by TMA. One store waits for
+    the last to have read the buffer; a second buffer would let it run on but costs an operand stage at
+    128x128 tiles, which the mainloop needs more (measured on the H200)."""
+    return max(len(tma_inputs(k)), 1 if tma_outputs(k) else 0)
 
 
 def default_split(k: Kernel) -> int:
@@ -236,6 +247,16 @@ def _slice_buffers(buffers: int) -> list[str]:
     return lines + [f"first_buffer = slot * {buffers}",
                     "buffers = (" + ", ".join(f"epilogue_buffers.index(first_buffer{f' + {i}' if i else ''})"
                                               for i in range(buffers)) + ")"]
+
+
+def _epilogue_slice_buffers(k: Kernel, buffers: int) -> list[str]:
+    """_slice_buffers for the epilogue of a slice: none where nothing crosses by TMA, and none with direct
+    stores where the buffers are there for the stores alone."""
+    if not buffers:
+        return []
+    if tma_inputs(k):
+        return _slice_buffers(buffers)
+    return ["if DIRECT_STORES:", "    buffers = ()", "else:", *("    " + line for line in _slice_buffers(buffers))]
 
 
 def _load_inputs(k: Kernel, indent: int, slice_n: str) -> list[str]:
@@ -299,14 +320,18 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     tensors = [d for d in (*k.inputs, *k.outputs) if d.name not in scalars]
     pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
                 if d.name not in (k.gemm.a, k.gemm.b, *ins, *outs)]
+    # tile outputs are addressed by pointers too, for direct stores (HopperConfig.direct_stores)
+    all_pointers = pointers + [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims))
+                               for d in tensors if d.name in outs]
     descs = [f"{n}_desc" for n in (*ins, *outs)]
     casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
-    strides = [s for p in pointers for s in p.strides]
+    strides = [s for p in all_pointers for s in p.strides]
     names = [d.name for d in tensors]
     quoted = ", ".join(f'"{n}"' for n in names)
-    epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins), "buffers",
-                     *(f"{n}_desc" for n in outs), *(f"{p.name}_ptr" for p in pointers), *scalars,
+    epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins),
+                     *(["buffers"] if buffers else []), *(f"{n}_desc" for n in outs),
+                     *(f"{p.name}_ptr" for p in all_pointers), *scalars,
                      *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
     return render(
         "kernel_gluon.py.j2",
@@ -330,25 +355,27 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + part"),
         reload_inputs=_load_inputs(k, 16, "slice_n + EPILOGUE_STAGES"),
         slice_buffers=_slice_buffers(buffers),
+        epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
         input_reads=_input_reads(k),
         buffers=buffers,
         columns=buffer_columns(k),
         scratch=epilogue_scratch(k),
         pointers=pointers,
+        all_pointers=all_pointers,
         scalars=scalars,
         desc_params=wrap(descs, 4),
-        pointer_params=wrap([f"{p.name}_ptr" for p in pointers], 4),
+        pointer_params=wrap([f"{p.name}_ptr" for p in all_pointers], 4),
         stride_params=wrap(strides, 4),
         epilogue_args=wrap(epilogue_args, 12),
         epilogue_call_args=wrap(epilogue_args, 16),
         stride_call_args=wrap(strides, 16),
         plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
         consumer_desc_params=wrap(consumer_descs, 4),
-        consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", "epilogue_buffers", "inputs_ready",
-                            *consumer_descs, *(f"{p.name}_ptr" for p in pointers), *scalars, "M", "N", "K", *strides,
-                            "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
-                            "EPILOGUE_SPLIT", "EPILOGUE_STAGES"], 12),
+        consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
+                            "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
+                            "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
+                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", *(["DIRECT_STORES"] if buffers else [])], 12),
         tensor_names=names,
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
         decls=[t.decl_src for t in tensor_args(k)],

@@ -33,7 +33,7 @@ Each primitive is a `Primitive` (base.py) holding
                 e.guarded(condition, line), e.line(text), e.t_dtype() (T in generated code), e.need_groups()
                 (the indices and mask of column groups: cols_group, col_mask_group, group_mask). Device helpers
                 are called as `tile.<function>`. "gluon" is the Hopper backend (codagen/emit/gluon.py), whose
-                emitter adds e.store_tile(s) (a tile stored through shared memory by TMA).
+                emitter adds e.store_tile(s) (a tile stored through shared memory by TMA, or from registers).
 
 Another backend is an emitter class with the same methods (its own loads, masks and language module) and an
 entry in `emitters` for each primitive it lowers; where the text is the same up to the language module, the

@@ -22,7 +22,8 @@ def _emit_store(e, s):
 
 
 def _emit_store_tma(e, s):
-    # Hopper: a tile leaves through shared memory by TMA; row and column vectors as in tl
+    # Hopper: a tile leaves through shared memory by TMA (or from registers, with direct stores); row and
+    # column vectors as in tl
     if e.types[s.args["x"]].kind is Kind.TILE:
         e.store_tile(s)
     else:

@@ -49,9 +49,11 @@ class Epilogue:
     proportion to a slice's size (a reduction over rows crosses warps through shared memory: 4.2 KB on
     128x128 tiles, 0.7 KB on 128x32 slices, compiled for sm_90). `split`: the column slices the default config
     runs the epilogue on (8 where tiles of pairs cross: a whole tile's pairs, its accumulator and their
-    results do not fit in a warpgroup's registers)."""
+    results do not fit in a warpgroup's registers). `inputs`: how many of the buffers hold tile inputs (the others
+    are there for the stores alone, which direct stores do without)."""
 
     buffers: int
+    inputs: int = 0
     scratch: int = 0
     columns: int = 1
     split: int = 1  # the default config's epilogue_split
@@ -68,7 +70,11 @@ class HopperConfig:
     slices too), so that fewer values are live at a time. `epilogue_stages` of those slices have buffers of
     their own (None: all of them): the first that many slices' inputs load while the mainloop runs, and each
     later slice's once an earlier slice's stores are done with its buffers, so that a tile's inputs stream
-    through a ring of small buffers and more operand stages fit beside them."""
+    through a ring of small buffers and more operand stages fit beside them. `direct_stores`: tile outputs go
+    from registers to global memory (masked stores, as the tl kernels make them) instead of through the
+    epilogue's buffers by TMA, so that no store waits for an earlier one to have left a buffer, a slice's
+    buffers take the next slice's inputs as soon as they are read, and buffers for the stores alone are not
+    needed (more operand stages fit)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -78,6 +84,7 @@ class HopperConfig:
     consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
     epilogue_split: int = 1
     epilogue_stages: int | None = None
+    direct_stores: bool = False
 
     @property
     def epilogue_n(self) -> int:
@@ -92,20 +99,21 @@ class HopperConfig:
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
                 "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
-                "EPILOGUE_STAGES": self.slices_in_flight}
+                "EPILOGUE_STAGES": self.slices_in_flight, "DIRECT_STORES": self.direct_stores}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
-        buffers = (2 * epilogue.buffers * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight
-                   * element_size)
+        held = epilogue.inputs if self.direct_stores else epilogue.buffers
+        buffers = 2 * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight * element_size
         scratch = epilogue.scratch * self.block_m * self.epilogue_n // (128 * 128)
         return self.stages * stage + buffers + scratch + 512
 
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
-                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else ""))
+                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
+                + (" direct" if self.direct_stores else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -127,8 +135,8 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages and num_stages as
-    this kernel's stages."""
+    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores and
+    num_stages as this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
@@ -136,7 +144,7 @@ def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> H
             raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
                             group_m=config.group_m, epilogue_split=config.epilogue_split,
-                            epilogue_stages=config.epilogue_stages)
+                            epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores)
     return config
 
 
@@ -221,6 +229,11 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
         raise ValueError(f"TMA needs a 16-byte aligned base, got a tensor at {t.data_ptr():#x} (a view at an "
                          "offset?); the tl kernel takes it")
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
+
+
+def store_descriptor(t: torch.Tensor, block: list[int], config: HopperConfig) -> TensorDescriptor | None:
+    """An output's TMA descriptor, or None where the config stores from registers (the kernel reads none)."""
+    return None if config.direct_stores else descriptor(t, block)
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,6 +355,19 @@ def group_reduce(x, mask, GROUP: gl.constexpr, OP: gl.constexpr):
     much). A group value held so meets tiles as it is."""
     return gl.convert_layout(tile.expand_groups(tile.group_reduce(x, mask, GROUP, OP), GROUP), x.type.layout,
                              assert_trivial=True)
+
+
+@gluon.jit
+def store_direct(ptr, stride_m, stride_n, value, row, col, M, COLUMNS):
+    """An epilogue value stored from registers, in its own layout, at rows row.. and columns col.. of an
+    [M, COLUMNS] tensor, masked at its edges (HopperConfig.direct_stores): no buffer, nothing to wait for.
+    Row offsets in 64 bits, since an output (a chunk of logits) may span more than 2**31 elements."""
+    LAYOUT: gl.constexpr = value.type.layout
+    rows = row + gl.arange(0, value.type.shape[0], layout=gl.SliceLayout(1, LAYOUT))
+    cols = col + gl.arange(0, value.type.shape[1], layout=gl.SliceLayout(0, LAYOUT))
+    mask = (rows < M)[:, None] & (cols < COLUMNS)[None, :]
+    gl.store(ptr + rows.to(gl.int64)[:, None] * stride_m + cols[None, :] * stride_n,
+             value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..emit.gluon import default_split
+from ..emit.gluon import default_split, tma_outputs
 from ..errors import SpecError, ValidationFailed
 from ..model import Kernel
 from ..runtime import configs
@@ -100,6 +100,15 @@ GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon"),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon"),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon"),
+    # tile outputs stored from registers (direct_stores): no store waits for an earlier one to leave a buffer,
+    # a slice's buffers load the next inputs once read, and kernels without tile inputs need no buffers (6
+    # stages fit, 197 KB); compiled for sm_90, none spills (benchmarks/results/h200-gluon-compile.md)
+    Config(128, 128, 64, 8, 4, 6, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 6, epilogue_split=4, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
 )
 
 
@@ -110,11 +119,12 @@ GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
 
 def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
     """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, and on the
-    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs); for a
-    kernel with column groups, 64-row tiles too."""
+    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs), with
+    direct stores where it stores tiles by TMA; for a kernel with column groups, 64-row tiles too."""
     splits = (1, 4, default_split(kernel))
-    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits) + (
-        GLUON_GROUP_CANDIDATES if kernel.column_group else ())
+    stores_tiles = bool(tma_outputs(kernel))
+    return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits and (stores_tiles or not c.direct_stores)
+                 ) + (GLUON_GROUP_CANDIDATES if kernel.column_group else ())
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:

@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = h[M, K] @ w_gate_up[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/gate_up_geglu.py) and refuses, with the reason, what only the tl kernel runs.
@@ -38,13 +38,14 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def gate_up_geglu_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, z_desc, y_desc, rstd_ptr,
+    buffers, z_desc, y_desc, rstd_ptr, z_ptr, y_ptr,
     M, N,
-    stride_rstd_m,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
 
     # scale: {x: acc, by: rstd, out: zv}
@@ -52,13 +53,19 @@ def gate_up_geglu_epilogue(
     zv = acc * rstd[:, None]
 
     # store: {x: zv, to: z}
-    hopper.store_tile(z_desc, buffers[0], zv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(z_ptr, stride_z_m, stride_z_n, zv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(z_desc, buffers[0], zv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # geglu: {x: zv, out: yv}
     yv = tile.geglu(zv)
 
     # store: {x: yv, to: y}
-    hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), M, N // 2)
+    else:
+        hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), PENDING=0)
 
 
 @gluon.jit
@@ -68,12 +75,13 @@ def gate_up_geglu_consumer(
     # TMA descriptors of the tile inputs and outputs
     z_desc, y_desc,
     # pointers
-    rstd_ptr,
+    rstd_ptr, z_ptr, y_ptr,
     M, N, K,
-    stride_rstd_m,
+    stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -93,20 +101,24 @@ def gate_up_geglu_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
+            if DIRECT_STORES:
+                buffers = ()
+            else:
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             gate_up_geglu_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, z_desc, y_desc, rstd_ptr,
+                buffers, z_desc, y_desc, rstd_ptr, z_ptr, y_ptr,
                 M, N,
-                stride_rstd_m,
-                BLOCK_M, SLICE_N,
+                stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -115,24 +127,28 @@ def gate_up_geglu_kernel(
     h_desc, w_gate_up_desc,
     z_desc, y_desc,
     # pointers
-    rstd_ptr,
+    rstd_ptr, z_ptr, y_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m,
+    stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_gate_up_desc, STAGES)
-    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
-    # descriptors
-    epilogue_buffers = gl.allocate_shared_memory(
-        h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
+    if DIRECT_STORES:
+        epilogue_buffers: gl.constexpr = None  # tile outputs leave from registers: no buffers
+    else:
+        # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
+        # descriptors
+        epilogue_buffers = gl.allocate_shared_memory(
+            h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -147,15 +163,15 @@ def gate_up_geglu_kernel(
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (gate_up_geglu_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr, M, N, K,
-            stride_rstd_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr, z_ptr,
+            y_ptr, M, N, K, stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (gate_up_geglu_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr, M, N, K,
-            stride_rstd_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr, z_ptr,
+            y_ptr, M, N, K, stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (h_desc, w_gate_up_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -182,11 +198,13 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         gate_up_geglu_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_gate_up, [config.block_n, config.block_k]),
-            hopper.descriptor(z, [config.block_m, slice_n]),
-            hopper.descriptor(y, [config.block_m, slice_n // 2]),
-            rstd,
+            hopper.store_descriptor(z, [config.block_m, slice_n], config),
+            hopper.store_descriptor(y, [config.block_m, slice_n // 2], config),
+            rstd, z, y,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
+            z.stride(0), z.stride(1),
+            y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

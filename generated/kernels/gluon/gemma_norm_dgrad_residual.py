@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = dz[M, K] @ w[K, N] in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/gemma_norm_dgrad_residual.py) and refuses, with the reason, what only the tl kernel runs.
@@ -38,20 +38,22 @@ DECLS = (
 )
 TMA_TENSORS = ("dz", "w", "x", "grad_x", "dx", "normed")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "wn", "zdz", "dwn_part")  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=2, scratch=8192, split=4)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=2, inputs=2, scratch=8192, split=4)  # its shared memory
 
 
 @gluon.jit
 def gemma_norm_dgrad_residual_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
+    x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
     M, N,
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_normed_m, stride_normed_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
     in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
-    read from shared memory. Stores cast to each output's dtype."""
+    read from shared memory. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -80,7 +82,10 @@ def gemma_norm_dgrad_residual_epilogue(
     dxv = grad_x + dnorm
 
     # store: {x: dxv, to: dx}
-    hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
+    if DIRECT_STORES:
+        hopper.store_direct(dx_ptr, stride_dx_m, stride_dx_n, dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(dx_desc, buffers[0], dxv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
@@ -94,7 +99,10 @@ def gemma_norm_dgrad_residual_epilogue(
     nv = xn * norm_scale[None, :]
 
     # store: {x: nv, to: normed}
-    hopper.store_tile(normed_desc, buffers[1], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
+    if DIRECT_STORES:
+        hopper.store_direct(normed_ptr, stride_normed_m, stride_normed_n, nv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(normed_desc, buffers[1], nv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
 
 @gluon.jit
@@ -113,12 +121,14 @@ def gemma_norm_dgrad_residual_consumer(
     # TMA descriptors of the tile inputs and outputs
     x_desc, grad_x_desc, dx_desc, normed_desc,
     # pointers
-    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
+    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
     M, N, K,
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_normed_m, stride_normed_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -136,7 +146,8 @@ def gemma_norm_dgrad_residual_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs by TMA, once the last tile's stores have read the buffers: the first EPILOGUE_STAGES
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
-        tma.store_wait(0)
+        if not DIRECT_STORES:
+            tma.store_wait(0)
         for part in gl.static_range(EPILOGUE_STAGES):
             slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
             first_buffer = slot * 2
@@ -159,19 +170,26 @@ def gemma_norm_dgrad_residual_consumer(
             x = buffers[0].load(SLICE).to(gl.float32)
             grad_x = buffers[1].load(SLICE).to(gl.float32)
             fence_async_shared()  # these reads before the next TMA writes into the buffers
+            if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                # no store reads the buffers: the next slice in them loads as soon as they are read
+                gemma_norm_dgrad_residual_load_inputs(x_desc, grad_x_desc, buffers, inputs_ready.index(slot),
+                                                      pid_m * BLOCK_M, slice_n + EPILOGUE_STAGES, SLICE_N)
             gemma_norm_dgrad_residual_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
+                x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr,
+                normed_ptr,
                 M, N,
-                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
-                BLOCK_M, SLICE_N,
+                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m,
+                stride_dx_n, stride_normed_m, stride_normed_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
-            if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+            if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
                 tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
                 gemma_norm_dgrad_residual_load_inputs(x_desc, grad_x_desc, buffers, inputs_ready.index(slot),
                                                       pid_m * BLOCK_M, slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -180,16 +198,18 @@ def gemma_norm_dgrad_residual_kernel(
     dz_desc, w_desc,
     x_desc, grad_x_desc, dx_desc, normed_desc,
     # pointers
-    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr,
+    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_normed_m, stride_normed_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
@@ -213,16 +233,18 @@ def gemma_norm_dgrad_residual_kernel(
     gl.warp_specialize([
         (gemma_norm_dgrad_residual_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, grad_x_desc, dx_desc,
-            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, M, N, K, stride_rstd_m, stride_wn_n, stride_zdz_m,
-            stride_dwn_part_n, stride_dwn_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr, M, N, K, stride_rstd_m,
+            stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+            stride_normed_m, stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (gemma_norm_dgrad_residual_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, grad_x_desc, dx_desc,
-            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, M, N, K, stride_rstd_m, stride_wn_n, stride_zdz_m,
-            stride_dwn_part_n, stride_dwn_part_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr, M, N, K, stride_rstd_m,
+            stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+            stride_normed_m, stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -251,14 +273,16 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
             hopper.descriptor(w, [config.block_k, config.block_n]),
             hopper.descriptor(x, [config.block_m, slice_n]),
             hopper.descriptor(grad_x, [config.block_m, slice_n]),
-            hopper.descriptor(dx, [config.block_m, slice_n]),
-            hopper.descriptor(normed, [config.block_m, slice_n]),
-            rstd, wn, zdz, dwn_part,
+            hopper.store_descriptor(dx, [config.block_m, slice_n], config),
+            hopper.store_descriptor(normed, [config.block_m, slice_n], config),
+            rstd, wn, zdz, dwn_part, dx, normed,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
             wn.stride(0),
             zdz.stride(0),
             dwn_part.stride(0), dwn_part.stride(1),
+            dx.stride(0), dx.stride(1),
+            normed.stride(0), normed.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

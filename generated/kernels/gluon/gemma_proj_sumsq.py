@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = y[M, K] @ w[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/gemma_proj_sumsq.py) and refuses, with the reason, what only the tl kernel runs.
@@ -38,13 +38,14 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def gemma_proj_sumsq_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, o_desc, ss_ptr, y_desc,
+    buffers, o_desc, ss_ptr, o_ptr, y_desc,
     M, N,
-    stride_ss_m, stride_ss_t,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -52,7 +53,10 @@ def gemma_proj_sumsq_epilogue(
     ov = acc.to(y_desc.dtype).to(tl.float32)
 
     # store: {x: ov, to: o}
-    hopper.store_tile(o_desc, buffers[0], ov, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(o_ptr, stride_o_m, stride_o_n, ov, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(o_desc, buffers[0], ov, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: sumsq, x: ov, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
@@ -68,12 +72,13 @@ def gemma_proj_sumsq_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     o_desc, y_desc,
     # pointers
-    ss_ptr,
+    ss_ptr, o_ptr,
     M, N, K,
-    stride_ss_m, stride_ss_t,
+    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -93,20 +98,24 @@ def gemma_proj_sumsq_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
+            if DIRECT_STORES:
+                buffers = ()
+            else:
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             gemma_proj_sumsq_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, o_desc, ss_ptr, y_desc,
+                buffers, o_desc, ss_ptr, o_ptr, y_desc,
                 M, N,
-                stride_ss_m, stride_ss_t,
-                BLOCK_M, SLICE_N,
+                stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -115,24 +124,28 @@ def gemma_proj_sumsq_kernel(
     y_desc, w_desc,
     o_desc,
     # pointers
-    ss_ptr,
+    ss_ptr, o_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_ss_m, stride_ss_t,
+    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
-    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
-    # descriptors
-    epilogue_buffers = gl.allocate_shared_memory(
-        y_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], y_desc.dtype))
+    if DIRECT_STORES:
+        epilogue_buffers: gl.constexpr = None  # tile outputs leave from registers: no buffers
+    else:
+        # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
+        # descriptors
+        epilogue_buffers = gl.allocate_shared_memory(
+            y_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], y_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -147,15 +160,15 @@ def gemma_proj_sumsq_kernel(
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (gemma_proj_sumsq_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, M, N, K,
-            stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, o_ptr, M, N,
+            K, stride_ss_m, stride_ss_t, stride_o_m, stride_o_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (gemma_proj_sumsq_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, M, N, K,
-            stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, o_ptr, M, N,
+            K, stride_ss_m, stride_ss_t, stride_o_m, stride_o_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (y_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -182,10 +195,11 @@ def launch(y, w, *, o, ss, config=None) -> None:
         gemma_proj_sumsq_kernel[(plan.programs,)](
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w, [config.block_n, config.block_k]),
-            hopper.descriptor(o, [config.block_m, slice_n]),
-            ss,
+            hopper.store_descriptor(o, [config.block_m, slice_n], config),
+            ss, o,
             plan.m, plan.n, plan.k,
             ss.stride(0), ss.stride(1),
+            o.stride(0), o.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

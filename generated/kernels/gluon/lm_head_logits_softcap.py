@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = h[M, K] @ w_vocab[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/lm_head_logits_softcap.py) and refuses, with the reason, what only the tl kernel runs.
@@ -41,13 +41,15 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def lm_head_logits_softcap_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap, h_desc,
+    buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, softcap, h_desc,
     M, N,
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
+    stride_logits_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -59,7 +61,10 @@ def lm_head_logits_softcap_epilogue(
     zt = z.to(h_desc.dtype).to(tl.float32)
 
     # store: {x: zt, to: logits}
-    hopper.store_tile(logits_desc, buffers[0], zt, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(logits_ptr, stride_logits_m, stride_logits_n, zt, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(logits_desc, buffers[0], zt, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # div: {x: zt, y: softcap, out: scaled}
     scaled = zt / softcap
@@ -89,14 +94,16 @@ def lm_head_logits_softcap_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     logits_desc, h_desc,
     # pointers
-    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr,
     # host scalars
     softcap,
     M, N, K,
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
+    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
+    stride_logits_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -116,20 +123,26 @@ def lm_head_logits_softcap_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
+            if DIRECT_STORES:
+                buffers = ()
+            else:
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             lm_head_logits_softcap_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap, h_desc,
+                buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, softcap,
+                h_desc,
                 M, N,
                 stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-                BLOCK_M, SLICE_N,
+                stride_logits_m, stride_logits_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -138,26 +151,31 @@ def lm_head_logits_softcap_kernel(
     h_desc, w_vocab_desc,
     logits_desc,
     # pointers
-    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr,
     # host scalars
     softcap,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
+    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
+    stride_logits_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
-    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
-    # descriptors
-    epilogue_buffers = gl.allocate_shared_memory(
-        h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
+    if DIRECT_STORES:
+        epilogue_buffers: gl.constexpr = None  # tile outputs leave from registers: no buffers
+    else:
+        # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
+        # descriptors
+        epilogue_buffers = gl.allocate_shared_memory(
+            h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -173,16 +191,18 @@ def lm_head_logits_softcap_kernel(
     gl.warp_specialize([
         (lm_head_logits_softcap_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, lse_part_ptr, target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m,
-            stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, softcap, M, N, K, stride_rstd_m,
+            stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
+            stride_logits_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (lm_head_logits_softcap_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, lse_part_ptr, target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m,
-            stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, softcap, M, N, K, stride_rstd_m,
+            stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
+            stride_logits_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -210,14 +230,15 @@ def launch(h, w_vocab, rstd, target, softcap, *, logits, lse_part, target_logit,
         lm_head_logits_softcap_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
-            hopper.descriptor(logits, [config.block_m, slice_n]),
-            rstd, target, lse_part, target_logit,
+            hopper.store_descriptor(logits, [config.block_m, slice_n], config),
+            rstd, target, lse_part, target_logit, logits,
             softcap,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
             target.stride(0),
             lse_part.stride(0), lse_part.stride(1),
             target_logit.stride(0),
+            logits.stride(0), logits.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

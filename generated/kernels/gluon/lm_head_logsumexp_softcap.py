@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = h[M, K] @ w_vocab[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/lm_head_logsumexp_softcap.py) and refuses, with the reason, what only the tl kernel runs.
@@ -34,13 +34,13 @@ DECLS = (
 )
 TMA_TENSORS = ("h", "w_vocab")  # addressed by TMA descriptors
 POINTER_TENSORS = ("rstd", "target", "lse_part", "target_logit")  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=0)  # its shared memory
 
 
 @gluon.jit
 def lm_head_logsumexp_softcap_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap,
+    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap,
     M, N,
     stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -78,7 +78,7 @@ def lm_head_logsumexp_softcap_epilogue(
 @gluon.jit
 def lm_head_logsumexp_softcap_consumer(
     # the ring of operand stages and its barriers; this kernel's epilogue buffers and their barriers
-    a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready,
+    a_ring, b_ring, ready, empty, turn, inputs_ready,
     # TMA descriptors of the tile inputs and outputs
     # pointers
     rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
@@ -108,20 +108,17 @@ def lm_head_logsumexp_softcap_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             lm_head_logsumexp_softcap_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap,
+                rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, softcap,
                 M, N,
                 stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
                 BLOCK_M, SLICE_N,
             )
         tile_count += 1
-    tma.store_wait(0)
 
 
 @gluon.jit
@@ -141,14 +138,10 @@ def lm_head_logsumexp_softcap_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
-    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
-    # descriptors
-    epilogue_buffers = gl.allocate_shared_memory(
-        h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -163,17 +156,17 @@ def lm_head_logsumexp_softcap_kernel(
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (lm_head_logsumexp_softcap_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
-            target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
-            stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+            softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
+            stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES,
             0,
         )),
         (lm_head_logsumexp_softcap_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
-            target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
-            stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+            softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
+            stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES,
             1,
         )),
         (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,

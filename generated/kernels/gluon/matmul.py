@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = a[M, K] @ b[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/matmul.py) and refuses, with the reason, what only the tl kernel runs.
@@ -34,15 +34,21 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def matmul_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, out_tile_desc,
+    buffers, out_tile_desc, out_tile_ptr,
     M, N,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_out_tile_m, stride_out_tile_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
 
     # store: {x: acc, to: out_tile}
-    hopper.store_tile(out_tile_desc, buffers[0], acc, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(out_tile_ptr, stride_out_tile_m, stride_out_tile_n, acc, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                            M, N)
+    else:
+        hopper.store_tile(out_tile_desc, buffers[0], acc, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
 
 @gluon.jit
@@ -51,10 +57,14 @@ def matmul_consumer(
     a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready,
     # TMA descriptors of the tile inputs and outputs
     out_tile_desc,
+    # pointers
+    out_tile_ptr,
     M, N, K,
+    stride_out_tile_m, stride_out_tile_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -74,19 +84,24 @@ def matmul_consumer(
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in gl.static_range(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
+            if DIRECT_STORES:
+                buffers = ()
+            else:
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             matmul_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, out_tile_desc,
+                buffers, out_tile_desc, out_tile_ptr,
                 M, N,
-                BLOCK_M, SLICE_N,
+                stride_out_tile_m, stride_out_tile_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -94,21 +109,29 @@ def matmul_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     a_desc, b_desc,
     out_tile_desc,
+    # pointers
+    out_tile_ptr,
     # sizes
     M, N, K,
+    # strides
+    stride_out_tile_m, stride_out_tile_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(a_desc, STAGES)
     b_ring = hopper.allocate_ring(b_desc, STAGES)
-    # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
-    # descriptors
-    epilogue_buffers = gl.allocate_shared_memory(
-        a_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], a_desc.dtype))
+    if DIRECT_STORES:
+        epilogue_buffers: gl.constexpr = None  # tile outputs leave from registers: no buffers
+    else:
+        # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
+        # descriptors
+        epilogue_buffers = gl.allocate_shared_memory(
+            a_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], a_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -123,13 +146,15 @@ def matmul_kernel(
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (matmul_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, M, N, K,
-            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+            K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (matmul_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, M, N, K,
-            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+            K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -156,8 +181,10 @@ def launch(a, b, *, out_tile, config=None) -> None:
         matmul_kernel[(plan.programs,)](
             hopper.descriptor(a, [config.block_m, config.block_k]),
             hopper.descriptor(b, [config.block_n, config.block_k]),
-            hopper.descriptor(out_tile, [config.block_m, slice_n]),
+            hopper.store_descriptor(out_tile, [config.block_m, slice_n], config),
+            out_tile,
             plan.m, plan.n, plan.k,
+            out_tile.stride(0), out_tile.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = y[M, K] @ w_o[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/out_proj_residual_norm.py) and refuses, with the reason, what only the tl kernel runs.
@@ -35,20 +35,21 @@ DECLS = (
 )
 TMA_TENSORS = ("y", "w_o", "x", "x_out", "h")  # addressed by TMA descriptors
 POINTER_TENSORS = ("wn", "ss")  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=1, inputs=1)  # its shared memory
 
 
 @gluon.jit
 def out_proj_residual_norm_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr,
+    x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr, x_out_ptr, h_ptr,
     M, N,
-    stride_wn_n, stride_ss_m, stride_ss_t,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
     in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
-    read from shared memory. Stores cast to each output's dtype."""
+    read from shared memory. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -56,7 +57,10 @@ def out_proj_residual_norm_epilogue(
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}
-    hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
+    if DIRECT_STORES:
+        hopper.store_direct(x_out_ptr, stride_x_out_m, stride_x_out_n, x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
@@ -69,7 +73,10 @@ def out_proj_residual_norm_epilogue(
     hv = x_new * wn[None, :]
 
     # store: {x: hv, to: h}
-    hopper.store_tile(h_desc, buffers[0], hv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(h_ptr, stride_h_m, stride_h_n, hv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_tile(h_desc, buffers[0], hv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
 
 @gluon.jit
@@ -86,12 +93,13 @@ def out_proj_residual_norm_consumer(
     # TMA descriptors of the tile inputs and outputs
     x_desc, x_out_desc, h_desc,
     # pointers
-    wn_ptr, ss_ptr,
+    wn_ptr, ss_ptr, x_out_ptr, h_ptr,
     M, N, K,
-    stride_wn_n, stride_ss_m, stride_ss_t,
+    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -109,7 +117,8 @@ def out_proj_residual_norm_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs by TMA, once the last tile's stores have read the buffers: the first EPILOGUE_STAGES
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
-        tma.store_wait(0)
+        if not DIRECT_STORES:
+            tma.store_wait(0)
         for part in gl.static_range(EPILOGUE_STAGES):
             slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
@@ -129,19 +138,24 @@ def out_proj_residual_norm_consumer(
             mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
             x = buffers[0].load(SLICE).to(gl.float32)
             fence_async_shared()  # these reads before the next TMA writes into the buffers
+            if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                # no store reads the buffers: the next slice in them loads as soon as they are read
+                out_proj_residual_norm_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                                   slice_n + EPILOGUE_STAGES, SLICE_N)
             out_proj_residual_norm_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr,
+                x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr, x_out_ptr, h_ptr,
                 M, N,
-                stride_wn_n, stride_ss_m, stride_ss_t,
-                BLOCK_M, SLICE_N,
+                stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
-            if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+            if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
                 tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
                 out_proj_residual_norm_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
                                                    slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -150,16 +164,17 @@ def out_proj_residual_norm_kernel(
     y_desc, w_o_desc,
     x_desc, x_out_desc, h_desc,
     # pointers
-    wn_ptr, ss_ptr,
+    wn_ptr, ss_ptr, x_out_ptr, h_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_wn_n, stride_ss_m, stride_ss_t,
+    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_o_desc, STAGES)
@@ -183,14 +198,16 @@ def out_proj_residual_norm_kernel(
     gl.warp_specialize([
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
-            ss_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            ss_ptr, x_out_ptr, h_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m,
+            stride_x_out_n, stride_h_m, stride_h_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
-            ss_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            ss_ptr, x_out_ptr, h_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m,
+            stride_x_out_n, stride_h_m, stride_h_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (y_desc, w_o_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -218,12 +235,14 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w_o, [config.block_n, config.block_k]),
             hopper.descriptor(x, [config.block_m, slice_n]),
-            hopper.descriptor(x_out, [config.block_m, slice_n]),
-            hopper.descriptor(h, [config.block_m, slice_n]),
-            wn, ss,
+            hopper.store_descriptor(x_out, [config.block_m, slice_n], config),
+            hopper.store_descriptor(h, [config.block_m, slice_n], config),
+            wn, ss, x_out, h,
             plan.m, plan.n, plan.k,
             wn.stride(0),
             ss.stride(0), ss.stride(1),
+            x_out.stride(0), x_out.stride(1),
+            h.stride(0), h.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

@@ -5,8 +5,8 @@
 The Hopper backend (Gluon, sm_90). acc[M, N] = grad_y[M, K] @ w_down[K, N] in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
 shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive and tile
-outputs leave by TMA.
+while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
+outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/swiglu_dgrad.py) and refuses, with the reason, what only the tl kernel runs.
@@ -34,20 +34,21 @@ DECLS = (
 )
 TMA_TENSORS = ("grad_y", "w_down", "z", "dz", "y")  # addressed by TMA descriptors
 POINTER_TENSORS = ("zdz_part",)  # by pointers, in the epilogue
-EPILOGUE = hopper.Epilogue(buffers=1, columns=2, split=8)  # its shared memory
+EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, columns=2, split=8)  # its shared memory
 
 
 @gluon.jit
 def swiglu_dgrad_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, grad_y_desc,
+    z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, dz_ptr, y_ptr, grad_y_desc,
     M, N,
-    stride_zdz_part_m, stride_zdz_part_t,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
     in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
-    read from shared memory. Stores cast to each output's dtype."""
+    read from shared memory. Stores cast to each output's dtype; tiles leave by TMA, or from
+    registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
@@ -55,8 +56,12 @@ def swiglu_dgrad_epilogue(
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
-    hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M, pid_n * (2 * BLOCK_N),
-                      PENDING=None)
+    if DIRECT_STORES:
+        hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,
+                            pid_n * (2 * BLOCK_N), M, 2 * N)
+    else:
+        hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,
+                          pid_n * (2 * BLOCK_N), PENDING=None)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}
     dz_stored_even = dzv_even.to(grad_y_desc.dtype).to(tl.float32)
@@ -76,7 +81,10 @@ def swiglu_dgrad_epilogue(
     yv = tile.swiglu_pairs(z_even, z_odd)
 
     # store: {x: yv, to: y}
-    hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+    if DIRECT_STORES:
+        hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+    else:
+        hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
 
 @gluon.jit
@@ -93,12 +101,13 @@ def swiglu_dgrad_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     z_desc, dz_desc, y_desc, grad_y_desc,
     # pointers
-    zdz_part_ptr,
+    zdz_part_ptr, dz_ptr, y_ptr,
     M, N, K,
-    stride_zdz_part_m, stride_zdz_part_t,
+    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -116,7 +125,8 @@ def swiglu_dgrad_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # the tile's inputs by TMA, once the last tile's stores have read the buffers: the first EPILOGUE_STAGES
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
-        tma.store_wait(0)
+        if not DIRECT_STORES:
+            tma.store_wait(0)
         for part in gl.static_range(EPILOGUE_STAGES):
             slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
@@ -136,19 +146,24 @@ def swiglu_dgrad_consumer(
             mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
             z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)
             fence_async_shared()  # these reads before the next TMA writes into the buffers
+            if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                # no store reads the buffers: the next slice in them loads as soon as they are read
+                swiglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                         slice_n + EPILOGUE_STAGES, SLICE_N)
             swiglu_dgrad_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, grad_y_desc,
+                z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, dz_ptr, y_ptr, grad_y_desc,
                 M, N,
-                stride_zdz_part_m, stride_zdz_part_t,
-                BLOCK_M, SLICE_N,
+                stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+                BLOCK_M, SLICE_N, DIRECT_STORES,
             )
-            if part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+            if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
                 tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
                 swiglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
                                          slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
-    tma.store_wait(0)
+    if not DIRECT_STORES:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -157,16 +172,17 @@ def swiglu_dgrad_kernel(
     grad_y_desc, w_down_desc,
     z_desc, dz_desc, y_desc,
     # pointers
-    zdz_part_ptr,
+    zdz_part_ptr, dz_ptr, y_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_zdz_part_m, stride_zdz_part_t,
+    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
+    DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
@@ -190,14 +206,16 @@ def swiglu_dgrad_kernel(
     gl.warp_specialize([
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, zdz_part_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, NUM_PROGRAMS, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            grad_y_desc, zdz_part_ptr, dz_ptr, y_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, stride_dz_m,
+            stride_dz_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, zdz_part_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, NUM_PROGRAMS, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            grad_y_desc, zdz_part_ptr, dz_ptr, y_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, stride_dz_m,
+            stride_dz_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -225,11 +243,13 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
             hopper.descriptor(grad_y, [config.block_m, config.block_k]),
             hopper.descriptor(w_down, [config.block_k, config.block_n]),
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),
-            hopper.descriptor(dz, [config.block_m, 2 * slice_n]),
-            hopper.descriptor(y, [config.block_m, slice_n]),
-            zdz_part,
+            hopper.store_descriptor(dz, [config.block_m, 2 * slice_n], config),
+            hopper.store_descriptor(y, [config.block_m, slice_n], config),
+            zdz_part, dz, y,
             plan.m, plan.n, plan.k,
             zdz_part.stride(0), zdz_part.stride(1),
+            dz.stride(0), dz.stride(1),
+            y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,
