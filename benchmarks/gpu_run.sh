@@ -5,6 +5,8 @@
 #   benchmarks/gpu_run.sh tests SECONDS                      # pytest -m gpu over tests/
 #   benchmarks/gpu_run.sh bench SECONDS TAG [bench.py args]  # benchmarks/bench.py ... --out $OUT --tag TAG
 #   benchmarks/gpu_run.sh tune SECONDS [codagen tune args]   # codagen tune specs/ ...; the tables to $OUT/tuning.tar
+#   benchmarks/gpu_run.sh profile SECONDS KERNEL SHAPE [launch_kernel.py args]
+#                                   # Nsight Compute on one launch: $OUT/ncu-KERNEL-SHAPE.{ncu-rep,txt,csv}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -37,4 +39,18 @@ case $what in
     echo "tune exit: $?"
     tar -cf "$OUT/tuning.tar" generated/tuning
     tail -n 20 "$OUT/tune.log" ;;
+  profile)  # the second launch (the first compiles): speed of light, warp stalls, memory, per-instruction stalls
+    kernel=$1 shape=$2
+    shift 2
+    report="$OUT/ncu-$kernel-$shape"
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    timeout "$limit" "$ncu" --clock-control none --kernel-name "regex:^${kernel}_kernel\$" --launch-skip 1 \
+      --launch-count 1 --import-source no --section SpeedOfLight --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --section LaunchStats --section Occupancy --section SourceCounters -f -o "$report" \
+      python3 benchmarks/launch_kernel.py --kernel "$kernel" --shape "$shape" "$@" > "$report.log" 2>&1
+    echo "ncu exit: $?"
+    "$ncu" -i "$report.ncu-rep" --print-details all > "$report.txt" 2>&1
+    "$ncu" -i "$report.ncu-rep" --page source --csv --print-source sass > "$report.csv" 2>&1
+    tail -n 5 "$report.log"; grep -E "Duration|Throughput|Registers|Stall" "$report.txt" | head -n 30 ;;
 esac

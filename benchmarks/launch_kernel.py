@@ -17,14 +17,10 @@ sys.path.insert(0, str(ROOT))
 from codagen import api  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", required=True)
-    ap.add_argument("--shape", required=True, help="MxNxK")
-    ap.add_argument("--config", help="a tuning candidate's label (default: the tuning table's choice)")
-    ap.add_argument("--launches", type=int, default=3)
-    args = ap.parse_args()
-
+def launch(kernel_name: str, shape: str, config_label: str | None = None, launches: int = 3,
+           device: str = "cuda") -> tuple[object, dict]:
+    """Launch `kernel_name` `launches` times at `shape` ("MxNxK") with its table's config or the candidate
+    labelled `config_label`, on random bf16 arguments like a model's; returns (the config, the outputs)."""
     import torch
 
     from codagen.runtime import configs
@@ -33,27 +29,40 @@ def main() -> None:
     from codagen.tune.harness import inplace_names, make_inputs, new_outputs
     from codagen.tune.shapes import Shape
 
-    device = torch.device("cuda")
-    m, n, k = (int(x) for x in args.shape.split("x"))
+    m, n, k = (int(x) for x in shape.split("x"))
     checked = {c.kernel.name: c for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
-    if args.kernel not in checked:
-        raise SystemExit(f"no spec under specs/ defines a kernel named {args.kernel}")
-    kernel = checked[args.kernel].kernel
-    module = load_module(ROOT / "generated", args.kernel)
-    if args.config:
+    if kernel_name not in checked:
+        raise SystemExit(f"no spec under specs/ defines a kernel named {kernel_name}")
+    kernel = checked[kernel_name].kernel
+    module = load_module(ROOT / "generated", kernel_name)
+    if config_label:
         pool = {c.label(): c for c in candidates(kernel, hopper=True)}
-        if args.config not in pool:
-            raise SystemExit(f"--config: no candidate labelled {args.config!r}; the candidates: " + "; ".join(pool))
-        config = pool[args.config]
+        if config_label not in pool:
+            raise SystemExit(f"--config: no candidate labelled {config_label!r}; the candidates: " + "; ".join(pool))
+        config = pool[config_label]
     else:
-        config = configs.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k, device,
-                                     decls=module.DECLS)
-    inputs = make_inputs(kernel, module, Shape(m, n, k), device)
+        config = configs.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
+                                     torch.device(device), decls=module.DECLS)
+    dev = torch.device(device)
+    inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)
-    outs = new_outputs(kernel, module, Shape(m, n, k), config, device, initial={x: inputs[x] for x in inplace})
-    for _ in range(args.launches):
+    outs = new_outputs(kernel, module, Shape(m, n, k), config, dev, initial={x: inputs[x] for x in inplace})
+    for _ in range(launches):
         module.launch(**{x: v for x, v in inputs.items() if x not in inplace}, **outs, config=config)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return config, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", required=True)
+    ap.add_argument("--shape", required=True, help="MxNxK")
+    ap.add_argument("--config", help="a tuning candidate's label (default: the tuning table's choice)")
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    config, _ = launch(args.kernel, args.shape, args.config, args.launches, args.device)
     print(f"{args.kernel} at {args.shape}: {args.launches} launches with {config.label()}")
 
 

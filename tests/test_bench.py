@@ -141,6 +141,20 @@ def test_rows_become_the_report(tmp_path):
     assert "peak MiB: liger=1,008  codagen=900" in report.summary(rows)
 
 
+def test_launch_kernel_writes_every_output():
+    """benchmarks/launch_kernel.py, as a profiler runs it: under the interpreter at a small ragged shape, with
+    the config for the CPU and with a tl tuning candidate named by its label, every output is written."""
+    import launch_kernel
+
+    for label in (None, "64x64x64 g8 w4 s4 tma"):
+        config, outs = launch_kernel.launch("swiglu_dgrad", "37x48x40", label, launches=1, device="cpu")
+        assert label is None or config.label() == label
+        for name, t in outs.items():
+            assert not torch.isnan(t).any(), (label, name)
+    with pytest.raises(SystemExit, match="no candidate labelled 'nothing'"):
+        launch_kernel.launch("swiglu_dgrad", "37x48x40", "nothing", device="cpu")
+
+
 @pytest.mark.parametrize("kernel", ["swiglu_dgrad", "norm_dgrad_residual"])
 def test_epilogue_parts_keep_what_they_do_not_leave_out(kernel, tmp_path):
     """benchmarks/epilogue_parts.py's variants of a kernel: one per output left out and the GEMM alone, each a

@@ -109,6 +109,7 @@ GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", direct_stores=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon", direct_stores=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
+    Config(128, 128, 64, 8, 4, 6, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
 )
 
 
