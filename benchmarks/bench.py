@@ -93,6 +93,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-sets", type=int, default=4, help="input sets to rotate among when one set fits in L2")
     ap.add_argument("--tol", type=float, default=5e-2,
                     help="flag rows whose relative error vs eager or vs the reference exceeds this (or is NaN)")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="after timing, profile one call of each row (torch.profiler): its kernels in the report")
     ap.add_argument("--tag", default="", help="suffix for the output file names (<gpu>[-quick][-TAG].md)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failed rows")
     args = ap.parse_args(argv)

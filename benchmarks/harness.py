@@ -14,7 +14,7 @@ import torch
 
 import baselines as B
 from cases import PATTERN_BY_KEY, Case, Preset, make_input_set, upcast
-from measure import bench_ms, compare, detach_named, free, host_ms, l2_bytes, one_call, sync
+from measure import bench_ms, compare, detach_named, free, host_ms, kernel_times, l2_bytes, one_call, sync
 from report import fmt_err, fmt_mib, ratio, spread
 from runners import CUBLAS, AutogradRunner
 
@@ -37,6 +37,7 @@ class Row:
     gemm_tflop: float = 0.0
     note: str = ""
     error: str = ""
+    kernels: list = field(default_factory=list)  # (name, ms, launches) per call, with --kernel-profile
 
 
 def log(msg):
@@ -154,6 +155,13 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
                     row.ms_passes.append(bench_ms(step, device, args.warmup, rep))
                 except Exception as e:  # noqa: BLE001
                     row.error = f"{type(e).__name__}: {e}"[:300]
+        if args.kernel_profile:  # after the timing, so that the profiler's overhead is in no timed call
+            for row, runner, states in built:
+                if not row.error:
+                    try:
+                        row.kernels = kernel_times(lambda: runner.run(states[0]), device)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"   {row.variant}: no kernel profile: {type(e).__name__}: {e}")
         cub = next((r.ms_passes for r, _, _ in built if r.variant == CUBLAS and r.ms_passes), None)
         eag = next((r.ms_passes for r, _, _ in built if r.variant == "eager" and r.ms_passes), None)
         for row, _, _ in built:

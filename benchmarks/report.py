@@ -158,6 +158,7 @@ def write_report(rows: list, env: dict, args, out: Path, kernel_rows: tuple = ()
                          f"{_f(r.peak_mib, ',.0f')} | {fmt_err(r.err_eager).strip()} | "
                          f"{fmt_err(r.err_ref).strip()} | {r.worst} | {note} |")
         L += ["", "</details>", ""]
+        L += kernel_profile_lines(grows, pats, variants)
     if kernel_rows:
         import fused_kernels
 
@@ -231,6 +232,31 @@ def _rel(a: str) -> str:
 
 def _f(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def kernel_profile_lines(grows: list, pats: list, variants: list, top: int = 12) -> list:
+    """Where each row's call spends its time (--kernel-profile): its most expensive kernels, and their sum
+    against the row's time, the difference being time the GPU spent on none of them (waiting for the host,
+    or between kernels)."""
+    profiled = [r for r in grows if r.kernels]
+    if not profiled:
+        return []
+    L = ["<details><summary>kernels per call (torch.profiler, one call after the timing)</summary>", ""]
+    for pk in pats:
+        for r in sorted((r for r in profiled if r.pattern == pk), key=lambda r: variants.index(r.variant)):
+            total = sum(ms for _, ms, _ in r.kernels)
+            L += [f"**{pk}, {r.variant}**: {len(r.kernels)} kernels, {total:.3f} ms per call"
+                  + (f" of the row's {r.ms:.3f} ms" if r.ms else ""), "",
+                  "| kernel | ms | launches |", "|---|---|---|"]
+            for name, ms, launches in r.kernels[:top]:
+                short = name if len(name) <= 90 else name[:87] + "..."
+                L.append(f"| `{short.replace('|', '/')}` | {ms:.3f} | {launches:g} |")
+            rest = r.kernels[top:]
+            if rest:
+                L.append(f"| {len(rest)} others | {sum(ms for _, ms, _ in rest):.3f} | "
+                         f"{sum(n for _, _, n in rest):g} |")
+            L.append("")
+    return L + ["</details>", ""]
 
 
 def _div(a, b):

@@ -69,6 +69,28 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
         "x1", "y1", "dx0", "dy0", "dwo", "dwn1", "dwg", "dwu"}
 
 
+def test_kernel_profile_of_each_row_on_the_cpu():
+    """--kernel-profile: after the timing, each row's call profiled (on the CPU its operators' own time), most
+    expensive first: the cuBLAS row runs the pattern's three matrix products, codagen's none (its GEMMs are
+    generated kernels); the report lists each row's."""
+    args = bench.parse_args(["--device", "cpu", "--quick", "--dtype", "float32", "--variants", "codagen",
+                             "--patterns", "oproj_swiglu.fwd", "--passes", "1", "--rep", "1", "--warmup", "1",
+                             "--min-iters", "1", "--no-ref", "--kernel-profile"])
+    preset = cases.PRESETS["tiny"]
+    variants = runners.builtin_variants(args) + codagen_variants.codagen_variants(preset, 128, torch.float32)
+    rows = {r.variant: r for r in run_case(preset, 128, args, variants, []) if r.pattern == "oproj_swiglu.fwd"}
+    assert set(rows) == {CUBLAS, "eager", "codagen"}
+    for row in rows.values():
+        assert row.kernels and all(ms > 0 and n > 0 for _, ms, n in row.kernels), row.variant
+        assert [ms for _, ms, _ in row.kernels] == sorted((ms for _, ms, _ in row.kernels), reverse=True)
+    launches = {name: n for name, _, n in rows[CUBLAS].kernels}
+    assert launches["aten::mm"] == 3, launches
+    assert not any("mm" in name for name, _, _ in rows["codagen"].kernels)
+    lines = report.kernel_profile_lines(list(rows.values()), ["oproj_swiglu.fwd"], [CUBLAS, "eager", "codagen"])
+    assert lines[0].startswith("<details><summary>kernels per call") and lines[-2] == "</details>"
+    assert any(line.startswith("**oproj_swiglu.fwd, codagen**:") for line in lines)
+
+
 def test_each_family_runs_its_own_patterns_and_variants():
     """Qwen3 and Gemma-2 presets run the block and LM-head patterns only, with their own inputs (QK-norm weights;
     Gemma-2's post-norms), and Liger's fused add + RMSNorm (no part of their Liger patches) stays Llama's."""
