@@ -94,14 +94,17 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
               help="Block attrs for the presets' shapes, over the presets' values and the specs' defaults, e.g. "
                    "chunk_rows=1024 (the LM heads' row chunks).")
 @click.option("--missing-only", is_flag=True, help="Skip shapes the table already holds (to continue a run).")
+@click.option("--only", default=None, metavar="TEXT",
+              help="Time only the candidates whose label contains TEXT (e.g. 'direct'), each shape's against the "
+                   "table's present choice, re-timed: a table changes only where one of them is faster.")
 def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
-         attrs: str | None, missing_only: bool) -> None:
+         attrs: str | None, missing_only: bool, only: str | None) -> None:
     """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
     from .tune import TuneError, command  # torch and triton load only for this command
 
     try:
         command.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens, attrs=attrs,
-                    missing_only=missing_only, log=click.echo)
+                    missing_only=missing_only, only=only, log=click.echo)
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)

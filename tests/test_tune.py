@@ -618,6 +618,36 @@ def test_cli_reports_bad_requests(tune_on_cpu):
     assert result.exit_code == 1 and "neither a preset" in result.output
 
 
+def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
+    """--only: the candidates whose label contains the text are timed against the table's present choice,
+    re-timed; the table keeps that choice where it is faster, takes a challenger where one is; a kernel with
+    no such candidate is skipped."""
+    present, slow, fast = POOL[0], POOL[1], POOL[2]  # labels: '16x16x16 g8 w4 s1', '... persistent', '... tma'
+    mod = module("matmul")
+    timer = FakeTimer({present: 1.0, slow: 2.0, fast: 0.5})
+    timer.watch(monkeypatch, mod)
+    table = tmp_path / "test-gpu" / "matmul.json"
+
+    def run(only, times):
+        timer.times.update(times)
+        log = []
+        command.run([SPECS / "matmul.yaml", SPECS / "rmsnorm_stats.yaml"], "45x40x24", device=CPU, gpu="test-gpu",
+                    tuning_dir=tmp_path, timer=timer, check_rows=37, only=only,
+                    pools={"matmul": POOL, "rmsnorm_stats": POOL[:1]}, log=log.append)
+        return json.loads(table.read_text())["shapes"]["64x40x24"], "\n".join(log)
+
+    command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=timer,
+                check_rows=37, pools={"matmul": POOL[:1]}, log=lambda _: None)
+    entry, log = run("persistent", {})
+    assert Config(**entry["config"]) == present and entry["ms"] == 1.0  # the challenger is slower
+    assert "rmsnorm_stats: no candidate's label contains 'persistent'; skipped" in log
+    assert "(2 timed, 0 discarded" in log
+    entry, _ = run("tma", {})
+    assert Config(**entry["config"]) == fast and entry["ms"] == 0.5
+    entry, _ = run("persistent", {fast: 3.0})  # the present choice, re-timed, now slower than the challenger
+    assert Config(**entry["config"]) == slow and entry["ms"] == 2.0
+
+
 def test_cli_tunes_and_writes(tune_on_cpu):
     result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "45x40x24", "--kernels", "matmul"])
     assert result.exit_code == 0, result.output

@@ -16,6 +16,7 @@ from .. import api
 from ..api import Checked
 from ..fingerprint import fingerprint
 from ..runtime import configs
+from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
 from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
@@ -78,12 +79,15 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
 
 
 def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | None = None, kernels: str | None = None,
-        tokens: str | None = None, attrs: str | None = None, missing_only: bool = False,
+        tokens: str | None = None, attrs: str | None = None, missing_only: bool = False, only: str | None = None,
         tuning_dir: str | Path | None = None, device: torch.device | None = None, gpu: str | None = None,
         timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
         pools: dict | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Tune and write tables; returns the tables written. `device`, `gpu`, `timer`, `check_rows` and
-    `pools` (kernel name -> candidates) exist for tests on the CPU; the command runs on the current GPU."""
+    """Tune and write tables; returns the tables written. `only`: time just the candidates whose label
+    contains it, each shape's against the table's present choice, re-timed in the same run, so that a table
+    changes only where one of them is faster (a kernel none of whose candidates match is skipped). `device`,
+    `gpu`, `timer`, `check_rows` and `pools` (kernel name -> candidates) exist for tests on the CPU; the
+    command runs on the current GPU."""
     import triton
 
     log = log or functools.partial(print, flush=True)  # progress shows as it happens, even through a pipe
@@ -95,9 +99,14 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
         device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu or configs.gpu_key(device)
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs)
-    runs = sum(len(j.shapes) * len((pools or {}).get(j.checked.kernel.name,
-                                                     candidates(j.checked.kernel, times_hopper(j.module, device))))
-               for j in selected)
+    pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
+        j.checked.kernel, times_hopper(j.module, device))) for j in selected}
+    if only is not None:
+        pool_of = {name: tuple(c for c in pool if only in c.label()) for name, pool in pool_of.items()}
+        for j in [j for j in selected if not pool_of[j.checked.kernel.name]]:
+            log(f"{j.checked.kernel.name}: no candidate's label contains {only!r}; skipped")
+            selected.remove(j)
+    runs = sum(len(j.shapes) * len(pool_of[j.checked.kernel.name]) for j in selected)
     log(f"tuning {len(selected)} kernel(s) at {sum(len(j.shapes) for j in selected)} shape(s) on {gpu} "
         f"(triton {triton.__version__}): {runs} candidate runs"
         + (f", budget {budget:.0f} s" if budget is not None else ""))
@@ -105,7 +114,8 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     stopped = None
     for job in selected:
         kernel = job.checked.kernel
-        have = read_table(job.table, kernel, triton.__version__) if missing_only else {}
+        table = read_table(job.table, kernel, triton.__version__)
+        have = table if missing_only else {}
         for shape in job.shapes:
             label = f"{kernel.name} {shape}"
             if shape.bucket in have:
@@ -114,9 +124,13 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
             if deadline is not None and time.monotonic() > deadline:
                 stopped = label
                 break
+            pool = pool_of[kernel.name]
+            if only is not None and shape.bucket in table:  # the present choice, to beat
+                present = Config(**table[shape.bucket]["config"])
+                pool = pool if present in pool else (present, *pool)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                outcome = tune_shape(job.checked, job.module, shape, device, pool=(pools or {}).get(kernel.name),
-                                     timer=timer, check_rows=check_rows, deadline=deadline)
+                outcome = tune_shape(job.checked, job.module, shape, device, pool=pool, timer=timer,
+                                     check_rows=check_rows, deadline=deadline)
             _report(label, outcome, log)
             if not outcome.complete:
                 stopped = label
