@@ -30,12 +30,13 @@ from codagen.runtime.gluon_hopper import HopperConfig, default_config  # noqa: E
 from spills import jit_specialization  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
+# after each kernel's default (default_config)
 CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
            HopperConfig(block_k=32, stages=10), HopperConfig(stages=3, epilogue_split=4),
            HopperConfig(stages=3, epilogue_split=8), HopperConfig(stages=6, direct_stores=True),
            HopperConfig(stages=6, epilogue_split=4, direct_stores=True),
            HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, direct_stores=True),
-           HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True))  # after each kernel's default (default_config)
+           HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True))
 
 
 def names() -> list[str]:

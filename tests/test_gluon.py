@@ -84,8 +84,8 @@ def test_pairs_of_the_accumulator_are_lowered():
     source = render_gluon([kernels["gate_up_swiglu"]], "codagen build specs/")["kernels/gluon/gate_up_swiglu.py"]
     assert "yv = tile.swiglu(zv)" in source
     assert "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2)" in source
-    assert "hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), M, N // 2)" \
-        in source
+    assert ("hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), M, "
+            "N // 2)") in source
     assert "hopper.store_descriptor(y, [config.block_m, slice_n // 2], config)" in source
 
 

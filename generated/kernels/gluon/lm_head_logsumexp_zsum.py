@@ -48,7 +48,8 @@ def lm_head_logsumexp_zsum_epilogue(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Stores cast to each output's dtype."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's.
+    Stores cast to each output's dtype."""
     row_mask = rows < M
     col_mask = cols < N
 

@@ -47,9 +47,9 @@ def out_proj_residual_norm_epilogue(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
-    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's. Tile inputs come
-    read from shared memory. Stores cast to each output's dtype; tiles leave by TMA, or from
-    registers where DIRECT_STORES."""
+    in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's.
+    Tile inputs come read from shared memory.
+    Stores cast to each output's dtype; tiles leave by TMA, or from registers where DIRECT_STORES."""
     row_mask = rows < M
     col_mask = cols < N
 
