@@ -45,7 +45,7 @@ def names() -> list[str]:
 
 def source(module, config: HopperConfig) -> GluonASTSource:
     """The kernel with bf16 tensors and `config`, as its launcher would call it."""
-    kernel = getattr(module, f"{module.NAME}_kernel")
+    kernel = getattr(module, f"{module.NAME}_gluon_kernel")
     decls = {d.name: d for d in module.DECLS}
     params = list(inspect.signature(kernel.fn).parameters)
     descs = [p for p in params if p.endswith("_desc")]

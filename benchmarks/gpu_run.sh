@@ -44,7 +44,7 @@ case $what in
     shift 2
     report="$OUT/ncu-$kernel-$shape"
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-    timeout "$limit" "$ncu" --clock-control none --kernel-name "regex:^${kernel}_kernel\$" --launch-skip 1 \
+    timeout "$limit" "$ncu" --clock-control none --kernel-name "regex:^${kernel}_(gluon_)?kernel\$" --launch-skip 1 \
       --launch-count 1 --import-source no --section SpeedOfLight --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
       --section LaunchStats --section Occupancy --section SourceCounters -f -o "$report" \

@@ -1,7 +1,7 @@
 """One generated kernel launched a few times at one shape, untimed, for a profiler to watch: with the config its
 tuning table picks there (or a tuning candidate named by its label), on random arguments like a model's.
 
-    ncu --clock-control none --kernel-name regex:'^swiglu_dgrad_kernel$' --launch-skip 1 --launch-count 1 \\
+    ncu --clock-control none --kernel-name regex:'^swiglu_dgrad_(gluon_)?kernel$' --launch-skip 1 --launch-count 1 \\
         python benchmarks/launch_kernel.py --kernel swiglu_dgrad --shape 32768x14336x4096
 
 The first launch compiles; profile a later one (--launch-skip 1)."""

@@ -29,7 +29,7 @@ INTERNAL = frozenset("""
 RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns")
 RESERVED_PREFIXES = ("stride_", "offs_")
 # What a kernel named k defines besides k itself: checked against the kernel's own names (validate.py)
-KERNEL_FUNCTIONS = ("kernel", "epilogue", "consumer", "load_inputs", "op")
+KERNEL_FUNCTIONS = ("kernel", "gluon_kernel", "epilogue", "consumer", "load_inputs", "op")
 # torch.ops.codagen.<kernel> is an attribute of an op namespace, which has one public attribute of its own
 TAKEN_KERNEL_NAMES = frozenset({"name"})
 

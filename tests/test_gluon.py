@@ -56,7 +56,7 @@ def test_valid_python_importing_nothing_at_package_level():
         else:
             names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
             stem = Path(rel).stem
-            assert {f"{stem}_kernel", f"{stem}_consumer", f"{stem}_epilogue", "launch"} <= names
+            assert {f"{stem}_gluon_kernel", f"{stem}_consumer", f"{stem}_epilogue", "launch"} <= names
 
 
 def test_unlowered_steps_named_and_kept_on_tl():

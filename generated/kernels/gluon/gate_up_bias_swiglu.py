@@ -128,7 +128,7 @@ def gate_up_bias_swiglu_consumer(
 
 
 @gluon.jit
-def gate_up_bias_swiglu_kernel(
+def gate_up_bias_swiglu_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     h_desc, w_gate_up_desc,
     z_desc, y_desc,
@@ -203,7 +203,7 @@ def launch(h, w_gate_up, rstd, b_gate_up, *, z, y, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gate_up_bias_swiglu_kernel[(plan.programs,)](
+        gate_up_bias_swiglu_gluon_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_gate_up, [config.block_n, config.block_k]),
             hopper.store_descriptor(z, [config.block_m, slice_n], config),

@@ -167,7 +167,7 @@ def geglu_dgrad_consumer(
 
 
 @gluon.jit
-def geglu_dgrad_kernel(
+def geglu_dgrad_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     grad_y_desc, w_down_desc,
     z_desc, dz_desc, y_desc,
@@ -239,7 +239,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        geglu_dgrad_kernel[(plan.programs,)](
+        geglu_dgrad_gluon_kernel[(plan.programs,)](
             hopper.descriptor(grad_y, [config.block_m, config.block_k]),
             hopper.descriptor(w_down, [config.block_k, config.block_n]),
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),

@@ -193,7 +193,7 @@ def gemma_norm_dgrad_residual_consumer(
 
 
 @gluon.jit
-def gemma_norm_dgrad_residual_kernel(
+def gemma_norm_dgrad_residual_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     dz_desc, w_desc,
     x_desc, grad_x_desc, dx_desc, normed_desc,
@@ -268,7 +268,7 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gemma_norm_dgrad_residual_kernel[(plan.programs,)](
+        gemma_norm_dgrad_residual_gluon_kernel[(plan.programs,)](
             hopper.descriptor(dz, [config.block_m, config.block_k]),
             hopper.descriptor(w, [config.block_k, config.block_n]),
             hopper.descriptor(x, [config.block_m, slice_n]),

@@ -119,7 +119,7 @@ def gemma_proj_sumsq_consumer(
 
 
 @gluon.jit
-def gemma_proj_sumsq_kernel(
+def gemma_proj_sumsq_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     y_desc, w_desc,
     o_desc,
@@ -192,7 +192,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gemma_proj_sumsq_kernel[(plan.programs,)](
+        gemma_proj_sumsq_gluon_kernel[(plan.programs,)](
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w, [config.block_n, config.block_k]),
             hopper.store_descriptor(o, [config.block_m, slice_n], config),

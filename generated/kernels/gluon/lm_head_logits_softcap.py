@@ -146,7 +146,7 @@ def lm_head_logits_softcap_consumer(
 
 
 @gluon.jit
-def lm_head_logits_softcap_kernel(
+def lm_head_logits_softcap_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     h_desc, w_vocab_desc,
     logits_desc,
@@ -227,7 +227,7 @@ def launch(h, w_vocab, rstd, target, softcap, *, logits, lse_part, target_logit,
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        lm_head_logits_softcap_kernel[(plan.programs,)](
+        lm_head_logits_softcap_gluon_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
             hopper.store_descriptor(logits, [config.block_m, slice_n], config),

@@ -112,7 +112,7 @@ def lm_head_logsumexp_consumer(
 
 
 @gluon.jit
-def lm_head_logsumexp_kernel(
+def lm_head_logsumexp_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     h_desc, w_vocab_desc,
     # pointers
@@ -176,7 +176,7 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        lm_head_logsumexp_kernel[(plan.programs,)](
+        lm_head_logsumexp_gluon_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
             rstd, target, lse_part, target_logit,

@@ -105,7 +105,7 @@ def matmul_consumer(
 
 
 @gluon.jit
-def matmul_kernel(
+def matmul_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     a_desc, b_desc,
     out_tile_desc,
@@ -178,7 +178,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        matmul_kernel[(plan.programs,)](
+        matmul_gluon_kernel[(plan.programs,)](
             hopper.descriptor(a, [config.block_m, config.block_k]),
             hopper.descriptor(b, [config.block_n, config.block_k]),
             hopper.store_descriptor(out_tile, [config.block_m, slice_n], config),

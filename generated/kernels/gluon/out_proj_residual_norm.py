@@ -159,7 +159,7 @@ def out_proj_residual_norm_consumer(
 
 
 @gluon.jit
-def out_proj_residual_norm_kernel(
+def out_proj_residual_norm_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     y_desc, w_o_desc,
     x_desc, x_out_desc, h_desc,
@@ -231,7 +231,7 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        out_proj_residual_norm_kernel[(plan.programs,)](
+        out_proj_residual_norm_gluon_kernel[(plan.programs,)](
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w_o, [config.block_n, config.block_k]),
             hopper.descriptor(x, [config.block_m, slice_n]),

@@ -120,7 +120,7 @@ def qkv_norm_rope_consumer(
 
 
 @gluon.jit
-def qkv_norm_rope_kernel(
+def qkv_norm_rope_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     h_desc, w_qkv_desc,
     qkv_desc,
@@ -195,7 +195,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        qkv_norm_rope_kernel[(plan.programs,)](
+        qkv_norm_rope_gluon_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),

@@ -166,7 +166,7 @@ def qkv_qk_norm_rope_consumer(
 
 
 @gluon.jit
-def qkv_qk_norm_rope_kernel(
+def qkv_qk_norm_rope_gluon_kernel(
     # TMA descriptors: the GEMM operands, then the tile inputs and outputs
     h_desc, w_qkv_desc,
     qkv_desc, z_desc,
@@ -247,7 +247,7 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        qkv_qk_norm_rope_kernel[(plan.programs,)](
+        qkv_qk_norm_rope_gluon_kernel[(plan.programs,)](
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),
