@@ -219,14 +219,9 @@ def test_direct_stores_lower_to_ttgir_for_sm90():
     """Every Hopper kernel that stores tiles by TMA, compiled as far as TTGIR for sm_90 with direct stores:
     its tiles leave by plain stores, no TMA store is made or waited for, and only the tile inputs have
     buffers."""
-    names = sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py")
-                   if "hopper.store_direct(" in p.read_text())
+    names = _modules_with("hopper.store_direct(")
     assert {"swiglu_dgrad", "gate_up_swiglu", "out_proj_residual_norm", "matmul"} <= set(names)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _DIRECT_TTGIR.format(benchmarks=str(REPO / "benchmarks")), *names],
-                         capture_output=True, text=True, env=env, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _compiled(_DIRECT_TTGIR, names)
     for name in names:
         ttgir, epilogue = found[name], _module(name).EPILOGUE
         assert "async_tma_copy_local_to_global" not in ttgir and "async_tma_store_wait" not in ttgir, name
@@ -357,11 +352,7 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
     assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
     assert "r = hopper.view(buffers[1], r_desc).load(SLICE).to(gl.float32)" in pairs_rope
     assert "hopper.store_narrow_tile(with_residual_desc, buffers[1], s, pid_m * BLOCK_M, pid_n * BLOCK_N" in pairs_rope
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _TTGIR.format(benchmarks=str(REPO / "benchmarks")), *paths],
-                         capture_output=True, text=True, env=env, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _compiled(_TTGIR, paths, TRITON_DEFAULT_FP_FUSION="1")
     assert sorted(found) == sorted(paths)
     for path, ttgir in found.items():
         assert "ttg.warp_specialize" in ttgir, path
@@ -390,14 +381,9 @@ def test_tile_inputs_streamed_through_epilogue_stages():
     """Every Hopper kernel with tile inputs, compiled as far as TTGIR for sm_90 with 2 epilogue stages of its 4
     or 8 slices: each consumer allocates buffers for 2 slices, not all, and waits for a slice's stores to have
     read its buffers before each of the later slices loads into them."""
-    names = sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py")
-                   if "_load_inputs(" in p.read_text())
+    names = _modules_with("_load_inputs(")
     assert {"swiglu_dgrad", "norm_dgrad_residual"} <= set(names)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", _STREAMED_TTGIR.format(benchmarks=str(REPO / "benchmarks")), *names],
-                         capture_output=True, text=True, env=env, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _compiled(_STREAMED_TTGIR, names)
     for name in names:
         epilogue = _module(name).EPILOGUE
         split = max(epilogue.split, 4)
@@ -407,6 +393,21 @@ def test_tile_inputs_streamed_through_epilogue_stages():
         assert f"memdesc<{2 * 2 * epilogue.buffers}{buffers}" in streamed, name
         reloads = 2 * (split - 2)  # per consumer, the slices after the first two
         assert streamed.count("async_tma_store_wait") == whole.count("async_tma_store_wait") + reloads, name
+
+
+def _modules_with(text: str) -> list[str]:
+    """The generated Hopper modules whose source holds `text`, by name."""
+    return sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if text in p.read_text())
+
+
+def _compiled(script: str, args: list[str], **env) -> dict:
+    """What a compiling script (its last line of output, JSON) gives for `args`: run in a subprocess, since
+    the compiler needs Triton's interpreter off."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO), **env}
+    run = subprocess.run([sys.executable, "-c", script.format(benchmarks=str(REPO / "benchmarks")), *args],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _module(name: str):
