@@ -6,7 +6,7 @@
 #   benchmarks/gpu_run.sh bench SECONDS TAG [bench.py args]  # benchmarks/bench.py ... --out $OUT --tag TAG
 #   benchmarks/gpu_run.sh tune SECONDS [codagen tune args]   # codagen tune specs/ ...; the tables to $OUT/tuning.tar
 #   benchmarks/gpu_run.sh profile SECONDS KERNEL SHAPE [launch_kernel.py args]
-#                                   # Nsight Compute on one launch: $OUT/ncu-KERNEL-SHAPE.{ncu-rep,txt,csv}
+#                                   # Nsight Compute (ncu, or $NCU) on one launch: $OUT/ncu-KERNEL-SHAPE.*
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -43,7 +43,7 @@ case $what in
     kernel=$1 shape=$2
     shift 2
     report="$OUT/ncu-$kernel-$shape"
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    ncu=${NCU:-ncu}  # Nsight Compute: NCU names it where it is not on the PATH
     timeout "$limit" "$ncu" --clock-control none --kernel-name "regex:^${kernel}_(gluon_)?kernel\$" --launch-skip 1 \
       --launch-count 1 --import-source no --section SpeedOfLight --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
