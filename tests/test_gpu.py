@@ -92,6 +92,7 @@ import torch.nn.functional as F
 
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
+from codagen.emit.gluon import default_split
 from codagen.blockmodel import CheckedBlock
 from codagen.model import ACC, BLayout, Kind, Width
 from codagen.presets import PRESETS
@@ -395,16 +396,18 @@ def _whole_groups(name: str, split: int) -> bool:
     return not isinstance(group, int) or (128 // split) % group == 0
 
 
+# the slices the tuning candidates take (codagen.tune.candidates.gluon_candidates)
 DIRECT_CASES = [pytest.param(name, shape, split, id=f"{name}-ragged{shape}-split{split}")
                 for name in sorted(p.stem for p in GLUON.glob("*.py") if "hopper.store_direct(" in p.read_text())
-                for shape in range(len(RAGGED)) for split in (1, 4, 8) if _whole_groups(name, split)]
+                for shape in range(len(RAGGED)) for split in sorted({1, 4, default_split(KERNELS[name])})
+                if _whole_groups(name, split)]
 
 
 @pytest.mark.parametrize("name,shape,split", DIRECT_CASES)
 def test_gluon_direct_stores(name, shape, split):
     """The Hopper kernels that store tiles, with direct stores (from registers, masked at the edges) on the
-    whole tile or its 4 or 8 slices, tile inputs streamed through 2 epilogue stages where there are slices, as
-    many operand stages as fit, bf16."""
+    whole tile, its 4 slices and its default slices (8 for tiles of pairs), tile inputs streamed through 2
+    epilogue stages where there are slices, as many operand stages as fit, bf16."""
     start = time.perf_counter()
     hopper = hopper_runtime()
     module = importlib.import_module(f"generated.kernels.gluon.{name}")
