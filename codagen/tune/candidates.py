@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..emit.gluon import default_split, tma_outputs
+from ..emit.gluon import default_split, tma_inputs, tma_outputs
 from ..errors import SpecError, ValidationFailed
 from ..model import Kernel
 from ..runtime import configs
@@ -119,10 +119,12 @@ GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
 
 
 def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
-    """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, and on the
-    slices its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs), with
-    direct stores where it stores tiles by TMA; for a kernel with column groups, 64-row tiles too."""
-    splits = (1, 4, default_split(kernel))
+    """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, on the slices
+    its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs), and on 8 where
+    tile inputs stream through the slices' buffers (the RMSNorm backward: 6 stages fit beside 2 of 8 slices'
+    inputs, 213,656-230,040 bytes compiled for sm_90, 16 bytes of stack at most), with direct stores where it
+    stores tiles by TMA; for a kernel with column groups, 64-row tiles too."""
+    splits = (1, 4, default_split(kernel), *((8,) if tma_inputs(kernel) else ()))
     stores_tiles = bool(tma_outputs(kernel))
     return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits and (stores_tiles or not c.direct_stores)
                  ) + (GLUON_GROUP_CANDIDATES if kernel.column_group else ())
