@@ -110,6 +110,9 @@ GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon", direct_stores=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
     Config(128, 128, 64, 8, 4, 6, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
+    # 64-row tiles, which won swiglu_dgrad at 1B, with direct stores: 6 stages beside a whole tile of pairs
+    # (213,384 bytes; norm_dgrad_residual 214,200), no stack
+    Config(64, 128, 64, 8, 4, 6, epilogue_split=4, backend="gluon", direct_stores=True),
 )
 
 
