@@ -92,7 +92,8 @@ import torch.nn.functional as F
 
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
-from codagen.emit.gluon import default_split
+from codagen.runtime.configs import fits_group
+from codagen.tune.candidates import gluon_candidates
 from codagen.blockmodel import CheckedBlock
 from codagen.model import ACC, BLayout, Kind, Width
 from codagen.presets import PRESETS
@@ -390,24 +391,23 @@ def test_gluon_tile_inputs_streamed(name, shape, stages):
                  torch.bfloat16, lambda: config, f"gluon-streamed/{name}/{shape}/{stages}", start)
 
 
-def _whole_groups(name: str, split: int) -> bool:
-    """Whether slices of a 128-column tile in `split` hold whole column groups of the kernel."""
-    group = KERNELS[name].column_group
-    return not isinstance(group, int) or (128 // split) % group == 0
+def direct_splits(name: str) -> list[int]:
+    """The epilogue slices of the kernel's direct-store tuning candidates (those that hold its column groups)."""
+    kernel = KERNELS[name]
+    return sorted({c.epilogue_split for c in gluon_candidates(kernel)
+                   if c.direct_stores and fits_group(c, kernel.column_group)})
 
 
-# the slices the tuning candidates take (codagen.tune.candidates.gluon_candidates)
 DIRECT_CASES = [pytest.param(name, shape, split, id=f"{name}-ragged{shape}-split{split}")
                 for name in sorted(p.stem for p in GLUON.glob("*.py") if "hopper.store_direct(" in p.read_text())
-                for shape in range(len(RAGGED)) for split in sorted({1, 4, default_split(KERNELS[name])})
-                if _whole_groups(name, split)]
+                for shape in range(len(RAGGED)) for split in direct_splits(name)]
 
 
 @pytest.mark.parametrize("name,shape,split", DIRECT_CASES)
 def test_gluon_direct_stores(name, shape, split):
     """The Hopper kernels that store tiles, with direct stores (from registers, masked at the edges) on the
-    whole tile, its 4 slices and its default slices (8 for tiles of pairs), tile inputs streamed through 2
-    epilogue stages where there are slices, as many operand stages as fit, bf16."""
+    slices their tuning candidates take, tile inputs streamed through 2 epilogue stages where there are
+    slices, as many operand stages as fit, bf16."""
     start = time.perf_counter()
     hopper = hopper_runtime()
     module = importlib.import_module(f"generated.kernels.gluon.{name}")

@@ -318,11 +318,10 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     ins, outs = tma_inputs(k), tma_outputs(k)
     scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
     tensors = [d for d in (*k.inputs, *k.outputs) if d.name not in scalars]
-    pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
-                if d.name not in (k.gemm.a, k.gemm.b, *ins, *outs)]
-    # tile outputs are addressed by pointers too, for direct stores (HopperConfig.direct_stores)
-    all_pointers = pointers + [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims))
-                               for d in tensors if d.name in outs]
+    # every tensor but the GEMM's operands and the tile inputs: tile outputs too, for direct stores
+    all_pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
+                    if d.name not in (k.gemm.a, k.gemm.b, *ins)]
+    pointers = [p for p in all_pointers if p.name not in outs]  # those the epilogue always addresses so
     descs = [f"{n}_desc" for n in (*ins, *outs)]
     casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type

@@ -44,9 +44,9 @@ EPILOGUE = hopper.Epilogue(buffers=2, inputs=2, scratch=8192, split=4)  # its sh
 @gluon.jit
 def gemma_norm_dgrad_residual_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
+    x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
     M, N,
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
     stride_normed_m, stride_normed_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
@@ -121,9 +121,9 @@ def gemma_norm_dgrad_residual_consumer(
     # TMA descriptors of the tile inputs and outputs
     x_desc, grad_x_desc, dx_desc, normed_desc,
     # pointers
-    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
+    rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
     M, N, K,
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
     stride_normed_m, stride_normed_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
@@ -176,11 +176,11 @@ def gemma_norm_dgrad_residual_consumer(
                                                       pid_m * BLOCK_M, slice_n + EPILOGUE_STAGES, SLICE_N)
             gemma_norm_dgrad_residual_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr,
+                x, grad_x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr,
                 normed_ptr,
                 M, N,
-                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m,
-                stride_dx_n, stride_normed_m, stride_normed_n,
+                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n,
+                stride_dwn_part_t, stride_normed_m, stride_normed_n,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
             if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
@@ -198,11 +198,11 @@ def gemma_norm_dgrad_residual_gluon_kernel(
     dz_desc, w_desc,
     x_desc, grad_x_desc, dx_desc, normed_desc,
     # pointers
-    rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr,
+    rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
     stride_normed_m, stride_normed_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
@@ -233,16 +233,16 @@ def gemma_norm_dgrad_residual_gluon_kernel(
     gl.warp_specialize([
         (gemma_norm_dgrad_residual_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, grad_x_desc, dx_desc,
-            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr, M, N, K, stride_rstd_m,
-            stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m,
+            stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
             stride_normed_m, stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
             EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (gemma_norm_dgrad_residual_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, grad_x_desc, dx_desc,
-            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dwn_part_ptr, dx_ptr, normed_ptr, M, N, K, stride_rstd_m,
-            stride_wn_n, stride_zdz_m, stride_dwn_part_n, stride_dwn_part_t, stride_dx_m, stride_dx_n,
+            normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m,
+            stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
             stride_normed_m, stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
             EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
@@ -275,13 +275,13 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
             hopper.descriptor(grad_x, [config.block_m, slice_n]),
             hopper.store_descriptor(dx, [config.block_m, slice_n], config),
             hopper.store_descriptor(normed, [config.block_m, slice_n], config),
-            rstd, wn, zdz, dwn_part, dx, normed,
+            rstd, wn, zdz, dx, dwn_part, normed,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
             wn.stride(0),
             zdz.stride(0),
-            dwn_part.stride(0), dwn_part.stride(1),
             dx.stride(0), dx.stride(1),
+            dwn_part.stride(0), dwn_part.stride(1),
             normed.stride(0), normed.stride(1),
             plan.programs,
             **config.meta(),

@@ -38,9 +38,9 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def gemma_proj_sumsq_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, o_desc, ss_ptr, o_ptr, y_desc,
+    buffers, o_desc, o_ptr, ss_ptr, y_desc,
     M, N,
-    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+    stride_o_m, stride_o_n, stride_ss_m, stride_ss_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -72,9 +72,9 @@ def gemma_proj_sumsq_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     o_desc, y_desc,
     # pointers
-    ss_ptr, o_ptr,
+    o_ptr, ss_ptr,
     M, N, K,
-    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+    stride_o_m, stride_o_n, stride_ss_m, stride_ss_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -108,9 +108,9 @@ def gemma_proj_sumsq_consumer(
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             gemma_proj_sumsq_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, o_desc, ss_ptr, o_ptr, y_desc,
+                buffers, o_desc, o_ptr, ss_ptr, y_desc,
                 M, N,
-                stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+                stride_o_m, stride_o_n, stride_ss_m, stride_ss_t,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
@@ -124,11 +124,11 @@ def gemma_proj_sumsq_gluon_kernel(
     y_desc, w_desc,
     o_desc,
     # pointers
-    ss_ptr, o_ptr,
+    o_ptr, ss_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_ss_m, stride_ss_t, stride_o_m, stride_o_n,
+    stride_o_m, stride_o_n, stride_ss_m, stride_ss_t,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -160,14 +160,14 @@ def gemma_proj_sumsq_gluon_kernel(
     # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
     gl.warp_specialize([
         (gemma_proj_sumsq_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, o_ptr, M, N,
-            K, stride_ss_m, stride_ss_t, stride_o_m, stride_o_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr, M, N,
+            K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (gemma_proj_sumsq_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, ss_ptr, o_ptr, M, N,
-            K, stride_ss_m, stride_ss_t, stride_o_m, stride_o_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr, M, N,
+            K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
@@ -196,10 +196,10 @@ def launch(y, w, *, o, ss, config=None) -> None:
             hopper.descriptor(y, [config.block_m, config.block_k]),
             hopper.descriptor(w, [config.block_n, config.block_k]),
             hopper.store_descriptor(o, [config.block_m, slice_n], config),
-            ss, o,
+            o, ss,
             plan.m, plan.n, plan.k,
-            ss.stride(0), ss.stride(1),
             o.stride(0), o.stride(1),
+            ss.stride(0), ss.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

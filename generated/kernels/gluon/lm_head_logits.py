@@ -41,10 +41,10 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def lm_head_logits_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, h_desc,
+    buffers, logits_desc, rstd_ptr, target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr, h_desc,
     M, N,
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
-    stride_logits_n,
+    stride_rstd_m, stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+    stride_target_logit_m,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -85,10 +85,10 @@ def lm_head_logits_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     logits_desc, h_desc,
     # pointers
-    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr,
+    rstd_ptr, target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr,
     M, N, K,
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
-    stride_logits_n,
+    stride_rstd_m, stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+    stride_target_logit_m,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -122,10 +122,10 @@ def lm_head_logits_consumer(
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             lm_head_logits_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, logits_desc, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, h_desc,
+                buffers, logits_desc, rstd_ptr, target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr, h_desc,
                 M, N,
-                stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-                stride_logits_m, stride_logits_n,
+                stride_rstd_m, stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m,
+                stride_lse_part_t, stride_target_logit_m,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
@@ -139,12 +139,12 @@ def lm_head_logits_gluon_kernel(
     h_desc, w_vocab_desc,
     logits_desc,
     # pointers
-    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr,
+    rstd_ptr, target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m,
-    stride_logits_n,
+    stride_rstd_m, stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+    stride_target_logit_m,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -177,16 +177,16 @@ def lm_head_logits_gluon_kernel(
     gl.warp_specialize([
         (lm_head_logits_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, M, N, K, stride_rstd_m, stride_target_m,
-            stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m, stride_logits_n,
+            target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m,
+            stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
             NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
             DIRECT_STORES,
             0,
         )),
         (lm_head_logits_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, lse_part_ptr, target_logit_ptr, logits_ptr, M, N, K, stride_rstd_m, stride_target_m,
-            stride_lse_part_m, stride_lse_part_t, stride_target_logit_m, stride_logits_m, stride_logits_n,
+            target_ptr, logits_ptr, lse_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m,
+            stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
             NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
             DIRECT_STORES,
             1,
@@ -216,13 +216,13 @@ def launch(h, w_vocab, rstd, target, *, logits, lse_part, target_logit, config=N
             hopper.descriptor(h, [config.block_m, config.block_k]),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
             hopper.store_descriptor(logits, [config.block_m, slice_n], config),
-            rstd, target, lse_part, target_logit, logits,
+            rstd, target, logits, lse_part, target_logit,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
             target.stride(0),
+            logits.stride(0), logits.stride(1),
             lse_part.stride(0), lse_part.stride(1),
             target_logit.stride(0),
-            logits.stride(0), logits.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

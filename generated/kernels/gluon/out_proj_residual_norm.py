@@ -41,9 +41,9 @@ EPILOGUE = hopper.Epilogue(buffers=1, inputs=1)  # its shared memory
 @gluon.jit
 def out_proj_residual_norm_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr, x_out_ptr, h_ptr,
+    x, buffers, x_out_desc, h_desc, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
     M, N,
-    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+    stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n, stride_ss_m, stride_ss_t,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -93,9 +93,9 @@ def out_proj_residual_norm_consumer(
     # TMA descriptors of the tile inputs and outputs
     x_desc, x_out_desc, h_desc,
     # pointers
-    wn_ptr, ss_ptr, x_out_ptr, h_ptr,
+    wn_ptr, x_out_ptr, h_ptr, ss_ptr,
     M, N, K,
-    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+    stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n, stride_ss_m, stride_ss_t,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -144,9 +144,9 @@ def out_proj_residual_norm_consumer(
                                                    slice_n + EPILOGUE_STAGES, SLICE_N)
             out_proj_residual_norm_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                x, buffers, x_out_desc, h_desc, wn_ptr, ss_ptr, x_out_ptr, h_ptr,
+                x, buffers, x_out_desc, h_desc, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
                 M, N,
-                stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+                stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n, stride_ss_m, stride_ss_t,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
             if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
@@ -164,11 +164,11 @@ def out_proj_residual_norm_gluon_kernel(
     y_desc, w_o_desc,
     x_desc, x_out_desc, h_desc,
     # pointers
-    wn_ptr, ss_ptr, x_out_ptr, h_ptr,
+    wn_ptr, x_out_ptr, h_ptr, ss_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+    stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n, stride_ss_m, stride_ss_t,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -198,16 +198,16 @@ def out_proj_residual_norm_gluon_kernel(
     gl.warp_specialize([
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
-            ss_ptr, x_out_ptr, h_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m,
-            stride_x_out_n, stride_h_m, stride_h_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
+            x_out_ptr, h_ptr, ss_ptr, M, N, K, stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+            stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (out_proj_residual_norm_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, x_desc, x_out_desc, h_desc, wn_ptr,
-            ss_ptr, x_out_ptr, h_ptr, M, N, K, stride_wn_n, stride_ss_m, stride_ss_t, stride_x_out_m,
-            stride_x_out_n, stride_h_m, stride_h_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-            EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
+            x_out_ptr, h_ptr, ss_ptr, M, N, K, stride_wn_n, stride_x_out_m, stride_x_out_n, stride_h_m, stride_h_n,
+            stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
+            EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (y_desc, w_o_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -237,12 +237,12 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
             hopper.descriptor(x, [config.block_m, slice_n]),
             hopper.store_descriptor(x_out, [config.block_m, slice_n], config),
             hopper.store_descriptor(h, [config.block_m, slice_n], config),
-            wn, ss, x_out, h,
+            wn, x_out, h, ss,
             plan.m, plan.n, plan.k,
             wn.stride(0),
-            ss.stride(0), ss.stride(1),
             x_out.stride(0), x_out.stride(1),
             h.stride(0), h.stride(1),
+            ss.stride(0), ss.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

@@ -44,11 +44,11 @@ EPILOGUE = hopper.Epilogue(buffers=1, column_group=128)  # its shared memory
 @gluon.jit
 def qkv_qk_norm_rope_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr,
-    qkv_ptr, z_ptr, eps,
+    buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr,
+    head_rstd_ptr, eps,
     M, N,
-    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_head_rstd_m,
-    stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n,
+    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n,
+    stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -114,12 +114,12 @@ def qkv_qk_norm_rope_consumer(
     # TMA descriptors of the tile inputs and outputs
     qkv_desc, z_desc,
     # pointers
-    rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr, qkv_ptr, z_ptr,
+    rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr, head_rstd_ptr,
     # host scalars
     eps,
     M, N, K,
-    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_head_rstd_m,
-    stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n,
+    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n,
+    stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -153,11 +153,11 @@ def qkv_qk_norm_rope_consumer(
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
             qkv_qk_norm_rope_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr,
-                qkv_ptr, z_ptr, eps,
+                buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr,
+                z_ptr, head_rstd_ptr, eps,
                 M, N,
-                stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n,
-                stride_head_rstd_m, stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n,
+                stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
+                stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
         tile_count += 1
@@ -171,14 +171,14 @@ def qkv_qk_norm_rope_gluon_kernel(
     h_desc, w_qkv_desc,
     qkv_desc, z_desc,
     # pointers
-    rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr, qkv_ptr, z_ptr,
+    rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr, head_rstd_ptr,
     # host scalars
     eps,
     # sizes
     M, N, K,
     # strides
-    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_head_rstd_m,
-    stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n,
+    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n,
+    stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -211,18 +211,18 @@ def qkv_qk_norm_rope_gluon_kernel(
     gl.warp_specialize([
         (qkv_qk_norm_rope_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, z_desc, rstd_ptr,
-            positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr, qkv_ptr, z_ptr, eps, M, N, K,
-            stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_head_rstd_m,
-            stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-            BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
+            positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr, head_rstd_ptr, eps, M, N, K,
+            stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
+            stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (qkv_qk_norm_rope_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, z_desc, rstd_ptr,
-            positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, head_rstd_ptr, qkv_ptr, z_ptr, eps, M, N, K,
-            stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_head_rstd_m,
-            stride_head_rstd_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-            BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
+            positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr, head_rstd_ptr, eps, M, N, K,
+            stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
+            stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
+            BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (h_desc, w_qkv_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
@@ -252,7 +252,7 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),
             hopper.store_descriptor(z, [config.block_m, slice_n], config),
-            rstd, positions, freqs, wn_qk, v_pass, head_rstd, qkv, z,
+            rstd, positions, freqs, wn_qk, v_pass, qkv, z, head_rstd,
             eps,
             plan.m, plan.n, plan.k,
             rstd.stride(0),
@@ -260,9 +260,9 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
             freqs.stride(0),
             wn_qk.stride(0),
             v_pass.stride(0),
-            head_rstd.stride(0), head_rstd.stride(1),
             qkv.stride(0), qkv.stride(1),
             z.stride(0), z.stride(1),
+            head_rstd.stride(0), head_rstd.stride(1),
             plan.programs,
             **config.meta(),
             num_warps=4,

@@ -42,11 +42,11 @@ EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, scratch=8192, columns=2, split=8
 @gluon.jit
 def swiglu_bias_dgrad_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    z_even, z_odd, buffers, dz_desc, y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr,
+    z_even, z_odd, buffers, dz_desc, y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
     grad_y_desc,
     M, N,
-    stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t, stride_dz_m,
-    stride_dz_n, stride_y_m, stride_y_n,
+    stride_b_gate_up_n, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n,
+    stride_db_part_t, stride_y_m, stride_y_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -119,10 +119,10 @@ def swiglu_bias_dgrad_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     z_desc, dz_desc, y_desc, grad_y_desc,
     # pointers
-    b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr,
+    b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
     M, N, K,
-    stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t, stride_dz_m,
-    stride_dz_n, stride_y_m, stride_y_n,
+    stride_b_gate_up_n, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n,
+    stride_db_part_t, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -171,11 +171,11 @@ def swiglu_bias_dgrad_consumer(
                                               slice_n + EPILOGUE_STAGES, SLICE_N)
             swiglu_bias_dgrad_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                z_even, z_odd, buffers, dz_desc, y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr,
+                z_even, z_odd, buffers, dz_desc, y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
                 grad_y_desc,
                 M, N,
-                stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
-                stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+                stride_b_gate_up_n, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t,
+                stride_db_part_n, stride_db_part_t, stride_y_m, stride_y_n,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
             if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
@@ -193,12 +193,12 @@ def swiglu_bias_dgrad_gluon_kernel(
     grad_y_desc, w_down_desc,
     z_desc, dz_desc, y_desc,
     # pointers
-    b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr,
+    b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_b_gate_up_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t, stride_dz_m,
-    stride_dz_n, stride_y_m, stride_y_n,
+    stride_b_gate_up_n, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n,
+    stride_db_part_t, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -228,16 +228,16 @@ def swiglu_bias_dgrad_gluon_kernel(
     gl.warp_specialize([
         (swiglu_bias_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
-            stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t, stride_dz_m, stride_dz_n,
+            grad_y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
+            stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
             stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
             EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (swiglu_bias_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, b_gate_up_ptr, zdz_part_ptr, db_part_ptr, dz_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
-            stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t, stride_dz_m, stride_dz_n,
+            grad_y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
+            stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
             stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
             EPILOGUE_STAGES, DIRECT_STORES,
             1,
@@ -269,12 +269,12 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),
             hopper.store_descriptor(dz, [config.block_m, 2 * slice_n], config),
             hopper.store_descriptor(y, [config.block_m, slice_n], config),
-            b_gate_up, zdz_part, db_part, dz, y,
+            b_gate_up, dz, zdz_part, db_part, y,
             plan.m, plan.n, plan.k,
             b_gate_up.stride(0),
+            dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
             db_part.stride(0), db_part.stride(1),
-            dz.stride(0), dz.stride(1),
             y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),

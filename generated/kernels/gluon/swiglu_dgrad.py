@@ -40,9 +40,9 @@ EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, columns=2, split=8)  # its share
 @gluon.jit
 def swiglu_dgrad_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, dz_ptr, y_ptr, grad_y_desc,
+    z_even, z_odd, buffers, dz_desc, y_desc, dz_ptr, zdz_part_ptr, y_ptr, grad_y_desc,
     M, N,
-    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+    stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -101,9 +101,9 @@ def swiglu_dgrad_consumer(
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     z_desc, dz_desc, y_desc, grad_y_desc,
     # pointers
-    zdz_part_ptr, dz_ptr, y_ptr,
+    dz_ptr, zdz_part_ptr, y_ptr,
     M, N, K,
-    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+    stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
@@ -152,9 +152,9 @@ def swiglu_dgrad_consumer(
                                          slice_n + EPILOGUE_STAGES, SLICE_N)
             swiglu_dgrad_epilogue(
                 acc_slice, pid_m, slice_n, rows, cols,
-                z_even, z_odd, buffers, dz_desc, y_desc, zdz_part_ptr, dz_ptr, y_ptr, grad_y_desc,
+                z_even, z_odd, buffers, dz_desc, y_desc, dz_ptr, zdz_part_ptr, y_ptr, grad_y_desc,
                 M, N,
-                stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+                stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
                 BLOCK_M, SLICE_N, DIRECT_STORES,
             )
             if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
@@ -172,11 +172,11 @@ def swiglu_dgrad_gluon_kernel(
     grad_y_desc, w_down_desc,
     z_desc, dz_desc, y_desc,
     # pointers
-    zdz_part_ptr, dz_ptr, y_ptr,
+    dz_ptr, zdz_part_ptr, y_ptr,
     # sizes
     M, N, K,
     # strides
-    stride_zdz_part_m, stride_zdz_part_t, stride_dz_m, stride_dz_n, stride_y_m, stride_y_n,
+    stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
     # settings
@@ -206,15 +206,15 @@ def swiglu_dgrad_gluon_kernel(
     gl.warp_specialize([
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, zdz_part_ptr, dz_ptr, y_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, stride_dz_m,
-            stride_dz_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
+            stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
             EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             0,
         )),
         (swiglu_dgrad_consumer, (
             a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-            grad_y_desc, zdz_part_ptr, dz_ptr, y_ptr, M, N, K, stride_zdz_part_m, stride_zdz_part_t, stride_dz_m,
-            stride_dz_n, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+            grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
+            stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
             EPILOGUE_SPLIT, EPILOGUE_STAGES, DIRECT_STORES,
             1,
         )),
@@ -245,10 +245,10 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),
             hopper.store_descriptor(dz, [config.block_m, 2 * slice_n], config),
             hopper.store_descriptor(y, [config.block_m, slice_n], config),
-            zdz_part, dz, y,
+            dz, zdz_part, y,
             plan.m, plan.n, plan.k,
-            zdz_part.stride(0), zdz_part.stride(1),
             dz.stride(0), dz.stride(1),
+            zdz_part.stride(0), zdz_part.stride(1),
             y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),
