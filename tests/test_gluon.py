@@ -230,6 +230,57 @@ def test_direct_stores_lower_to_ttgir_for_sm90():
         assert loads == bool(epilogue.inputs), name  # the consumer's own TMA loads: tile inputs only
 
 
+def test_slice_loop():
+    """A Hopper config's slice loop: its meta and label, refused for the tl kernels and on a whole tile, and
+    dropped where a table's Hopper choice falls back to the tl kernel."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.runtime import configs
+
+    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True)
+    assert chosen.label() == "128x128x64 g8 w4 s6 epilogue/8 in 2 loop gluon"
+    loop = hopper.launch_config(chosen, _module("swiglu_dgrad").EPILOGUE)
+    assert loop == hopper.HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True)
+    assert loop.meta()["SLICE_LOOP"] is True and hopper.HopperConfig().meta()["SLICE_LOOP"] is False
+    assert loop.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop"
+    with pytest.raises(ValueError, match="slice_loop is the Hopper \\(gluon\\) kernel's, for an epilogue_split of 2 or "
+                       "more, got backend 'tl' and epilogue_split 4"):
+        Config(epilogue_split=4, slice_loop=True)
+    with pytest.raises(ValueError, match="got backend 'gluon' and epilogue_split 1"):
+        Config(backend="gluon", slice_loop=True)
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    loop_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True)
+    assert configs.hopper_or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
+        loop_matmul, backend="tl", slice_loop=False)
+
+
+_LOOP_TTGIR = """
+import dataclasses, importlib, json, sys
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile
+from codagen.runtime import gluon_hopper as hopper
+found = {{}}
+for name in sys.argv[1:]:
+    module = importlib.import_module("generated.kernels.gluon." + name)
+    unrolled = hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4))
+    found[name] = [gluon_compile.ttgir(module, c) for c in (unrolled, dataclasses.replace(unrolled, slice_loop=True))]
+print(json.dumps(found))
+"""
+
+
+def test_slice_loop_lowers_to_ttgir_for_sm90():
+    """Every Hopper kernel whose epilogue runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8 slices
+    with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is
+    there once per slice (counted by its stores)."""
+    names = [name for name in _modules_with("_consumer(") if not _module(name).EPILOGUE.column_group]
+    assert {"swiglu_dgrad", "gate_up_swiglu", "lm_head_logsumexp", "matmul"} <= set(names)
+    found = _compiled(_LOOP_TTGIR, names)
+    for name in names:
+        unrolled, loop = found[name]
+        stores = [t.count("tt.store") + t.count("ttng.async_tma_copy_local_to_global") for t in (unrolled, loop)]
+        assert stores[1] > 0 and stores[0] == max(_module(name).EPILOGUE.split, 4) * stores[1], (name, stores)
+        assert loop.count("scf.for") == unrolled.count("scf.for") + 2, name  # a slice loop per consumer
+
+
 def test_column_groups_are_lowered():
     """Qwen3's QK-norm: a group value is held over its group's columns in the accumulator's layout
     (hopper.group_reduce), meets tiles as it is, and is stored by the first column of each group; the default

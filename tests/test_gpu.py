@@ -421,6 +421,27 @@ def test_gluon_direct_stores(name, shape, split):
                  torch.bfloat16, lambda: config, f"gluon-direct/{name}/{shape}/{split}", start)
 
 
+LOOP_CASES = [pytest.param(name, shape, c, id=f"{name}-ragged{shape}-{c.label().replace(' ', '-')}")
+              for name in sorted(p.stem for p in GLUON.glob("*.py") if p.stem != "__init__")
+              for shape in range(len(RAGGED))
+              for c in gluon_candidates(KERNELS[name]) if c.slice_loop and fits_group(c, KERNELS[name].column_group)]
+
+
+@pytest.mark.parametrize("name,shape,candidate", LOOP_CASES)
+def test_gluon_slice_loop(name, shape, candidate):
+    """The Hopper kernels with their epilogue slices in a loop (the slice selected from the accumulator at run
+    time), as their slice_loop tuning candidates run them, with as many operand stages as fit, bf16."""
+    start = time.perf_counter()
+    hopper = hopper_runtime()
+    module = importlib.import_module(f"generated.kernels.gluon.{name}")
+    config = hopper.launch_config(candidate, module.EPILOGUE)
+    while config.smem_bytes(2, module.EPILOGUE) > hopper.SMEM_LIMIT:
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    m, n, k = list(gluon_shapes(name).values())[shape]
+    check_launch(f"gpu gluon {name} loop", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
+                 torch.bfloat16, lambda: config, f"gluon-loop/{name}/{shape}/{candidate.label()}", start)
+
+
 class ViaConfig:
     """A kernel module whose launch runs with `config` whatever it is given (check_launch launches with
     config=None, which would take the tuning table's choice), with the module's launch signature."""

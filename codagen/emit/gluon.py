@@ -374,7 +374,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
                             "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
                             "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES",
+                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP",
                             *(["DIRECT_STORES"] if buffers else [])], 12),
         tensor_names=names,
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),

@@ -57,6 +57,10 @@ class Config:
     # the Hopper kernel only: tile outputs stored from registers to global memory instead of through shared
     # memory by TMA, so that stores wait for nothing and free the buffers they would take
     direct_stores: bool = False
+    # the Hopper kernel only: its epilogue slices in a loop rather than unrolled, so that a long epilogue's
+    # code is there once (two unrolled copies, one per consumer, miss the instruction cache); the loop selects
+    # each slice of the accumulator at run time and keeps all of it live (epilogue_split 2 or more)
+    slice_loop: bool = False
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
     # group_m and num_stages (its operand stages); the other fields are the tl kernel's
@@ -70,7 +74,7 @@ class Config:
         for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "epilogue_split"):
             if type(getattr(self, name)) is not int:
                 fail(f"{name} must be an int, got {getattr(self, name)!r}")
-        for name in ("persistent", "tma", "flatten", "warp_specialize", "direct_stores"):
+        for name in ("persistent", "tma", "flatten", "warp_specialize", "direct_stores", "slice_loop"):
             if type(getattr(self, name)) is not bool:
                 fail(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.epilogue_split not in (1, 2, 4, 8) or self.block_n % (2 * self.epilogue_split):
@@ -96,6 +100,9 @@ class Config:
                  f"({self.epilogue_split}), got {self.epilogue_stages!r} with backend {self.backend!r}")
         if self.direct_stores and self.backend != "gluon":
             fail("direct_stores is the Hopper (gluon) kernel's (the tl kernels always store from registers)")
+        if self.slice_loop and (self.backend != "gluon" or self.epilogue_split == 1):
+            fail(f"slice_loop is the Hopper (gluon) kernel's, for an epilogue_split of 2 or more, got backend "
+                 f"{self.backend!r} and epilogue_split {self.epilogue_split}")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")
@@ -121,7 +128,7 @@ class Config:
                 + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
-                + (" direct" if self.direct_stores else "")
+                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
                 + (f" {self.backend}" if self.backend != "tl" else ""))
 
 
@@ -139,7 +146,8 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     except ValueError as e:
         log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
                  "running the tl kernel", kernel, e)
-        return dataclasses.replace(config, backend="tl", epilogue_stages=None, direct_stores=False)
+        return dataclasses.replace(config, backend="tl", epilogue_stages=None, direct_stores=False,
+                                   slice_loop=False)
     return config
 
 

@@ -74,7 +74,9 @@ class HopperConfig:
     from registers to global memory (masked stores, as the tl kernels make them) instead of through the
     epilogue's buffers by TMA, so that no store waits for an earlier one to have left a buffer, a slice's
     buffers take the next slice's inputs as soon as they are read, and buffers for the stores alone are not
-    needed (more operand stages fit)."""
+    needed (more operand stages fit). `slice_loop`: the consumer runs its slices in a loop, not unrolled, so
+    that a long epilogue's code is there once per consumer and fits the instruction cache; the loop selects
+    each slice of the accumulator at run time and keeps all of it live throughout."""
 
     block_m: int = 128
     block_n: int = 128
@@ -85,6 +87,7 @@ class HopperConfig:
     epilogue_split: int = 1
     epilogue_stages: int | None = None
     direct_stores: bool = False
+    slice_loop: bool = False
 
     @property
     def epilogue_n(self) -> int:
@@ -99,7 +102,8 @@ class HopperConfig:
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
                 "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
-                "EPILOGUE_STAGES": self.slices_in_flight, "DIRECT_STORES": self.direct_stores}
+                "EPILOGUE_STAGES": self.slices_in_flight, "SLICE_LOOP": self.slice_loop,
+                "DIRECT_STORES": self.direct_stores}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
@@ -113,7 +117,7 @@ class HopperConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
-                + (" direct" if self.direct_stores else ""))
+                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -135,8 +139,8 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores and
-    num_stages as this kernel's stages."""
+    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores,
+    slice_loop and num_stages as this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
@@ -144,7 +148,8 @@ def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> H
             raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
                             group_m=config.group_m, epilogue_split=config.epilogue_split,
-                            epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores)
+                            epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores,
+                            slice_loop=config.slice_loop)
     return config
 
 
@@ -313,10 +318,19 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
 
 
 @gluon.jit
-def column_slice(x, PART: gl.constexpr, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
+def column_slice(x, part, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
     """tile.column_slice of the accumulator, in LAYOUT: the accumulator's layout at the slice's width, which
-    the halves of halves of x are in already (the conversion asserts that no value moves)."""
-    return gl.convert_layout(tile.column_slice(x, PART, PARTS), LAYOUT, assert_trivial=True)
+    the halves of halves of x are in already (the conversion asserts that no value moves). A `part` known at
+    compile time takes its slice as it is; one known at run time (HopperConfig.slice_loop) selects it from
+    all PARTS slices, element by element."""
+    if isinstance(part, gl.constexpr):
+        chosen = gl.convert_layout(tile.column_slice(x, part, PARTS), LAYOUT, assert_trivial=True)
+    else:
+        chosen = gl.convert_layout(tile.column_slice(x, 0, PARTS), LAYOUT, assert_trivial=True)
+        for p in gl.static_range(1, PARTS):
+            chosen = gl.where(part == p, gl.convert_layout(tile.column_slice(x, p, PARTS), LAYOUT,
+                                                           assert_trivial=True), chosen)
+    return chosen
 
 
 # a shared-memory buffer viewed as another block shape: `reinterpret` since Triton 3.9, `_reinterpret` before

@@ -78,11 +78,14 @@ def lm_head_logsumexp_consumer(
     stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
+    CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
-    the epilogue buffers of stage part % EPILOGUE_STAGES."""
+    the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
+    whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
+    unrolled copies of a long epilogue miss the instruction cache (measured on the H200)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -97,7 +100,7 @@ def lm_head_logsumexp_consumer(
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, False)
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for part in gl.static_range(EPILOGUE_SPLIT):
+        for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
             acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
             cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
@@ -126,7 +129,7 @@ def lm_head_logsumexp_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    DIRECT_STORES: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
@@ -146,13 +149,13 @@ def lm_head_logsumexp_gluon_kernel(
         (lm_head_logsumexp_consumer, (
             a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
             M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP,
             0,
         )),
         (lm_head_logsumexp_consumer, (
             a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
             M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES,
+            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP,
             1,
         )),
         (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,

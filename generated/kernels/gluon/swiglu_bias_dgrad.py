@@ -125,12 +125,14 @@ def swiglu_bias_dgrad_consumer(
     stride_db_part_t, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, DIRECT_STORES: gl.constexpr,
-    CONSUMER: gl.constexpr,
+    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
+    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
-    the epilogue buffers of stage part % EPILOGUE_STAGES."""
+    the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
+    whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
+    unrolled copies of a long epilogue miss the instruction cache (measured on the H200)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -155,7 +157,7 @@ def swiglu_bias_dgrad_consumer(
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, True)
         step += 2 * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for part in gl.static_range(EPILOGUE_SPLIT):
+        for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
             slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
             slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
@@ -204,7 +206,7 @@ def swiglu_bias_dgrad_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    DIRECT_STORES: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
@@ -231,7 +233,7 @@ def swiglu_bias_dgrad_gluon_kernel(
             grad_y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
             stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
             stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES, DIRECT_STORES,
+            EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
             0,
         )),
         (swiglu_bias_dgrad_consumer, (
@@ -239,7 +241,7 @@ def swiglu_bias_dgrad_gluon_kernel(
             grad_y_desc, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr, M, N, K, stride_b_gate_up_n,
             stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_db_part_n, stride_db_part_t,
             stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-            EPILOGUE_STAGES, DIRECT_STORES,
+            EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
             1,
         )),
         (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
