@@ -1,6 +1,6 @@
 """The Hopper (Gluon) kernels of generated/kernels/gluon/, compiled for sm_90 on a machine without a GPU:
 registers, spill stack and shared memory of each kernel in each configuration, read back with the `cuobjdump`
-that Triton bundles, and how many HGMMA (Hopper's warpgroup MMA) instructions its SASS holds.
+that Triton bundles, how many HGMMA (Hopper's warpgroup MMA) instructions its SASS holds, and its code size.
 
     python benchmarks/gluon_compile.py [--kernels a,b] [--out FILE]
 
@@ -36,7 +36,10 @@ CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=
            HopperConfig(stages=3, epilogue_split=8), HopperConfig(stages=6, direct_stores=True),
            HopperConfig(stages=6, epilogue_split=4, direct_stores=True),
            HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, direct_stores=True),
-           HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True))
+           HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True),
+           HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True),
+           HopperConfig(stages=5, epilogue_split=4, slice_loop=True),
+           HopperConfig(stages=5, epilogue_split=4, direct_stores=True, slice_loop=True))
 
 
 def names() -> list[str]:
@@ -84,7 +87,8 @@ def compile_kernel(module, config: HopperConfig):
 
 
 def usage(compiled) -> dict:
-    """REG, STACK, SHARED (cuobjdump's, static only) and the kernel's dynamic shared memory, HGMMA count."""
+    """REG, STACK, SHARED (cuobjdump's, static only) and the kernel's dynamic shared memory, HGMMA count, and
+    CODE: bytes of SASS (16 per instruction)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -94,6 +98,7 @@ def usage(compiled) -> dict:
     found = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
     found["SMEM"] = compiled.metadata.shared
     found["HGMMA"] = len(re.findall(r"\bHGMMA\.", sass))
+    found["CODE"] = 16 * len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
     counts = re.findall(r"SETMAXREG\.\w+\.CTAPOOL (?:UP0, )?0x([0-9a-f]+)", sass)
     found["SETMAXREG"] = sorted({int(v, 16) for v in counts})
     return found
@@ -110,20 +115,21 @@ def main() -> None:
              "- REG: registers per thread at the kernel's entry (warp-specialized kernels re-divide them per "
              "partition with setmaxnreg: SETMAXREG lists the counts its SASS sets); STACK: bytes of stack per "
              "thread, mostly spilled registers (0: no spill); SMEM: bytes of shared memory a program uses; "
-             "HGMMA: warpgroup MMA instructions in the SASS. The first row of a kernel is its launcher's default "
-             "(as many operand stages as fit beside its epilogue). Compiled as the JIT compiles a launch on "
-             "contiguous tensors at a model's shapes (spills.jit_specialization).", ""]
+             "HGMMA: warpgroup MMA instructions in the SASS; CODE: kilobytes of SASS (the epilogue is there once per "
+             "slice and consumer unrolled, once per consumer with the slice loop). The first row of a kernel is its "
+             "launcher's default (as many operand stages as fit beside its epilogue). Compiled as the JIT compiles a "
+             "launch on contiguous tensors at a model's shapes (spills.jit_specialization).", ""]
     for name in (args.kernels.split(",") if args.kernels else names()):
         module = importlib.import_module(f"generated.kernels.gluon.{name}")
-        lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | SETMAXREG |",
-                  "|---|---|---|---|---|---|"]
+        lines += [f"## {name}", "", "| configuration | REG | STACK | SMEM | HGMMA | CODE | SETMAXREG |",
+                  "|---|---|---|---|---|---|---|"]
         for config in dict.fromkeys((default_config(module.EPILOGUE), *CONFIGS)):
             try:
                 u = usage(compile_kernel(module, config))
                 row = (f"| {config.label()} | {u['REG']} | {u['STACK']} | {u['SMEM']} | {u['HGMMA']} | "
-                       f"{', '.join(map(str, u['SETMAXREG']))} |")
+                       f"{u['CODE'] / 1000:.0f} | {', '.join(map(str, u['SETMAXREG']))} |")
             except Exception as e:  # noqa: BLE001 - reported per configuration
-                row = f"| {config.label()} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | | | | |"
+                row = f"| {config.label()} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | | | | | |"
             print(f"{name}: {row}", flush=True)
             lines.append(row)
         lines.append("")
