@@ -200,30 +200,16 @@ def test_direct_stores():
         chosen, backend="tl", direct_stores=False)
 
 
-_DIRECT_TTGIR = """
-import importlib, json, sys
-sys.path.insert(0, {benchmarks!r})
-import gluon_compile
-from codagen.runtime import gluon_hopper as hopper
-found = {{}}
-for name in sys.argv[1:]:
-    module = importlib.import_module("generated.kernels.gluon." + name)
-    split = max(module.EPILOGUE.split, 4) if not module.EPILOGUE.column_group else 1
-    found[name] = gluon_compile.ttgir(module, hopper.HopperConfig(stages=3, epilogue_split=split,
-                                                                  direct_stores=True))
-print(json.dumps(found))
-"""
-
-
 def test_direct_stores_lower_to_ttgir_for_sm90():
     """Every Hopper kernel that stores tiles by TMA, compiled as far as TTGIR for sm_90 with direct stores:
     its tiles leave by plain stores, no TMA store is made or waited for, and only the tile inputs have
     buffers."""
     names = _modules_with("hopper.store_direct(")
     assert {"swiglu_dgrad", "gate_up_swiglu", "out_proj_residual_norm", "matmul"} <= set(names)
-    found = _compiled(_DIRECT_TTGIR, names)
+    found = _ttgir_each("[hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4) "
+                        "if not module.EPILOGUE.column_group else 1, direct_stores=True)]", names)
     for name in names:
-        ttgir, epilogue = found[name], _module(name).EPILOGUE
+        (ttgir,), epilogue = found[name], _module(name).EPILOGUE
         assert "async_tma_copy_local_to_global" not in ttgir and "async_tma_store_wait" not in ttgir, name
         assert "tt.store" in ttgir, name
         loads = "async_tma_copy_global_to_local" in ttgir.split("ttg.warp_specialize")[1].split("partition0")[0]
@@ -253,27 +239,14 @@ def test_slice_loop():
         loop_matmul, backend="tl", slice_loop=False)
 
 
-_LOOP_TTGIR = """
-import dataclasses, importlib, json, sys
-sys.path.insert(0, {benchmarks!r})
-import gluon_compile
-from codagen.runtime import gluon_hopper as hopper
-found = {{}}
-for name in sys.argv[1:]:
-    module = importlib.import_module("generated.kernels.gluon." + name)
-    unrolled = hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4))
-    found[name] = [gluon_compile.ttgir(module, c) for c in (unrolled, dataclasses.replace(unrolled, slice_loop=True))]
-print(json.dumps(found))
-"""
-
-
 def test_slice_loop_lowers_to_ttgir_for_sm90():
     """Every Hopper kernel whose epilogue runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8 slices
     with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is
     there once per slice (counted by its stores)."""
     names = [name for name in _modules_with("_consumer(") if not _module(name).EPILOGUE.column_group]
     assert {"swiglu_dgrad", "gate_up_swiglu", "lm_head_logsumexp", "matmul"} <= set(names)
-    found = _compiled(_LOOP_TTGIR, names)
+    found = _ttgir_each("[unrolled := hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4)), "
+                        "dataclasses.replace(unrolled, slice_loop=True)]", names)
     for name in names:
         unrolled, loop = found[name]
         stores = [t.count("tt.store") + t.count("ttng.async_tma_copy_local_to_global") for t in (unrolled, loop)]
@@ -413,28 +386,14 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
             assert "ttng.async_tma_copy_local_to_global" in ttgir, path
 
 
-_STREAMED_TTGIR = """
-import dataclasses, importlib, json, sys
-sys.path.insert(0, {benchmarks!r})
-import gluon_compile
-from codagen.runtime import gluon_hopper as hopper
-found = {{}}
-for name in sys.argv[1:]:
-    module = importlib.import_module("generated.kernels.gluon." + name)
-    whole = hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4))
-    streamed = dataclasses.replace(whole, epilogue_stages=2)
-    found[name] = [gluon_compile.ttgir(module, config) for config in (whole, streamed)]
-print(json.dumps(found))
-"""
-
-
 def test_tile_inputs_streamed_through_epilogue_stages():
     """Every Hopper kernel with tile inputs, compiled as far as TTGIR for sm_90 with 2 epilogue stages of its 4
     or 8 slices: each consumer allocates buffers for 2 slices, not all, and waits for a slice's stores to have
     read its buffers before each of the later slices loads into them."""
     names = _modules_with("_load_inputs(")
     assert {"swiglu_dgrad", "norm_dgrad_residual"} <= set(names)
-    found = _compiled(_STREAMED_TTGIR, names)
+    found = _ttgir_each("[whole := hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4)), "
+                        "dataclasses.replace(whole, epilogue_stages=2)]", names)
     for name in names:
         epilogue = _module(name).EPILOGUE
         split = max(epilogue.split, 4)
@@ -449,6 +408,26 @@ def test_tile_inputs_streamed_through_epilogue_stages():
 def _modules_with(text: str) -> list[str]:
     """The generated Hopper modules whose source holds `text`, by name."""
     return sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if text in p.read_text())
+
+
+_TTGIR_EACH = """
+import dataclasses, importlib, json, sys
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile
+from codagen.runtime import gluon_hopper as hopper
+found = {{}}
+for name in sys.argv[1:]:
+    module = importlib.import_module("generated.kernels.gluon." + name)
+    configs = CONFIGS
+    found[name] = [gluon_compile.ttgir(module, config) for config in configs]
+print(json.dumps(found))
+"""
+
+
+def _ttgir_each(configs: str, names: list[str]) -> dict:
+    """Each named Hopper kernel lowered as far as TTGIR for sm_90 in each of `configs` (an expression of
+    `module`, the kernel's module, and `hopper`), as a list by name."""
+    return _compiled(_TTGIR_EACH.replace("CONFIGS", configs), names)
 
 
 def _compiled(script: str, args: list[str], **env) -> dict:
