@@ -39,7 +39,10 @@ CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=
            HopperConfig(stages=5, epilogue_split=8, epilogue_stages=4, direct_stores=True),
            HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True),
            HopperConfig(stages=5, epilogue_split=4, slice_loop=True),
-           HopperConfig(stages=5, epilogue_split=4, direct_stores=True, slice_loop=True))
+           HopperConfig(stages=5, epilogue_split=4, direct_stores=True, slice_loop=True),
+           HopperConfig(block_m=64, stages=8, epilogue_split=8, epilogue_stages=2, slice_loop=True, consumers=3,
+                        consumer_regs=160),
+           HopperConfig(block_m=64, stages=7, epilogue_split=4, slice_loop=True, consumers=3, consumer_regs=160))
 
 
 def names() -> list[str]:

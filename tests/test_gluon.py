@@ -111,7 +111,7 @@ def test_pairs_loaded_from_memory_are_lowered():
                  "hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)",
                  "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
                  "hopper.store_descriptor(y, [config.block_m, slice_n], config),",
-                 "[2 * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
+                 "[CONSUMERS * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)]"):
         assert line in source, line
     # slice `part` in its stage's buffers, loaded during the mainloop, or once the slice before it there is
     # done: stored, or with direct stores read
@@ -237,6 +237,47 @@ def test_slice_loop():
     loop_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True)
     assert configs.hopper_or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
         loop_matmul, backend="tl", slice_loop=False)
+
+
+def test_three_consumers():
+    """A Hopper config with three consumers: 64-row tiles only, 160 registers each (three of 232 would not fit
+    the register file), buffers for three, refused for the tl kernels, and dropped where a table's Hopper
+    choice falls back to the tl kernel."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.runtime import configs
+
+    chosen = Config(64, 128, 64, 8, 4, 7, epilogue_split=4, backend="gluon", slice_loop=True, consumers=3)
+    assert chosen.label() == "64x128x64 g8 w4 s7 epilogue/4 loop c3 gluon"
+    stores_only = _module("gate_up_swiglu").EPILOGUE
+    three = hopper.launch_config(chosen, stores_only)
+    assert (three.consumers, three.consumer_regs, three.meta()["CONSUMERS"]) == (3, 160, 3)
+    assert three.label() == "64x128x64 s7 g8 r160 epilogue/4 loop c3"
+    two = dataclasses.replace(three, consumers=2, consumer_regs=232)
+    assert three.smem_bytes(2, stores_only) - two.smem_bytes(2, stores_only) == 64 * 32 * 4 * 2  # a third's buffers
+    with pytest.raises(ValueError, match="consumers must be 2 or 3, each with consumer_regs registers, within the "
+                       "512 per thread of a warpgroup .* got 3 consumers of 232"):
+        hopper.HopperConfig(block_m=64, consumers=3)
+    with pytest.raises(ValueError, match="consumers is the Hopper \\(gluon\\) kernel's: 2, or 3 with block_m 64 .* got 3 "
+                       "with backend 'gluon' and block_m 128"):
+        Config(backend="gluon", consumers=3)
+    with pytest.raises(ValueError, match="got 3 with backend 'tl' and block_m 64"):
+        Config(block_m=64, consumers=3)
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+        chosen, backend="tl", slice_loop=False, consumers=2)
+
+
+def test_three_consumers_lower_to_ttgir_for_sm90():
+    """Every Hopper kernel, compiled as far as TTGIR for sm_90 with three consumers of 64-row tiles: three
+    consumer partitions and the producer, each consumer waiting for its turn on a barrier of three."""
+    names = _modules_with("_consumer(")
+    found = _ttgir_each("[two := hopper.HopperConfig(block_m=64, stages=4), "
+                        "dataclasses.replace(two, consumers=3, consumer_regs=160)]", names)
+    for name in names:
+        two, three = found[name]
+        assert "partition1" in two and "partition2" not in two, name  # workers: a consumer, the producer
+        assert "partition2" in three and "partition3" not in three, name  # two consumers, the producer
+        assert "memdesc<3x1xi64" in three and "memdesc<3x1xi64" not in two, name  # the turn barriers
 
 
 def test_slice_loop_lowers_to_ttgir_for_sm90():

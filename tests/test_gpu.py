@@ -421,16 +421,30 @@ def test_gluon_direct_stores(name, shape, split):
                  torch.bfloat16, lambda: config, f"gluon-direct/{name}/{shape}/{split}", start)
 
 
-LOOP_CASES = [pytest.param(name, shape, c, id=f"{name}-ragged{shape}-{c.label().replace(' ', '-')}")
-              for name in sorted(p.stem for p in GLUON.glob("*.py") if p.stem != "__init__")
-              for shape in range(len(RAGGED))
-              for c in gluon_candidates(KERNELS[name]) if c.slice_loop and fits_group(c, KERNELS[name].column_group)]
+def candidate_cases(chosen) -> list:
+    """(kernel, ragged shape, candidate) for each Hopper kernel's tuning candidates that `chosen` picks and that
+    hold its column groups."""
+    return [pytest.param(name, shape, c, id=f"{name}-ragged{shape}-{c.label().replace(' ', '-')}")
+            for name in sorted(p.stem for p in GLUON.glob("*.py") if p.stem != "__init__")
+            for shape in range(len(RAGGED))
+            for c in gluon_candidates(KERNELS[name]) if chosen(c) and fits_group(c, KERNELS[name].column_group)]
 
 
-@pytest.mark.parametrize("name,shape,candidate", LOOP_CASES)
+@pytest.mark.parametrize("name,shape,candidate", candidate_cases(lambda c: c.slice_loop and c.consumers == 2))
 def test_gluon_slice_loop(name, shape, candidate):
     """The Hopper kernels with their epilogue slices in a loop (the slice selected from the accumulator at run
     time), as their slice_loop tuning candidates run them, with as many operand stages as fit, bf16."""
+    check_candidate(name, shape, candidate, "loop")
+
+
+@pytest.mark.parametrize("name,shape,candidate", candidate_cases(lambda c: c.consumers == 3))
+def test_gluon_three_consumers(name, shape, candidate):
+    """The Hopper kernels with three consumers of 64-row tiles taking tiles in turn, as their three-consumer
+    tuning candidates run them, with as many operand stages as fit, bf16."""
+    check_candidate(name, shape, candidate, "c3")
+
+
+def check_candidate(name: str, shape: int, candidate, what: str) -> None:
     start = time.perf_counter()
     hopper = hopper_runtime()
     module = importlib.import_module(f"generated.kernels.gluon.{name}")
@@ -438,8 +452,8 @@ def test_gluon_slice_loop(name, shape, candidate):
     while config.smem_bytes(2, module.EPILOGUE) > hopper.SMEM_LIMIT:
         config = dataclasses.replace(config, stages=config.stages - 1)
     m, n, k = list(gluon_shapes(name).values())[shape]
-    check_launch(f"gpu gluon {name} loop", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
-                 torch.bfloat16, lambda: config, f"gluon-loop/{name}/{shape}/{candidate.label()}", start)
+    check_launch(f"gpu gluon {name} {what}", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
+                 torch.bfloat16, lambda: config, f"gluon-{what}/{name}/{shape}/{candidate.label()}", start)
 
 
 class ViaConfig:

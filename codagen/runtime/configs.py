@@ -61,6 +61,9 @@ class Config:
     # code is there once (two unrolled copies, one per consumer, miss the instruction cache); the loop selects
     # each slice of the accumulator at run time and keeps all of it live (epilogue_split 2 or more)
     slice_loop: bool = False
+    # the Hopper kernel only: its consumer warpgroups, 2, or 3 with fewer registers each (block_m 64), so that
+    # an epilogue longer than the mainloop (short K) is still covered by the other consumers' MMAs
+    consumers: int = 2
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
     # group_m and num_stages (its operand stages); the other fields are the tl kernel's
@@ -71,7 +74,8 @@ class Config:
         def fail(message: str):
             raise ValueError(f"Config: {message}")
 
-        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "epilogue_split"):
+        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "epilogue_split",
+                     "consumers"):
             if type(getattr(self, name)) is not int:
                 fail(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("persistent", "tma", "flatten", "warp_specialize", "direct_stores", "slice_loop"):
@@ -100,6 +104,10 @@ class Config:
                  f"({self.epilogue_split}), got {self.epilogue_stages!r} with backend {self.backend!r}")
         if self.direct_stores and self.backend != "gluon":
             fail("direct_stores is the Hopper (gluon) kernel's (the tl kernels always store from registers)")
+        if self.consumers != 2 and (self.consumers != 3 or self.backend != "gluon" or self.block_m != 64):
+            fail(f"consumers is the Hopper (gluon) kernel's: 2, or 3 with block_m 64 (three consumers hold 64-row "
+                 f"tiles in their registers), got {self.consumers} with backend {self.backend!r} and block_m "
+                 f"{self.block_m}")
         if self.slice_loop and (self.backend != "gluon" or self.epilogue_split == 1):
             fail(f"slice_loop is the Hopper (gluon) kernel's, for an epilogue_split of 2 or more, got backend "
                  f"{self.backend!r} and epilogue_split {self.epilogue_split}")
@@ -129,6 +137,7 @@ class Config:
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
                 + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
+                + (f" c{self.consumers}" if self.consumers != 2 else "")
                 + (f" {self.backend}" if self.backend != "tl" else ""))
 
 
@@ -147,7 +156,7 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
         log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
                  "running the tl kernel", kernel, e)
         return dataclasses.replace(config, backend="tl", epilogue_stages=None, direct_stores=False,
-                                   slice_loop=False)
+                                   slice_loop=False, consumers=2)
     return config
 
 

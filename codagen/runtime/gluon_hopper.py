@@ -76,18 +76,27 @@ class HopperConfig:
     buffers take the next slice's inputs as soon as they are read, and buffers for the stores alone are not
     needed (more operand stages fit). `slice_loop`: the consumer runs its slices in a loop, not unrolled, so
     that a long epilogue's code is there once per consumer and fits the instruction cache; the loop selects
-    each slice of the accumulator at run time and keeps all of it live throughout."""
+    each slice of the accumulator at run time and keeps all of it live throughout. `consumers`: 2, or 3 with
+    fewer registers each (64-row tiles), so that a consumer's epilogue may take up to twice a mainloop and still
+    be covered by the others' MMAs."""
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    consumer_regs: int = 232  # setmaxnreg of the worker consumer; the default one gets what is left
+    consumer_regs: int = 232  # setmaxnreg of the worker consumers; the default one gets what is left
     epilogue_split: int = 1
     epilogue_stages: int | None = None
     direct_stores: bool = False
     slice_loop: bool = False
+    consumers: int = 2
+
+    def __post_init__(self):
+        if self.consumers not in (2, 3) or self.consumers * self.consumer_regs + PRODUCER_REGS > REGISTERS:
+            raise ValueError(f"HopperConfig: consumers must be 2 or 3, each with consumer_regs registers, within the "
+                             f"{REGISTERS} per thread of a warpgroup that the register file holds beside the "
+                             f"producer's {PRODUCER_REGS}; got {self.consumers} consumers of {self.consumer_regs}")
 
     @property
     def epilogue_n(self) -> int:
@@ -103,13 +112,13 @@ class HopperConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
                 "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
                 "EPILOGUE_STAGES": self.slices_in_flight, "SLICE_LOOP": self.slice_loop,
-                "DIRECT_STORES": self.direct_stores}
+                "DIRECT_STORES": self.direct_stores, "CONSUMERS": self.consumers}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
-        """Shared memory of a program: the ring, both consumers' epilogue buffers and scratch, and barriers."""
+        """Shared memory of a program: the ring, the consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
         held = epilogue.inputs if self.direct_stores else epilogue.buffers
-        buffers = 2 * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight * element_size
+        buffers = self.consumers * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight * element_size
         scratch = epilogue.scratch * self.block_m * self.epilogue_n // (128 * 128)
         return self.stages * stage + buffers + scratch + 512
 
@@ -117,10 +126,14 @@ class HopperConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
-                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else ""))
+                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
+                + (f" c{self.consumers}" if self.consumers != 2 else ""))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
+REGISTERS = 512  # registers per thread of a warpgroup that the register file holds (64K for 128 threads)
+PRODUCER_REGS = 24  # the producer warp's setmaxnreg (its warpgroup's)
+THREE_CONSUMER_REGS = 160  # each of three consumers' (3 * 160 + 24 <= 512): a 64-row tile's epilogue fits
 MAX_STAGES = 6
 TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
 
@@ -140,7 +153,7 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
     table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores,
-    slice_loop and num_stages as this kernel's stages."""
+    slice_loop, consumers (three with THREE_CONSUMER_REGS each) and num_stages as this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
@@ -149,7 +162,8 @@ def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> H
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
                             group_m=config.group_m, epilogue_split=config.epilogue_split,
                             epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores,
-                            slice_loop=config.slice_loop)
+                            slice_loop=config.slice_loop, consumers=config.consumers,
+                            **({"consumer_regs": THREE_CONSUMER_REGS} if config.consumers == 3 else {}))
     return config
 
 
@@ -294,11 +308,12 @@ def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PRO
 @gluon.jit
 def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
              ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMER: gl.constexpr, B_KN: gl.constexpr):
-    """One tile's mainloop on ring steps [step, step + k_steps), once the other consumer's mainloop is done
-    (the `turn` barriers); this consumer's `tile_count`-th tile. One wgmma stays in flight: a stage is
-    released as soon as the wgmma after it is issued. Returns the fp32 accumulator."""
-    mbarrier.wait(turn.index(CONSUMER), (tile_count & 1) ^ (1 - CONSUMER))
+             CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, B_KN: gl.constexpr):
+    """One tile's mainloop on ring steps [step, step + k_steps), once the consumer before this one (in turn,
+    of CONSUMERS) has run its mainloop (the `turn` barriers); this consumer's `tile_count`-th tile. One wgmma
+    stays in flight: a stage is released as soon as the wgmma after it is issued. Returns the fp32
+    accumulator. Consumer 0's first wait passes at once (a barrier starts with its phase 1 complete)."""
+    mbarrier.wait(turn.index(CONSUMER), (tile_count & 1) ^ (1 if CONSUMER == 0 else 0))
     acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, ACC)
     for k in range(k_steps):
         stage = (step + k) % STAGES
@@ -311,7 +326,7 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
             acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
         acc, a, b = warpgroup_mma_wait(1, deps=(acc, a, b))
         mbarrier.arrive(empty.index((step + k + STAGES - 1) % STAGES), pred=k > 0)
-    mbarrier.arrive(turn.index(1 - CONSUMER))
+    mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index((step + k_steps + STAGES - 1) % STAGES))
     return acc

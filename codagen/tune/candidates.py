@@ -120,6 +120,16 @@ GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True),
+    # three consumers of 64-row tiles (160 registers each): a consumer's epilogue may take up to twice a
+    # mainloop and still be covered by the others' MMAs, where with two it must fit in one (swiglu_dgrad at
+    # 1B: 1.5 mainloops, ncu). Compiled for sm_90: no stack for swiglu_dgrad (loop, 8 slices, 2 epilogue stages,
+    # 8 stages of 24 KB); its slices in a loop, since three unrolled copies of a long epilogue outgrow the
+    # instruction cache (147 KB of code at 4 slices)
+    Config(64, 128, 64, 8, 4, 8, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
+           consumers=3),
+    Config(64, 128, 64, 8, 4, 7, epilogue_split=4, backend="gluon", slice_loop=True, consumers=3),
+    Config(64, 128, 64, 8, 4, 8, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True,
+           consumers=3),
 )
 
 

@@ -99,9 +99,9 @@ def lm_head_logits_zsum_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr,
+    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
-    """Consumer CONSUMER (0 or 1): every other tile of this program, from the CONSUMER-th, through its
+    """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
     the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
     whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
@@ -114,11 +114,11 @@ def lm_head_logits_zsum_consumer(
     k_steps = gl.cdiv(K, BLOCK_K)
     step = CONSUMER * k_steps  # ring position of this consumer's next K step
     tile_count = 0
-    for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, 2 * NUM_PROGRAMS):
+    for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, False)
-        step += 2 * k_steps
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+        step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
             if DIRECT_STORES:
@@ -160,7 +160,7 @@ def lm_head_logits_zsum_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
@@ -170,40 +170,70 @@ def lm_head_logits_zsum_gluon_kernel(
         # per consumer and epilogue stage, EPILOGUE.buffers slices of type T in the layout of the epilogue's TMA
         # descriptors
         epilogue_buffers = gl.allocate_shared_memory(
-            h_desc.dtype, [2 * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
+            h_desc.dtype, [CONSUMERS * EPILOGUE_STAGES, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // EPILOGUE_SPLIT], h_desc.dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    inputs_ready = gl.allocate_shared_memory(gl.int64, [2 * EPILOGUE_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    inputs_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * EPILOGUE_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(2 * EPILOGUE_STAGES):
+    for i in gl.static_range(CONSUMERS * EPILOGUE_STAGES):
         mbarrier.init(inputs_ready.index(i), count=1)
-    # consumer 0 in the kernel's own 4 warps, consumer 1 in 4 more, the producer in one
-    gl.warp_specialize([
-        (lm_head_logits_zsum_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
-            stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
-            stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
-            0,
-        )),
-        (lm_head_logits_zsum_consumer, (
-            a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
-            target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
-            stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
-            stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
-            1,
-        )),
-        (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    # consumer 0 in the kernel's own 4 warps, each other consumer in 4 more, the producer in one
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (lm_head_logits_zsum_consumer, (
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
+                target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
+                stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+                stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                0, CONSUMERS,
+            )),
+            (lm_head_logits_zsum_consumer, (
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
+                target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
+                stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+                stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                1, CONSUMERS,
+            )),
+            (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:  # CONSUMERS == 3
+        gl.warp_specialize([
+            (lm_head_logits_zsum_consumer, (
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
+                target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
+                stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+                stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                0, CONSUMERS,
+            )),
+            (lm_head_logits_zsum_consumer, (
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
+                target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
+                stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+                stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                1, CONSUMERS,
+            )),
+            (lm_head_logits_zsum_consumer, (
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, logits_desc, h_desc, rstd_ptr,
+                target_ptr, logits_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr, M, N, K, stride_rstd_m,
+                stride_target_m, stride_logits_m, stride_logits_n, stride_lse_part_m, stride_lse_part_t,
+                stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                2, CONSUMERS,
+            )),
+            (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
