@@ -257,8 +257,8 @@ def test_three_consumers():
     with pytest.raises(ValueError, match="consumers must be 2 or 3, each with consumer_regs registers, within the "
                        "512 per thread of a warpgroup .* got 3 consumers of 232"):
         hopper.HopperConfig(block_m=64, consumers=3)
-    with pytest.raises(ValueError, match="consumers is the Hopper \\(gluon\\) kernel's: 2, or 3 with block_m 64 .* got 3 "
-                       "with backend 'gluon' and block_m 128"):
+    with pytest.raises(ValueError, match="consumers is the Hopper \\(gluon\\) kernel's: 2, or 3 with block_m 64 "
+                       ".* got 3 with backend 'gluon' and block_m 128"):
         Config(backend="gluon", consumers=3)
     with pytest.raises(ValueError, match="got 3 with backend 'tl' and block_m 64"):
         Config(block_m=64, consumers=3)

@@ -118,7 +118,8 @@ class HopperConfig:
         """Shared memory of a program: the ring, the consumers' epilogue buffers and scratch, and barriers."""
         stage = (self.block_m + self.block_n) * self.block_k * element_size
         held = epilogue.inputs if self.direct_stores else epilogue.buffers
-        buffers = self.consumers * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight * element_size
+        buffers = (self.consumers * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight
+                   * element_size)
         scratch = epilogue.scratch * self.block_m * self.epilogue_n // (128 * 128)
         return self.stages * stage + buffers + scratch + 512
 
