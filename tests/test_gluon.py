@@ -280,6 +280,15 @@ def test_three_consumers_lower_to_ttgir_for_sm90():
         assert "memdesc<3x1xi64" in three and "memdesc<3x1xi64" not in two, name  # the turn barriers
 
 
+def test_sigmoid_from_approximate_ptx():
+    """SwiGLU's sigmoid, compiled as far as TTGIR for sm_90, is PTX's approximate 2^x and reciprocal
+    (tile.sigmoid; the interpreter's tl.sigmoid is tested against float64 under the interpreter, and this one
+    on the GPU)."""
+    found = _ttgir_each("[hopper.default_config(module.EPILOGUE)]", ["gate_up_swiglu", "swiglu_dgrad"])
+    for name, (ttgir,) in found.items():
+        assert "ex2.approx.ftz.f32" in ttgir and "rcp.approx.ftz.f32" in ttgir, name
+
+
 def test_slice_loop_lowers_to_ttgir_for_sm90():
     """Every Hopper kernel whose epilogue runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8 slices
     with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is

@@ -89,9 +89,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
+from codagen.runtime import tile
 from codagen.runtime.configs import fits_group
 from codagen.tune.candidates import gluon_candidates
 from codagen.blockmodel import CheckedBlock
@@ -419,6 +422,32 @@ def test_gluon_direct_stores(name, shape, split):
     m, n, k = list(gluon_shapes(name).values())[shape]
     check_launch(f"gpu gluon {name} direct", KERNELS[name], ViaConfig(module, config), {"M": m, "N": n, "K": k},
                  torch.bfloat16, lambda: config, f"gluon-direct/{name}/{shape}/{split}", start)
+
+
+@triton.jit
+def _sigmoid(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tile.sigmoid(tl.load(x_ptr + offsets)))
+
+
+def test_tile_sigmoid_from_approximate_ptx():
+    """tile.sigmoid compiled for the GPU (ex2.approx.ftz, rcp.approx.ftz) on fresh fp32 values of every
+    magnitude to 100, both signs, against float64: relative error under 1e-5 where the result is a normal
+    fp32 number (x * log2(e) rounded to fp32 costs up to 8e-6 near -87, as in tl.sigmoid's exp), under the
+    least normal one elsewhere (subnormals flush to 0), and NaN, -inf and +inf as torch.sigmoid gives them."""
+    x = (torch.rand(64 * 1024, device="cuda", dtype=torch.float64) * 2 - 1) * 10 ** torch.empty(
+        64 * 1024, device="cuda", dtype=torch.float64).uniform_(-6, 2)
+    x = torch.cat([x.float(), torch.tensor([float("nan"), float("-inf"), float("inf"), 0.0, -88.0, -104.0],
+                                           device="cuda").repeat(1024)])
+    out = torch.empty_like(x)
+    _sigmoid[(x.numel() // 1024,)](x, out, BLOCK=1024)
+    want = torch.sigmoid(x.double())
+    error = (out.double() - want).abs()
+    normal = want >= 2.0**-126
+    assert (error / want)[normal].max().item() < 1e-5
+    assert error[~normal & x.isfinite()].max().item() <= 2.0**-126
+    assert torch.equal(out.isnan(), x.isnan())
+    assert torch.equal(out[x.isinf()], torch.sigmoid(x[x.isinf()]))
 
 
 def candidate_cases(chosen) -> list:

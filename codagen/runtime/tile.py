@@ -5,6 +5,7 @@ those two halves directly, so no register shuffle is needed.
 
 NaN and infinities behave as in PyTorch: a NaN anywhere in what a function reads makes its result NaN, and
 masked-off lanes neither add nor hide one (they are replaced before any arithmetic that could see them)."""
+import torch
 import triton
 import triton.language as tl
 
@@ -16,6 +17,8 @@ SUMSQ = tl.constexpr(1)
 MAX = tl.constexpr(2)
 LOGSUMEXP = tl.constexpr(3)
 _INTERPRETED = tl.constexpr(INTERPRETED)
+# compiled by Triton's NVIDIA backend: PTX inline assembly is there (not in the interpreter, nor on ROCm)
+_PTX = tl.constexpr(not INTERPRETED and torch.version.hip is None)
 
 
 @triton.jit
@@ -25,8 +28,24 @@ def tanh(x):
 
 
 @triton.jit
+def sigmoid(x):
+    """1 / (1 + e^-x) in fp32. Compiled for NVIDIA GPUs, from PTX's approximate 2^x and reciprocal with
+    subnormals flushed (ex2.approx.ftz, rcp.approx.ftz; relative error about 2^-22): tl.sigmoid's exp and
+    division keep the subnormal range at 7 more instructions per element, a fifth of swiglu_dgrad's
+    epilogue (compiled for sm_90). NaN gives NaN, -inf 0 and +inf 1, as tl.sigmoid."""
+    if _PTX:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        s = tl.sigmoid(x)
+    return s
+
+
+@triton.jit
 def silu(x):
-    return x * tl.sigmoid(x)
+    return x * sigmoid(x)
 
 
 @triton.jit
@@ -100,7 +119,7 @@ def geglu(x):
 @triton.jit
 def swiglu_bwd_pairs(dy, gate, up):
     """Gradient of swiglu at the saved pair (gate, up): (d gate, d up)."""
-    sig = tl.sigmoid(gate)
+    sig = sigmoid(gate)
     return dy * up * sig * (1.0 + gate * (1.0 - sig)), dy * gate * sig
 
 
