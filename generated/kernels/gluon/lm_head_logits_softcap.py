@@ -4,9 +4,10 @@
 
 The Hopper backend (Gluon, sm_90). acc[M, N] = h[M, K] @ w_vocab[N, K]^T in fp32, then the epilogue of the
 spec, on a persistent, warp-specialized schedule: a producer warp loads the operands with TMA into a ring of
-shared-memory stages, and two consumer warpgroups take alternate tiles, so that one runs its tile's epilogue
-while the other runs the next tile's MMAs (codagen/runtime/gluon_hopper.py). Tile inputs arrive by TMA; tile
-outputs leave by TMA, or from registers with direct stores (the config's direct_stores).
+shared-memory stages, and two consumer warpgroups (three with the config's consumers) take tiles in turn, so
+that one runs its tile's epilogue while another runs the next tile's MMAs (codagen/runtime/gluon_hopper.py).
+Tile inputs arrive by TMA; tile outputs leave by TMA, or from registers with direct stores (the config's
+direct_stores).
 
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/lm_head_logits_softcap.py) and refuses, with the reason, what only the tl kernel runs.
