@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from codagen.runtime.gluon_hopper import HopperConfig, default_config  # noqa: E402
+from codagen.runtime.gluon_hopper import CONSUMER_REGS, HopperConfig, default_config  # noqa: E402
 from spills import jit_specialization  # noqa: E402
 
 POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
@@ -41,8 +41,9 @@ CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=
            HopperConfig(stages=5, epilogue_split=4, slice_loop=True),
            HopperConfig(stages=5, epilogue_split=4, direct_stores=True, slice_loop=True),
            HopperConfig(block_m=64, stages=8, epilogue_split=8, epilogue_stages=2, slice_loop=True, consumers=3,
-                        consumer_regs=160),
-           HopperConfig(block_m=64, stages=7, epilogue_split=4, slice_loop=True, consumers=3, consumer_regs=160))
+                        consumer_regs=CONSUMER_REGS[3]),
+           HopperConfig(block_m=64, stages=7, epilogue_split=4, slice_loop=True, consumers=3,
+                        consumer_regs=CONSUMER_REGS[3]))
 
 
 def names() -> list[str]:

@@ -60,6 +60,13 @@ class Epilogue:
     column_group: int | None = None  # the kernel's column_group: each epilogue slice must hold whole groups
 
 
+REGISTERS = 512  # registers per thread of a warpgroup that the register file holds (64K for 128 threads)
+PRODUCER_REGS = 24  # the producer warp's setmaxnreg (its warpgroup's)
+# each consumer's setmaxnreg by how many there are: two hold 128x128 accumulators; three (3 * 160 + 24 <= 512)
+# hold 64-row tiles' epilogues
+CONSUMER_REGS = {2: 232, 3: 160}
+
+
 @dataclass(frozen=True)
 class HopperConfig:
     """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
@@ -85,7 +92,7 @@ class HopperConfig:
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    consumer_regs: int = 232  # setmaxnreg of the worker consumers; the default one gets what is left
+    consumer_regs: int = CONSUMER_REGS[2]  # setmaxnreg of the worker consumers; the default one gets the rest
     epilogue_split: int = 1
     epilogue_stages: int | None = None
     direct_stores: bool = False
@@ -132,9 +139,6 @@ class HopperConfig:
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
-REGISTERS = 512  # registers per thread of a warpgroup that the register file holds (64K for 128 threads)
-PRODUCER_REGS = 24  # the producer warp's setmaxnreg (its warpgroup's)
-THREE_CONSUMER_REGS = 160  # each of three consumers' (3 * 160 + 24 <= 512): a 64-row tile's epilogue fits
 MAX_STAGES = 6
 TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
 
@@ -154,7 +158,7 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
     table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores,
-    slice_loop, consumers (three with THREE_CONSUMER_REGS each) and num_stages as this kernel's stages."""
+    slice_loop, consumers (with CONSUMER_REGS each) and num_stages as this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
@@ -164,7 +168,7 @@ def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> H
                             group_m=config.group_m, epilogue_split=config.epilogue_split,
                             epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores,
                             slice_loop=config.slice_loop, consumers=config.consumers,
-                            **({"consumer_regs": THREE_CONSUMER_REGS} if config.consumers == 3 else {}))
+                            consumer_regs=CONSUMER_REGS[config.consumers])
     return config
 
 
