@@ -17,10 +17,10 @@ sys.path.insert(0, str(ROOT))
 from codagen import api  # noqa: E402
 
 
-def launch(kernel_name: str, shape: str, config_label: str | None = None, launches: int = 3,
-           device: str = "cuda") -> tuple[object, dict]:
-    """Launch `kernel_name` `launches` times at `shape` ("MxNxK") with its table's config or the candidate
-    labelled `config_label`, on random bf16 arguments like a model's; returns (the config, the outputs)."""
+def prepare(kernel_name: str, shape: str, config_label: str | None = None, device: str = "cuda"):
+    """`kernel_name` ready to launch at `shape` ("MxNxK") with its table's config or the candidate labelled
+    `config_label`, on random bf16 arguments like a model's; returns (the config, the outputs, a function that
+    launches it once)."""
     import torch
 
     from codagen.runtime import configs
@@ -47,9 +47,19 @@ def launch(kernel_name: str, shape: str, config_label: str | None = None, launch
     inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)
     outs = new_outputs(kernel, module, Shape(m, n, k), config, dev, initial={x: inputs[x] for x in inplace})
+    args = {x: v for x, v in inputs.items() if x not in inplace}
+    return config, outs, lambda: module.launch(**args, **outs, config=config)
+
+
+def launch(kernel_name: str, shape: str, config_label: str | None = None, launches: int = 3,
+           device: str = "cuda") -> tuple[object, dict]:
+    """Launch `kernel_name` `launches` times at `shape` (see prepare); returns (the config, the outputs)."""
+    import torch
+
+    config, outs, run = prepare(kernel_name, shape, config_label, device)
     for _ in range(launches):
-        module.launch(**{x: v for x, v in inputs.items() if x not in inplace}, **outs, config=config)
-    if dev.type == "cuda":
+        run()
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return config, outs
 

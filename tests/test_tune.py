@@ -642,6 +642,7 @@ def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     assert Config(**entry["config"]) == present and entry["ms"] == 1.0  # the challenger is slower
     assert "rmsnorm_stats: no candidate's label contains 'persistent'; skipped" in log
     assert "(2 timed, 0 discarded" in log
+    assert f"\n  2.0000 ms  {slow.label()}" in log  # the runner-up, with its time
     entry, _ = run("tma", {})
     assert Config(**entry["config"]) == fast and entry["ms"] == 0.5
     entry, _ = run("persistent", {fast: 3.0})  # the present choice, re-timed, now slower than the challenger

@@ -164,6 +164,8 @@ def _report(label: str, outcome: Outcome, log) -> None:
             vs = f", cuBLAS {outcome.cublas_ms:.4f} ms ({outcome.ms / outcome.cublas_ms:.2f}x)"
         log(f"{label}: {outcome.ms:.4f} ms  {outcome.best.label()}  "
             f"({len(outcome.timed)} timed, {len(outcome.discarded)} discarded{vs})")
+        for config, ms in sorted(outcome.timed, key=lambda timed: timed[1])[1:]:  # the runners-up
+            log(f"  {ms:.4f} ms  {config.label()}")
     for config, why in outcome.discarded:
         log(f"  discarded {config.label()}: {why}")
 
