@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from codagen import runtime
-from conftest import REPO
+from conftest import DEVICE, REPO
 
 
 def python(code: str) -> subprocess.CompletedProcess:
@@ -129,3 +129,42 @@ def test_chunk_sum_of_products_matches_one_product():
         total.add_matmul(a[rows], b[rows], "a")  # a^T @ b over row chunks: a weight gradient
     want = a.double().T @ b.double()
     assert torch.allclose(total.result().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,tiles", [(37, 1500), (700, 3), (5, 1002), (130, 16)])
+def test_finish_reductions_over_tiles_match_float64(rows, tiles):
+    """sum_tiles, rstd and logsumexp_tiles over fresh partials, in steps of up to 1024 tiles and 64 rows
+    (ragged in both), and over a transposed view (a column's partials, as a weight gradient's are)."""
+    from codagen.runtime import finish
+
+    x = torch.randn(rows, tiles, device=DEVICE) * 3
+    for part in (x, x.T.contiguous().T):
+        wide = part.double()
+        torch.testing.assert_close(finish.sum_tiles(part, divide_by=7), wide.sum(1) / 7, rtol=1e-5, atol=1e-5,
+                                   check_dtype=False)
+        torch.testing.assert_close(finish.logsumexp_tiles(part), wide.logsumexp(1), rtol=1e-6, atol=1e-6,
+                                   check_dtype=False)
+        torch.testing.assert_close(finish.rstd(part.abs(), size=tiles, eps=1e-6),
+                                   (wide.abs().sum(1) / tiles + 1e-6).rsqrt(), rtol=1e-5, atol=0, check_dtype=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_in_place_rounds_once(dtype):
+    """finish.scale_ (the backward's scaling of gradients made in the forward) on fresh values of a ragged size,
+    NaN and infinities among them, in place: on a GPU the fp32 product with the fp32 factor, rounded once
+    (torch's mul_ by a [] tensor would round the factor to bf16 or fp16 first); Triton's interpreter rounds bf16
+    and fp16 toward zero, so on the CPU within one unit in the last place of the float64 product."""
+    from codagen.runtime import finish
+
+    x = torch.randn(4099 * 3 + 7, device=DEVICE).mul(100).to(dtype)
+    x[::997] = float("nan")
+    x[1::1009], x[2::1013] = float("inf"), float("-inf")
+    factor = torch.rand((), device=DEVICE) * 3 + 0.1
+    exact = x.double() * factor.double()
+    want = (x.float() * factor).to(dtype)
+    assert finish.scale_(x, factor) is x
+    if DEVICE.type == "cuda":
+        torch.testing.assert_close(x, want, rtol=0, atol=0, equal_nan=True)
+    else:
+        ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}[dtype]
+        torch.testing.assert_close(x.double(), exact, rtol=ulp, atol=0, equal_nan=True)

@@ -113,7 +113,7 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         sums=_value(chunks.sums) if chunks else None,
         backward=_calls(cb.backward, body, chunks),
         drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
-        returns=_statement("return", [(f"{g}.mul_({_grad_factor(gf)})" if gf else g) if g else "None"
+        returns=_statement("return", [(f"finish.scale_(x={g}, factor={_grad_factor(gf)})" if gf else g) if g else "None"
                                       for g in cb.grads] + ["None"] * len(b.attrs), 8),
         gf=gf,
         gf_doc=_docstring([f"{b.name} when a gradient is wanted: the forward also makes the gradients. {b.name}() "

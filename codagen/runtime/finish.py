@@ -52,13 +52,39 @@ def _reduce_tiles(x: torch.Tensor, op: int, scale: float = 1.0, eps: float = 0.0
     rows, tiles = x.shape
     out = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block_r = 64
+        # about 4096 partials per program and step: a vocabulary's 1002 tiles in one step of 4 rows, so that
+        # 2048 rows make 512 programs (64 rows per program left 32 programs to read 8 MB, 28 us on the H200)
+        block_t = min(1024, triton.next_power_of_2(max(tiles, 1)))
+        block_r = min(64, 4096 // block_t)
         with on_device(x.device):
             _reduce_tiles_kernel[(triton.cdiv(rows, block_r),)](
                 x, out, rows, tiles, x.stride(0), x.stride(1), float(scale), float(eps),
-                OP=op, BLOCK_R=block_r, BLOCK_T=min(128, triton.next_power_of_2(max(tiles, 1))),
+                OP=op, BLOCK_R=block_r, BLOCK_T=block_t,
             )
     return out
+
+
+@triton.jit
+def _scale_kernel(x_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(x_ptr + offsets, (x.to(tl.float32) * tl.load(factor_ptr)).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x *= factor in place, factor a [] tensor on x's device: the product of x and the fp32 factor, computed in
+    fp32 and rounded once, in one read and write of x; returns x. For bf16 and fp16 x, torch's mul_ by a GPU []
+    tensor rounds the factor to x's dtype first (a relative error of up to 2^-9 on every element alike, for
+    bf16) and takes its broadcasting path, at under a quarter of the bandwidth: 3.0 ms on the H200 to scale the
+    weight and input gradients of Llama-3-8B's LM head (1.25 GB)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous() or factor.numel() != 1:
+        return x.mul_(factor)
+    if x.numel():
+        block = 4096
+        with on_device(x.device):
+            _scale_kernel[(triton.cdiv(x.numel(), block),)](x, factor.float().reshape(()), x.numel(), BLOCK=block)
+    return x
 
 
 # Parameters are named as the finish steps' arguments in block specs: generated blocks pass them by keyword.

@@ -99,8 +99,8 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         grad_factor = grad_loss / scale
         return (
-            grad_x.mul_(grad_factor), None, grad_wn.mul_(grad_factor), grad_w_vocab.mul_(grad_factor), None, None, None,
-            None, None, None, None, None, None,
+            finish.scale_(x=grad_x, factor=grad_factor), None, finish.scale_(x=grad_wn, factor=grad_factor),
+            finish.scale_(x=grad_w_vocab, factor=grad_factor), None, None, None, None, None, None, None, None, None,
         )
 
 

@@ -84,8 +84,8 @@ class LmHeadLossWeightedFunction(torch.autograd.Function):
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         grad_factor = grad_loss / scale
         return (
-            grad_x.mul_(grad_factor), None, None, grad_wn.mul_(grad_factor), grad_w_vocab.mul_(grad_factor), None, None,
-            None, None, None, None, None, None,
+            finish.scale_(x=grad_x, factor=grad_factor), None, None, finish.scale_(x=grad_wn, factor=grad_factor),
+            finish.scale_(x=grad_w_vocab, factor=grad_factor), None, None, None, None, None, None, None, None,
         )
 
 
