@@ -101,7 +101,7 @@ def test_pairs_loaded_from_memory_are_lowered():
     for line in ("EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, columns=2, split=8)",
                  "mbarrier.expect(ready, z_desc.block_type.nbytes)",
                  "hopper.tma_load(z_desc, [first_row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
-                 "acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)",
+                 "acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
                  "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,",
@@ -239,6 +239,32 @@ def test_slice_loop():
         loop_matmul, backend="tl", slice_loop=False)
 
 
+def test_slice_loop_by_steps_of_slices():
+    """slice_unroll: slices per step of the slice loop, in the meta and label, 2 or 4 dividing epilogue_split and
+    less than it, refused without the loop, and dropped where a table's Hopper choice falls back to the tl
+    kernel."""
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    from codagen.runtime import configs
+
+    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
+                    slice_unroll=2)
+    assert chosen.label() == "128x128x64 g8 w4 s6 epilogue/8 in 2 loop by 2 gluon"
+    by_two = hopper.launch_config(chosen, _module("swiglu_dgrad").EPILOGUE)
+    assert by_two == hopper.HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True,
+                                         slice_unroll=2)
+    assert by_two.meta()["SLICE_UNROLL"] == 2 and hopper.HopperConfig().meta()["SLICE_UNROLL"] == 1
+    assert by_two.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop by 2"
+    for split, unroll, loop in ((8, 2, False), (8, 3, True), (4, 4, True), (2, 4, True), (8, 8, True)):
+        with pytest.raises(ValueError, match=f"slice_unroll is slice_loop's: 2 or 4 slices per step of the loop, "
+                           f"dividing epilogue_split \\({split}\\) and less than it, got {unroll} with slice_loop "
+                           f"{loop}"):
+            Config(backend="gluon", epilogue_split=split, slice_loop=loop, slice_unroll=unroll)
+    a, b, out = (t.bfloat16() for t in _matmul_args())
+    by_two_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2)
+    assert configs.hopper_or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
+        by_two_matmul, backend="tl", slice_loop=False, slice_unroll=1)
+
+
 def test_three_consumers():
     """A Hopper config with three consumers: 64-row tiles only, 160 registers each (three of 232 would not fit
     the register file), buffers for three, refused for the tl kernels, and dropped where a table's Hopper
@@ -292,16 +318,19 @@ def test_sigmoid_from_approximate_ptx():
 def test_slice_loop_lowers_to_ttgir_for_sm90():
     """Every Hopper kernel whose epilogue runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8 slices
     with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is
-    there once per slice (counted by its stores)."""
+    there once per slice, and twice in the loop by steps of 2 slices (counted by its stores)."""
     names = [name for name in _modules_with("_consumer(") if not _module(name).EPILOGUE.column_group]
     assert {"swiglu_dgrad", "gate_up_swiglu", "lm_head_logsumexp", "matmul"} <= set(names)
     found = _ttgir_each("[unrolled := hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4)), "
-                        "dataclasses.replace(unrolled, slice_loop=True)]", names)
+                        "dataclasses.replace(unrolled, slice_loop=True), "
+                        "dataclasses.replace(unrolled, slice_loop=True, slice_unroll=2)]", names)
     for name in names:
-        unrolled, loop = found[name]
-        stores = [t.count("tt.store") + t.count("ttng.async_tma_copy_local_to_global") for t in (unrolled, loop)]
+        unrolled, loop, by_two = found[name]
+        stores = [t.count("tt.store") + t.count("ttng.async_tma_copy_local_to_global")
+                  for t in (unrolled, loop, by_two)]
         assert stores[1] > 0 and stores[0] == max(_module(name).EPILOGUE.split, 4) * stores[1], (name, stores)
-        assert loop.count("scf.for") == unrolled.count("scf.for") + 2, name  # a slice loop per consumer
+        assert stores[2] == 2 * stores[1], (name, stores)
+        assert loop.count("scf.for") == by_two.count("scf.for") == unrolled.count("scf.for") + 2, name
 
 
 def test_column_groups_are_lowered():

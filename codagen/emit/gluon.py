@@ -238,10 +238,10 @@ def default_split(k: Kernel) -> int:
     return split
 
 
-def _slice_buffers(buffers: int) -> list[str]:
-    """The lines that make `slot`, the consumer's epilogue stage of column slice `part`, and `buffers`, that
-    stage's epilogue buffers, as a tuple."""
-    lines = ["slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES"]
+def _slice_buffers(buffers: int, part: str = "part") -> list[str]:
+    """The lines that make `slot`, the consumer's epilogue stage of the column slice whose index in the tile is
+    `part`, and `buffers`, that stage's epilogue buffers, as a tuple."""
+    lines = [f"slot = CONSUMER * EPILOGUE_STAGES + {part} % EPILOGUE_STAGES"]
     if buffers == 1:
         return lines + ["buffers = (epilogue_buffers.index(slot),)"]
     return lines + [f"first_buffer = slot * {buffers}",
@@ -351,9 +351,9 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
         load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, first_row, "
                             "slice_n, SLICE_N: gl.constexpr):", 120),
-        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + part"),
-        reload_inputs=_load_inputs(k, 16, "slice_n + EPILOGUE_STAGES"),
-        slice_buffers=_slice_buffers(buffers),
+        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + early"),
+        reload_inputs=_load_inputs(k, 20, "slice_n + EPILOGUE_STAGES"),
+        slice_buffers=_slice_buffers(buffers, "early"),
         epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
         input_reads=_input_reads(k),
@@ -367,14 +367,14 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         pointer_params=wrap([f"{p.name}_ptr" for p in all_pointers], 4),
         stride_params=wrap(strides, 4),
         epilogue_args=wrap(epilogue_args, 12),
-        epilogue_call_args=wrap(epilogue_args, 16),
-        stride_call_args=wrap(strides, 16),
+        epilogue_call_args=wrap(epilogue_args, 20),
+        stride_call_args=wrap(strides, 20),
         plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
                             "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
                             "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP",
+                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
                             *(["DIRECT_STORES"] if buffers else [])], 16),
         tensor_names=names,
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),

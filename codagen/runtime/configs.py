@@ -61,6 +61,10 @@ class Config:
     # code is there once (two unrolled copies, one per consumer, miss the instruction cache); the loop selects
     # each slice of the accumulator at run time and keeps all of it live (epilogue_split 2 or more)
     slice_loop: bool = False
+    # with slice_loop: the slices each of the loop's steps runs, unrolled (1, 2 or 4, less than epilogue_split
+    # and dividing it), so that the step selects each slice among epilogue_split / slice_unroll of the
+    # accumulator's, not among all of them, with that many copies of the epilogue's code
+    slice_unroll: int = 1
     # the Hopper kernel only: its consumer warpgroups, 2, or 3 with fewer registers each (block_m 64), so that
     # an epilogue longer than the mainloop (short K) is still covered by the other consumers' MMAs
     consumers: int = 2
@@ -75,7 +79,7 @@ class Config:
             raise ValueError(f"Config: {message}")
 
         for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "epilogue_split",
-                     "consumers"):
+                     "slice_unroll", "consumers"):
             if type(getattr(self, name)) is not int:
                 fail(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("persistent", "tma", "flatten", "warp_specialize", "direct_stores", "slice_loop"):
@@ -111,6 +115,12 @@ class Config:
         if self.slice_loop and (self.backend != "gluon" or self.epilogue_split == 1):
             fail(f"slice_loop is the Hopper (gluon) kernel's, for an epilogue_split of 2 or more, got backend "
                  f"{self.backend!r} and epilogue_split {self.epilogue_split}")
+        if self.slice_unroll != 1 and (not self.slice_loop or self.slice_unroll not in (2, 4)
+                                       or self.epilogue_split % self.slice_unroll
+                                       or self.slice_unroll == self.epilogue_split):
+            fail(f"slice_unroll is slice_loop's: 2 or 4 slices per step of the loop, dividing epilogue_split "
+                 f"({self.epilogue_split}) and less than it, got {self.slice_unroll} with slice_loop "
+                 f"{self.slice_loop}")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")
@@ -137,6 +147,7 @@ class Config:
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
                 + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
+                + (f" by {self.slice_unroll}" if self.slice_unroll != 1 else "")
                 + (f" c{self.consumers}" if self.consumers != 2 else "")
                 + (f" {self.backend}" if self.backend != "tl" else ""))
 
@@ -156,7 +167,7 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
         log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
                  "running the tl kernel", kernel, e)
         return dataclasses.replace(config, backend="tl", epilogue_stages=None, direct_stores=False,
-                                   slice_loop=False, consumers=2)
+                                   slice_loop=False, slice_unroll=1, consumers=2)
     return config
 
 

@@ -83,7 +83,8 @@ class HopperConfig:
     buffers take the next slice's inputs as soon as they are read, and buffers for the stores alone are not
     needed (more operand stages fit). `slice_loop`: the consumer runs its slices in a loop, not unrolled, so
     that a long epilogue's code is there once per consumer and fits the instruction cache; the loop selects
-    each slice of the accumulator at run time and keeps all of it live throughout. `consumers`: 2, or 3 with
+    each slice of the accumulator at run time and keeps all of it live throughout; `slice_unroll` slices per step
+    of the loop, unrolled, so that each is selected among epilogue_split / slice_unroll. `consumers`: 2, or 3 with
     fewer registers each (64-row tiles), so that a consumer's epilogue may take up to twice a mainloop and still
     be covered by the others' MMAs."""
 
@@ -97,6 +98,7 @@ class HopperConfig:
     epilogue_stages: int | None = None
     direct_stores: bool = False
     slice_loop: bool = False
+    slice_unroll: int = 1
     consumers: int = 2
 
     def __post_init__(self):
@@ -119,7 +121,7 @@ class HopperConfig:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
                 "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
                 "EPILOGUE_STAGES": self.slices_in_flight, "SLICE_LOOP": self.slice_loop,
-                "DIRECT_STORES": self.direct_stores, "CONSUMERS": self.consumers}
+                "SLICE_UNROLL": self.slice_unroll, "DIRECT_STORES": self.direct_stores, "CONSUMERS": self.consumers}
 
     def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
         """Shared memory of a program: the ring, the consumers' epilogue buffers and scratch, and barriers."""
@@ -135,6 +137,7 @@ class HopperConfig:
                 + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
                 + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
                 + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
+                + (f" by {self.slice_unroll}" if self.slice_unroll != 1 else "")
                 + (f" c{self.consumers}" if self.consumers != 2 else ""))
 
 
@@ -158,7 +161,7 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
 def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
     """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
     table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores,
-    slice_loop, consumers (with CONSUMER_REGS each) and num_stages as this kernel's stages."""
+    slice_loop, slice_unroll, consumers (with CONSUMER_REGS each) and num_stages as this kernel's stages."""
     if config is None:
         return default_config(epilogue)
     if isinstance(config, Config):
@@ -167,7 +170,8 @@ def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> H
         return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
                             group_m=config.group_m, epilogue_split=config.epilogue_split,
                             epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores,
-                            slice_loop=config.slice_loop, consumers=config.consumers,
+                            slice_loop=config.slice_loop, slice_unroll=config.slice_unroll,
+                            consumers=config.consumers,
                             consumer_regs=CONSUMER_REGS[config.consumers])
     return config
 
@@ -338,18 +342,18 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
 
 
 @gluon.jit
-def column_slice(x, part, PARTS: gl.constexpr, LAYOUT: gl.constexpr):
-    """tile.column_slice of the accumulator, in LAYOUT: the accumulator's layout at the slice's width, which
-    the halves of halves of x are in already (the conversion asserts that no value moves). A `part` known at
-    compile time takes its slice as it is; one known at run time (HopperConfig.slice_loop) selects it from
-    all PARTS slices, element by element."""
-    if isinstance(part, gl.constexpr):
-        chosen = gl.convert_layout(tile.column_slice(x, part, PARTS), LAYOUT, assert_trivial=True)
+def column_slice(x, start, offset: gl.constexpr, PARTS: gl.constexpr, STEP: gl.constexpr, LAYOUT: gl.constexpr):
+    """tile.column_slice of the accumulator, slice start + offset (`start` a multiple of STEP), in LAYOUT: the
+    accumulator's layout at the slice's width, which the halves of halves of x are in already (the conversion
+    asserts that no value moves). A `start` known at compile time takes its slice as it is; one known at run
+    time (HopperConfig.slice_loop) selects it, element by element, from the PARTS / STEP slices it may be."""
+    if isinstance(start, gl.constexpr):
+        chosen = gl.convert_layout(tile.column_slice(x, start + offset, PARTS), LAYOUT, assert_trivial=True)
     else:
-        chosen = gl.convert_layout(tile.column_slice(x, 0, PARTS), LAYOUT, assert_trivial=True)
-        for p in gl.static_range(1, PARTS):
-            chosen = gl.where(part == p, gl.convert_layout(tile.column_slice(x, p, PARTS), LAYOUT,
-                                                           assert_trivial=True), chosen)
+        chosen = gl.convert_layout(tile.column_slice(x, offset, PARTS), LAYOUT, assert_trivial=True)
+        for p in gl.static_range(offset + STEP, PARTS, STEP):
+            chosen = gl.where(start + offset == p, gl.convert_layout(tile.column_slice(x, p, PARTS), LAYOUT,
+                                                                     assert_trivial=True), chosen)
     return chosen
 
 

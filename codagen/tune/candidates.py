@@ -120,6 +120,15 @@ GLUON_CANDIDATES = (
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True),
+    # the loop by steps of 2 or 4 slices (slice_unroll): picking each slice out of the accumulator takes
+    # fewer selects (swiglu_dgrad on 8 slices: 7.5 FSEL per element in a loop of single slices, 3.5 by 2, 1.5
+    # by 4; compiled for sm_90, 57 and 88 KB of code, no stack), and its time followed its instruction count
+    # when the PTX sigmoid shortened it (H200, 2026-12-04)
+    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
+           slice_unroll=2),
+    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
+           slice_unroll=4),
+    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2),
     # three consumers of 64-row tiles (160 registers each): a consumer's epilogue may take up to twice a
     # mainloop and still be covered by the others' MMAs, where with two it must fit in one (swiglu_dgrad at
     # 1B: 1.5 mainloops, ncu). Compiled for sm_90: no stack for swiglu_dgrad (loop, 8 slices, 2 epilogue stages,

@@ -108,13 +108,14 @@ def geglu_dgrad_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
     the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
-    whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
-    unrolled copies of a long epilogue miss the instruction cache (measured on the H200)."""
+    of SLICE_UNROLL slices a step, whose copies of the epilogue's code select their slices of the accumulator at
+    run time: the consumers' unrolled copies of a long epilogue miss the instruction cache (measured on the
+    H200)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -130,40 +131,42 @@ def geglu_dgrad_consumer(
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
         if not DIRECT_STORES:
             tma.store_wait(0)
-        for part in gl.static_range(EPILOGUE_STAGES):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+        for early in gl.static_range(EPILOGUE_STAGES):
+            slot = CONSUMER * EPILOGUE_STAGES + early % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
             geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                    pid_n * EPILOGUE_SPLIT + part, SLICE_N)
+                                    pid_n * EPILOGUE_SPLIT + early, SLICE_N)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
         step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
-            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
-            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
-            # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
-            mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
-            z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)
-            fence_async_shared()  # these reads before the next TMA writes into the buffers
-            if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
-                # no store reads the buffers: the next slice in them loads as soon as they are read
-                geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                        slice_n + EPILOGUE_STAGES, SLICE_N)
-            geglu_dgrad_epilogue(
-                acc_slice, pid_m, slice_n, rows, cols,
-                z_even, z_odd, buffers, dz_desc, y_desc, dz_ptr, zdz_part_ptr, y_ptr, grad_y_desc,
-                M, N,
-                stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
-                BLOCK_M, SLICE_N, DIRECT_STORES,
-            )
-            if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
-                tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
-                geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                        slice_n + EPILOGUE_STAGES, SLICE_N)
+        for start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
+            for offset in gl.static_range(SLICE_UNROLL):
+                part = start + offset
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
+                slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+                acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
+                cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+                # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
+                mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
+                z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)
+                fence_async_shared()  # these reads before the next TMA writes into the buffers
+                if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                    # no store reads the buffers: the next slice in them loads as soon as they are read
+                    geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                            slice_n + EPILOGUE_STAGES, SLICE_N)
+                geglu_dgrad_epilogue(
+                    acc_slice, pid_m, slice_n, rows, cols,
+                    z_even, z_odd, buffers, dz_desc, y_desc, dz_ptr, zdz_part_ptr, y_ptr, grad_y_desc,
+                    M, N,
+                    stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                    BLOCK_M, SLICE_N, DIRECT_STORES,
+                )
+                if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                    tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
+                    geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                            slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
     if not DIRECT_STORES:
         tma.store_wait(0)
@@ -185,7 +188,7 @@ def geglu_dgrad_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
@@ -212,14 +215,14 @@ def geglu_dgrad_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 0, CONSUMERS,
             )),
             (geglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,
@@ -231,21 +234,21 @@ def geglu_dgrad_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 0, CONSUMERS,
             )),
             (geglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 1, CONSUMERS,
             )),
             (geglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,

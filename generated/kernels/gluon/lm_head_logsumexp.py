@@ -80,13 +80,14 @@ def lm_head_logsumexp_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
     the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
-    whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
-    unrolled copies of a long epilogue miss the instruction cache (measured on the H200)."""
+    of SLICE_UNROLL slices a step, whose copies of the epilogue's code select their slices of the accumulator at
+    run time: the consumers' unrolled copies of a long epilogue miss the instruction cache (measured on the
+    H200)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -101,17 +102,19 @@ def lm_head_logsumexp_consumer(
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
-            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
-            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
-            lm_head_logsumexp_epilogue(
-                acc_slice, pid_m, slice_n, rows, cols,
-                rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
-                M, N,
-                stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
-                BLOCK_M, SLICE_N,
-            )
+        for start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
+            for offset in gl.static_range(SLICE_UNROLL):
+                part = start + offset
+                slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+                acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
+                cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+                lm_head_logsumexp_epilogue(
+                    acc_slice, pid_m, slice_n, rows, cols,
+                    rstd_ptr, target_ptr, lse_part_ptr, target_logit_ptr,
+                    M, N,
+                    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
+                    BLOCK_M, SLICE_N,
+                )
         tile_count += 1
 
 
@@ -130,7 +133,7 @@ def lm_head_logsumexp_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
@@ -152,14 +155,14 @@ def lm_head_logsumexp_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
                 stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
                 0, CONSUMERS,
             )),
             (lm_head_logsumexp_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
                 stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,
@@ -171,21 +174,21 @@ def lm_head_logsumexp_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
                 stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
                 0, CONSUMERS,
             )),
             (lm_head_logsumexp_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
                 stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
                 1, CONSUMERS,
             )),
             (lm_head_logsumexp_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t,
                 stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,

@@ -120,13 +120,14 @@ def norm_dgrad_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
     the epilogue buffers of stage part % EPILOGUE_STAGES. The slices are unrolled, or with SLICE_LOOP a loop
-    whose one copy of the epilogue's code selects its slice of the accumulator at run time: the two consumers'
-    unrolled copies of a long epilogue miss the instruction cache (measured on the H200)."""
+    of SLICE_UNROLL slices a step, whose copies of the epilogue's code select their slices of the accumulator at
+    run time: the consumers' unrolled copies of a long epilogue miss the instruction cache (measured on the
+    H200)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
@@ -142,41 +143,43 @@ def norm_dgrad_consumer(
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
         if not DIRECT_STORES:
             tma.store_wait(0)
-        for part in gl.static_range(EPILOGUE_STAGES):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+        for early in gl.static_range(EPILOGUE_STAGES):
+            slot = CONSUMER * EPILOGUE_STAGES + early % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
             norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                   pid_n * EPILOGUE_SPLIT + part, SLICE_N)
+                                   pid_n * EPILOGUE_SPLIT + early, SLICE_N)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
         step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for part in (range if SLICE_LOOP else gl.static_range)(EPILOGUE_SPLIT):
-            slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
-            buffers = (epilogue_buffers.index(slot),)
-            slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-            acc_slice = hopper.column_slice(acc, part, EPILOGUE_SPLIT, SLICE)
-            cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
-            # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
-            mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
-            x = buffers[0].load(SLICE).to(gl.float32)
-            fence_async_shared()  # these reads before the next TMA writes into the buffers
-            if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
-                # no store reads the buffers: the next slice in them loads as soon as they are read
-                norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                       slice_n + EPILOGUE_STAGES, SLICE_N)
-            norm_dgrad_epilogue(
-                acc_slice, pid_m, slice_n, rows, cols,
-                x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
-                M, N,
-                stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n,
-                stride_dwn_part_t, stride_normed_m, stride_normed_n,
-                BLOCK_M, SLICE_N, DIRECT_STORES,
-            )
-            if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
-                tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
-                norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                       slice_n + EPILOGUE_STAGES, SLICE_N)
+        for start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
+            for offset in gl.static_range(SLICE_UNROLL):
+                part = start + offset
+                slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
+                buffers = (epilogue_buffers.index(slot),)
+                slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
+                acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
+                cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
+                # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
+                mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
+                x = buffers[0].load(SLICE).to(gl.float32)
+                fence_async_shared()  # these reads before the next TMA writes into the buffers
+                if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                    # no store reads the buffers: the next slice in them loads as soon as they are read
+                    norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                           slice_n + EPILOGUE_STAGES, SLICE_N)
+                norm_dgrad_epilogue(
+                    acc_slice, pid_m, slice_n, rows, cols,
+                    x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+                    M, N,
+                    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n,
+                    stride_dwn_part_t, stride_normed_m, stride_normed_n,
+                    BLOCK_M, SLICE_N, DIRECT_STORES,
+                )
+                if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
+                    tma.store_wait(0)  # the slice's stores have read its buffers: the next slice in them loads
+                    norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
+                                           slice_n + EPILOGUE_STAGES, SLICE_N)
         tile_count += 1
     if not DIRECT_STORES:
         tma.store_wait(0)
@@ -199,7 +202,7 @@ def norm_dgrad_gluon_kernel(
     # settings
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
-    SLICE_LOOP: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
@@ -227,7 +230,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 0, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -235,7 +238,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
@@ -248,7 +251,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 0, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -256,7 +259,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 1, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -264,7 +267,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
