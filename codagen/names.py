@@ -20,7 +20,7 @@ INTERNAL = frozenset("""
     config grid device dtype out outs ctx self args kwargs library op fake meta m n k
     launch values sizes t_dtype tensors key plan tma tile_id offs_k path
     gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers
-    inputs_ready slice_n acc_slice first_buffer slot k_steps step tile_count i
+    inputs_ready slice_n acc_slice first_buffer slot k_steps step tile_count i step_start in_step early_part
     nn kernels finish chosen check_launch cols_group col_mask_group group_mask grad_factor
 """.split())
 # Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves

@@ -101,7 +101,7 @@ def test_pairs_loaded_from_memory_are_lowered():
     for line in ("EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, columns=2, split=8)",
                  "mbarrier.expect(ready, z_desc.block_type.nbytes)",
                  "hopper.tma_load(z_desc, [first_row, slice_n * (2 * SLICE_N)], ready, buffers[0])",
-                 "acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)",
+                 "acc_slice = hopper.column_slice(acc, step_start, in_step, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
                  "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,",

@@ -351,9 +351,9 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
         load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, first_row, "
                             "slice_n, SLICE_N: gl.constexpr):", 120),
-        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + early"),
+        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + early_part"),
         reload_inputs=_load_inputs(k, 20, "slice_n + EPILOGUE_STAGES"),
-        slice_buffers=_slice_buffers(buffers, "early"),
+        slice_buffers=_slice_buffers(buffers, "early_part"),
         epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
         input_reads=_input_reads(k),

@@ -110,11 +110,11 @@ def lm_head_logsumexp_zsum_consumer(
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
-            for offset in gl.static_range(SLICE_UNROLL):
-                part = start + offset
+        for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
+            for in_step in gl.static_range(SLICE_UNROLL):
+                part = step_start + in_step
                 slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-                acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
+                acc_slice = hopper.column_slice(acc, step_start, in_step, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 lm_head_logsumexp_zsum_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,

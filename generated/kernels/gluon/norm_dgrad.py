@@ -143,22 +143,22 @@ def norm_dgrad_consumer(
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
         if not DIRECT_STORES:
             tma.store_wait(0)
-        for early in gl.static_range(EPILOGUE_STAGES):
-            slot = CONSUMER * EPILOGUE_STAGES + early % EPILOGUE_STAGES
+        for early_part in gl.static_range(EPILOGUE_STAGES):
+            slot = CONSUMER * EPILOGUE_STAGES + early_part % EPILOGUE_STAGES
             buffers = (epilogue_buffers.index(slot),)
             norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
-                                   pid_n * EPILOGUE_SPLIT + early, SLICE_N)
+                                   pid_n * EPILOGUE_SPLIT + early_part, SLICE_N)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
         step += CONSUMERS * k_steps
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        for start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
-            for offset in gl.static_range(SLICE_UNROLL):
-                part = start + offset
+        for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
+            for in_step in gl.static_range(SLICE_UNROLL):
+                part = step_start + in_step
                 slot = CONSUMER * EPILOGUE_STAGES + part % EPILOGUE_STAGES
                 buffers = (epilogue_buffers.index(slot),)
                 slice_n = pid_n * EPILOGUE_SPLIT + part  # the slice's index in N
-                acc_slice = hopper.column_slice(acc, start, offset, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
+                acc_slice = hopper.column_slice(acc, step_start, in_step, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
                 mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
