@@ -144,12 +144,17 @@ class Config:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
                 + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
-                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
-                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
-                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
-                + (f" by {self.slice_unroll}" if self.slice_unroll != 1 else "")
-                + (f" c{self.consumers}" if self.consumers != 2 else "")
-                + (f" {self.backend}" if self.backend != "tl" else ""))
+                + epilogue_label(self) + (f" {self.backend}" if self.backend != "tl" else ""))
+
+
+def epilogue_label(config) -> str:
+    """The label's part for how the epilogue runs, from a Config or a HopperConfig (the same fields): its
+    slices, their buffers, direct stores, the slice loop and its step, the consumers."""
+    return ((f" epilogue/{config.epilogue_split}" if config.epilogue_split > 1 else "")
+            + (f" in {config.epilogue_stages}" if config.epilogue_stages is not None else "")
+            + (" direct" if config.direct_stores else "") + (" loop" if config.slice_loop else "")
+            + (f" by {config.slice_unroll}" if config.slice_unroll != 1 else "")
+            + (f" c{config.consumers}" if config.consumers != 2 else ""))
 
 
 def launch_hopper(package: str, kernel: str, /, **arguments) -> None:

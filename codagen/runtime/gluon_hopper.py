@@ -23,7 +23,7 @@ import torch
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
 from . import tile
 from .checks import Aliasing
-from .configs import Config
+from .configs import Config, epilogue_label
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -134,11 +134,7 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
-                + (f" epilogue/{self.epilogue_split}" if self.epilogue_split > 1 else "")
-                + (f" in {self.epilogue_stages}" if self.epilogue_stages is not None else "")
-                + (" direct" if self.direct_stores else "") + (" loop" if self.slice_loop else "")
-                + (f" by {self.slice_unroll}" if self.slice_unroll != 1 else "")
-                + (f" c{self.consumers}" if self.consumers != 2 else ""))
+                + epilogue_label(self))
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
