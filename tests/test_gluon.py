@@ -453,7 +453,7 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
     assert "kernels/gluon/groups.py" in rendered["groups"]
     pairs_rope = rendered["pairs_rope"]["kernels/gluon/pairs_rope.py"]
     assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
-    assert "r = hopper.view(buffers[1], r_desc).load(SLICE).to(gl.float32)" in pairs_rope
+    assert "r = hopper.widen(hopper.view(buffers[1], r_desc).load(SLICE))" in pairs_rope
     assert "hopper.store_narrow_tile(with_residual_desc, buffers[1], s, pid_m * BLOCK_M, pid_n * BLOCK_N" in pairs_rope
     found = _compiled(_TTGIR, paths, TRITON_DEFAULT_FP_FUSION="1")
     assert sorted(found) == sorted(paths)

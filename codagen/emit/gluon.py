@@ -302,7 +302,7 @@ def _input_reads(k: Kernel) -> list[str]:
         if tile_width(k, name) is Width.DOUBLE:
             lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc_slice)")
         else:
-            lines.append(f"{name} = {_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE).to(gl.float32)")
+            lines.append(f"{name} = hopper.widen({_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE))")
     return lines
 
 

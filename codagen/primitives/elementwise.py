@@ -132,6 +132,15 @@ def _emit_cast(e, s):
         e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
 
 
+def _emit_cast_gluon(e, s):
+    # a tile of the accumulator's layout, by pairs of elements (hopper.round_to)
+    if e.types[s.args["x"]].kind is Kind.TILE:
+        to = e.t_dtype() if s.args["dtype"] == "T" else f"{e.lang}.{s.args['dtype']}"
+        e.elementwise(s, f"hopper.round_to({{x}}, {to})", {"x": s.args["x"]})
+    else:
+        _emit_cast(e, s)
+
+
 def _cast_reference(r, s):
     dtype = s.args["dtype"]
     rounded = r.args[r.kernel.t_input].dtype if dtype == "T" else getattr(torch, dtype)
@@ -144,6 +153,6 @@ CAST = Primitive(
     "in that dtype and reloaded.",
     "x: any value; out has its kind and width. dtype T: the kernel's type at the launch.",
     "cast: {x: acc, dtype: bfloat16, out: acc_bf16}",
-    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast})
+    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast_gluon})
 
 PRIMITIVES = (*UNARY, *BINARY, SCALE, CAST)

@@ -118,9 +118,12 @@ def geglu(x):
 
 @triton.jit
 def swiglu_bwd_pairs(dy, gate, up):
-    """Gradient of swiglu at the saved pair (gate, up): (d gate, d up)."""
+    """Gradient of swiglu at the saved pair (gate, up): (d gate, d up). silu(gate) is made as swiglu_pairs
+    makes it, so that an epilogue that also recomputes swiglu shares it; d silu / d gate is
+    sig * (1 + gate * (1 - sig)) = sig + silu * (1 - sig), one multiply fewer."""
     sig = sigmoid(gate)
-    return dy * up * sig * (1.0 + gate * (1.0 - sig)), dy * gate * sig
+    silu_gate = silu(gate)
+    return dy * up * (sig + silu_gate * (1.0 - sig)), dy * silu_gate
 
 
 @triton.jit
@@ -264,18 +267,18 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
 @triton.jit
 def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     """partial_reduce over columns (one value per row) of a tile held as its even and odd columns; the mask
-    is the pairs'."""
+    is the pairs'. The halves are combined element by element first: one reduction across threads, not two."""
     if OP == LOGSUMEXP:
-        big = tl.maximum(tl.max(tl.where(mask, even, float("-inf")), axis=1),
-                         tl.max(tl.where(mask, odd, float("-inf")), axis=1))
+        big = tl.max(tl.where(mask, tl.maximum(even, odd), float("-inf")), axis=1)
         safe = _safe_shift(big)
-        total = (tl.sum(tl.where(mask, tl.exp(even - safe[:, None]), 0.0), axis=1)
-                 + tl.sum(tl.where(mask, tl.exp(odd - safe[:, None]), 0.0), axis=1))
+        total = tl.sum(tl.where(mask, tl.exp(even - safe[:, None]) + tl.exp(odd - safe[:, None]), 0.0), axis=1)
         out = safe + tl.log(total)
     elif OP == MAX:
-        out = maximum_nan(partial_reduce(even, mask, OP, 1), partial_reduce(odd, mask, OP, 1))
+        out = partial_reduce(maximum_nan(even, odd), mask, OP, 1)
+    elif OP == SUMSQ:
+        out = partial_reduce(even * even + odd * odd, mask, SUM, 1)
     else:
-        out = partial_reduce(even, mask, OP, 1) + partial_reduce(odd, mask, OP, 1)
+        out = partial_reduce(even + odd, mask, OP, 1)
     return out
 
 

@@ -51,7 +51,7 @@ def gemma_proj_sumsq_epilogue(
     col_mask = cols < N
 
     # cast: {x: acc, dtype: T, out: ov}
-    ov = acc.to(y_desc.dtype).to(tl.float32)
+    ov = hopper.round_to(acc, y_desc.dtype)
 
     # store: {x: ov, to: o}
     if DIRECT_STORES:

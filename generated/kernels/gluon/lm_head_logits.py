@@ -59,7 +59,7 @@ def lm_head_logits_epilogue(
     z = acc * rstd[:, None]
 
     # cast: {x: z, dtype: T, out: zt}
-    zt = z.to(h_desc.dtype).to(tl.float32)
+    zt = hopper.round_to(z, h_desc.dtype)
 
     # store: {x: zt, to: logits}
     if DIRECT_STORES:

@@ -65,8 +65,8 @@ def swiglu_dgrad_epilogue(
                           pid_n * (2 * BLOCK_N), PENDING=None)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}
-    dz_stored_even = dzv_even.to(grad_y_desc.dtype).to(tl.float32)
-    dz_stored_odd = dzv_odd.to(grad_y_desc.dtype).to(tl.float32)
+    dz_stored_even = hopper.round_to(dzv_even, grad_y_desc.dtype)
+    dz_stored_odd = hopper.round_to(dzv_odd, grad_y_desc.dtype)
 
     # mul: {x: z, y: dz_stored, out: dot}
     dot_even = z_even * dz_stored_even
