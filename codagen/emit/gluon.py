@@ -16,7 +16,10 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
   and the buffers hold the tile inputs alone; a rotation
   (RoPE) of the accumulator's pairs takes its per-pair frequencies loaded once per column, in the
   accumulator's column layout;
-- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer);
+- a row vector ([M]) is loaded by the consumer once per tile, while the tile's mainloop runs, and reaches the
+  epilogue of each column slice as a value;
+- a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer), and a cast of a
+  tile, like the reads of tile inputs, converts bf16 by pairs of elements (`hopper.round_to`, `hopper.widen`);
 - a group value (one per row and column group, [M, groups(N)]) is held over its group's columns, a tile in
   the accumulator's layout (`hopper.group_reduce`): steps on it are the tl text on a tile, it meets a tile as
   it is, the first column of each group stores it, and every column loads its group's.
@@ -71,6 +74,12 @@ def tma_outputs(k: Kernel) -> list[str]:
     stored = [s.target for s in k.steps if s.op == "store"]
     return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
             and len(o.dims) == 2 and o.dims[1].width in (Width.HALF, Width.FULL, Width.DOUBLE)]
+
+
+def row_inputs(k: Kernel) -> list[str]:
+    """Row vectors ([M]) the epilogue reads: loaded by the consumer once per tile, while its mainloop runs, and
+    passed to the epilogue of each slice as values (not reloaded and waited for slice by slice)."""
+    return [i.name for i in k.inputs if i.role is InputRole.TENSOR and i.type.kind is Kind.ROW]
 
 
 def tile_width(k: Kernel, name: str) -> Width:
@@ -149,11 +158,12 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         super().__init__(kernel, types)
         self.tma_inputs = tma_inputs(kernel)
         self.tma_outputs = tma_outputs(kernel)
+        self.row_inputs = row_inputs(kernel)
         self.buffers = buffers
         self.stores = 0  # TMA stores emitted so far
 
     def load(self, name: str) -> None:
-        if name in self.tma_inputs:  # read from shared memory by the consumer before the epilogue
+        if name in self.tma_inputs or name in self.row_inputs:  # read by the consumer before the epilogue
             self.loaded.add(name)
             return
         inp = self.kernel.input(name)
@@ -295,6 +305,13 @@ def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
     return buffer if tile_width(k, name) is buffer_width(k) else f"hopper.view({buffer}, {name}_desc)"
 
 
+def _row_load(k: Kernel, name: str) -> str:
+    """The consumer's load of a row vector for the tile's rows, as fp32 (an index keeps its integer type)."""
+    index = k.input(name).dtype is DType.INDEX
+    return (f"{name} = gl.load({name}_ptr + rows * stride_{name}_m, mask=rows < M, other={0 if index else 0.0})"
+            + ("" if index else ".to(gl.float32)"))
+
+
 def _input_reads(k: Kernel) -> list[str]:
     """The consumer's reads of the tile inputs from their buffers, once their TMA loads have landed."""
     lines = []
@@ -326,11 +343,13 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
     consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
     strides = [s for p in all_pointers for s in p.strides]
+    rows_in = row_inputs(k)
+    epilogue_strides = [s for p in all_pointers if p.name not in rows_in for s in p.strides]
     names = [d.name for d in tensors]
     quoted = ", ".join(f'"{n}"' for n in names)
     epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins),
                      *(["buffers"] if buffers else []), *(f"{n}_desc" for n in outs),
-                     *(f"{p.name}_ptr" for p in all_pointers), *scalars,
+                     *(p.name if p.name in rows_in else f"{p.name}_ptr" for p in all_pointers), *scalars,
                      *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
     return render(
         "kernel_gluon.py.j2",
@@ -357,6 +376,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
         input_reads=_input_reads(k),
+        row_loads=[line for n in rows_in for line in fit(_row_load(k, n), 112)],
         buffers=buffers,
         columns=buffer_columns(k),
         scratch=epilogue_scratch(k),
@@ -366,9 +386,10 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         desc_params=wrap(descs, 4),
         pointer_params=wrap([f"{p.name}_ptr" for p in all_pointers], 4),
         stride_params=wrap(strides, 4),
+        epilogue_stride_params=wrap(epilogue_strides, 4),
         epilogue_args=wrap(epilogue_args, 12),
         epilogue_call_args=wrap(epilogue_args, 20),
-        stride_call_args=wrap(strides, 20),
+        stride_call_args=wrap(epilogue_strides, 20),
         plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
         consumer_desc_params=wrap(consumer_descs, 4),
         consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),

@@ -12,7 +12,6 @@ direct_stores).
 Import it only on an sm_90 GPU (nothing else does). `launch` takes the tl kernel's arguments
 (generated/kernels/gate_up_geglu.py) and refuses, with the reason, what only the tl kernel runs.
 """
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -39,18 +38,16 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def gate_up_geglu_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, z_desc, y_desc, rstd_ptr, z_ptr, y_ptr,
+    buffers, z_desc, y_desc, rstd, z_ptr, y_ptr,
     M, N,
-    stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
+    stride_z_m, stride_z_n, stride_y_m, stride_y_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
     in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's.
     Stores cast to each output's dtype; tiles leave by TMA, or from registers where DIRECT_STORES."""
-    row_mask = rows < M
 
     # scale: {x: acc, by: rstd, out: zv}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     zv = acc * rstd[:, None]
 
     # store: {x: zv, to: z}
@@ -100,10 +97,12 @@ def gate_up_geglu_consumer(
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
+        # the tile's row vectors, once for all its slices, while the mainloop runs
+        rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step
@@ -117,9 +116,9 @@ def gate_up_geglu_consumer(
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 gate_up_geglu_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,
-                    buffers, z_desc, y_desc, rstd_ptr, z_ptr, y_ptr,
+                    buffers, z_desc, y_desc, rstd, z_ptr, y_ptr,
                     M, N,
-                    stride_rstd_m, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
+                    stride_z_m, stride_z_n, stride_y_m, stride_y_n,
                     BLOCK_M, SLICE_N, DIRECT_STORES,
                 )
         tile_count += 1

@@ -44,10 +44,9 @@ EPILOGUE = hopper.Epilogue(buffers=1, inputs=1, scratch=8192, split=4)  # its sh
 @gluon.jit
 def gemma_norm_dgrad_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+    x, buffers, dx_desc, normed_desc, rstd, wn_ptr, zdz, dx_ptr, dwn_part_ptr, normed_ptr,
     M, N,
-    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t,
-    stride_normed_m, stride_normed_n,
+    stride_wn_n, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m, stride_normed_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -62,14 +61,12 @@ def gemma_norm_dgrad_epilogue(
     norm_scale = wn + 1.0
 
     # scale: {x: x, by: rstd, out: xn}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     xn = x * rstd[:, None]
 
     # scale: {x: acc, by: norm_scale, out: acc_s}
     acc_s = acc * norm_scale[None, :]
 
     # scale: {x: xn, by: zdz, out: xn_zdz}
-    zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
     xn_zdz = xn * zdz[:, None]
 
     # sub: {x: acc_s, y: xn_zdz, out: centered}
@@ -151,10 +148,13 @@ def gemma_norm_dgrad_consumer(
             buffers = (epilogue_buffers.index(slot),)
             gemma_norm_dgrad_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
                                          pid_n * EPILOGUE_SPLIT + early_part, SLICE_N)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
+        # the tile's row vectors, once for all its slices, while the mainloop runs
+        rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
+        zdz = gl.load(zdz_ptr + rows * stride_zdz_m, mask=rows < M, other=0.0).to(gl.float32)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step
@@ -173,10 +173,10 @@ def gemma_norm_dgrad_consumer(
                                                  slice_n + EPILOGUE_STAGES, SLICE_N)
                 gemma_norm_dgrad_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,
-                    x, buffers, dx_desc, normed_desc, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+                    x, buffers, dx_desc, normed_desc, rstd, wn_ptr, zdz, dx_ptr, dwn_part_ptr, normed_ptr,
                     M, N,
-                    stride_rstd_m, stride_wn_n, stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n,
-                    stride_dwn_part_t, stride_normed_m, stride_normed_n,
+                    stride_wn_n, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
+                    stride_normed_n,
                     BLOCK_M, SLICE_N, DIRECT_STORES,
                 )
                 if not DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:

@@ -42,10 +42,9 @@ EPILOGUE = hopper.Epilogue(buffers=0)  # its shared memory
 @gluon.jit
 def lm_head_logsumexp_zsum_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    rstd_ptr, target_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr,
+    rstd, target, lse_part_ptr, zsum_part_ptr, target_logit_ptr,
     M, N,
-    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_zsum_part_m, stride_zsum_part_t,
-    stride_target_logit_m,
+    stride_lse_part_m, stride_lse_part_t, stride_zsum_part_m, stride_zsum_part_t, stride_target_logit_m,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -55,7 +54,6 @@ def lm_head_logsumexp_zsum_epilogue(
     col_mask = cols < N
 
     # scale: {x: acc, by: rstd, out: logits}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     logits = acc * rstd[:, None]
 
     # reduce: {op: logsumexp, x: logits, axis: cols, to: lse_part}
@@ -70,7 +68,6 @@ def lm_head_logsumexp_zsum_epilogue(
                  tile.partial_reduce(logits, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
 
     # select: {x: logits, index: target, to: target_logit}
-    target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
     tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask,
                         pid_n == 0)
 
@@ -106,10 +103,13 @@ def lm_head_logsumexp_zsum_consumer(
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
+        # the tile's row vectors, once for all its slices, while the mainloop runs
+        rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
+        target = gl.load(target_ptr + rows * stride_target_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step
@@ -118,10 +118,10 @@ def lm_head_logsumexp_zsum_consumer(
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 lm_head_logsumexp_zsum_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,
-                    rstd_ptr, target_ptr, lse_part_ptr, zsum_part_ptr, target_logit_ptr,
+                    rstd, target, lse_part_ptr, zsum_part_ptr, target_logit_ptr,
                     M, N,
-                    stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_zsum_part_m,
-                    stride_zsum_part_t, stride_target_logit_m,
+                    stride_lse_part_m, stride_lse_part_t, stride_zsum_part_m, stride_zsum_part_t,
+                    stride_target_logit_m,
                     BLOCK_M, SLICE_N,
                 )
         tile_count += 1

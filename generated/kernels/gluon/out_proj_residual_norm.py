@@ -128,10 +128,10 @@ def out_proj_residual_norm_consumer(
             buffers = (epilogue_buffers.index(slot),)
             out_proj_residual_norm_load_inputs(x_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
                                                pid_n * EPILOGUE_SPLIT + early_part, SLICE_N)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step

@@ -40,23 +40,20 @@ EPILOGUE = hopper.Epilogue(buffers=1)  # its shared memory
 @gluon.jit
 def qkv_norm_rope_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, qkv_desc, rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+    buffers, qkv_desc, rstd, positions, freqs_ptr, qkv_ptr,
     M, N,
-    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_qkv_m, stride_qkv_n,
+    stride_freqs_n, stride_qkv_m, stride_qkv_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
     in the accumulator's layout at its width; pid_n and BLOCK_N are the slice's.
     Stores cast to each output's dtype; tiles leave by TMA, or from registers where DIRECT_STORES."""
-    row_mask = rows < M
     col_mask = cols < N
 
     # scale: {x: acc, by: rstd, out: z}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     z = acc * rstd[:, None]
 
     # rope: {x: z, positions: positions, freqs: freqs, out: rotated}
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     freqs_of_columns = tl.load(freqs_ptr + (cols // 2) * stride_freqs_n, mask=col_mask, other=0.0).to(tl.float32)
     rotated = tile.rope_by_columns(z, positions.to(tl.float32), freqs_of_columns, INVERSE=False)
 
@@ -98,10 +95,13 @@ def qkv_norm_rope_consumer(
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
+        # the tile's row vectors, once for all its slices, while the mainloop runs
+        rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
+        positions = gl.load(positions_ptr + rows * stride_positions_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step
@@ -115,9 +115,9 @@ def qkv_norm_rope_consumer(
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 qkv_norm_rope_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,
-                    buffers, qkv_desc, rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+                    buffers, qkv_desc, rstd, positions, freqs_ptr, qkv_ptr,
                     M, N,
-                    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_qkv_m, stride_qkv_n,
+                    stride_freqs_n, stride_qkv_m, stride_qkv_n,
                     BLOCK_M, SLICE_N, DIRECT_STORES,
                 )
         tile_count += 1

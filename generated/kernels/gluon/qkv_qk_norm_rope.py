@@ -45,11 +45,11 @@ EPILOGUE = hopper.Epilogue(buffers=1, column_group=128)  # its shared memory
 @gluon.jit
 def qkv_qk_norm_rope_epilogue(
     acc, pid_m, pid_n, rows, cols,
-    buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr,
+    buffers, qkv_desc, z_desc, rstd, positions, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr,
     head_rstd_ptr, eps,
     M, N,
-    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n,
-    stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
+    stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n,
+    stride_head_rstd_m, stride_head_rstd_n,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_STORES: gl.constexpr,
 ):
     """The spec's epilogue in fp32 on one column slice of a tile (the whole tile where EPILOGUE_SPLIT is 1),
@@ -59,7 +59,6 @@ def qkv_qk_norm_rope_epilogue(
     col_mask = cols < N
 
     # scale: {x: acc, by: rstd, out: zv}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     zv = acc * rstd[:, None]
 
     # store: {x: zv, to: z}
@@ -97,7 +96,6 @@ def qkv_qk_norm_rope_epilogue(
     normed = zv * gain_v
 
     # rope: {x: normed, positions: positions, freqs: freqs, out: rotated}
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     freqs_of_columns = tl.load(freqs_ptr + (cols // 2) * stride_freqs_n, mask=col_mask, other=0.0).to(tl.float32)
     rotated = tile.rope_by_columns(normed, positions.to(tl.float32), freqs_of_columns, INVERSE=False)
 
@@ -142,10 +140,13 @@ def qkv_qk_norm_rope_consumer(
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
+        # the tile's row vectors, once for all its slices, while the mainloop runs
+        rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
+        positions = gl.load(positions_ptr + rows * stride_positions_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
                               ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
         step += CONSUMERS * k_steps
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
                 part = step_start + in_step
@@ -159,11 +160,11 @@ def qkv_qk_norm_rope_consumer(
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 qkv_qk_norm_rope_epilogue(
                     acc_slice, pid_m, slice_n, rows, cols,
-                    buffers, qkv_desc, z_desc, rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr,
-                    z_ptr, head_rstd_ptr, eps,
+                    buffers, qkv_desc, z_desc, rstd, positions, freqs_ptr, wn_qk_ptr, v_pass_ptr, qkv_ptr, z_ptr,
+                    head_rstd_ptr, eps,
                     M, N,
-                    stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n,
-                    stride_qkv_m, stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
+                    stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m, stride_qkv_n, stride_z_m,
+                    stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
                     BLOCK_M, SLICE_N, DIRECT_STORES,
                 )
         tile_count += 1
