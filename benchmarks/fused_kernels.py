@@ -75,9 +75,11 @@ def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype
     inplace = harness.inplace_names(kernel)
     outs = harness.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
     launch_args = {n: v for n, v in inputs.items() if n not in inplace}
-    row.ms = timer(lambda: module.launch(**launch_args, **outs, config=config))
-    if kernel.gemm:
-        row.cublas_ms = harness.time_cublas(kernel, inputs, timer)
+    def fn():
+        module.launch(**launch_args, **outs, config=config)
+
+    timed = harness.time_against_cublas(kernel, fn, inputs, timer) if kernel.gemm else None
+    row.ms, row.cublas_ms = timed or (timer(fn), None)
 
 
 def report_lines(rows: list[KernelRow]) -> list[str]:

@@ -45,7 +45,9 @@ def markdown(gpu: str, tuning_dir: Path) -> str:
              "reference on NaN-prefilled outputs before it was timed. ms: do_bench median of the chosen "
              "configuration; cuBLAS: torch.matmul of the kernel's GEMM alone, same shape and operands; "
              "ratio = ms / cuBLAS ms (1.00: the epilogue is free). For `matmul` (no epilogue), throughput vs "
-             "cuBLAS = cuBLAS ms / ms.", ""]
+             "cuBLAS = cuBLAS ms / ms. Both times are medians of 3 do_bench medians taken in turn, the kernel's "
+             "then cuBLAS's; rows marked * are older entries: the chosen configuration's time in the sweep and "
+             "one cuBLAS timing after it, which moved by up to 6% from run to run.", ""]
     for preset, found in rows(gpu, tuning_dir).items():
         lines += [f"## {preset}", "", "| kernel | where | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |",
                   "|---|---|---|---|---|---|---|"]
@@ -55,6 +57,8 @@ def markdown(gpu: str, tuning_dir: Path) -> str:
                 continue
             cublas = entry.get("cuBLAS_ms")
             ratio = f"{entry['ms'] / cublas:.2f}" if cublas else "-"
+            if cublas and "rounds" not in entry:
+                ratio += " *"
             if name == "matmul" and cublas:
                 ratio += f" (throughput {cublas / entry['ms']:.2f})"
             lines.append(f"| {name} | {where} | {shape} | {Config(**entry['config']).label()} | {entry['ms']:.4g} | "

@@ -292,6 +292,25 @@ def test_wrong_and_failing_candidates_are_discarded_never_chosen(monkeypatch):
     assert outcome.cublas_ms is not None  # the plain GEMM of the shape, timed by the same timer
 
 
+def test_kernel_and_cublas_timed_in_turn():
+    """The chosen configuration and its plain GEMM are timed alternately, and each gets the median of its
+    rounds: a GPU whose clocks drift moves both alike."""
+    c = checked("out_proj_residual_norm")
+    mod = module("out_proj_residual_norm")
+    inputs = harness.make_inputs(c.kernel, mod, shapes.Shape(45, 40, 24), CPU, torch.float32)
+    order, times = [], iter([5.0, 1.0, 3.0, 2.0, 4.0, 9.0])
+
+    def timer(fn):
+        order.append("kernel" if fn is kernel else "cuBLAS")
+        return next(times)
+
+    def kernel():
+        pass
+
+    assert harness.time_against_cublas(c.kernel, kernel, inputs, timer) == (4.0, 2.0)
+    assert order == ["kernel", "cuBLAS"] * harness.CUBLAS_ROUNDS
+
+
 def test_every_generated_kernel_passes_its_check():
     """The check itself is right: the real kernels of specs/ pass it with a ragged slice of rows (bf16)."""
     for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -154,6 +155,7 @@ class Outcome:
         e = {"config": self.best.as_dict(), "ms": _round(self.ms)}
         if self.cublas_ms is not None:
             e["cuBLAS_ms"] = _round(self.cublas_ms)
+            e["rounds"] = CUBLAS_ROUNDS  # ms and cuBLAS_ms: medians of that many timings of each, in turn
         return e
 
 
@@ -239,7 +241,10 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     if outcome.timed:
         outcome.best, outcome.ms = min(outcome.timed, key=lambda t: t[1])  # ties: the earlier candidate
         if kernel.gemm and outcome.complete:
-            outcome.cublas_ms = time_cublas(kernel, inputs, timer)
+            timed = time_against_cublas(kernel, _launcher(checked, module, outcome.best, shape, inputs, device,
+                                                          dtype)[0], inputs, timer)
+            if timed is not None:
+                outcome.ms, outcome.cublas_ms = timed
     del inputs, check
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -253,27 +258,43 @@ def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, c
     why = check(config, shape)
     if why is not None:
         return why, None
-    inplace = inplace_names(checked.kernel)
-    outs = new_outputs(checked.kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
-    launch_args = {n: v for n, v in inputs.items() if n not in inplace}
-
-    def fn():
-        module.launch(**launch_args, **outs, config=config)
-
+    fn, outs = _launcher(checked, module, config, shape, inputs, device, dtype)
     fn()
     _sync(device)
+    inplace = inplace_names(checked.kernel)
     unwritten = [n for n, t in outs.items() if n not in inplace and t.is_floating_point() and torch.isnan(t).any()]
     if unwritten:
         return f"{', '.join(unwritten)} left NaN at the full shape {shape}", None
     return None, timer(fn)
 
 
-def time_cublas(kernel: Kernel, inputs: dict, timer) -> float | None:
-    """The plain GEMM of the same shape through torch.matmul (cuBLAS on a GPU): the speed of light."""
+def _launcher(checked: Checked, module, config: Config, shape: Shape, inputs: dict, device, dtype):
+    """(fn, outputs): fn launches the kernel with `config` on the inputs, into NaN-prefilled outputs."""
+    inplace = inplace_names(checked.kernel)
+    outs = new_outputs(checked.kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
+    launch_args = {n: v for n, v in inputs.items() if n not in inplace}
+
+    def fn():
+        module.launch(**launch_args, **outs, config=config)
+    return fn, outs
+
+
+CUBLAS_ROUNDS = 3
+
+
+def time_against_cublas(kernel: Kernel, fn: Callable[[], None], inputs: dict, timer) -> tuple[float, float] | None:
+    """(the kernel's ms, the ms of its plain GEMM through torch.matmul (cuBLAS on a GPU): the speed of light),
+    each the median of CUBLAS_ROUNDS timings taken in turn, the kernel's then cuBLAS's: a GPU's clocks move
+    with its power and temperature, and two yardsticks timed minutes apart differed by 4-6% (an H200, the same
+    GEMM in two tuning runs); None where torch.matmul fails."""
     a, b = inputs[kernel.gemm.a], inputs[kernel.gemm.b]
     b = b.T if kernel.gemm.b_layout is BLayout.NK else b
+    ours, theirs = [], []
     try:
-        return timer(lambda: torch.matmul(a, b))
+        for _ in range(CUBLAS_ROUNDS):
+            ours.append(timer(fn))
+            theirs.append(timer(lambda: torch.matmul(a, b)))
     except Exception:  # noqa: BLE001 - the yardstick is optional
         return None
+    return statistics.median(ours), statistics.median(theirs)
 
