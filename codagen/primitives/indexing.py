@@ -35,8 +35,8 @@ def _emit_select(e, s):
     for i, (value, cols) in enumerate(parts):
         # the first tile of a row stores its ignored indices' zeros, once
         first = "pid_n == 0" if i == 0 else "False"
-        e.line(f"tile.store_selected({to}_ptr + rows * stride_{to}_m, {value}, {cols}, {e.col_mask(w)}, {index}, "
-               f"{e.size(w)}, row_mask, {first})")
+        e.line(f"tile.store_selected({to}_ptr + rows * stride_{to}_m, {value}, {cols}, {index}, {e.size(w)}, "
+               f"row_mask, {first}, STEP={len(parts)})")
 
 
 def _select_reference(r, s):

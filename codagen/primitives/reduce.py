@@ -51,11 +51,13 @@ def _check(c) -> None:
 
 def _emit(e, s):
     x, t = s.args["x"], e.types[s.args["x"]]
-    e.need_width(t.width, tile=True)
-    to, op, mask = s.target, _BY_NAME[s.args["op"]].constant, e.tile_mask(t.width)
+    e.need_width(t.width)
+    to, op = s.target, _BY_NAME[s.args["op"]].constant
     if s.args["axis"] == "cols":
         # one partial per row and N-tile (or slice of one); a slice wholly past N, which the last tile
-        # split for its epilogue can have, has no slot in tiles(N) and stores nothing
+        # split for its epilogue can have, has no slot in tiles(N) and stores nothing. Only the columns are
+        # masked: a row past M stores nothing either
+        mask = f"{e.col_mask(t.width)}[None, :]"
         ptr = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t"
         if e.is_pair(x):
             partial = f"tile.partial_reduce_pairs({', '.join(e.halves(x))}, {mask}, OP={op})"
@@ -63,7 +65,8 @@ def _emit(e, s):
             partial = f"tile.partial_reduce({e.ref(x)}, {mask}, OP={op}, AXIS=1)"
         e.guarded("pid_n * BLOCK_N < N", f"{e.lang}.store({ptr}, {partial}, mask=row_mask)")
         return
-    # one partial per column and M-tile
+    # one partial per column and M-tile; only the rows are masked: a column past N stores nothing
+    mask = "row_mask[:, None]"
     for value, cols in e.columns(x, t.width):
         e.line(f"{e.lang}.store({to}_ptr + {cols} * stride_{to}_n + pid_m * stride_{to}_t, "
                f"tile.partial_reduce({value}, {mask}, OP={op}, AXIS=0), mask={e.col_mask(t.width)})")

@@ -34,13 +34,32 @@ def sigmoid(x):
     division keep the subnormal range at 7 more instructions per element, a fifth of swiglu_dgrad's
     epilogue (compiled for sm_90). NaN gives NaN, -inf 0 and +inf 1, as tl.sigmoid."""
     if _PTX:
-        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634],
+        s = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + _exp2_flushed(x * -_LOG2_E)],
                                       dtype=tl.float32, is_pure=True, pack=1)
-        s = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
-                                      is_pure=True, pack=1)
     else:
         s = tl.sigmoid(x)
     return s
+
+
+@triton.jit
+def exp_flushed(x):
+    """exp(x) in fp32, a result below 2**-126 flushed to 0: compiled for NVIDIA GPUs, PTX's ex2.approx.ftz of
+    x * log2(e) (relative error about 2**-22), where tl.exp keeps the subnormal range at 3 more instructions
+    an element. For sums in which such a term changes nothing (a log-sum-exp's, each term at most 1)."""
+    if _PTX:
+        e = _exp2_flushed(x * _LOG2_E)
+    else:
+        e = tl.exp(x)
+    return e
+
+
+_LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp2_flushed(x):
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -286,7 +305,7 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
         # max may drop a NaN: the NaN reaches the sum through exp
         big = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
         safe = _safe_shift(big)
-        total = tl.sum(tl.where(mask, tl.exp(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
+        total = tl.sum(tl.where(mask, exp_flushed(x - _expand(safe, AXIS)), 0.0), axis=AXIS)
         out = safe + tl.log(total)  # a row of -inf (or of masked-off lanes): log(0) = -inf
     return out
 
@@ -298,7 +317,8 @@ def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     if OP == LOGSUMEXP:
         big = tl.max(tl.where(mask, tl.maximum(even, odd), float("-inf")), axis=1)
         safe = _safe_shift(big)
-        total = tl.sum(tl.where(mask, tl.exp(even - safe[:, None]) + tl.exp(odd - safe[:, None]), 0.0), axis=1)
+        total = tl.sum(tl.where(mask, exp_flushed(even - safe[:, None]) + exp_flushed(odd - safe[:, None]), 0.0),
+                       axis=1)
         out = safe + tl.log(total)
     elif OP == MAX:
         out = partial_reduce(maximum_nan(even, odd), mask, OP, 1)
@@ -326,18 +346,22 @@ def expand_groups(v, GROUP: tl.constexpr):
 
 
 @triton.jit
-def store_selected(ptrs, x, cols, col_mask, index, n_cols, row_mask, first_tile):
+def store_selected(ptrs, x, cols, index, n_cols, row_mask, first_tile, STEP: tl.constexpr):
     """Per row, store the element of x in column index[row], from the tile that holds that column; rows
-    whose index is outside [0, n_cols) (an ignore_index) get 0, stored by the first tile of the row."""
-    hit = (cols[None, :] == index[:, None]) & col_mask[None, :]
-    picked = tl.sum(tl.where(hit, x, 0.0), axis=1)
-    owned = tl.sum(hit.to(tl.int32), axis=1) > 0
+    whose index is outside [0, n_cols) (an ignore_index) get 0, stored by the first tile of the row. `cols`:
+    the tile's columns of x, STEP apart (2: one half of pairs). Columns are compared in int32, the index
+    clamped to -1 outside first (an int64 comparison takes two instructions an element), and whether the
+    tile holds a row's column is arithmetic on the row, not a second reduction over the tile."""
+    inside = (index >= 0) & (index < n_cols)
+    column = tl.where(inside, index, -1).to(tl.int32)
+    picked = tl.sum(tl.where(cols[None, :] == column[:, None], x, 0.0), axis=1)
+    offset = column - tl.min(cols, axis=0)
+    owned = inside & (offset >= 0) & (offset < STEP * cols.shape[0]) & (offset % STEP == 0)
     tl.store(ptrs, picked, mask=row_mask & owned)
     # a scalar `if`, not `mask & first_tile`: Triton's interpreter (3.9) broadcasts a scalar bool as int32
     if first_tile:
-        outside = (index < 0) | (index >= n_cols)
         # picked is 0 there; where() rather than zeros_like, which makes a layout of its own (no Gluon lowering)
-        tl.store(ptrs, tl.where(outside, 0.0, picked), mask=row_mask & outside)
+        tl.store(ptrs, tl.where(inside, picked, 0.0), mask=row_mask & ~inside)
 
 
 @triton.jit

@@ -86,7 +86,7 @@ def gemma_norm_dgrad_epilogue(
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_part}
     tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(wn_terms, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
     # scale: {x: xn, by: norm_scale, out: nv}
     nv = xn * norm_scale[None, :]

@@ -86,7 +86,7 @@ def gemma_post_norm_residual_epilogue(
     # reduce: {op: sumsq, x: x_new_t, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x_new_t, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(x_new_t, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
     # add: {x: wn_next, y: 1.0, out: next_scale}
     wn_next = tl.load(wn_next_ptr + cols * stride_wn_next_n, mask=col_mask, other=0.0).to(tl.float32)

@@ -64,7 +64,7 @@ def gemma_post_norm_rowdot_epilogue(
 
     # reduce: {op: sum, x: g_on, axis: rows, to: dwn_part}
     tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(g_on, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(g_on, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
     # add: {x: wn, y: 1.0, out: norm_scale}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
@@ -76,7 +76,7 @@ def gemma_post_norm_rowdot_epilogue(
     # reduce: {op: sum, x: dot, axis: cols, to: dot_part}
     if pid_n * BLOCK_N < N:
         tl.store(dot_part_ptr + rows * stride_dot_part_m + pid_n * stride_dot_part_t,
-                 tile.partial_reduce(dot, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(dot, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
 
 
 @triton.jit

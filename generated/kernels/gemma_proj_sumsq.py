@@ -55,7 +55,7 @@ def gemma_proj_sumsq_epilogue(
     # reduce: {op: sumsq, x: ov, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(ov, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(ov, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
 
 @triton.jit

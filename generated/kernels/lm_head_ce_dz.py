@@ -83,7 +83,7 @@ def lm_head_ce_dz_epilogue(
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
         tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce(dot, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(dot, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
 
 
 @triton.jit

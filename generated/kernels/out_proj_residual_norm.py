@@ -63,7 +63,7 @@ def out_proj_residual_norm_epilogue(
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x_new, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(x_new, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
     # scale: {x: x_new, by: wn, out: hv}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)

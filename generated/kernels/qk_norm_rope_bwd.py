@@ -124,14 +124,14 @@ def qk_norm_rope_bwd_epilogue(
     # reduce: {op: sum, x: zdz_terms, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
         tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce(zdz_terms, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(zdz_terms, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
 
     # mul: {x: du, y: zn, out: wn_terms}
     wn_terms = du * zn
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_qk_part}
     tl.store(dwn_qk_part_ptr + cols * stride_dwn_qk_part_n + pid_m * stride_dwn_qk_part_t,
-             tile.partial_reduce(wn_terms, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
 
 @triton.jit

@@ -51,7 +51,7 @@ def rmsnorm_stats_epilogue(
                 other=0.0).to(tl.float32)
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(x, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
     # scale: {x: x, by: wn, out: hv}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)

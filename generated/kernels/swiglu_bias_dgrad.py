@@ -82,21 +82,21 @@ def swiglu_bias_dgrad_epilogue(
     dot_odd = z_unbiased_odd * dz_stored_odd
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce_pairs(dot_even, dot_odd, tile_mask, OP=tile.SUM), mask=row_mask)
+                 tile.partial_reduce_pairs(dot_even, dot_odd, col_mask[None, :], OP=tile.SUM), mask=row_mask)
 
     # reduce: {op: sum, x: dzv, axis: rows, to: db_part}
     tl.store(db_part_ptr + cols_even * stride_db_part_n + pid_m * stride_db_part_t,
-             tile.partial_reduce(dzv_even, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(dzv_even, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
     tl.store(db_part_ptr + cols_odd * stride_db_part_n + pid_m * stride_db_part_t,
-             tile.partial_reduce(dzv_odd, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(dzv_odd, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
     # swiglu: {x: z, out: yv}
     yv = tile.swiglu_pairs(z_even, z_odd)
 
     # store: {x: yv, to: y}
+    tile_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty),
              mask=tile_mask)
 

@@ -72,7 +72,7 @@ def swiglu_bwd_rowdot_epilogue(
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
     if pid_n * BLOCK_N < N:
         tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce_pairs(dot_even, dot_odd, tile_mask, OP=tile.SUM), mask=row_mask)
+                 tile.partial_reduce_pairs(dot_even, dot_odd, col_mask[None, :], OP=tile.SUM), mask=row_mask)
 
 
 @triton.jit

@@ -89,9 +89,8 @@ def gemma_norm_dgrad_residual_epilogue(
     wn_terms = acc * xn
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(wn_terms, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
     # scale: {x: xn, by: norm_scale, out: nv}
     nv = xn * norm_scale[None, :]

@@ -60,10 +60,9 @@ def gemma_proj_sumsq_epilogue(
         hopper.store_tile(o_desc, buffers[0], ov, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: sumsq, x: ov, axis: cols, to: ss}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(ov, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(ov, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
 
 @gluon.jit

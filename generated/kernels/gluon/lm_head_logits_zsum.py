@@ -68,19 +68,18 @@ def lm_head_logits_zsum_epilogue(
         hopper.store_tile(logits_desc, buffers[0], zt, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: logsumexp, x: zt, axis: cols, to: lse_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t,
-                 tile.partial_reduce(zt, tile_mask, OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(zt, col_mask[None, :], OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
 
     # reduce: {op: sum, x: zt, axis: cols, to: zsum_part}
     if pid_n * BLOCK_N < N:
         tl.store(zsum_part_ptr + rows * stride_zsum_part_m + pid_n * stride_zsum_part_t,
-                 tile.partial_reduce(zt, tile_mask, OP=tile.SUM, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(zt, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
 
     # select: {x: zt, index: target, to: target_logit}
-    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, zt, cols, col_mask, target, N, row_mask,
-                        pid_n == 0)
+    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, zt, cols, target, N, row_mask, pid_n == 0,
+                        STEP=1)
 
 
 @gluon.jit

@@ -56,14 +56,13 @@ def lm_head_logsumexp_epilogue(
     logits = acc * rstd[:, None]
 
     # reduce: {op: logsumexp, x: logits, axis: cols, to: lse_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t,
-                 tile.partial_reduce(logits, tile_mask, OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(logits, col_mask[None, :], OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
 
     # select: {x: logits, index: target, to: target_logit}
-    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, col_mask, target, N, row_mask,
-                        pid_n == 0)
+    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, logits, cols, target, N, row_mask, pid_n == 0,
+                        STEP=1)
 
 
 @gluon.jit

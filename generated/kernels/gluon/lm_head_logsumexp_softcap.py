@@ -65,14 +65,13 @@ def lm_head_logsumexp_softcap_epilogue(
     capped = th * softcap
 
     # reduce: {op: logsumexp, x: capped, axis: cols, to: lse_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(lse_part_ptr + rows * stride_lse_part_m + pid_n * stride_lse_part_t,
-                 tile.partial_reduce(capped, tile_mask, OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(capped, col_mask[None, :], OP=tile.LOGSUMEXP, AXIS=1), mask=row_mask)
 
     # select: {x: capped, index: target, to: target_logit}
-    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, capped, cols, col_mask, target, N, row_mask,
-                        pid_n == 0)
+    tile.store_selected(target_logit_ptr + rows * stride_target_logit_m, capped, cols, target, N, row_mask, pid_n == 0,
+                        STEP=1)
 
 
 @gluon.jit

@@ -86,9 +86,8 @@ def norm_dgrad_residual_epilogue(
     wn_terms = acc * xn
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_part}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(wn_terms, tile_mask, OP=tile.SUM, AXIS=0), mask=col_mask)
+             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
 
     # scale: {x: xn, by: wn, out: nv}
     nv = xn * wn[None, :]

@@ -64,10 +64,9 @@ def out_proj_residual_norm_epilogue(
         hopper.store_tile(x_out_desc, buffers[0], x_new, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=None)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x_new, tile_mask, OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+                 tile.partial_reduce(x_new, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
 
     # scale: {x: x_new, by: wn, out: hv}
     wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
