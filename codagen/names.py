@@ -24,9 +24,9 @@ INTERNAL = frozenset("""
     nn kernels finish chosen check_launch cols_group col_mask_group group_mask grad_factor
 """.split())
 # Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves
-# of pairs, emit/epilogue.py), x_of_columns (per-pair values by column, emit/gluon.py), stride_x_m and the
-# like, offs_*
-RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns")
+# of pairs, emit/epilogue.py), x_of_columns (per-pair values by column), x_as_t (a cast's tile in T for its
+# store, emit/gluon.py), stride_x_m and the like, offs_*
+RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns", "_as_t")
 RESERVED_PREFIXES = ("stride_", "offs_")
 # What a kernel named k defines besides k itself: checked against the kernel's own names (validate.py)
 KERNEL_FUNCTIONS = ("kernel", "gluon_kernel", "epilogue", "consumer", "load_inputs", "op")

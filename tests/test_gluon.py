@@ -89,6 +89,29 @@ def test_pairs_of_the_accumulator_are_lowered():
     assert "hopper.store_descriptor(y, [config.block_m, slice_n // 2], config)" in source
 
 
+def test_a_value_cast_to_t_and_stored_is_converted_once(tmp_path):
+    """A tile that a cast rounds to T and a store writes in T (either order) is converted once, and the store
+    takes the converted tile: the logits (cast, then stored), SwiGLU's gradient (stored, then cast for the
+    row dot; a tile of pairs) and CAST_ONE_HOT's d (cast, then stored itself). A cast to another dtype rounds
+    alone."""
+    kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
+    logits = render_gluon([kernels["lm_head_logits"]], "test")["kernels/gluon/lm_head_logits.py"]
+    assert "zt, zt_as_t = hopper.round_for_store(z, h_desc.dtype)" in logits
+    assert "hopper.store_tile(logits_desc, buffers[0], zt_as_t, pid_m * BLOCK_M" in logits
+    swiglu = render_gluon([kernels["swiglu_dgrad"]], "test")["kernels/gluon/swiglu_dgrad.py"]
+    rounding = ("dz_stored_even, dz_stored_odd, dz_stored_as_t = hopper.round_pairs_for_store(dzv_even, dzv_odd, "
+                "grad_y_desc.dtype)")
+    assert swiglu.count(rounding) == 1 and "hopper.round_to(" not in swiglu
+    assert swiglu.index(rounding) < swiglu.index("hopper.store_tile(dz_desc, buffers[0], dz_stored_as_t")
+    assert "# cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)" in swiglu
+    (tmp_path / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
+    [(k, types)] = _kernels(tmp_path)
+    casts = render_gluon([(k, types)], "test")["kernels/gluon/casts_one_hot.py"]
+    assert "d_t, d_t_as_t = hopper.round_for_store(d, a_desc.dtype)" in casts
+    assert "hopper.store_tile(dz_desc, buffers[0], d_t_as_t, pid_m * BLOCK_M" in casts
+    assert "d_h = hopper.round_to(d_t, tl.float16)" in casts
+
+
 def test_pairs_loaded_from_memory_are_lowered():
     """The gated activations' backward (swiglu_dgrad, swiglu_bias_dgrad, geglu_dgrad), on 8 column slices of
     the tile by default: each slice's saved pairs cross by TMA whole (2 * its columns) into a buffer twice as
@@ -104,10 +127,9 @@ def test_pairs_loaded_from_memory_are_lowered():
                  "acc_slice = hopper.column_slice(acc, step_start, in_step, EPILOGUE_SPLIT, SLICE_UNROLL, SLICE)",
                  "z_even, z_odd = hopper.load_pairs(buffers[0], acc_slice)",
                  "dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)",
-                 "hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,",
+                 "hopper.store_tile(dz_desc, buffers[0], dz_stored_as_t, pid_m * BLOCK_M,",
                  "hopper.store_narrow_tile(y_desc, buffers[0], yv, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)",
-                 "hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, tile.join_pairs(dzv_even, dzv_odd), "
-                 "pid_m * BLOCK_M,",
+                 "hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, dz_stored_as_t, pid_m * BLOCK_M, ",
                  "hopper.store_direct(y_ptr, stride_y_m, stride_y_n, yv, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)",
                  "hopper.descriptor(z, [config.block_m, 2 * slice_n]),",
                  "hopper.store_descriptor(y, [config.block_m, slice_n], config),",

@@ -133,7 +133,9 @@ def _emit_cast(e, s):
 
 
 def _emit_cast_gluon(e, s):
-    # a tile of the accumulator's layout, by pairs of elements (hopper.round_to)
+    # a tile of the accumulator's layout, by pairs of elements (hopper.round_to), once with a store of it
+    if e.cast(s):
+        return
     if e.types[s.args["x"]].kind is Kind.TILE:
         to = e.t_dtype() if s.args["dtype"] == "T" else f"{e.lang}.{s.args['dtype']}"
         e.elementwise(s, f"hopper.round_to({{x}}, {to})", {"x": s.args["x"]})

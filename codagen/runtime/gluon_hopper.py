@@ -377,6 +377,8 @@ def view(buffer, desc):
 _WIDEN_BF16_PAIR: gl.constexpr = gl.constexpr("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000;")
 _ROUND_BF16_PAIR: gl.constexpr = gl.constexpr(
     "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }")
+_ROUND_BF16_KEEP: gl.constexpr = gl.constexpr(  # ... keeping the bf16 pair ($2) for a store
+    "{ cvt.rn.bf16x2.f32 $2, $4, $3; shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
 
 
 @gluon.jit
@@ -398,6 +400,34 @@ def round_to(x, DTYPE: gl.constexpr):
     else:
         rounded = x.to(DTYPE).to(gl.float32)
     return rounded
+
+
+@gluon.jit
+def round_for_store(x, DTYPE: gl.constexpr):
+    """round_to, and the tile in DTYPE itself, for a store of the same value: one conversion for both."""
+    if DTYPE == gl.bfloat16:
+        rounded, stored = gl.inline_asm_elementwise(_ROUND_BF16_KEEP, "=r,=r,=r,r,r", [x],
+                                                    dtype=(gl.float32, gl.bfloat16), is_pure=True, pack=2)
+    else:
+        stored = x.to(DTYPE)
+        rounded = stored.to(gl.float32)
+    return rounded, stored
+
+
+@gluon.jit
+def round_pairs_for_store(even, odd, DTYPE: gl.constexpr):
+    """round_for_store of a tile of pairs held as its halves: both halves rounded, and the pairs joined in
+    DTYPE. A pair is one 32-bit register in DTYPE, which the store takes as it is."""
+    if DTYPE == gl.bfloat16:
+        even_rounded, odd_rounded, bits = gl.inline_asm_elementwise(
+            _ROUND_BF16_KEEP, "=r,=r,=r,r,r", [even, odd], dtype=(gl.float32, gl.float32, gl.int32), is_pure=True,
+            pack=1)
+        stored = tile.join_pairs(bits.to(gl.int16), (bits >> 16).to(gl.int16)).to(gl.bfloat16, bitcast=True)
+    else:
+        even_rounded = even.to(DTYPE).to(gl.float32)
+        odd_rounded = odd.to(DTYPE).to(gl.float32)
+        stored = tile.join_pairs(even, odd).to(DTYPE)
+    return even_rounded, odd_rounded, stored
 
 
 @gluon.jit

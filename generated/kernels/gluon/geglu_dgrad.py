@@ -57,16 +57,14 @@ def geglu_dgrad_epilogue(
     dzv_even, dzv_odd = tile.geglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
+    dz_stored_even, dz_stored_odd, dz_stored_as_t = hopper.round_pairs_for_store(dzv_even, dzv_odd, grad_y_desc.dtype)
     if DIRECT_STORES:
-        hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,
-                            pid_n * (2 * BLOCK_N), M, 2 * N)
+        hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, dz_stored_as_t, pid_m * BLOCK_M, pid_n * (2 * BLOCK_N), M,
+                            2 * N)
     else:
-        hopper.store_tile(dz_desc, buffers[0], tile.join_pairs(dzv_even, dzv_odd), pid_m * BLOCK_M,
-                          pid_n * (2 * BLOCK_N), PENDING=None)
+        hopper.store_tile(dz_desc, buffers[0], dz_stored_as_t, pid_m * BLOCK_M, pid_n * (2 * BLOCK_N), PENDING=None)
 
-    # cast: {x: dzv, dtype: T, out: dz_stored}
-    dz_stored_even = hopper.round_to(dzv_even, grad_y_desc.dtype)
-    dz_stored_odd = hopper.round_to(dzv_odd, grad_y_desc.dtype)
+    # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # mul: {x: z, y: dz_stored, out: dot}
     dot_even = z_even * dz_stored_even

@@ -51,13 +51,13 @@ def gemma_proj_sumsq_epilogue(
     col_mask = cols < N
 
     # cast: {x: acc, dtype: T, out: ov}
-    ov = hopper.round_to(acc, y_desc.dtype)
+    ov, ov_as_t = hopper.round_for_store(acc, y_desc.dtype)
 
     # store: {x: ov, to: o}
     if DIRECT_STORES:
-        hopper.store_direct(o_ptr, stride_o_m, stride_o_n, ov, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+        hopper.store_direct(o_ptr, stride_o_m, stride_o_n, ov_as_t, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
     else:
-        hopper.store_tile(o_desc, buffers[0], ov, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+        hopper.store_tile(o_desc, buffers[0], ov_as_t, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: sumsq, x: ov, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:

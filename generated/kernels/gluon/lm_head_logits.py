@@ -57,13 +57,14 @@ def lm_head_logits_epilogue(
     z = acc * rstd[:, None]
 
     # cast: {x: z, dtype: T, out: zt}
-    zt = hopper.round_to(z, h_desc.dtype)
+    zt, zt_as_t = hopper.round_for_store(z, h_desc.dtype)
 
     # store: {x: zt, to: logits}
     if DIRECT_STORES:
-        hopper.store_direct(logits_ptr, stride_logits_m, stride_logits_n, zt, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N)
+        hopper.store_direct(logits_ptr, stride_logits_m, stride_logits_n, zt_as_t, pid_m * BLOCK_M, pid_n * BLOCK_N, M,
+                            N)
     else:
-        hopper.store_tile(logits_desc, buffers[0], zt, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
+        hopper.store_tile(logits_desc, buffers[0], zt_as_t, pid_m * BLOCK_M, pid_n * BLOCK_N, PENDING=0)
 
     # reduce: {op: logsumexp, x: zt, axis: cols, to: lse_part}
     if pid_n * BLOCK_N < N:
