@@ -2,7 +2,7 @@
 registers, spill stack and shared memory of each kernel in each configuration, read back with the `cuobjdump`
 that Triton bundles, how many HGMMA (Hopper's warpgroup MMA) instructions its SASS holds, and its code size.
 
-    python benchmarks/gluon_compile.py [--kernels a,b] [--out FILE]
+    python benchmarks/gluon_compile.py [--kernels a,b] [--dtype bf16|fp16] [--out FILE]
 
 Gluon's API moves between Triton releases: run it with the Triton the GPU machine has (3.6.0 there)."""
 from __future__ import annotations
@@ -53,8 +53,8 @@ def names() -> list[str]:
     return sorted(p.stem for p in (ROOT / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
 
 
-def source(module, config: HopperConfig) -> GluonASTSource:
-    """The kernel with bf16 tensors and `config`, as its launcher would call it."""
+def source(module, config: HopperConfig, t: str = "bf16") -> GluonASTSource:
+    """The kernel with tensors of type T = `t` (bf16 or fp16) and `config`, as its launcher would call it."""
     kernel = getattr(module, f"{module.NAME}_gluon_kernel")
     decls = {d.name: d for d in module.DECLS}
     params = list(inspect.signature(kernel.fn).parameters)
@@ -74,10 +74,11 @@ def source(module, config: HopperConfig) -> GluonASTSource:
                 slice_n = config.block_n // config.epilogue_split
                 width = {"N/2": slice_n // 2, "2*N": 2 * slice_n}
                 block = [config.block_m, width.get(decls[p[:-5]].dims[-1], slice_n)]
-            layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-            sig[p] = f"tensordesc<bf16{block},{layout!r}>"
+            layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[t])
+            sig[p] = f"tensordesc<{t}{block},{layout!r}>"
         elif p.endswith("_ptr"):
-            sig[p] = POINTER[decls[p[:-4]].dtype]
+            dtype = decls[p[:-4]].dtype
+            sig[p] = f"*{t}" if dtype == "T" else POINTER[dtype]
         elif p in meta:
             sig[p] = "constexpr"
         elif p in decls or p in ("M", "N", "K", "NUM_PROGRAMS") or p.startswith("stride_"):
@@ -89,8 +90,8 @@ def source(module, config: HopperConfig) -> GluonASTSource:
                           attrs)
 
 
-def compile_kernel(module, config: HopperConfig):
-    return triton.compile(source(module, config), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+def compile_kernel(module, config: HopperConfig, t: str = "bf16"):
+    return triton.compile(source(module, config, t), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def usage(compiled) -> dict:
@@ -114,11 +115,13 @@ def usage(compiled) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", help="comma-separated names (default: every module of generated/kernels/gluon)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="T, the type of the tensors")
     ap.add_argument("--out", type=Path, help="write the report here (markdown)")
     args = ap.parse_args()
     lines = ["# Hopper (Gluon) kernels compiled for sm_90 without a GPU", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton "
-             f"{triton.__version__}; bf16 tensors; command: `python benchmarks/gluon_compile.py`",
+             f"{triton.__version__}; {args.dtype} tensors; command: "
+             f"`python benchmarks/gluon_compile.py --dtype {args.dtype}`",
              "- REG: registers per thread at the kernel's entry (warp-specialized kernels re-divide them per "
              "partition with setmaxnreg: SETMAXREG lists the counts its SASS sets); STACK: bytes of stack per "
              "thread, mostly spilled registers (0: no spill); SMEM: bytes of shared memory a program uses; "
@@ -132,7 +135,7 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|"]
         for config in dict.fromkeys((default_config(module.EPILOGUE), *CONFIGS)):
             try:
-                u = usage(compile_kernel(module, config))
+                u = usage(compile_kernel(module, config, args.dtype))
                 row = (f"| {config.label()} | {u['REG']} | {u['STACK']} | {u['SMEM']} | {u['HGMMA']} | "
                        f"{u['CODE'] / 1000:.0f} | {', '.join(map(str, u['SETMAXREG']))} |")
             except Exception as e:  # noqa: BLE001 - reported per configuration
