@@ -19,6 +19,7 @@ LOGSUMEXP = tl.constexpr(3)
 _INTERPRETED = tl.constexpr(INTERPRETED)
 # compiled by Triton's NVIDIA backend: PTX inline assembly is there (not in the interpreter, nor on ROCm)
 _PTX = tl.constexpr(not INTERPRETED and torch.version.hip is None)
+_LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -51,9 +52,6 @@ def exp_flushed(x):
     else:
         e = tl.exp(x)
     return e
-
-
-_LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
