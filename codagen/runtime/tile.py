@@ -177,13 +177,14 @@ def sincos(angle):
     both on every pair of a tile. Here one reduction serves both: angle = k * period + r, with k split into
     its high and low 12 bits so that every product with the first two parts of the period is exact.
 
-    Compiled for NVIDIA GPUs: the period is 2*pi and PTX's sin.approx and cos.approx take r in [-pi, pi]
-    (absolute error 2**-21.4 there): within 5e-7 of the exact values for the fp32 angle up to |angle| = 2**20,
+    Compiled for NVIDIA GPUs: the period is 2*pi and PTX's sin.approx and cos.approx take r, which is within
+    0.1 of [-pi, pi] (their absolute error: 2**-21.4 there) and itself within 1.3e-7 of the exact remainder
+    (float32 emulation on the CPU): within 1e-6 of the exact values for the fp32 angle up to |angle| = 2**20,
     in 16 instructions fewer than the polynomials below (a third of qkv_norm_rope's epilogue, compiled for
-    sm_90). Elsewhere (the interpreter): the period is pi/2, |r| <= pi/4, and
-    sinf's and cosf's minimax polynomials on r (Cephes), which k's quadrant picks and signs: within 2e-7 up to
-    2**20. Both: within 1e-4 up to 2**23; beyond, where the fp32 angle is itself off by up to half a radian,
-    the error reaches 0.05. NaN and infinities give NaN."""
+    sm_90). Elsewhere (the interpreter): the period is pi/2, |r| <= pi/4, and sinf's and cosf's minimax
+    polynomials on r (Cephes), which k's quadrant picks and signs: within 2e-7 up to 2**20. Both: within 1e-4
+    up to 2**23; beyond, where the fp32 angle is itself off by up to half a radian, the error reaches 0.05.
+    NaN and infinities give NaN."""
     if _PTX:
         sin, cos = _sincos_ptx(angle)
     else:
