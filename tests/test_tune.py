@@ -24,6 +24,7 @@ from codagen.blockmodel import CheckedBlock
 from codagen.cli import main
 from codagen.fingerprint import fingerprint
 from codagen.presets import PRESETS
+from codagen.emit import kernel as kernel_emit
 from codagen.tune import TuneError, command, harness, shapes, tables
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
@@ -546,6 +547,33 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
     configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
     assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
                                  for c in as_gpu.trials)
+
+
+def test_kernels_of_pairs_default_to_quarter_slices(tmp_path, as_gpu, monkeypatch):
+    """Without a tuning table, a kernel whose epilogue loads a tile of pairs runs its epilogue on quarters of
+    the default tile (on the whole tile it spills, compiled for sm_90): its launcher asks pick_config for
+    split 4, which the default and every run-time candidate take. Launched so (untuned, on a GPU as faked
+    here, under the interpreter), swiglu_dgrad allocates its row partials by quarter and matches float64."""
+    assert kernel_emit.default_split(checked("swiglu_dgrad").kernel) == 4
+    assert kernel_emit.default_split(checked("out_proj_residual_norm").kernel) == 1
+    mod = module("swiglu_dgrad")
+    configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, run=lambda c: None,
+                        split=4)
+    assert as_gpu.trials and all(c.epilogue_split == 4 for c in as_gpu.trials)
+    monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
+    monkeypatch.setattr(mod, "TUNING", tmp_path)
+    g = torch.Generator().manual_seed(5)
+    grad_y, w_down = torch.randn(45, 24, generator=g), torch.randn(24, 40, generator=g)
+    z = torch.randn(45, 80, generator=g)
+    dz, zdz_part, y = mod.swiglu_dgrad(grad_y, w_down, z)
+    assert zdz_part.shape == (45, 2)  # 40 columns in slices of 128 / 4
+    gate, up = z.double()[:, 0::2], z.double()[:, 1::2]
+    dy = grad_y.double() @ w_down.double()
+    sig = torch.sigmoid(gate)
+    want = torch.stack([dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig], dim=-1).reshape(45, 80)
+    assert harness.relative_error(dz, want) < 1e-5
+    assert harness.relative_error(y, gate * sig * up) < 1e-5
+    assert harness.relative_error(zdz_part.sum(1), (z.double() * dz.double()).sum(1)) < 1e-5
 
 
 def test_epilogue_split_halves_what_tiles_n_counts_in():

@@ -112,7 +112,8 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         regenerate=regenerate,
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
-        group_arg=f", group={k.column_group!r}" if k.column_group else "",  # "N": the whole row
+        group_arg=(f", group={k.column_group!r}" if k.column_group else "")  # "N": the whole row
+        + (f", split={default_split(k)}" if default_split(k) != 1 else ""),
         bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
         column_group=repr(k.column_group),
     )
@@ -234,6 +235,15 @@ def _doc(text: str, indent: int, close: bool = False) -> str:
         return f'"""{text}"""'
     lines = textwrap.wrap('"""' + text, WIDTH - indent, break_long_words=False, break_on_hyphens=False)
     return ("\n" + " " * indent).join(lines + ['"""'] if close else lines)
+
+
+def default_split(k: Kernel) -> int:
+    """The epilogue split of the kernel's configuration on a GPU without a tuning table for it (the runtime's
+    GPU_DEFAULT, 128x128 tiles over 8 warps): 4 where the epilogue loads a tile of pairs (2*N wide), which on
+    the whole tile spills 1.8-2.0 KB per thread and on quarters none (swiglu_dgrad, swiglu_bias_dgrad,
+    geglu_dgrad compiled for sm_90, benchmarks/results/sm90-spills.md); else the whole tile."""
+    pairs = any(i.type is not None and i.type.kind is Kind.TILE and i.type.width is Width.DOUBLE for i in k.inputs)
+    return 4 if k.gemm is not None and pairs else 1
 
 
 def tunes_at_launch(k: Kernel) -> bool:

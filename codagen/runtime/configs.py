@@ -347,9 +347,11 @@ def measure(run: Callable[[Config], None], config: Config) -> float:
 
 
 def runtime_candidates(has_gemm: bool, tile_dependent: bool, group: int | str | None = None,
-                       n: int | None = None) -> list[Config]:
+                       n: int | None = None, split: int = 1) -> list[Config]:
     pool = RUNTIME_GEMM_CANDIDATES if has_gemm else RUNTIME_ELEMENTWISE_CANDIDATES
-    default = widened(GPU_DEFAULT, group, n)
+    default = gpu_default(group, n, split)
+    if split != 1:
+        pool = [dataclasses.replace(c, epilogue_split=split) for c in pool]
     if tile_dependent:
         pool = [dataclasses.replace(c, block_m=default.block_m, block_n=default.block_n,
                                     epilogue_split=default.epilogue_split) for c in pool]
@@ -385,8 +387,15 @@ def _aliased(decls, values: dict) -> bool:
                for d in decls if d.output for t in [values.get(d.name)])
 
 
+def gpu_default(group: int | str | None = None, n: int | None = None, split: int = 1) -> Config:
+    """GPU_DEFAULT with a kernel's default epilogue split (its generated launcher's `split`), widened to its
+    column groups."""
+    return widened(dataclasses.replace(GPU_DEFAULT, epilogue_split=split), group, n)
+
+
 def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
-                run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None) -> Config:
+                run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None,
+                split: int = 1) -> Config:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
@@ -398,10 +407,12 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     `decls` (the module's DECLS) says whether outputs depend on the tile shape (without it, tuning keeps the
     default tile shape) and, with `values` (name -> tensor), whether an output aliases an input (then there is
     no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
-    widened to it); "N": one slice must span the n columns."""
+    widened to it); "N": one slice must span the n columns. `split`: the epilogue split of the kernel's default
+    and of its run-time candidates on a GPU (codagen.emit.kernel.default_split: 4 where the whole tile's
+    epilogue would spill)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
-    default = widened(GPU_DEFAULT, group, n)
+    default = gpu_default(group, n, split)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
         return default
     import triton
@@ -424,5 +435,6 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
         return default  # trial launches would read what the previous ones wrote
     with _tuning:
         if key not in _tuned:
-            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent, group, n), run, default)
+            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent, group, n, split), run,
+                                default)
     return _tuned[key]

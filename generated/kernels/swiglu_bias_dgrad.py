@@ -238,7 +238,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -252,7 +252,7 @@ def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
     values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4)
     return (
         dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
