@@ -106,6 +106,7 @@ from codagen.validate import check_kernel
 from examples.llama import CodagenLlama, PlainLlama
 from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention, Qwen3PostAttention, Qwen3PreAttention
+from test_tile import _sincos
 
 pytestmark = [
     pytest.mark.gpu,
@@ -449,14 +450,6 @@ def test_tile_sigmoid_from_approximate_ptx():
     assert error[~normal & x.isfinite()].max().item() <= 2.0**-126
     assert torch.equal(out.isnan(), x.isnan())
     assert torch.equal(out[x.isinf()], torch.sigmoid(x[x.isinf()]))
-
-
-@triton.jit
-def _sincos(angle_ptr, sin_ptr, cos_ptr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    sin, cos = tile.sincos(tl.load(angle_ptr + offsets))
-    tl.store(sin_ptr + offsets, sin)
-    tl.store(cos_ptr + offsets, cos)
 
 
 def test_tile_sincos_from_approximate_ptx():

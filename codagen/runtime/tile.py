@@ -193,15 +193,22 @@ def sincos(angle):
 
 
 @triton.jit
-def _sincos_ptx(angle):
-    k = tl.floor(angle * 0.15915494309189535 + 0.5)
+def _reduce_angle(angle, QUARTERS: tl.constexpr):
+    """(k, r): angle = k * period + r, period = QUARTERS * pi/2, |r| about period/2 at most."""
+    k = tl.floor(angle * (0.6366197723675814 / QUARTERS) + 0.5)
     k_high = (k * (1.0 / 4096.0)).to(tl.int32).to(tl.float32) * 4096.0  # toward zero: |k_high| <= |k|
     k_low = k - k_high
-    r = angle - k_high * (4.0 * _HALF_PI_1)
-    r = r - k_low * (4.0 * _HALF_PI_1)
-    r = r - k_high * (4.0 * _HALF_PI_2)
-    r = r - k_low * (4.0 * _HALF_PI_2)
-    r = r - k * (4.0 * _HALF_PI_3)
+    r = angle - k_high * (QUARTERS * _HALF_PI_1)
+    r = r - k_low * (QUARTERS * _HALF_PI_1)
+    r = r - k_high * (QUARTERS * _HALF_PI_2)
+    r = r - k_low * (QUARTERS * _HALF_PI_2)
+    r = r - k * (QUARTERS * _HALF_PI_3)
+    return k, r
+
+
+@triton.jit
+def _sincos_ptx(angle):
+    _, r = _reduce_angle(angle, 4)
     sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
     cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
     return sin, cos
@@ -209,14 +216,7 @@ def _sincos_ptx(angle):
 
 @triton.jit
 def _sincos_polynomial(angle):
-    k = tl.floor(angle * 0.6366197723675814 + 0.5)
-    k_high = (k * (1.0 / 4096.0)).to(tl.int32).to(tl.float32) * 4096.0  # toward zero: |k_high| <= |k|
-    k_low = k - k_high
-    r = angle - k_high * _HALF_PI_1
-    r = r - k_low * _HALF_PI_1
-    r = r - k_high * _HALF_PI_2
-    r = r - k_low * _HALF_PI_2
-    r = r - k * _HALF_PI_3
+    k, r = _reduce_angle(angle, 1)
     z = r * r
     sin_r = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
     cos_r = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
