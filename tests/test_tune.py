@@ -22,9 +22,9 @@ from click.testing import CliRunner
 from codagen import api
 from codagen.blockmodel import CheckedBlock
 from codagen.cli import main
+from codagen.emit import kernel as kernel_emit
 from codagen.fingerprint import fingerprint
 from codagen.presets import PRESETS
-from codagen.emit import kernel as kernel_emit
 from codagen.tune import TuneError, command, harness, shapes, tables
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
@@ -554,8 +554,8 @@ def test_kernels_of_pairs_default_to_quarter_slices(tmp_path, as_gpu, monkeypatc
     the default tile (on the whole tile it spills, compiled for sm_90): its launcher asks pick_config for
     split 4, which the default and every run-time candidate take. Launched so (untuned, on a GPU as faked
     here, under the interpreter), swiglu_dgrad allocates its row partials by quarter and matches float64."""
-    assert kernel_emit.default_split(checked("swiglu_dgrad").kernel) == 4
-    assert kernel_emit.default_split(checked("out_proj_residual_norm").kernel) == 1
+    assert kernel_emit.gpu_default_split(checked("swiglu_dgrad").kernel) == 4
+    assert kernel_emit.gpu_default_split(checked("out_proj_residual_norm").kernel) == 1
     mod = module("swiglu_dgrad")
     configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, run=lambda c: None,
                         split=4)

@@ -113,7 +113,7 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
         group_arg=(f", group={k.column_group!r}" if k.column_group else "")  # "N": the whole row
-        + (f", split={default_split(k)}" if default_split(k) != 1 else ""),
+        + (f", split={gpu_default_split(k)}" if gpu_default_split(k) != 1 else ""),
         bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
         column_group=repr(k.column_group),
     )
@@ -237,7 +237,7 @@ def _doc(text: str, indent: int, close: bool = False) -> str:
     return ("\n" + " " * indent).join(lines + ['"""'] if close else lines)
 
 
-def default_split(k: Kernel) -> int:
+def gpu_default_split(k: Kernel) -> int:
     """The epilogue split of the kernel's configuration on a GPU without a tuning table for it (the runtime's
     GPU_DEFAULT, 128x128 tiles over 8 warps): 4 where the epilogue loads a tile of pairs (2*N wide), which on
     the whole tile spills 1.8-2.0 KB per thread and on quarters none (swiglu_dgrad, swiglu_bias_dgrad,

@@ -408,7 +408,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     default tile shape) and, with `values` (name -> tensor), whether an output aliases an input (then there is
     no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
     widened to it); "N": one slice must span the n columns. `split`: the epilogue split of the kernel's default
-    and of its run-time candidates on a GPU (codagen.emit.kernel.default_split: 4 where the whole tile's
+    and of its run-time candidates on a GPU (codagen.emit.kernel.gpu_default_split: 4 where the whole tile's
     epilogue would spill)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
