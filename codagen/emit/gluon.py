@@ -285,8 +285,8 @@ def epilogue_buffers(k: Kernel) -> int:
 def default_split(k: Kernel) -> int:
     """Column slices the epilogue runs on by default, where the whole 128x128 tile spills, compiled for sm_90
     with triton 3.6 (benchmarks/results/h200-gluon-compile.md): 8 where tiles of pairs cross by TMA (a whole
-    tile's pairs and their results spill 2.8-4.2 KB per thread; slices of 16 columns none, or 0.3 KB); 4 where
-    the epilogue also reduces over rows through a scratch (the RMSNorm backward's weight gradient: 0.5-0.8 KB
+    tile's pairs and their results spill 1.5-3.9 KB per thread; slices of 16 columns none, or 0.2 KB); 4 where
+    the epilogue also reduces over rows through a scratch (the RMSNorm backward's weight gradient: 0.7-1.0 KB
     on the whole tile, none on quarters); else the whole tile (RoPE's included, since tile.sincos)."""
     split = 8 if buffer_columns(k) == 2 else 4 if epilogue_scratch(k) else 1
     while split > 1 and k.column_group and (DEFAULT_BLOCK_N // split) % k.column_group:

@@ -116,13 +116,14 @@ GLUON_CANDIDATES = (
     # the slices in a loop (slice_loop): one copy of the epilogue's code per consumer, not one per slice.
     # swiglu_dgrad on 8 unrolled slices is 186 KB of code, and ncu found its warps waiting for instructions
     # 38% of the time; in a loop it is 46 KB and 10-33% faster (H200, 2026-12-04). The loop keeps the whole
-    # accumulator live: on quarters of tiles of pairs it spills (736 bytes of stack), on eighths 24 bytes
+    # accumulator live: on quarters of tiles of pairs it spills (272 bytes of stack), on eighths not (compiled
+    # for sm_90 after the epilogue changes of 2026-12-04 night; 736 and 24 bytes before)
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True),
     Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True),
     # the loop by steps of 2 or 4 slices (slice_unroll): picking each slice out of the accumulator takes
-    # fewer selects (swiglu_dgrad on 8 slices: 7.5 FSEL per element in a loop of single slices, 3.5 by 2, 1.5
-    # by 4; compiled for sm_90, 57 and 88 KB of code, no stack), and its time followed its instruction count
+    # fewer selects (swiglu_dgrad on 8 slices: 7.25 FSEL per element in a loop of single slices, 3.25 by 2,
+    # 1.25 by 4; compiled for sm_90, 50 and 75 KB of code, no stack), and its time followed its instruction count
     # when the PTX sigmoid shortened it (H200, 2026-12-04)
     Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
            slice_unroll=2),
