@@ -75,6 +75,7 @@ def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype
     inplace = harness.inplace_names(kernel)
     outs = harness.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
     launch_args = {n: v for n, v in inputs.items() if n not in inplace}
+
     def fn():
         module.launch(**launch_args, **outs, config=config)
 
