@@ -97,14 +97,17 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
 @click.option("--only", default=None, metavar="TEXT",
               help="Time only the candidates whose label contains TEXT (e.g. 'direct'), each shape's against the "
                    "table's present choice, re-timed: a table changes only where one of them is faster.")
+@click.option("--compile-jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Compile every candidate first on N worker processes (Triton compiles on one core, and a "
+                   "Hopper kernel takes seconds); 0: as the run launches them.")
 def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
-         attrs: str | None, missing_only: bool, only: str | None) -> None:
+         attrs: str | None, missing_only: bool, only: str | None, compile_jobs: int) -> None:
     """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
     from .tune import TuneError, command  # torch and triton load only for this command
 
     try:
         command.run(list(paths), shapes, out=out, budget=budget, kernels=kernels, tokens=tokens, attrs=attrs,
-                    missing_only=missing_only, only=only, log=click.echo)
+                    missing_only=missing_only, only=only, log=click.echo, compile_jobs=compile_jobs)
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)

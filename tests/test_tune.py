@@ -25,7 +25,7 @@ from codagen.cli import main
 from codagen.emit import kernel as kernel_emit
 from codagen.fingerprint import fingerprint
 from codagen.presets import PRESETS
-from codagen.tune import TuneError, command, harness, shapes, tables
+from codagen.tune import TuneError, command, harness, precompile, shapes, tables
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, draw_args
@@ -694,6 +694,40 @@ def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     assert Config(**entry["config"]) == fast and entry["ms"] == 0.5
     entry, _ = run("persistent", {fast: 3.0})  # the present choice, re-timed, now slower than the challenger
     assert Config(**entry["config"]) == slow and entry["ms"] == 2.0
+
+
+def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_path):
+    """What --compile-jobs compiles: per kernel, the present choices (with --only) and the candidates, each
+    once, at the first shape the run tunes with as many rows as its check launches."""
+    (job,) = command.jobs([SPECS / "matmul.yaml"], "45x40x24,2000x40x24", kernels="matmul", tuning_dir=tmp_path,
+                          gpu="test-gpu")
+    tables.write_table(job.table, job.checked.kernel, "test-gpu", triton.__version__, {"64x40x24": entry(POOL[1], 1.0)})
+    pool_of = {"matmul": POOL[:2]}
+    work = command._compile_work([job], pool_of, "s1", False, 1072, triton.__version__)
+    assert [(name, shape, c) for _, name, shape, c in work] == [
+        ("matmul", shapes.Shape(45, 40, 24), POOL[1]), ("matmul", shapes.Shape(45, 40, 24), POOL[0])]
+    assert work[0][0] == job.checked.kernel.source
+    work = command._compile_work([job], pool_of, None, True, 1072, triton.__version__)  # --missing-only
+    assert {shape for _, _, shape, _ in work} == {shapes.Shape(1072, 40, 24)} and len(work) == 2
+
+
+def test_precompile_launches_each_candidate_once_in_workers():
+    """Worker processes launch each candidate once (here under the interpreter, as this machine has no GPU);
+    one that fails is reported and left to the run, which compiles and reports it again."""
+    source = str(SPECS / "matmul.yaml")
+    assert precompile.compile_candidate(source, str(REPO / "generated"), "matmul", 45, 40, 24,
+                                        POOL[0].as_dict(), "float32", 0) is None
+    gluon = dataclasses.replace(POOL[0], backend="gluon")
+    assert "Hopper" in precompile.compile_candidate(source, str(REPO / "generated"), "matmul", 45, 40, 24,
+                                                    gluon.as_dict(), "float32", 0)
+    log = []
+    precompile.precompile([(source, "matmul", shapes.Shape(45, 40, 24), c) for c in (POOL[0], gluon)],
+                          REPO / "generated", torch.device("cuda", 0), 2, log.append, torch.float32)
+    assert log[0].startswith("compiled 1 of 2 candidate(s) on 2 processes in ")
+    assert log[1].startswith(f"  matmul {gluon.label()}: ") and len(log) == 2
+    precompile.precompile([(source, "matmul", shapes.Shape(45, 40, 24), POOL[0])], REPO / "generated", CPU, 2,
+                          log.append)
+    assert len(log) == 2  # on the CPU nothing compiles ahead: the interpreter compiles nothing
 
 
 def test_cli_tunes_and_writes(tune_on_cpu):

@@ -20,6 +20,7 @@ from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
 from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
+from .precompile import precompile
 from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
 
@@ -82,10 +83,12 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
         tokens: str | None = None, attrs: str | None = None, missing_only: bool = False, only: str | None = None,
         tuning_dir: str | Path | None = None, device: torch.device | None = None, gpu: str | None = None,
         timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
-        pools: dict | None = None, log: Callable[[str], None] | None = None) -> list[Path]:
+        pools: dict | None = None, log: Callable[[str], None] | None = None, compile_jobs: int = 0) -> list[Path]:
     """Tune and write tables; returns the tables written. `only`: time just the candidates whose label
     contains it, each shape's against the table's present choice, re-timed in the same run, so that a table
-    changes only where one of them is faster (a kernel none of whose candidates match is skipped). `device`,
+    changes only where one of them is faster (a kernel none of whose candidates match is skipped).
+    `compile_jobs`: compile every candidate first, on that many worker processes (codagen.tune.precompile;
+    0 or 1: as the run launches them). `device`,
     `gpu`, `timer`, `check_rows` and `pools` (kernel name -> candidates) exist for tests on the CPU; the
     command runs on the current GPU."""
     import triton
@@ -110,6 +113,9 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     log(f"tuning {len(selected)} kernel(s) at {sum(len(j.shapes) for j in selected)} shape(s) on {gpu} "
         f"(triton {triton.__version__}): {runs} candidate runs"
         + (f", budget {budget:.0f} s" if budget is not None else ""))
+    if compile_jobs > 1:
+        precompile(_compile_work(selected, pool_of, only, missing_only, check_rows, triton.__version__), out,
+                   device, compile_jobs, log)
     written: list[Path] = []
     stopped = None
     for job in selected:
@@ -150,6 +156,24 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
         log(f"wrote {path}")
     log(f"{len(written)} table(s) written in {elapsed:.0f} s")
     return written
+
+
+def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_only: bool, check_rows: int,
+                  triton_version: str) -> list[tuple[str, str, Shape, Config]]:
+    """What a run compiles: each kernel's candidates (and, with `only`, the table's present choices), at the
+    first shape it tunes, as many rows as its check launches: Triton specializes a kernel on its integer
+    arguments' divisibility by 16, which the presets' shapes share, so one compile serves them all."""
+    work = []
+    for job in selected:
+        kernel = job.checked.kernel
+        table = read_table(job.table, kernel, triton_version)
+        shapes = [s for s in job.shapes if not (missing_only and s.bucket in table)]
+        if not shapes:
+            continue
+        present = [Config(**table[s.bucket]["config"]) for s in shapes if only is not None and s.bucket in table]
+        first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k)
+        work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool_of[kernel.name]))]
+    return work
 
 
 def _report(label: str, outcome: Outcome, log) -> None:
