@@ -130,7 +130,7 @@ def measure(args) -> list[str]:
             config = pool[args.config]
         else:
             config = configs.pick_config(main.NAME, main.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k, device,
-                                         decls=main.DECLS)
+                                         decls=main.DECLS, split=main.DEFAULT_SPLIT)
         rows, cublas = [], None
         for name in found:
             kernel = checked[name].kernel

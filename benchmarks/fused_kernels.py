@@ -65,7 +65,8 @@ def run(preset: str, tokens: int, device: torch.device, dtype: torch.dtype,
 
 def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype, timer) -> None:
     kernel = c.kernel
-    config = runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n, shape.k, device)
+    config = runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n, shape.k, device,
+                                 split=module.DEFAULT_SPLIT)
     row.config = config.label()
     inputs = harness.make_inputs(kernel, module, shape, device, dtype)
     why = harness.Checker(c, module, inputs, min(harness.CHECK_ROWS, shape.m), device, dtype)(config, shape)

@@ -81,7 +81,7 @@ def correctness(checked, tl_module, gl_module, shapes, device, log) -> list[dict
         for shape in shapes:
             inputs = harness.make_inputs(checked.kernel, gl_module, shape, device, dtype, seed=len(rows) + 1)
             tl_config = runtime.pick_config(tl_module.NAME, tl_module.FINGERPRINT, tl_module.TUNING,
-                                            shape.m, shape.n, shape.k, device)
+                                            shape.m, shape.n, shape.k, device, split=tl_module.DEFAULT_SPLIT)
             got = errors(checked, gl_module, shape, gl_config, inputs, device, dtype)
             tl = errors(checked, tl_module, shape, tl_config, inputs, device, dtype)
             ok = "error" not in got and all(
@@ -101,7 +101,7 @@ def timing(checked, tl_module, gl_module, device, configs, shapes: dict, rows: l
     """Appends a row per shape to `rows`, and saves after each."""
     for where, shape in shapes.items():
         tl_config = runtime.pick_config(tl_module.NAME, tl_module.FINGERPRINT, tl_module.TUNING,
-                                        shape.m, shape.n, shape.k, device)
+                                        shape.m, shape.n, shape.k, device, split=tl_module.DEFAULT_SPLIT)
         outcome = harness.tune_shape(checked, tl_module, shape, device, pool=[tl_config])
         row = {"kernel": checked.kernel.name, "where": where, "shape": str(shape), "cublas_ms": outcome.cublas_ms,
                "tl": {"config": tl_config.label(), "ms": outcome.ms,

@@ -42,7 +42,7 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
         config = pool[config_label]
     else:
         config = configs.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
-                                     torch.device(device), decls=module.DECLS)
+                                     torch.device(device), decls=module.DECLS, split=module.DEFAULT_SPLIT)
     dev = torch.device(device)
     inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)

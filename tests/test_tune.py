@@ -551,14 +551,15 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
 
 def test_kernels_of_pairs_default_to_quarter_slices(tmp_path, as_gpu, monkeypatch):
     """Without a tuning table, a kernel whose epilogue loads a tile of pairs runs its epilogue on quarters of
-    the default tile (on the whole tile it spills, compiled for sm_90): its launcher asks pick_config for
-    split 4, which the default and every run-time candidate take. Launched so (untuned, on a GPU as faked
+    the default tile (on the whole tile it spills, compiled for sm_90): its module's DEFAULT_SPLIT is 4, which
+    its launcher passes to pick_config, and the default and every run-time candidate take. Launched so (untuned, on a GPU as faked
     here, under the interpreter), swiglu_dgrad allocates its row partials by quarter and matches float64."""
     assert kernel_emit.gpu_default_split(checked("swiglu_dgrad").kernel) == 4
     assert kernel_emit.gpu_default_split(checked("out_proj_residual_norm").kernel) == 1
     mod = module("swiglu_dgrad")
+    assert mod.DEFAULT_SPLIT == 4 and module("out_proj_residual_norm").DEFAULT_SPLIT == 1
     configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, run=lambda c: None,
-                        split=4)
+                        split=mod.DEFAULT_SPLIT)
     assert as_gpu.trials and all(c.epilogue_split == 4 for c in as_gpu.trials)
     monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
     monkeypatch.setattr(mod, "TUNING", tmp_path)

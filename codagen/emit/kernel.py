@@ -112,8 +112,8 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         regenerate=regenerate,
         fingerprint=fingerprint(k),
         tune_at_launch=tunes_at_launch(k),
-        group_arg=(f", group={k.column_group!r}" if k.column_group else "")  # "N": the whole row
-        + (f", split={gpu_default_split(k)}" if gpu_default_split(k) != 1 else ""),
+        group_arg=f", group={k.column_group!r}" if k.column_group else "",  # "N": the whole row
+        default_split=gpu_default_split(k),
         bind_group=f", group={k.column_group}" if isinstance(k.column_group, int) else "",
         column_group=repr(k.column_group),
     )

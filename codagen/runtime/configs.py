@@ -388,7 +388,7 @@ def _aliased(decls, values: dict) -> bool:
 
 
 def gpu_default(group: int | str | None = None, n: int | None = None, split: int = 1) -> Config:
-    """GPU_DEFAULT with a kernel's default epilogue split (its generated launcher's `split`), widened to its
+    """GPU_DEFAULT with a kernel's default epilogue split (its generated module's DEFAULT_SPLIT), widened to its
     column groups."""
     return widened(dataclasses.replace(GPU_DEFAULT, epilogue_split=split), group, n)
 

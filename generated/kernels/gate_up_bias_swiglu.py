@@ -21,6 +21,7 @@ SPEC = "specs/gate_up_bias_swiglu.yaml"
 SHA256 = "52940d95f119e4e6c0e99afa7aa2838622d27675c0a2fbeb52c8b89de087441f"
 FINGERPRINT = "5623ee94891f936ffd3bc01147f5d3edaf3e67b24268b13b9887dae82cf38673"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_gate_up", ("N", "K"), "T"),
@@ -203,7 +204,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)

@@ -20,6 +20,7 @@ SPEC = "specs/gemma2/backward/geglu_dgrad.yaml"
 SHA256 = "d7c058c3eff1e7f8cd7c16fdbde1cf160cb112efe42e17bdf91c2af9ab59156c"
 FINGERPRINT = "b951f797092d627020cd006ede5efd395d8449efe1295dfe5e812b746b725f7a"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 4  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
     runtime.Decl("w_down", ("K", "N"), "T"),
@@ -213,7 +214,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -227,7 +228,7 @@ def _allocate(grad_y, w_down, z, *, dz=None):
     values = dict(grad_y=grad_y, w_down=w_down, z=z)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

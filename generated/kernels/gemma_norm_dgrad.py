@@ -20,6 +20,7 @@ SPEC = "specs/gemma2/backward/gemma_norm_dgrad.yaml"
 SHA256 = "abf9a0b63b2668d80cf4efba9aa5686605d0e441f6abbcc6fcad0951fb87f3a8"
 FINGERPRINT = "b24d7ccdb72a44c70c456a3de115f00591cafce94f47fd9c6a6183ccb4df5b9e"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
     runtime.Decl("w", ("K", "N"), "T"),
@@ -236,7 +237,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -250,7 +251,7 @@ def _allocate(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
     values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:6], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         dx if dx is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),

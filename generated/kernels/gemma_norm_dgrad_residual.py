@@ -21,6 +21,7 @@ SPEC = "specs/gemma2/backward/gemma_norm_dgrad_residual.yaml"
 SHA256 = "1b194ef17b083dbe11c4d0dc877da74690282720036eddb84906cfef6580675c"
 FINGERPRINT = "9a84f14121d9f522dfd62d44e8bedcb12cc91e516e09c1dcb5b72680c79c610c"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("dz", ("M", "K"), "T"),
     runtime.Decl("w", ("K", "N"), "T"),
@@ -247,7 +248,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -261,7 +262,7 @@ def _allocate(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None):
     values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         dx if dx is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),

@@ -20,6 +20,7 @@ SPEC = "specs/gemma2/backward/gemma_post_norm_dgrad.yaml"
 SHA256 = "22068bbbdd9a8ac979397e1cc70001b84d515496094be4a533613573c742b5f4"
 FINGERPRINT = "03f52091395cbc97dedb4a580f6df05bd361b6f983a61619d4853e72ff7476d4"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),
     runtime.Decl("o", ("M", "N"), "T"),
@@ -165,7 +166,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))

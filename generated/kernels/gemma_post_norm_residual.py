@@ -21,6 +21,7 @@ SPEC = "specs/gemma2/gemma_post_norm_residual.yaml"
 SHA256 = "9c37579bdb699b51e70f9c204ee7590754312f291c30dc53fc550d4d0fdc6c39"
 FINGERPRINT = "2fda39169b27544d2b441be78c065c6b68cc6bb3d6f66fa954763e8476f0a3fc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("o", ("M", "N"), "T"),
     runtime.Decl("rstd", ("M",), "float32"),
@@ -191,7 +192,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -203,7 +204,7 @@ def _allocate(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
     values = dict(o=o, rstd=rstd, wn=wn, x=x, wn_next=wn_next)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),

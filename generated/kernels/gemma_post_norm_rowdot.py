@@ -21,6 +21,7 @@ SPEC = "specs/gemma2/backward/gemma_post_norm_rowdot.yaml"
 SHA256 = "4ccb628448e10b9be00100deb3de3be5c41b393c8a145d005fc36a16778c826f"
 FINGERPRINT = "6dce9f96389d679cd17d264578b426055620a9ce6fc570eeb81e664c86f4824d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("g", ("M", "N"), "T"),
     runtime.Decl("o", ("M", "N"), "T"),
@@ -164,7 +165,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -176,7 +177,7 @@ def _allocate(g, o, rstd, wn):
     values = dict(g=g, o=o, rstd=rstd, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),

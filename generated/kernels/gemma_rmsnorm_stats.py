@@ -21,6 +21,7 @@ SPEC = "specs/gemma2/gemma_rmsnorm_stats.yaml"
 SHA256 = "9a961447e68c0f42c2f6cf8cf3e1baac9d0aab3d19a5e352b1c17844576911f9"
 FINGERPRINT = "5cc041afc14cfa33100ee2b7c6b0715d1b84f9a1057a83a1db5b93fd57a968ab"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
     runtime.Decl("wn", ("N",), "T"),
@@ -145,7 +146,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -157,7 +158,7 @@ def _allocate(x, wn, *, h=None):
     values = dict(x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -20,6 +20,7 @@ SPEC = "specs/backward/lm_head_ce_dz.yaml"
 SHA256 = "517dfc9eb40c2f902c19f4661370b95eaf1a40e7e65f7de302d82fc153325e71"
 FINGERPRINT = "1562a6e1bc0ee65eadafb5303c1845b1d9c62743d588ec1b1b70d5a6ab30f972"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
     runtime.Decl("lse", ("M",), "float32"),
@@ -171,7 +172,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -183,7 +184,7 @@ def _allocate(logits, lse, target, weights, *, dz=None):
     values = dict(logits=logits, lse=lse, target=target, weights=weights)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

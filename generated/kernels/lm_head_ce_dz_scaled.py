@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_ce_dz_scaled.yaml"
 SHA256 = "fcb448e0fb4911b414c5bd8c327fadbeb06dc5dfb2ea810ff3c5340c3d70cce8"
 FINGERPRINT = "5a4138385ca21c8c6cd427e2f24d571dc5fcdf95c08a0d0e03627cc792b11a65"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
     runtime.Decl("lse", ("M",), "float32"),
@@ -181,7 +182,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -193,7 +194,7 @@ def _allocate(logits, lse, target, p_weight, t_weight, *, dz=None):
     values = dict(logits=logits, lse=lse, target=target, p_weight=p_weight, t_weight=t_weight)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_ce_dz_shifted.yaml"
 SHA256 = "f6bf586216f32898c69eaafc5d8586489e5d2007d31d33badd22caae501c955f"
 FINGERPRINT = "f0985b565cb7fd59a785c94e9ed6e246037a47aec14f21a7809373723e5f68d2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
     runtime.Decl("lse", ("M",), "float32"),
@@ -190,7 +191,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -202,7 +203,7 @@ def _allocate(logits, lse, target, p_weight, t_weight, u_weight, *, dz=None):
     values = dict(logits=logits, lse=lse, target=target, p_weight=p_weight, t_weight=t_weight, u_weight=u_weight)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:6], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

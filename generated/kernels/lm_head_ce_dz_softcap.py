@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_ce_dz_softcap.yaml"
 SHA256 = "1d24dd02b7a68e0abc45e0d2f0aad8b77b74b423e134fe29c31c5508b5142ffe"
 FINGERPRINT = "43dc3b848eeafe94607d8e618d32184a7564da8fb557faba09669b4d1e7d6bb2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("logits", ("M", "N"), "T"),
     runtime.Decl("lse", ("M",), "float32"),
@@ -195,7 +196,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -206,7 +207,7 @@ def _allocate(logits, lse, target, weights, softcap, *, dz=None):
     values = dict(logits=logits, lse=lse, target=target, weights=weights)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_logits_softcap.yaml"
 SHA256 = "00d64eaaa2179d090dabb1822d55764f21361492e274a49d44147bc2b9887696"
 FINGERPRINT = "b43b0ec1d7461fad8eefb4f36f6012a7188e4a05062490785c009549f64546d6"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_vocab", ("N", "K"), "T"),
@@ -222,7 +223,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -235,7 +236,7 @@ def _allocate(h, w_vocab, rstd, target, softcap):
     values = dict(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_logits_zsum.yaml"
 SHA256 = "7e14d0dc71354f30f833aa8111d12250b3115f5d4104da7afd39315471e05f58"
 FINGERPRINT = "d8b6cf772c42e906f6d52d5a31c06cfa07ba0ed7bcf265b413990bc6e26bc20c"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_vocab", ("N", "K"), "T"),
@@ -218,7 +219,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -232,7 +233,7 @@ def _allocate(h, w_vocab, rstd, target):
     values = dict(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -21,6 +21,7 @@ SPEC = "specs/lm_head_logsumexp.yaml"
 SHA256 = "6c8102d240078595b8acf8c057cdf3aae15e4aea718bf598303046e5abc17e96"
 FINGERPRINT = "0edaddad1a22afbe4c9c1df73420cf09de2a286d0c405ec750d1d4ad09668a85"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_vocab", ("N", "K"), "T"),
@@ -194,7 +195,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -208,7 +209,7 @@ def _allocate(h, w_vocab, rstd, target):
     values = dict(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((M,), dtype=torch.float32, device=device),

@@ -21,6 +21,7 @@ SPEC = "specs/cross_entropy/lm_head_logsumexp_softcap.yaml"
 SHA256 = "8403fa871f261c05f38df086faf7f2f590410af6a95491039b19d38d1d85e826"
 FINGERPRINT = "590470d760db294e1b7fe3cc12d3aca5b6f2454966df5873395e33c9eb2f0125"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_vocab", ("N", "K"), "T"),
@@ -208,7 +209,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -221,7 +222,7 @@ def _allocate(h, w_vocab, rstd, target, softcap):
     values = dict(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
         torch.empty((M,), dtype=torch.float32, device=device),

@@ -20,6 +20,7 @@ SPEC = "specs/matmul.yaml"
 SHA256 = "5ae18fab5ff0feb8e88929d260eec76c83fa7e98318089c9dafd61fd5e3fc983"
 FINGERPRINT = "8c935bce0c8e53972690e2c3abeef9323d3e6fd2ef66a7d8e14f898e867666dc"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("a", ("M", "K"), "T"),
     runtime.Decl("b", ("N", "K"), "T"),
@@ -168,7 +169,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)

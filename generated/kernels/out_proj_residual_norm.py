@@ -21,6 +21,7 @@ SPEC = "specs/out_proj_residual_norm.yaml"
 SHA256 = "74536a784f0ade6e7daf6fb47742da038a0d9f6222919880abc8c06da09a6bc1"
 FINGERPRINT = "46704d96facba13c57efaf9fd0e2bf0194dcbb1fae3b07cb81dbf50fecfef545"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("y", ("M", "K"), "T"),
     runtime.Decl("w_o", ("N", "K"), "T"),
@@ -208,7 +209,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -222,7 +223,7 @@ def _allocate(y, w_o, x, wn, *, x_out=None, h=None):
     values = dict(y=y, w_o=w_o, x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),

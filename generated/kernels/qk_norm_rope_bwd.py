@@ -22,6 +22,7 @@ SHA256 = "f2542de8affe47f1601514f28e01aeb02bdb4318169e98851f8d042f14b2c180"
 FINGERPRINT = "417edf84cafd6d5348eae123f80fcde5df3cba2388530691137e931b2c21a191"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("z", ("M", "N"), "T"),
     runtime.Decl("grad_qkv", ("M", "N"), "T"),
@@ -233,7 +234,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_group(NAME, config, 128, N)
     runtime.configs.check_tl_only(NAME, config)
@@ -247,7 +248,7 @@ def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=Non
                   v_pass=v_pass)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values, group=128)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -20,6 +20,7 @@ SPEC = "specs/qkv_norm_rope.yaml"
 SHA256 = "e606e9510a18f81bcf427020b614dd623cba81903e397e9e9158cc95e7912fd6"
 FINGERPRINT = "092d2c95ba9f29574f09cfee075e9f12cfda168eabec5014f0ef30050199b176"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_qkv", ("N", "K"), "T"),
@@ -195,7 +196,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)

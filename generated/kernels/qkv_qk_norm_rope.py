@@ -22,6 +22,7 @@ SHA256 = "5ce4a8a1d31d1003d5b40b53086eaf5d63d49f9d54cba52d65a5f423e944ca39"
 FINGERPRINT = "73e1ee16c660ff2110d74787b73712b66951cd372c0e0ae24e18f62b4a147643"  # key of the tuning tables and the op
 COLUMN_GROUP = 128  # columns of each group: every epilogue slice (block_n / epilogue_split) holds whole ones
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("h", ("M", "K"), "T"),
     runtime.Decl("w_qkv", ("N", "K"), "T"),
@@ -257,7 +258,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=128)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=128, split=DEFAULT_SPLIT)
     runtime.configs.check_group(NAME, config, 128, N)
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)

@@ -20,6 +20,7 @@ SPEC = "specs/rmsnorm_stats.yaml"
 SHA256 = "ab523c149512a0c58bbd8b6737409c30f8e086230c74a0a04be0327b2a17dbba"
 FINGERPRINT = "81141dcd3cc0dda90d2240f4231a0833f8217f467e54e2e9bfcf3ee73e1f893d"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("x", ("M", "N"), "T"),
     runtime.Decl("wn", ("N",), "T"),
@@ -141,7 +142,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -153,7 +154,7 @@ def _allocate(x, wn, *, h=None):
     values = dict(x=x, wn=wn)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

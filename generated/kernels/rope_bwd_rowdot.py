@@ -21,6 +21,7 @@ SPEC = "specs/backward/rope_bwd_rowdot.yaml"
 SHA256 = "8551ed3e7990bb2ec7eefc0c691e657234d558eb51a804abd5609a83d692e2f6"
 FINGERPRINT = "36334ff1cc4d59a56103a016dd7f812d100a219a972df34a565f4612bbf2b4e2"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("qkv", ("M", "N"), "T"),
     runtime.Decl("grad_qkv", ("M", "N"), "T"),
@@ -161,7 +162,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -173,7 +174,7 @@ def _allocate(qkv, grad_qkv, positions, freqs, *, dz=None):
     values = dict(qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

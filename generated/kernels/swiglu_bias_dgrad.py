@@ -21,6 +21,7 @@ SPEC = "specs/backward/swiglu_bias_dgrad.yaml"
 SHA256 = "068fb325596ddd2644bffb97db5bf24a0d5fcb177adb31143bd2390e9f7f5959"
 FINGERPRINT = "df17cc77afe9415936fb88a7e493202551652e68c1904fb81cacafbf6e822ea7"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 4  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("grad_y", ("M", "K"), "T"),
     runtime.Decl("w_down", ("K", "N"), "T"),
@@ -238,7 +239,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     if chosen is None and config.backend == "gluon":
         config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
@@ -252,7 +253,7 @@ def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
     values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=4)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),

@@ -20,6 +20,7 @@ SPEC = "specs/backward/swiglu_bwd_rowdot.yaml"
 SHA256 = "f728f7fbf8f7786f63a152ed0268a62b9c143b20ff8846d5359d37f505f8441d"
 FINGERPRINT = "d3faf2dca1d61db018ecdd5bc8dec871c1ca04c09b8dedd4388659e56dcc1465"  # key of the tuning tables and the op
 TUNING = Path(__file__).resolve().parent.parent / "tuning"
+DEFAULT_SPLIT = 1  # epilogue slices of the configuration on a GPU without a tuning table
 DECLS = (
     runtime.Decl("grad_y", ("M", "N"), "T"),
     runtime.Decl("z", ("M", "2*N"), "T"),
@@ -154,7 +155,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device,
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
     runtime.configs.check_tl_only(NAME, config)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -166,7 +167,7 @@ def _allocate(grad_y, z, *, dz=None):
     values = dict(grad_y=grad_y, z=z)
     sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
