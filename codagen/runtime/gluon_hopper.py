@@ -375,9 +375,7 @@ def view(buffer, desc):
 # odd element's widening, and a round trip through bf16 of 2 elements in 5): in swiglu_dgrad's epilogue the
 # two below take 6% of its instructions.
 _WIDEN_BF16_PAIR: gl.constexpr = gl.constexpr("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000;")
-_ROUND_BF16_PAIR: gl.constexpr = gl.constexpr(
-    "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }")
-_ROUND_BF16_KEEP: gl.constexpr = gl.constexpr(  # ... keeping the bf16 pair ($2) for a store
+_ROUND_BF16_PAIR: gl.constexpr = gl.constexpr(  # the pair rounded ($0, $1), and as bf16 ($2) for a store
     "{ cvt.rn.bf16x2.f32 $2, $4, $3; shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
 
 
@@ -394,11 +392,7 @@ def widen(x):
 @gluon.jit
 def round_to(x, DTYPE: gl.constexpr):
     """An fp32 tile rounded to DTYPE (to nearest, even on ties) and back to fp32: the `cast` primitive."""
-    if DTYPE == gl.bfloat16:
-        rounded = gl.inline_asm_elementwise(_ROUND_BF16_PAIR, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True,
-                                            pack=2)
-    else:
-        rounded = x.to(DTYPE).to(gl.float32)
+    rounded, _ = round_for_store(x, DTYPE)
     return rounded
 
 
@@ -406,7 +400,7 @@ def round_to(x, DTYPE: gl.constexpr):
 def round_for_store(x, DTYPE: gl.constexpr):
     """round_to, and the tile in DTYPE itself, for a store of the same value: one conversion for both."""
     if DTYPE == gl.bfloat16:
-        rounded, stored = gl.inline_asm_elementwise(_ROUND_BF16_KEEP, "=r,=r,=r,r,r", [x],
+        rounded, stored = gl.inline_asm_elementwise(_ROUND_BF16_PAIR, "=r,=r,=r,r,r", [x],
                                                     dtype=(gl.float32, gl.bfloat16), is_pure=True, pack=2)
     else:
         stored = x.to(DTYPE)
@@ -420,7 +414,7 @@ def round_pairs_for_store(even, odd, DTYPE: gl.constexpr):
     DTYPE. A pair is one 32-bit register in DTYPE, which the store takes as it is."""
     if DTYPE == gl.bfloat16:
         even_rounded, odd_rounded, bits = gl.inline_asm_elementwise(
-            _ROUND_BF16_KEEP, "=r,=r,=r,r,r", [even, odd], dtype=(gl.float32, gl.float32, gl.int32), is_pure=True,
+            _ROUND_BF16_PAIR, "=r,=r,=r,r,r", [even, odd], dtype=(gl.float32, gl.float32, gl.int32), is_pure=True,
             pack=1)
         stored = tile.join_pairs(bits.to(gl.int16), (bits >> 16).to(gl.int16)).to(gl.bfloat16, bitcast=True)
     else:

@@ -241,8 +241,8 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     if outcome.timed:
         outcome.best, outcome.ms = min(outcome.timed, key=lambda t: t[1])  # ties: the earlier candidate
         if kernel.gemm and outcome.complete:
-            timed = time_against_cublas(kernel, _launcher(checked, module, outcome.best, shape, inputs, device,
-                                                          dtype)[0], inputs, timer)
+            fn, _ = launcher(checked, module, outcome.best, shape, inputs, device, dtype)
+            timed = time_against_cublas(kernel, fn, inputs, timer)
             if timed is not None:
                 outcome.ms, outcome.cublas_ms = timed
     del inputs, check
@@ -258,7 +258,7 @@ def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, c
     why = check(config, shape)
     if why is not None:
         return why, None
-    fn, outs = _launcher(checked, module, config, shape, inputs, device, dtype)
+    fn, outs = launcher(checked, module, config, shape, inputs, device, dtype)
     fn()
     _sync(device)
     inplace = inplace_names(checked.kernel)
@@ -268,7 +268,7 @@ def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, c
     return None, timer(fn)
 
 
-def _launcher(checked: Checked, module, config: Config, shape: Shape, inputs: dict, device, dtype):
+def launcher(checked: Checked, module, config: Config, shape: Shape, inputs: dict, device, dtype):
     """(fn, outputs): fn launches the kernel with `config` on the inputs, into NaN-prefilled outputs."""
     inplace = inplace_names(checked.kernel)
     outs = new_outputs(checked.kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})

@@ -54,16 +54,15 @@ def compile_candidate(source: str, out: str, name: str, m: int, n: int, k: int, 
     try:
         from .. import api
         from .command import load_module
-        from .harness import inplace_names, make_inputs, new_outputs
+        from .harness import launcher, make_inputs
 
         checked = next(c for c in api.load([Path(source)]) if isinstance(c, api.Checked) and c.kernel.name == name)
         module = load_module(Path(out), name)
         device = torch.device("cuda", device_index) if torch.cuda.is_available() else torch.device("cpu")
-        shape, chosen, dt = Shape(m, n, k), Config(**config), DTYPES[dtype]
+        shape, dt = Shape(m, n, k), DTYPES[dtype]
         inputs = make_inputs(checked.kernel, module, shape, device, dt)
-        inplace = inplace_names(checked.kernel)
-        outs = new_outputs(checked.kernel, module, shape, chosen, device, dt, {x: inputs[x] for x in inplace})
-        module.launch(**{x: v for x, v in inputs.items() if x not in inplace}, **outs, config=chosen)
+        launch, _ = launcher(checked, module, Config(**config), shape, inputs, device, dt)
+        launch()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return None
