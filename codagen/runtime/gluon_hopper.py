@@ -372,8 +372,8 @@ def view(buffer, desc):
 # bf16 is the upper half of an fp32's bits. A thread's epilogue tiles hold their elements two by two (adjacent
 # columns), which arrive in, and leave from, one 32-bit register: there a conversion is a shift or a mask of
 # the register. The compiler's conversions extract each half first (compiled for sm_90: 2 instructions for an
-# odd element's widening, and a round trip through bf16 of 2 elements in 5): in swiglu_dgrad's epilogue the
-# two below take 6% of its instructions.
+# odd element's widening, and a round trip through bf16 of 2 elements in 5): in swiglu_dgrad's epilogue these
+# two save 6% of its instructions.
 _WIDEN_BF16_PAIR: gl.constexpr = gl.constexpr("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000;")
 _ROUND_BF16_PAIR: gl.constexpr = gl.constexpr(  # the pair rounded ($0, $1), and as bf16 ($2) for a store
     "{ cvt.rn.bf16x2.f32 $2, $4, $3; shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
