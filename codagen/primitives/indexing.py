@@ -60,7 +60,7 @@ def _check_one_hot(c) -> ValueType | None:
 def _emit_one_hot(e, s):
     index = s.args["index"]
     e.load(index)
-    e.assign(s, f"{e.lang}.where(cols[None, :] == {index}[:, None], 1.0, 0.0)")
+    e.assign(s, f"tile.one_hot(cols, pid_n * BLOCK_N, {index}, N)")
 
 
 def _one_hot_reference(r, s):

@@ -220,8 +220,9 @@ class LaunchPlan:
             upcast_dot=dot["UPCAST_DOT"],
             dot_precision=dot["DOT_PRECISION"],
             int64=needs_int64(tensors),
-            # a kernel without a GEMM has no K loop, and so no BLOCK_K or FLATTEN parameter
-            meta={k: v for k, v in config.meta().items() if gemm is not None or k not in ("BLOCK_K", "FLATTEN")},
+            # a kernel without a GEMM has no K loop and no operand to share: no BLOCK_K, FLATTEN or GROUP_M
+            meta={k: v for k, v in config.meta().items()
+                  if gemm is not None or k not in ("BLOCK_K", "FLATTEN", "GROUP_M")},
             aliasing=aliasing,
         )
 

@@ -45,8 +45,8 @@ def sigmoid(x):
 @triton.jit
 def exp_flushed(x):
     """exp(x) in fp32, a result below 2**-126 flushed to 0: compiled for NVIDIA GPUs, PTX's ex2.approx.ftz of
-    x * log2(e) (relative error about 2**-22), where tl.exp keeps the subnormal range at 3 more instructions
-    an element. For sums in which such a term changes nothing (a log-sum-exp's, each term at most 1)."""
+    x * log2(e), as tl.exp but for the subnormal range, which tl.exp keeps at 3 more instructions an element
+    (the `exp` primitive, and log-sum-exp terms, each at most 1)."""
     if _PTX:
         e = _exp2_flushed(x * _LOG2_E)
     else:
@@ -361,6 +361,16 @@ def store_selected(ptrs, x, cols, index, n_cols, row_mask, first_tile, STEP: tl.
     if first_tile:
         # picked is 0 there; where() rather than zeros_like, which makes a layout of its own (no Gluon lowering)
         tl.store(ptrs, tl.where(inside, picked, 0.0), mask=row_mask & ~inside)
+
+
+@triton.jit
+def one_hot(cols, first_col, index, n_cols):
+    """1.0 where a tile's column is its row's index, else 0.0; none in rows whose index is outside [0, n_cols).
+    `cols`: the tile's columns, from first_col. Compared in int32 within the tile: each row's index becomes
+    its place in the tile, or -1, once per row (an int64 comparison takes two instructions an element)."""
+    inside = (index >= first_col) & (index < first_col + cols.shape[0]) & (index < n_cols)
+    place = tl.where(inside, index - first_col, -1).to(tl.int32)
+    return tl.where((cols - first_col).to(tl.int32)[None, :] == place[:, None], 1.0, 0.0)
 
 
 @triton.jit
