@@ -544,6 +544,39 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
     assert launches == [chosen]
 
 
+@pytest.mark.parametrize("name", ["gate_up_swiglu", "out_proj_residual_norm"])
+def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tmp_path):
+    """A shape no tuning table holds is tuned at its first launch, and on sm_90 the Hopper kernel's default is
+    among the candidates (configs.hopper_default). Timed as the fastest here (every candidate still runs on the
+    arguments), it is what the launch runs, and the results pass the checks; out_proj_residual_norm, whose
+    partial sums depend on the tile, runs it with the default's tile."""
+    start = time.perf_counter()
+    hopper_runtime()
+    module = importlib.import_module(f"generated.kernels.{name}")
+    monkeypatch.setattr(module, "TUNING", tmp_path)  # no table: every shape is untuned
+    monkeypatch.setattr(module, "_PLANS", {})
+    monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
+    tried = []
+
+    def measure(run, config):
+        run(config)
+        sync()
+        tried.append(config)
+        return 1.0 if config.backend == "gluon" else 2.0
+
+    monkeypatch.setattr(runtime.configs, "measure", measure)
+    runtime.configs.clear_caches()
+    m, n, k = RAGGED[0]
+    pick = lambda: runtime.pick_config(module.NAME, module.FINGERPRINT, tmp_path, m, n, k,  # noqa: E731
+                                       torch.device(DEVICE), split=module.DEFAULT_SPLIT)
+    try:
+        check_launch(f"gpu run-time tuned {name} bf16", KERNELS[name], module, {"M": m, "N": n, "K": k},
+                     torch.bfloat16, pick, f"runtime-hopper/{name}", start)
+        assert pick().backend == "gluon" and [c for c in tried if c.backend == "gluon"] == [pick()]
+    finally:
+        runtime.configs.clear_caches()
+
+
 def test_hopper_pairs_written_over_their_input():
     """swiglu_dgrad's dz may be written over z (its in_place_of): each tile's pairs are in shared memory before
     its dz leaves through the same buffer, and no tile reads another's, so dz over z equals dz beside z bit for

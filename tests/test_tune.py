@@ -577,6 +577,37 @@ def test_kernels_of_pairs_default_to_quarter_slices(tmp_path, as_gpu, monkeypatc
     assert harness.relative_error(zdz_part.sum(1), (z.double() * dz.double()).sum(1)) < 1e-5
 
 
+def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypatch):
+    """On an sm_90 GPU, run-time tuning of a kernel the Hopper backend lowers tries the Hopper kernel's own
+    default too, and keeps it where it is the fastest; a kernel whose outputs depend on the tile tries it with
+    the default's tile, as its tl candidates. Elsewhere, and for kernels the backend does not lower, the tl
+    candidates alone."""
+    hopper_gpu = {"yes": False}
+    monkeypatch.setattr(configs, "hopper_runs", lambda device: hopper_gpu["yes"])
+    swiglu, norm = module("gate_up_swiglu"), module("out_proj_residual_norm")
+    own = configs.hopper_default(swiglu.__package__, swiglu.NAME)
+    assert (own.backend, own.block_m, own.block_n, own.num_warps) == ("gluon", 128, 128, 4)
+
+    def pick(mod, m, package):
+        return configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mod.DECLS,
+                                   run=lambda c: None, split=mod.DEFAULT_SPLIT, package=package)
+
+    assert pick(swiglu, 45, swiglu.__package__).backend == "tl" and as_gpu.trials  # not an sm_90 GPU
+    assert all(c.backend == "tl" for c in as_gpu.trials)
+    hopper_gpu["yes"] = True
+    as_gpu.trials.clear()
+    as_gpu.times[own] = 1.0
+    assert pick(swiglu, 1000, None).backend == "tl"  # no Hopper module named: a kernel it does not lower
+    assert pick(swiglu, 3000, swiglu.__package__) == own and as_gpu.trials[-1] == own
+    as_gpu.trials.clear()
+    pick(norm, 45, norm.__package__)
+    (hopper,) = [c for c in as_gpu.trials if c.backend == "gluon"]
+    default = configs.gpu_default(split=norm.DEFAULT_SPLIT)
+    assert (hopper.block_m, hopper.block_n, hopper.epilogue_split) == (
+        default.block_m, default.block_n, default.epilogue_split)
+    assert hopper.num_stages == configs.hopper_default(norm.__package__, norm.NAME).num_stages
+
+
 def test_epilogue_split_halves_what_tiles_n_counts_in():
     assert Config(64, 128, epilogue_split=2).epilogue_n == 64 and Config(64, 128).epilogue_n == 128
     assert "epilogue/2" in Config(64, 128, epilogue_split=2).label()

@@ -163,6 +163,16 @@ def launch_hopper(package: str, kernel: str, /, **arguments) -> None:
     importlib.import_module(f"{package}.gluon.{kernel}").launch(**arguments)
 
 
+def hopper_default(package: str, kernel: str) -> Config:
+    """The Hopper kernel's own default configuration (gluon_hopper.default_config of its epilogue: 128x128 tiles,
+    as many operand stages as fit), as a tl launcher's Config whose backend is "gluon"."""
+    from . import gluon_hopper
+
+    h = gluon_hopper.default_config(importlib.import_module(f"{package}.gluon.{kernel}").EPILOGUE)
+    return Config(h.block_m, h.block_n, h.block_k, h.group_m, num_warps=4, num_stages=h.stages,
+                  epilogue_split=h.epilogue_split, backend="gluon")
+
+
 def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     """A tuning table's choice of the Hopper kernel, or the tl kernel with the same tile shape where the Hopper
     kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
@@ -397,7 +407,7 @@ def gpu_default(group: int | str | None = None, n: int | None = None, split: int
 
 def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
                 run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None,
-                split: int = 1) -> Config:
+                split: int = 1, package: str | None = None) -> Config:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
@@ -411,7 +421,8 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
     widened to it); "N": one slice must span the n columns. `split`: the epilogue split of the kernel's default
     and of its run-time candidates on a GPU (codagen.emit.kernel.gpu_default_split: 4 where the whole tile's
-    epilogue would spill)."""
+    epilogue would spill). `package`: the generated package of a kernel the Hopper backend lowers; on an sm_90
+    GPU, run-time tuning tries its Hopper kernel's default too (hopper_default)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
     default = gpu_default(group, n, split)
@@ -437,6 +448,23 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
         return default  # trial launches would read what the previous ones wrote
     with _tuning:
         if key not in _tuned:
-            _tuned[key] = _tune(kernel, bucket, runtime_candidates(bool(k), tile_dependent, group, n, split), run,
-                                default)
+            pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
+            if package is not None and hopper_runs(device):
+                pool += _runtime_hopper(package, kernel, default, tile_dependent, group, n)
+            _tuned[key] = _tune(kernel, bucket, pool, run, default)
     return _tuned[key]
+
+
+def _runtime_hopper(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
+    """The Hopper kernel's default as a run-time candidate (none where its slices would split column groups);
+    for a kernel whose outputs depend on the tile shape, with the default's tile and epilogue split, as the tl
+    candidates (runtime_candidates)."""
+    try:
+        config = hopper_default(package, kernel)
+    except Exception as e:  # noqa: BLE001 - as a candidate that fails to compile: the tl candidates remain
+        log.info("codagen: %s: the Hopper kernel is not a run-time candidate: %s", kernel, e)
+        return []
+    if tile_dependent:
+        config = dataclasses.replace(config, block_m=default.block_m, block_n=default.block_n,
+                                     epilogue_split=default.epilogue_split)
+    return [config] if fits_group(config, group, n) else []
