@@ -96,20 +96,20 @@ def test_a_value_cast_to_t_and_stored_is_converted_once(tmp_path):
     alone."""
     kernels = dict((k.name, (k, t)) for k, t in _kernels(SPECS))
     logits = render_gluon([kernels["lm_head_logits"]], "test")["kernels/gluon/lm_head_logits.py"]
-    assert "zt, zt_as_t = hopper.round_for_store(z, h_desc.dtype)" in logits
+    assert "zt, zt_as_t = tile.round_for_store(z, h_desc.dtype)" in logits
     assert "hopper.store_tile(logits_desc, buffers[0], zt_as_t, pid_m * BLOCK_M" in logits
     swiglu = render_gluon([kernels["swiglu_dgrad"]], "test")["kernels/gluon/swiglu_dgrad.py"]
-    rounding = ("dz_stored_even, dz_stored_odd, dz_stored_as_t = hopper.round_pairs_for_store(dzv_even, dzv_odd, "
+    rounding = ("dz_stored_even, dz_stored_odd, dz_stored_as_t = tile.round_pairs_for_store(dzv_even, dzv_odd, "
                 "grad_y_desc.dtype)")
-    assert swiglu.count(rounding) == 1 and "hopper.round_to(" not in swiglu
+    assert swiglu.count(rounding) == 1 and "tile.round_to(" not in swiglu
     assert swiglu.index(rounding) < swiglu.index("hopper.store_tile(dz_desc, buffers[0], dz_stored_as_t")
     assert "# cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)" in swiglu
     (tmp_path / "casts_one_hot.yaml").write_text(CAST_ONE_HOT)
     [(k, types)] = _kernels(tmp_path)
     casts = render_gluon([(k, types)], "test")["kernels/gluon/casts_one_hot.py"]
-    assert "d_t, d_t_as_t = hopper.round_for_store(d, a_desc.dtype)" in casts
+    assert "d_t, d_t_as_t = tile.round_for_store(d, a_desc.dtype)" in casts
     assert "hopper.store_tile(dz_desc, buffers[0], d_t_as_t, pid_m * BLOCK_M" in casts
-    assert "d_h = hopper.round_to(d_t, tl.float16)" in casts
+    assert "d_h = tile.round_to(d_t, tl.float16)" in casts
 
 
 def test_pairs_loaded_from_memory_are_lowered():
@@ -475,7 +475,7 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
     assert "kernels/gluon/groups.py" in rendered["groups"]
     pairs_rope = rendered["pairs_rope"]["kernels/gluon/pairs_rope.py"]
     assert "tile.rope_pairs(z_even, z_odd, positions.to(tl.float32), freqs, INVERSE=True)" in pairs_rope
-    assert "r = hopper.widen(hopper.view(buffers[1], r_desc).load(SLICE))" in pairs_rope
+    assert "r = tile.widen(hopper.view(buffers[1], r_desc).load(SLICE))" in pairs_rope
     assert "hopper.store_narrow_tile(with_residual_desc, buffers[1], s, pid_m * BLOCK_M, pid_n * BLOCK_N" in pairs_rope
     found = _compiled(_TTGIR, paths, TRITON_DEFAULT_FP_FUSION="1")
     assert sorted(found) == sorted(paths)

@@ -38,6 +38,9 @@ class EpilogueEmitter:
         self.joined: set[str] = set()  # tiles of pairs interleaved again for a store
         self.pair_tile_mask = False  # whether the columns and mask of tiles of pairs (2*BLOCK_N) are declared
         self.groups = False  # whether the column groups' indices and mask are declared
+        self.t_outputs = set(t_tile_outputs(kernel))
+        self.rounded_for_store = shared_roundings(kernel, types)
+        self.stored_form: dict[str, str] = {}  # a value rounded to T with its store's tile: that tile's name
 
     # -- declarations -------------------------------------------------------------------------------------
     def need_width(self, w: Width, tile: bool = False) -> None:
@@ -63,7 +66,8 @@ class EpilogueEmitter:
                            "group_mask = row_mask[:, None] & col_mask_group[None, :]"]
 
     def load(self, name: str) -> None:
-        """Load an input at its first use, as fp32 (index inputs keep their integer type)."""
+        """Load an input at its first use, as fp32 (index inputs keep their integer type); a tile by pairs of
+        elements (tile.widen)."""
         inp = self.kernel.input(name)
         if inp is None or name in self.loaded or inp.role is InputRole.HOST_SCALAR:
             return
@@ -72,8 +76,8 @@ class EpilogueEmitter:
         cast = "" if inp.dtype is DType.INDEX else ".to(tl.float32)"
         if t.width is Width.DOUBLE and t.kind is Kind.TILE:
             ptr, mask = self.pair_tile_ptr_mask(name)
-            self.lines.append(f"{name}_even, {name}_odd = tile.split_pairs(tl.load({ptr}, mask={mask}, other=0.0)"
-                              f"{cast})")
+            self.lines.append(f"{name}_even, {name}_odd = tile.split_pairs(tile.widen(tl.load({ptr}, mask={mask}, "
+                              "other=0.0)))")
             return
         if t.width is Width.DOUBLE:
             for half in HALVES:
@@ -93,6 +97,9 @@ class EpilogueEmitter:
             ptr, mask = f"{name}_ptr + {COLS[t.width]} * stride_{name}_n", self.col_mask(t.width)
         else:
             self.lines.append(f"{name} = tl.load({name}_ptr){cast}")
+            return
+        if t.kind is Kind.TILE:
+            self.lines.append(f"{name} = tile.widen(tl.load({ptr}, mask={mask}, other=0.0))")
             return
         other = "0" if inp.dtype is DType.INDEX else "0.0"
         self.lines.append(f"{name} = tl.load({ptr}, mask={mask}, other={other}){cast}")
@@ -142,6 +149,35 @@ class EpilogueEmitter:
         halves = {k: self.halves(v, out) for k, v in operands.items()}
         for i, half in enumerate(HALVES):
             self.lines.append(f"{s.out}_{half} = " + template.format(**{k: h[i] for k, h in halves.items()}))
+
+    def cast(self, s: Step) -> bool:
+        """Emit a cast to T that a store shares (with the stored tile kept for it), unless the store before it
+        emitted it already; False for a cast no store shares."""
+        if not any(c is s for c in self.rounded_for_store.values()):
+            return False
+        if s.out in self.stored_form:
+            self.lines[-1] += "  (rounded with the store above)"  # the step's header
+        else:
+            self.round_for_store(s)
+        return True
+
+    def round_for_store(self, s: Step) -> None:
+        """The cast s of a tile to T, and that tile in T as its store takes it (`<out>_as_t`): one conversion."""
+        x, out, to = s.args["x"], s.out, self.t_dtype()
+        if self.is_pair(x):
+            even, odd = self.halves(x)
+            self.lines.append(f"{out}_even, {out}_odd, {out}_as_t = tile.round_pairs_for_store({even}, {odd}, {to})")
+        else:
+            self.lines.append(f"{out}, {out}_as_t = tile.round_for_store({self.ref(x)}, {to})")
+        self.stored_form[out] = self.stored_form.setdefault(x, f"{out}_as_t")
+
+    def stored_tile(self, x: str) -> str | None:
+        """A tile stored to an output of type T, in T, where a cast to T shares its rounding (emitted here if
+        the cast comes later); None for one the store converts itself."""
+        cast = self.rounded_for_store.get(x)
+        if cast is not None and cast.out not in self.stored_form:
+            self.round_for_store(cast)
+        return self.stored_form.get(x)
 
     def columns(self, x, w: Width) -> list[tuple[str, str]]:
         """(source, column indices) of each part of a value: its halves for a pair, else the value itself."""
@@ -210,9 +246,16 @@ class EpilogueEmitter:
         else:
             self.lines += [f"if {guard}:", f"    {line}"]
 
-    def write(self, s: Step, template: str) -> None:
-        """A store or accumulate of the step's x into its target: `template` formatted with ptr, x and mask."""
+    def write(self, s: Step, template: str, rounded: str | None = None) -> None:
+        """A store or accumulate of the step's x into its target: `template` formatted with ptr, x and mask;
+        `rounded`, the store of a tile that a cast to T rounded already (in T, pairs joined), where there is one."""
         x, t = s.args["x"], self.types[s.args["x"]]
+        stored = self.stored_tile(x) if rounded and s.target in self.t_outputs else None
+        if stored is not None:
+            ptr, mask = (self.pair_tile_ptr_mask(s.target) if self.is_pair(x) else
+                         self.tensor_ptr_mask(s.target, t)[:2])
+            self.lines.append(rounded.format(ptr=ptr, x=stored, mask=mask))
+            return
         if self.is_pair(x) and t.kind is Kind.TILE:  # interleaved again, under the value's own name
             ptr, mask = self.pair_tile_ptr_mask(s.target)
             if x not in self.joined:
@@ -233,6 +276,28 @@ class EpilogueEmitter:
                               "lists such steps before a build)")
         self.lines.append(f"# {step_text(step)}")
         emitter(self, step)
+
+
+def t_tile_outputs(k: Kernel) -> list[str]:
+    """Outputs stored as tiles of type T, N/2, N or 2*N wide (by TMA in the Hopper kernel)."""
+    stored = [s.target for s in k.steps if s.op == "store"]
+    return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
+            and len(o.dims) == 2 and o.dims[1].width in (Width.HALF, Width.FULL, Width.DOUBLE)]
+
+
+def shared_roundings(k: Kernel, types: dict[str, ValueType]) -> dict[str, Step]:
+    """Casts to T of tiles that a store to an output of type T also rounds, by the stored value: the cast's
+    result itself (the logits: cast, then stored), or the value it casts (a gradient stored, then cast for a
+    row dot, which must see what was stored). Such a cast and store convert once (emitted by whichever
+    comes first); the stored tile is the cast's bits."""
+    stored = {s.args["x"] for s in k.steps if s.op == "store" and s.target in t_tile_outputs(k)}
+    shared = {}
+    for s in k.steps:
+        if s.op == "cast" and s.args["dtype"] == "T" and types[s.args["x"]].kind is Kind.TILE:
+            for value in (s.out, s.args["x"]):
+                if value in stored:
+                    shared.setdefault(value, s)
+    return shared
 
 
 def _broadcast(text: str, t: ValueType, into: ValueType | None, group: int | None) -> str:

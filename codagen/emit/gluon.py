@@ -19,7 +19,7 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
 - a row vector ([M]) is loaded by the consumer once per tile, while the tile's mainloop runs, and reaches the
   epilogue of each column slice as a value;
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer), and a cast of a
-  tile, like the reads of tile inputs, converts bf16 by pairs of elements (`hopper.round_to`, `hopper.widen`);
+  tile, like the reads of tile inputs, converts bf16 by pairs of elements (`tile.round_to`, `tile.widen`), as in the tl kernels;
 - a group value (one per row and column group, [M, groups(N)]) is held over its group's columns, a tile in
   the accumulator's layout (`hopper.group_reduce`): steps on it are the tl text on a tile, it meets a tile as
   it is, the first column of each group stores it, and every column loads its group's.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
 from ..primitives import step_text, unsupported_steps
-from .epilogue import EpilogueEmitter, fit
+from .epilogue import EpilogueEmitter, fit, t_tile_outputs
 from .kernel import AXIS, tensor_args, wrap
 from .templates import render
 
@@ -70,10 +70,8 @@ def tma_inputs(k: Kernel) -> list[str]:
 
 
 def tma_outputs(k: Kernel) -> list[str]:
-    """Outputs stored as tiles of type T, N/2, N or 2*N wide: written by TMA from the epilogue's buffers."""
-    stored = [s.target for s in k.steps if s.op == "store"]
-    return [o.name for o in k.outputs if o.name in stored and o.dtype is DType.T and not o.inplace
-            and len(o.dims) == 2 and o.dims[1].width in (Width.HALF, Width.FULL, Width.DOUBLE)]
+    """Outputs stored as tiles of type T: written by TMA from the epilogue's buffers."""
+    return t_tile_outputs(k)
 
 
 def row_inputs(k: Kernel) -> list[str]:
@@ -161,8 +159,6 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         self.row_inputs = row_inputs(kernel)
         self.buffers = buffers
         self.stores = 0  # TMA stores emitted so far
-        self.rounded_for_store = shared_roundings(kernel, types)
-        self.stored_form: dict[str, str] = {}  # a value rounded to T with its store's tile: that tile's name
 
     def load(self, name: str) -> None:
         if name in self.tma_inputs or name in self.row_inputs:  # read by the consumer before the epilogue
@@ -205,15 +201,9 @@ class GluonEpilogueEmitter(EpilogueEmitter):
         pending = None if self.tma_inputs and self.stores < self.buffers else self.buffers - 1
         self.stores += 1
         x, width = s.args["x"], tile_width(self.kernel, s.target)
-        cast = self.rounded_for_store.get(x)
-        if cast is not None and cast.out not in self.stored_form:  # a cast of x comes later: round it here
-            self.round_for_store(cast)
-        if x in self.stored_form:
-            value = self.stored_form[x]
-        elif self.is_pair(x):
-            value = "tile.join_pairs({}, {})".format(*self.halves(x))
-        else:
-            value = self.ref(x)
+        value = self.stored_tile(x)
+        if value is None:
+            value = "tile.join_pairs({}, {})".format(*self.halves(x)) if self.is_pair(x) else self.ref(x)
         # a tile narrower than the buffer goes through the first part of its memory
         store = "store_tile" if width is buffer_width(self.kernel) else "store_narrow_tile"
         out = s.target
@@ -223,27 +213,6 @@ class GluonEpilogueEmitter(EpilogueEmitter):
                        "else:",
                        f"    hopper.{store}({out}_desc, buffers[{buffer}], {value}, pid_m * BLOCK_M, "
                        f"{FIRST_COLUMN[width]}, PENDING={pending})"]
-
-    def cast(self, s: Step) -> bool:
-        """Emit a cast to T that a store shares (with the stored tile kept for it), unless the store before it
-        emitted it already; False for a cast no store shares."""
-        if not any(c is s for c in self.rounded_for_store.values()):
-            return False
-        if s.out in self.stored_form:
-            self.lines[-1] += "  (rounded with the store above)"  # the step's header
-        else:
-            self.round_for_store(s)
-        return True
-
-    def round_for_store(self, s: Step) -> None:
-        """The cast s of a tile to T, and that tile in T as its store takes it (`<out>_as_t`): one conversion."""
-        x, out, to = s.args["x"], s.out, self.t_dtype()
-        if self.is_pair(x):
-            even, odd = self.halves(x)
-            self.lines.append(f"{out}_even, {out}_odd, {out}_as_t = hopper.round_pairs_for_store({even}, {odd}, {to})")
-        else:
-            self.lines.append(f"{out}, {out}_as_t = hopper.round_for_store({self.ref(x)}, {to})")
-        self.stored_form[out] = self.stored_form.setdefault(x, f"{out}_as_t")
 
     def column_frequencies(self, name: str) -> str:
         """A vector of per-pair values (N/2) loaded once per column of the tile, in the accumulator's column
@@ -257,21 +226,6 @@ class GluonEpilogueEmitter(EpilogueEmitter):
     def t_dtype(self) -> str:
         # the tl text names T by an input's pointer; here the GEMM operand's TMA descriptor names it
         return f"{self.kernel.gemm.a}_desc.dtype"
-
-
-def shared_roundings(k: Kernel, types: dict[str, ValueType]) -> dict[str, Step]:
-    """Casts to T of tiles that a store to an output of type T also rounds, by the stored value: the cast's
-    result itself (the logits: cast, then stored), or the value it casts (a gradient stored, then cast for a
-    row dot, which must see what was stored). Such a cast and store convert once (emitted by whichever
-    comes first); the stored tile is the cast's bits."""
-    stored = {s.args["x"] for s in k.steps if s.op == "store" and s.target in tma_outputs(k)}
-    shared = {}
-    for s in k.steps:
-        if s.op == "cast" and s.args["dtype"] == "T" and types[s.args["x"]].kind is Kind.TILE:
-            for value in (s.out, s.args["x"]):
-                if value in stored:
-                    shared.setdefault(value, s)
-    return shared
 
 
 def epilogue_buffers(k: Kernel) -> int:
@@ -365,7 +319,7 @@ def _input_reads(k: Kernel) -> list[str]:
         if tile_width(k, name) is Width.DOUBLE:
             lines.append(f"{name}_even, {name}_odd = hopper.load_pairs(buffers[{i}], acc_slice)")
         else:
-            lines.append(f"{name} = hopper.widen({_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE))")
+            lines.append(f"{name} = tile.widen({_buffer_of(k, name, f'buffers[{i}]')}.load(SLICE))")
     return lines
 
 
@@ -402,7 +356,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         k=k,
         gemm=k.gemm,
         uses_tl=any("tl." in line for line in epilogue),
-        uses_tile=any("tile." in line for line in epilogue),
+        uses_tile=any("tile." in line for line in (*epilogue, *_input_reads(k))),
         uses_triton=k.tile_dependent,
         # as the tl launcher binds sizes: gated outputs split N in halves; column groups tile N
         bind_args=(", even_n=True" if any(t.width is Width.HALF for t in types.values()) else "")

@@ -125,24 +125,19 @@ def _check_cast(c):
 
 
 def _emit_cast(e, s):
-    # round to the narrower type and back: models where an unfused program would store that type
+    # round to the narrower type and back: models where an unfused program would store that type. A tile by
+    # pairs of elements (tile.round_to), and once with a store of it to an output of that type
+    if e.cast(s):
+        return
     dtype = s.args["dtype"]
     to = e.t_dtype() if dtype == "T" else f"{e.lang}.{dtype}"
-    if e.types[s.args["x"]].kind is Kind.SCALAR:  # a host scalar is a Python float under the interpreter
+    kind = e.types[s.args["x"]].kind
+    if kind is Kind.TILE:
+        e.elementwise(s, f"tile.round_to({{x}}, {to})", {"x": s.args["x"]})
+    elif kind is Kind.SCALAR:  # a host scalar is a Python float under the interpreter
         e.elementwise(s, f"{e.lang}.cast({e.lang}.cast({{x}}, {to}), {e.lang}.float32)", {"x": s.args["x"]})
     else:
         e.elementwise(s, f"{{x}}.to({to}).to({e.lang}.float32)", {"x": s.args["x"]})
-
-
-def _emit_cast_gluon(e, s):
-    # a tile of the accumulator's layout, by pairs of elements (hopper.round_to), once with a store of it
-    if e.cast(s):
-        return
-    if e.types[s.args["x"]].kind is Kind.TILE:
-        to = e.t_dtype() if s.args["dtype"] == "T" else f"{e.lang}.{s.args['dtype']}"
-        e.elementwise(s, f"hopper.round_to({{x}}, {to})", {"x": s.args["x"]})
-    else:
-        _emit_cast(e, s)
 
 
 def _cast_reference(r, s):
@@ -157,6 +152,6 @@ CAST = Primitive(
     "in that dtype and reloaded.",
     "x: any value; out has its kind and width. dtype T: the kernel's type at the launch.",
     "cast: {x: acc, dtype: bfloat16, out: acc_bf16}",
-    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast_gluon})
+    check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast})
 
 PRIMITIVES = (*UNARY, *BINARY, SCALE, CAST)

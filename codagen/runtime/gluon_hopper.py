@@ -369,61 +369,6 @@ def view(buffer, desc):
     return part
 
 
-# bf16 is the upper half of an fp32's bits. A thread's epilogue tiles hold their elements two by two (adjacent
-# columns), which arrive in, and leave from, one 32-bit register: there a conversion is a shift or a mask of
-# the register. The compiler's conversions extract each half first (compiled for sm_90: 2 instructions for an
-# odd element's widening, and a round trip through bf16 of 2 elements in 5): in swiglu_dgrad's epilogue these
-# two save 6% of its instructions.
-_WIDEN_BF16_PAIR: gl.constexpr = gl.constexpr("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000;")
-_ROUND_BF16_PAIR: gl.constexpr = gl.constexpr(  # the pair rounded ($0, $1), and as bf16 ($2) for a store
-    "{ cvt.rn.bf16x2.f32 $2, $4, $3; shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
-
-
-@gluon.jit
-def widen(x):
-    """A tile read from shared memory, in fp32 (exactly)."""
-    if x.dtype == gl.bfloat16:
-        wide = gl.inline_asm_elementwise(_WIDEN_BF16_PAIR, "=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
-    else:
-        wide = x.to(gl.float32)
-    return wide
-
-
-@gluon.jit
-def round_to(x, DTYPE: gl.constexpr):
-    """An fp32 tile rounded to DTYPE (to nearest, even on ties) and back to fp32: the `cast` primitive."""
-    rounded, _ = round_for_store(x, DTYPE)
-    return rounded
-
-
-@gluon.jit
-def round_for_store(x, DTYPE: gl.constexpr):
-    """round_to, and the tile in DTYPE itself, for a store of the same value: one conversion for both."""
-    if DTYPE == gl.bfloat16:
-        rounded, stored = gl.inline_asm_elementwise(_ROUND_BF16_PAIR, "=r,=r,=r,r,r", [x],
-                                                    dtype=(gl.float32, gl.bfloat16), is_pure=True, pack=2)
-    else:
-        stored = x.to(DTYPE)
-        rounded = stored.to(gl.float32)
-    return rounded, stored
-
-
-@gluon.jit
-def round_pairs_for_store(even, odd, DTYPE: gl.constexpr):
-    """round_for_store of a tile of pairs held as its halves: both halves rounded, and the pairs joined in
-    DTYPE. A pair is one 32-bit register in DTYPE, which the store takes as it is."""
-    if DTYPE == gl.bfloat16:
-        even_rounded, odd_rounded, bits = gl.inline_asm_elementwise(
-            _ROUND_BF16_PAIR, "=r,=r,=r,r,r", [even, odd], dtype=(gl.float32, gl.float32, gl.int32), is_pure=True,
-            pack=1)
-        stored = tile.join_pairs(bits.to(gl.int16), (bits >> 16).to(gl.int16)).to(gl.bfloat16, bitcast=True)
-    else:
-        even_rounded = even.to(DTYPE).to(gl.float32)
-        odd_rounded = odd.to(DTYPE).to(gl.float32)
-        stored = tile.join_pairs(even, odd).to(DTYPE)
-    return even_rounded, odd_rounded, stored
-
-
 @gluon.jit
 def load_pairs(buffer, like):
     """A tile of interleaved pairs (2 * BLOCK_N columns) read from a shared-memory buffer as fp32, split into
@@ -431,7 +376,7 @@ def load_pairs(buffer, like):
     in the layout that joining two such tiles gives, so every thread reads the pairs of the elements it holds
     and the split moves no value between threads (the conversions assert as much)."""
     PAIRS: gl.constexpr = tile.join_pairs(like, like).type.layout
-    even, odd = tile.split_pairs(widen(buffer.load(PAIRS)))
+    even, odd = tile.split_pairs(tile.widen(buffer.load(PAIRS)))
     return (gl.convert_layout(even, like.type.layout, assert_trivial=True),
             gl.convert_layout(odd, like.type.layout, assert_trivial=True))
 

@@ -66,12 +66,14 @@ GEMM_CANDIDATES = (
 # grid keeps one tile's loads in flight per SM: lm_head_ce_dz, which reads and writes a chunk of logits once,
 # moved 2 TB/s so (0.51 ms for 1 GB at 2048x128256 on the H200, against 4.3 TB/s for a copy); a grid of one
 # program per tile lets several programs per SM keep their loads in flight at once. How many fit an SM is set by
-# the registers: 64 elements a thread hold 166 (lm_head_ce_dz, compiled for sm_90 with triton 3.6), so 2
-# programs of 4 warps fit; 32 elements a thread hold 96 to 108, so 5 of 4 warps or 2 of 8.
+# the registers (compiled for sm_90 with triton 3.6): at 64 elements a thread, lm_head_ce_dz holds 128 and
+# swiglu_bwd_rowdot 253, so 1 to 4 programs of 4 warps fit; at 32, 72 and 128; at 16 (32x128 tiles, 8 warps), 62
+# and 75. Tiles that small only pay with one program per tile: a persistent grid keeps one per SM.
 ELEMENTWISE_CANDIDATES = tuple(
     dataclasses.replace(configs.GPU_DEFAULT, block_m=bm, block_n=bn, num_warps=w, persistent=persistent)
-    for persistent in (True, False)
-    for bm, bn, w in ((128, 128, 8), (64, 128, 4), (32, 256, 4), (32, 128, 4), (64, 128, 8))
+    for bm, bn, w, grids in ((128, 128, 8, (True, False)), (64, 128, 4, (True, False)), (32, 256, 4, (True, False)),
+                             (32, 128, 4, (False,)), (64, 128, 8, (False,)), (32, 128, 8, (False,)))
+    for persistent in grids
 )
 
 

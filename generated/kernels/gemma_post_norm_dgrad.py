@@ -56,13 +56,11 @@ def gemma_post_norm_dgrad_epilogue(
 
     # scale: {x: g, by: norm_scale, out: g_scaled}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    g = tile.widen(tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask, other=0.0))
     g_scaled = g * norm_scale[None, :]
 
     # scale: {x: o, by: rstd, out: o_n}
-    o = tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 

@@ -57,8 +57,7 @@ def gemma_post_norm_residual_epilogue(
 
     # scale: {x: o, by: rstd, out: o_n}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    o = tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
@@ -70,19 +69,17 @@ def gemma_post_norm_residual_epilogue(
     normed = o_n * post_scale[None, :]
 
     # cast: {x: normed, dtype: T, out: normed_t}
-    normed_t = normed.to(o_ptr.dtype.element_ty).to(tl.float32)
+    normed_t = tile.round_to(normed, o_ptr.dtype.element_ty)
 
     # add: {x: x, y: normed_t, out: x_new}
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
     x_new = x + normed_t
 
     # cast: {x: x_new, dtype: T, out: x_new_t}
-    x_new_t = x_new.to(o_ptr.dtype.element_ty).to(tl.float32)
+    x_new_t, x_new_t_as_t = tile.round_for_store(x_new, o_ptr.dtype.element_ty)
 
     # store: {x: x_new_t, to: x_out}
-    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n,
-             x_new_t.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new_t_as_t, mask=tile_mask)
 
     # reduce: {op: sumsq, x: x_new_t, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:

@@ -53,14 +53,12 @@ def gemma_post_norm_rowdot_epilogue(
 
     # scale: {x: o, by: rstd, out: o_n}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    o = tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
     # mul: {x: g, y: o_n, out: g_on}
-    g = tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    g = tile.widen(tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask, other=0.0))
     g_on = g * o_n
 
     # reduce: {op: sum, x: g_on, axis: rows, to: dwn_part}

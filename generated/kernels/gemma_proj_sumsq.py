@@ -46,12 +46,11 @@ def gemma_proj_sumsq_epilogue(
     col_mask = cols < N
 
     # cast: {x: acc, dtype: T, out: ov}
-    ov = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    ov, ov_as_t = tile.round_for_store(acc, y_ptr.dtype.element_ty)
 
     # store: {x: ov, to: o}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, ov.to(o_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, ov_as_t, mask=tile_mask)
 
     # reduce: {op: sumsq, x: ov, axis: cols, to: ss}
     if pid_n * BLOCK_N < N:

@@ -49,8 +49,7 @@ def gemma_rmsnorm_stats_epilogue(
 
     # reduce: {op: sumsq, x: x, axis: cols, to: ss}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
     if pid_n * BLOCK_N < N:
         tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
                  tile.partial_reduce(x, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)

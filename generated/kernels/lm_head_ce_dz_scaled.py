@@ -55,8 +55,9 @@ def lm_head_ce_dz_scaled_epilogue(
 
     # sub: {x: logits, y: lse, out: shifted}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    logits = tl.load(logits_ptr + rows[:, None] * stride_logits_m + cols[None, :] * stride_logits_n, mask=tile_mask,
-                     other=0.0).to(tl.float32)
+    logits = tile.widen(
+        tl.load(logits_ptr + rows[:, None] * stride_logits_m + cols[None, :] * stride_logits_n, mask=tile_mask,
+                other=0.0))
     lse = tl.load(lse_ptr + rows * stride_lse_m, mask=row_mask, other=0.0).to(tl.float32)
     shifted = logits - lse[:, None]
 
@@ -79,11 +80,10 @@ def lm_head_ce_dz_scaled_epilogue(
     dzv = p_term - t_term
 
     # store: {x: dzv, to: dz}
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
-             mask=tile_mask)
+    dz_stored, dz_stored_as_t = tile.round_for_store(dzv, logits_ptr.dtype.element_ty)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dz_stored_as_t, mask=tile_mask)
 
-    # cast: {x: dzv, dtype: T, out: dz_stored}
-    dz_stored = dzv.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # mul: {x: logits, y: dz_stored, out: dot}
     dot = logits * dz_stored

@@ -58,12 +58,11 @@ def lm_head_logits_zsum_epilogue(
     z = acc * rstd[:, None]
 
     # cast: {x: z, dtype: T, out: zt}
-    zt = z.to(h_ptr.dtype.element_ty).to(tl.float32)
+    zt, zt_as_t = tile.round_for_store(z, h_ptr.dtype.element_ty)
 
     # store: {x: zt, to: logits}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(logits_ptr + rows[:, None] * stride_logits_m + cols[None, :] * stride_logits_n,
-             zt.to(logits_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(logits_ptr + rows[:, None] * stride_logits_m + cols[None, :] * stride_logits_n, zt_as_t, mask=tile_mask)
 
     # reduce: {op: logsumexp, x: zt, axis: cols, to: lse_part}
     if pid_n * BLOCK_N < N:

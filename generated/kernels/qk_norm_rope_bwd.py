@@ -63,9 +63,9 @@ def qk_norm_rope_bwd_epilogue(
 
     # rope_bwd: {x: grad_qkv, positions: positions, freqs: freqs, out: du}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    grad_qkv = tl.load(
-        grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
-        other=0.0).to(tl.float32)
+    grad_qkv = tile.widen(
+        tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
+                other=0.0))
     positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     col_mask_half = cols_half < N // 2
@@ -73,8 +73,7 @@ def qk_norm_rope_bwd_epilogue(
     du = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
 
     # scale: {x: z, by: head_rstd, out: zn}
-    z = tl.load(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, mask=tile_mask,
-                other=0.0).to(tl.float32)
+    z = tile.widen(tl.load(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, mask=tile_mask, other=0.0))
     cols_group = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
     col_mask_group = cols_group < N // 128
     group_mask = row_mask[:, None] & col_mask_group[None, :]
@@ -113,11 +112,10 @@ def qk_norm_rope_bwd_epilogue(
     dzv = dqk + dv
 
     # store: {x: dzv, to: dz}
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
-             mask=tile_mask)
+    dz_stored, dz_stored_as_t = tile.round_for_store(dzv, z_ptr.dtype.element_ty)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dz_stored_as_t, mask=tile_mask)
 
-    # cast: {x: dzv, dtype: T, out: dz_stored}
-    dz_stored = dzv.to(z_ptr.dtype.element_ty).to(tl.float32)
+    # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # mul: {x: z, y: dz_stored, out: zdz_terms}
     zdz_terms = z * dz_stored

@@ -53,9 +53,9 @@ def rope_bwd_rowdot_epilogue(
 
     # rope_bwd: {x: grad_qkv, positions: positions, freqs: freqs, out: dzv}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    grad_qkv = tl.load(
-        grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
-        other=0.0).to(tl.float32)
+    grad_qkv = tile.widen(
+        tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
+                other=0.0))
     positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
     cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     col_mask_half = cols_half < N // 2
@@ -67,8 +67,8 @@ def rope_bwd_rowdot_epilogue(
              mask=tile_mask)
 
     # mul: {x: qkv, y: grad_qkv, out: dot}
-    qkv = tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask,
-                  other=0.0).to(tl.float32)
+    qkv = tile.widen(
+        tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0))
     dot = qkv * grad_qkv
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}

@@ -52,18 +52,18 @@ def swiglu_dgrad_epilogue(
     cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
     tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]
     z_even, z_odd = tile.split_pairs(
-        tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
-                other=0.0).to(tl.float32))
+        tile.widen(
+            tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
+                    other=0.0)))
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
-    dzv = tile.join_pairs(dzv_even, dzv_odd)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
+    dz_stored_even, dz_stored_odd, dz_stored_as_t = tile.round_pairs_for_store(dzv_even, dzv_odd,
+                                                                               grad_y_ptr.dtype.element_ty)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dz_stored_as_t,
              mask=tile_mask_double)
 
-    # cast: {x: dzv, dtype: T, out: dz_stored}
-    dz_stored_even = dzv_even.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
-    dz_stored_odd = dzv_odd.to(grad_y_ptr.dtype.element_ty).to(tl.float32)
+    # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # mul: {x: z, y: dz_stored, out: dot}
     dot_even = z_even * dz_stored_even

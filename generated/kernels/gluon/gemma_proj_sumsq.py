@@ -51,7 +51,7 @@ def gemma_proj_sumsq_epilogue(
     col_mask = cols < N
 
     # cast: {x: acc, dtype: T, out: ov}
-    ov, ov_as_t = hopper.round_for_store(acc, y_desc.dtype)
+    ov, ov_as_t = tile.round_for_store(acc, y_desc.dtype)
 
     # store: {x: ov, to: o}
     if DIRECT_STORES:

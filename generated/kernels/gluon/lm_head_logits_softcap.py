@@ -57,7 +57,7 @@ def lm_head_logits_softcap_epilogue(
     z = acc * rstd[:, None]
 
     # cast: {x: z, dtype: T, out: zt}
-    zt, zt_as_t = hopper.round_for_store(z, h_desc.dtype)
+    zt, zt_as_t = tile.round_for_store(z, h_desc.dtype)
 
     # store: {x: zt, to: logits}
     if DIRECT_STORES:

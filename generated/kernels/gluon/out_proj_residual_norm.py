@@ -141,7 +141,7 @@ def out_proj_residual_norm_consumer(
                 cols = slice_n * SLICE_N + gl.arange(0, SLICE_N, layout=gl.SliceLayout(0, SLICE))
                 # the slice's inputs: its buffers' (part // EPILOGUE_STAGES)-th load of this tile
                 mbarrier.wait(inputs_ready.index(slot), (tile_count * LOADS + part // EPILOGUE_STAGES) & 1)
-                x = hopper.widen(buffers[0].load(SLICE))
+                x = tile.widen(buffers[0].load(SLICE))
                 fence_async_shared()  # these reads before the next TMA writes into the buffers
                 if DIRECT_STORES and part + EPILOGUE_STAGES < EPILOGUE_SPLIT:
                     # no store reads the buffers: the next slice in them loads as soon as they are read

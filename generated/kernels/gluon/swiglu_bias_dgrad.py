@@ -61,7 +61,7 @@ def swiglu_bias_dgrad_epilogue(
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
-    dz_stored_even, dz_stored_odd, dz_stored_as_t = hopper.round_pairs_for_store(dzv_even, dzv_odd, grad_y_desc.dtype)
+    dz_stored_even, dz_stored_odd, dz_stored_as_t = tile.round_pairs_for_store(dzv_even, dzv_odd, grad_y_desc.dtype)
     if DIRECT_STORES:
         hopper.store_direct(dz_ptr, stride_dz_m, stride_dz_n, dz_stored_as_t, pid_m * BLOCK_M, pid_n * (2 * BLOCK_N), M,
                             2 * N)
