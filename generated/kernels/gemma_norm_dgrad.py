@@ -60,7 +60,8 @@ def gemma_norm_dgrad_epilogue(
 
     # scale: {x: x, by: rstd, out: xn}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     xn = x * rstd[:, None]
 

@@ -58,7 +58,8 @@ def norm_dgrad_residual_epilogue(
 
     # scale: {x: x, by: rstd, out: xn}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
     xn = x * rstd[:, None]
 
@@ -77,9 +78,8 @@ def norm_dgrad_residual_epilogue(
     dnorm = centered * rstd[:, None]
 
     # add: {x: grad_x, y: dnorm, out: dxv}
-    grad_x = tile.widen(
-        tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask,
-                other=0.0))
+    grad_x = tl.load(grad_x_ptr + rows[:, None] * stride_grad_x_m + cols[None, :] * stride_grad_x_n, mask=tile_mask,
+                     other=0.0).to(tl.float32)
     dxv = grad_x + dnorm
 
     # store: {x: dxv, to: dx}

@@ -53,7 +53,8 @@ def out_proj_residual_norm_epilogue(
 
     # add: {x: acc, y: x, out: x_new}
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
+    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+                other=0.0).to(tl.float32)
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}

@@ -52,9 +52,8 @@ def swiglu_dgrad_epilogue(
     cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
     tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]
     z_even, z_odd = tile.split_pairs(
-        tile.widen(
-            tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
-                    other=0.0)))
+        tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
+                other=0.0).to(tl.float32))
     dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
 
     # store: {x: dzv, to: dz}
