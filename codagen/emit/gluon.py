@@ -19,7 +19,7 @@ The epilogue is the spec's steps, lowered as for the tl kernel except that
 - a row vector ([M]) is loaded by the consumer once per tile, while the tile's mainloop runs, and reaches the
   epilogue of each column slice as a value;
 - a cast to T names T by the GEMM operand's descriptor (the tl text names it by a pointer), and a cast of a
-  tile, like the reads of tile inputs, converts bf16 by pairs of elements (`tile.round_to`, `tile.widen`), as in the tl kernels;
+  tile, like the reads of tile inputs, converts bf16 by pairs of elements (`tile.round_to`, `tile.widen`);
 - a group value (one per row and column group, [M, groups(N)]) is held over its group's columns, a tile in
   the accumulator's layout (`hopper.group_reduce`): steps on it are the tl text on a tile, it meets a tile as
   it is, the first column of each group stores it, and every column loads its group's.
@@ -351,12 +351,13 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
                      *(["buffers"] if buffers else []), *(f"{n}_desc" for n in outs),
                      *(p.name if p.name in rows_in else f"{p.name}_ptr" for p in all_pointers), *scalars,
                      *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
+    input_reads = _input_reads(k)
     return render(
         "kernel_gluon.py.j2",
         k=k,
         gemm=k.gemm,
         uses_tl=any("tl." in line for line in epilogue),
-        uses_tile=any("tile." in line for line in (*epilogue, *_input_reads(k))),
+        uses_tile=any("tile." in line for line in (*epilogue, *input_reads)),
         uses_triton=k.tile_dependent,
         # as the tl launcher binds sizes: gated outputs split N in halves; column groups tile N
         bind_args=(", even_n=True" if any(t.width is Width.HALF for t in types.values()) else "")
@@ -375,7 +376,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         slice_buffers=_slice_buffers(buffers, "early_part"),
         epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
-        input_reads=_input_reads(k),
+        input_reads=input_reads,
         row_loads=[line for n in rows_in for line in fit(_row_load(k, n), 112)],
         buffers=buffers,
         columns=buffer_columns(k),
