@@ -7,6 +7,7 @@
 #   benchmarks/gpu_run.sh tune SECONDS [codagen tune args]   # codagen tune specs/ ...; the tables to $OUT/tuning.tar
 #   benchmarks/gpu_run.sh profile SECONDS KERNEL SHAPE [launch_kernel.py args]
 #                                   # Nsight Compute (ncu, or $NCU) on one launch: $OUT/ncu-KERNEL-SHAPE.*
+#   benchmarks/gpu_run.sh clocks SECONDS KERNEL SHAPE...     # clocks.py beside cuBLAS: $OUT/clocks-KERNEL.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -53,4 +54,11 @@ case $what in
     "$ncu" -i "$report.ncu-rep" --print-details all > "$report.txt" 2>&1
     "$ncu" -i "$report.ncu-rep" --page source --csv --print-source sass > "$report.csv" 2>&1
     tail -n 5 "$report.log"; grep -E "Duration|Throughput|Registers|Stall" "$report.txt" | head -n 30 ;;
+  clocks)  # calls back to back: each call's time, the GPU's waits, SM clock, power and clock event reasons
+    kernel=$1
+    shift
+    timeout "$limit" python3 benchmarks/clocks.py --kernel "$kernel" $(printf -- '--shape %s ' "$@") --seconds 2 \
+      > "$OUT/clocks-$kernel.md" 2>&1
+    echo "clocks exit: $?"
+    cat "$OUT/clocks-$kernel.md" ;;
 esac
