@@ -266,8 +266,6 @@ RUNTIME_ELEMENTWISE_CANDIDATES = (  # no GEMM: only the tile shape and the warps
     dataclasses.replace(GPU_DEFAULT, block_m=64, block_n=128, num_warps=4),
     dataclasses.replace(GPU_DEFAULT, block_m=64, block_n=256, num_warps=8),
     dataclasses.replace(GPU_DEFAULT, num_warps=4),
-    # one program per tile, 32 elements a thread: fewer registers, so more programs keep loads in flight
-    dataclasses.replace(GPU_DEFAULT, block_m=32, block_n=128, num_warps=4, persistent=False),
 )
 
 
