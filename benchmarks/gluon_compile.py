@@ -53,20 +53,21 @@ def names() -> list[str]:
     return sorted(p.stem for p in (ROOT / "generated" / "kernels" / "gluon").glob("*.py") if p.stem != "__init__")
 
 
-def source(module, config: HopperConfig, t: str = "bf16") -> GluonASTSource:
-    """The kernel with tensors of type T = `t` (bf16 or fp16) and `config`, as its launcher would call it."""
+def source(module, config: HopperConfig, t: str = "bf16", a_km: bool = False) -> GluonASTSource:
+    """The kernel with tensors of type T = `t` (bf16 or fp16) and `config`, as its launcher would call it;
+    `a_km`: with the GEMM's a M-contiguous (gluon_hopper.mn_major)."""
     kernel = getattr(module, f"{module.NAME}_gluon_kernel")
     decls = {d.name: d for d in module.DECLS}
     params = list(inspect.signature(kernel.fn).parameters)
     descs = [p for p in params if p.endswith("_desc")]
-    meta = config.meta()
+    meta = {**config.meta(), "A_KM": a_km}
     sig, absent = {}, {}
     for p in params:
         if p in descs and config.direct_stores and decls[p[:-5]].output:
             sig[p], absent[(params.index(p),)] = "constexpr", None  # the launcher passes None: no TMA store
         elif p in descs:
             if p == descs[0]:
-                block = [config.block_m, config.block_k]
+                block = [config.block_k, config.block_m] if a_km else [config.block_m, config.block_k]
             elif p == descs[1]:
                 block = [config.block_n, config.block_k] if decls[p[:-5]].dims == ("N", "K") else \
                     [config.block_k, config.block_n]
@@ -90,8 +91,9 @@ def source(module, config: HopperConfig, t: str = "bf16") -> GluonASTSource:
                           attrs)
 
 
-def compile_kernel(module, config: HopperConfig, t: str = "bf16"):
-    return triton.compile(source(module, config, t), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+def compile_kernel(module, config: HopperConfig, t: str = "bf16", a_km: bool = False):
+    return triton.compile(source(module, config, t, a_km), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
 
 
 def usage(compiled) -> dict:
@@ -148,7 +150,7 @@ def main() -> None:
 
 
 
-def ttgir(module, config: HopperConfig, arch: int = 90) -> str:
+def ttgir(module, config: HopperConfig, arch: int = 90, a_km: bool = False) -> str:
     """The kernel lowered as far as TTGIR for sm_`arch` (Gluon's own stage), without LLVM and ptxas: what the
     CPU tests check, since it is quick."""
     from triton._C.libtriton import ir
@@ -156,7 +158,7 @@ def ttgir(module, config: HopperConfig, arch: int = 90) -> str:
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    src = source(module, config)
+    src = source(module, config, a_km=a_km)
     options = backend.parse_options({"num_warps": 4})
     stages = {}
     backend.add_stages(stages, options, src.language)

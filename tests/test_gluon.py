@@ -506,6 +506,52 @@ def test_tile_inputs_streamed_through_epilogue_stages():
         assert streamed.count("async_tma_store_wait") == whole.count("async_tma_store_wait") + reloads, name
 
 
+_TRANSPOSED_A = """
+import importlib, json, re, subprocess, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, {benchmarks!r})
+import gluon_compile, triton
+from codagen.runtime import gluon_hopper as hopper
+module = importlib.import_module("generated.kernels.gluon." + sys.argv[1])
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+found = {{}}
+for a_km in (False, True):
+    compiled = gluon_compile.compile_kernel(module, hopper.default_config(module.EPILOGUE), a_km=a_km)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    found[str(a_km)] = sorted(set(re.findall(r"HGMMA[.0-9A-Zx]+ R[0-9]+, gdesc\\[UR[0-9]+\\]([.a-zA-Z]*)", sass)))
+print(json.dumps(found))
+"""
+
+
+def test_a_read_in_either_memory_order(monkeypatch):
+    """The GEMM's a may have M contiguous (the transpose of a [K, M] tensor, as dz^T in a weight gradient): the
+    launcher then addresses its transpose in [BLOCK_K, BLOCK_M] blocks (descriptor_a) and the kernel's MMAs
+    read it transposed from shared memory (A_KM; compiled for sm_90: HGMMA's tnspA, and as many); the launch
+    checks take it, and still refuse one whose transpose TMA cannot address."""
+    found = _compiled(_TRANSPOSED_A, ["out_proj_residual_norm"])
+    assert found == {"False": [""], "True": [".tnspA"]}
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    monkeypatch.setattr(hopper, "available", lambda device: True)
+    m = _module("matmul")
+    config = hopper.default_config(m.EPILOGUE)
+    a_t, b = torch.randn(72, 40).bfloat16(), torch.randn(24, 72).bfloat16()  # a = a_t.T: [40, 72], M-contiguous
+    a = a_t.T
+    assert hopper.mn_major(a) and not hopper.mn_major(a_t)
+    desc = hopper.descriptor_a(a, config)
+    assert desc.base.data_ptr() == a_t.data_ptr() and list(desc.block_shape) == [config.block_k, config.block_m]
+    assert list(hopper.descriptor_a(a_t, config).block_shape) == [config.block_m, config.block_k]
+    out = torch.empty(40, 24).bfloat16()
+    values = {"a": a, "b": b, "out_tile": out}
+    hopper.check("matmul", config, m.EPILOGUE, torch.bfloat16, 72, values, m.TMA_TENSORS, m.POINTER_TENSORS)
+    ragged = torch.randn(72, 41).bfloat16().T  # the rows of its transpose 82 bytes apart
+    with pytest.raises(ValueError, match="TMA cannot address 'a'"):
+        hopper.check("matmul", config, m.EPILOGUE, torch.bfloat16, 72, {**values, "a": ragged}, m.TMA_TENSORS,
+                     m.POINTER_TENSORS)
+
+
 def _modules_with(text: str) -> list[str]:
     """The generated Hopper modules whose source holds `text`, by name."""
     return sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if text in p.read_text())

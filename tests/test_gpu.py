@@ -577,6 +577,33 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
         runtime.configs.clear_caches()
 
 
+def test_hopper_kernel_reads_a_in_either_memory_order():
+    """The GEMM's a passed with M contiguous (a [K, M] tensor's transpose, as dz^T in a weight gradient) gives
+    the very results of a contiguous copy of it: the same MMAs, reading a's blocks transposed (A_KM)."""
+    hopper = hopper_runtime()
+    module = importlib.import_module("generated.kernels.gluon.out_proj_residual_norm")
+    g = generator("gluon-a-either-order")
+    m, n, k = 1040, 1000, 872  # M a multiple of 8: the transpose's rows 16-byte aligned, as TMA needs
+    y_t = (torch.randn(k, m, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    w_o = (torch.randn(n, k, generator=g, device=DEVICE) * k ** -0.25).bfloat16()
+    x = torch.randn(m, n, generator=g, device=DEVICE).bfloat16()
+    wn = torch.randn(n, generator=g, device=DEVICE).bfloat16()
+    tiles = -(-n // hopper.default_config(module.EPILOGUE).epilogue_n)
+
+    def run(y):
+        outs = {"x_out": torch.full((m, n), float("nan"), device=DEVICE).bfloat16(),
+                "h": torch.full((m, n), float("nan"), device=DEVICE).bfloat16(),
+                "ss": torch.full((m, tiles), float("nan"), device=DEVICE)}
+        module.launch(y, w_o, x, wn, **outs)
+        return outs
+
+    assert hopper.mn_major(y_t.T)
+    strided, dense = run(y_t.T), run(y_t.T.contiguous())
+    sync()
+    assert not any(torch.isnan(t).any() for t in dense.values())
+    assert all(torch.equal(strided[name], dense[name]) for name in dense)
+
+
 def test_hopper_pairs_written_over_their_input():
     """swiglu_dgrad's dz may be written over z (its in_place_of): each tile's pairs are in shared memory before
     its dz leaves through the same buffer, and no tile reads another's, so dz over z equals dz beside z bit for

@@ -397,7 +397,7 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
                             "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
                             "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
                             "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
-                            *(["DIRECT_STORES"] if buffers else [])], 16),
+                            *(["DIRECT_STORES"] if buffers else []), "A_KM"], 16),
         tensor_names=names,
         launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
         decls=[t.decl_src for t in tensor_args(k)],

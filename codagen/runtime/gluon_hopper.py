@@ -204,6 +204,8 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
         raise ValueError(f"{kernel}: the Hopper kernel runs on an sm_90 GPU only")
     for name in tma_tensors:
         t = values[name]
+        if name == tma_tensors[0] and mn_major(t):  # the GEMM's a, addressed as a.T (descriptor_a)
+            t = t.T
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
             raise ValueError(f"{kernel}: TMA cannot address '{name}' (it needs a contiguous last dimension and "
                              f"16-byte aligned rows; strides {t.stride()})")
@@ -255,6 +257,21 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
+def mn_major(a: torch.Tensor) -> bool:
+    """Whether a GEMM's `a` ([M, K]) has M contiguous: the transpose of a [K, M] tensor, as the chunk's dz^T of
+    the LM head's weight gradient. Its descriptor then addresses a.T, whose [BLOCK_K, BLOCK_M] blocks wgmma
+    reads transposed from shared memory (compiled for sm_90: HGMMA ... tnspA, as many as K-contiguous)."""
+    return a.stride(0) == 1 and a.stride(1) != 1
+
+
+def descriptor_a(a: torch.Tensor, config: HopperConfig) -> TensorDescriptor:
+    """The TMA descriptor of the GEMM's `a`: of a itself in [BLOCK_M, BLOCK_K] blocks, or of a.T in
+    [BLOCK_K, BLOCK_M] blocks where a is M-contiguous (the kernel's A_KM: mn_major)."""
+    if mn_major(a):
+        return descriptor(a.T, [config.block_k, config.block_m])
+    return descriptor(a, [config.block_m, config.block_k])
+
+
 def store_descriptor(t: torch.Tensor, block: list[int], config: HopperConfig) -> TensorDescriptor | None:
     """An output's TMA descriptor, or None where the config stores from registers (the kernel reads none)."""
     return None if config.direct_stores else descriptor(t, block)
@@ -288,7 +305,7 @@ def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, B_KN: gl.constexpr):
+                  STAGES: gl.constexpr, B_KN: gl.constexpr, A_KM: gl.constexpr):
     """The producer: every K step of every tile of this program, in order, into the ring. A stage is
     refilled once its `empty` barrier says the MMAs that read it are done; barriers start with their phase
     1 complete, hence the first wait on each stage passes. Edges read zeros (TMA's out-of-bounds fill)."""
@@ -302,7 +319,10 @@ def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PRO
             stage = step % STAGES
             mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(stage), a_ring.index(stage))
+            if A_KM:  # a's [K, M] transpose (mn_major)
+                tma_load(a_desc, [k * BLOCK_K, pid_m * BLOCK_M], ready.index(stage), a_ring.index(stage))
+            else:
+                tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(stage), a_ring.index(stage))
             if B_KN:
                 tma_load(b_desc, [k * BLOCK_K, pid_n * BLOCK_N], ready.index(stage), b_ring.index(stage))
             else:
@@ -313,7 +333,7 @@ def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PRO
 @gluon.jit
 def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
              ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, B_KN: gl.constexpr):
+             CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, B_KN: gl.constexpr, A_KM: gl.constexpr):
     """One tile's mainloop on ring steps [step, step + k_steps), once the consumer before this one (in turn,
     of CONSUMERS) has run its mainloop (the `turn` barriers); this consumer's `tile_count`-th tile. One wgmma
     stays in flight: a stage is released as soon as the wgmma after it is issued. Returns the fp32
@@ -324,6 +344,8 @@ def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
         stage = (step + k) % STAGES
         mbarrier.wait(ready.index(stage), ((step + k) // STAGES) & 1)
         a = a_ring.index(stage)
+        if A_KM:
+            a = a.permute((1, 0))
         b = b_ring.index(stage)
         if B_KN:
             acc = warpgroup_mma(a, b, acc, is_async=True)

@@ -86,7 +86,8 @@ def gate_up_bias_swiglu_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -108,7 +109,7 @@ def gate_up_bias_swiglu_consumer(
         # the tile's row vectors, once for all its slices, while the mainloop runs
         rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -146,10 +147,11 @@ def gate_up_bias_swiglu_gluon_kernel(
     stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: h is M-contiguous, its descriptor h's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_gate_up_desc, STAGES)
@@ -179,18 +181,18 @@ def gate_up_bias_swiglu_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr,
                 b_gate_up_ptr, z_ptr, y_ptr, M, N, K, stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n,
                 stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (gate_up_bias_swiglu_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr,
                 b_gate_up_ptr, z_ptr, y_ptr, M, N, K, stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n,
                 stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_gate_up_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -198,25 +200,25 @@ def gate_up_bias_swiglu_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr,
                 b_gate_up_ptr, z_ptr, y_ptr, M, N, K, stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n,
                 stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (gate_up_bias_swiglu_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr,
                 b_gate_up_ptr, z_ptr, y_ptr, M, N, K, stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n,
                 stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (gate_up_bias_swiglu_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, y_desc, rstd_ptr,
                 b_gate_up_ptr, z_ptr, y_ptr, M, N, K, stride_rstd_m, stride_b_gate_up_n, stride_z_m, stride_z_n,
                 stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_gate_up_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -237,7 +239,7 @@ def launch(h, w_gate_up, rstd, b_gate_up, *, z, y, config=None) -> None:
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         gate_up_bias_swiglu_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(h, [config.block_m, config.block_k]),
+            hopper.descriptor_a(h, config),
             hopper.descriptor(w_gate_up, [config.block_n, config.block_k]),
             hopper.store_descriptor(z, [config.block_m, slice_n], config),
             hopper.store_descriptor(y, [config.block_m, slice_n // 2], config),
@@ -249,6 +251,7 @@ def launch(h, w_gate_up, rstd, b_gate_up, *, z, y, config=None) -> None:
             y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(h),
             num_warps=4,
         )
 

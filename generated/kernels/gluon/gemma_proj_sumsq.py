@@ -78,7 +78,8 @@ def gemma_proj_sumsq_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -98,7 +99,7 @@ def gemma_proj_sumsq_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -136,10 +137,11 @@ def gemma_proj_sumsq_gluon_kernel(
     stride_o_m, stride_o_n, stride_ss_m, stride_ss_t,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: y is M-contiguous, its descriptor y's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
@@ -168,40 +170,40 @@ def gemma_proj_sumsq_gluon_kernel(
             (gemma_proj_sumsq_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr,
                 M, N, K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (gemma_proj_sumsq_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr,
                 M, N, K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (y_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
             (gemma_proj_sumsq_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr,
                 M, N, K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (gemma_proj_sumsq_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr,
                 M, N, K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (gemma_proj_sumsq_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, o_desc, y_desc, o_ptr, ss_ptr,
                 M, N, K, stride_o_m, stride_o_n, stride_ss_m, stride_ss_t, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (y_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -222,7 +224,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         gemma_proj_sumsq_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(y, [config.block_m, config.block_k]),
+            hopper.descriptor_a(y, config),
             hopper.descriptor(w, [config.block_n, config.block_k]),
             hopper.store_descriptor(o, [config.block_m, slice_n], config),
             o, ss,
@@ -231,6 +233,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
             ss.stride(0), ss.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(y),
             num_warps=4,
         )
 

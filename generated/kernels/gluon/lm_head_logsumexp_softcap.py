@@ -88,7 +88,7 @@ def lm_head_logsumexp_softcap_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -111,7 +111,7 @@ def lm_head_logsumexp_softcap_consumer(
         rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         target = gl.load(target_ptr + rows * stride_target_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -143,10 +143,11 @@ def lm_head_logsumexp_softcap_gluon_kernel(
     stride_rstd_m, stride_target_m, stride_lse_part_m, stride_lse_part_t, stride_target_logit_m,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: h is M-contiguous, its descriptor h's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_vocab_desc, STAGES)
@@ -168,18 +169,18 @@ def lm_head_logsumexp_softcap_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
                 stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, A_KM,
                 0, CONSUMERS,
             )),
             (lm_head_logsumexp_softcap_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
                 stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -187,25 +188,25 @@ def lm_head_logsumexp_softcap_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
                 stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, A_KM,
                 0, CONSUMERS,
             )),
             (lm_head_logsumexp_softcap_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
                 stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, A_KM,
                 1, CONSUMERS,
             )),
             (lm_head_logsumexp_softcap_consumer, (
                 a_ring, b_ring, ready, empty, turn, inputs_ready, rstd_ptr, target_ptr, lse_part_ptr,
                 target_logit_ptr, softcap, M, N, K, stride_rstd_m, stride_target_m, stride_lse_part_m,
                 stride_lse_part_t, stride_target_logit_m, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_vocab_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -227,7 +228,7 @@ def launch(h, w_vocab, rstd, target, softcap, *, lse_part, target_logit, config=
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         lm_head_logsumexp_softcap_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(h, [config.block_m, config.block_k]),
+            hopper.descriptor_a(h, config),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
             rstd, target, lse_part, target_logit,
             softcap,
@@ -238,6 +239,7 @@ def launch(h, w_vocab, rstd, target, softcap, *, lse_part, target_logit, config=
             target_logit.stride(0),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(h),
             num_warps=4,
         )
 

@@ -65,7 +65,8 @@ def matmul_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -85,7 +86,7 @@ def matmul_consumer(
         pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -123,10 +124,11 @@ def matmul_gluon_kernel(
     stride_out_tile_m, stride_out_tile_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: a is M-contiguous, its descriptor a's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(a_desc, STAGES)
     b_ring = hopper.allocate_ring(b_desc, STAGES)
@@ -155,40 +157,40 @@ def matmul_gluon_kernel(
             (matmul_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
                 N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (matmul_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
                 N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
             (matmul_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
                 N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (matmul_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
                 N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (matmul_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
                 N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -209,7 +211,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         matmul_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(a, [config.block_m, config.block_k]),
+            hopper.descriptor_a(a, config),
             hopper.descriptor(b, [config.block_n, config.block_k]),
             hopper.store_descriptor(out_tile, [config.block_m, slice_n], config),
             out_tile,
@@ -217,6 +219,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
             out_tile.stride(0), out_tile.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(a),
             num_warps=4,
         )
 

@@ -116,7 +116,8 @@ def norm_dgrad_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -149,7 +150,7 @@ def norm_dgrad_consumer(
         rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         zdz = gl.load(zdz_ptr + rows * stride_zdz_m, mask=rows < M, other=0.0).to(gl.float32)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -198,10 +199,11 @@ def norm_dgrad_gluon_kernel(
     stride_normed_m, stride_normed_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: dz is M-contiguous, its descriptor dz's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(dz_desc, STAGES)
     b_ring = hopper.allocate_ring(w_desc, STAGES)
@@ -229,7 +231,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -237,11 +239,11 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -250,7 +252,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -258,7 +260,7 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (norm_dgrad_consumer, (
@@ -266,11 +268,11 @@ def norm_dgrad_gluon_kernel(
                 rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr, M, N, K, stride_rstd_m, stride_wn_n,
                 stride_zdz_m, stride_dx_m, stride_dx_n, stride_dwn_part_n, stride_dwn_part_t, stride_normed_m,
                 stride_normed_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT,
-                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (dz_desc, w_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -291,7 +293,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         norm_dgrad_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(dz, [config.block_m, config.block_k]),
+            hopper.descriptor_a(dz, config),
             hopper.descriptor(w, [config.block_k, config.block_n]),
             hopper.descriptor(x, [config.block_m, slice_n]),
             hopper.store_descriptor(dx, [config.block_m, slice_n], config),
@@ -306,6 +308,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
             normed.stride(0), normed.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(dz),
             num_warps=4,
         )
 

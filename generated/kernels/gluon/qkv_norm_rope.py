@@ -77,7 +77,8 @@ def qkv_norm_rope_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -100,7 +101,7 @@ def qkv_norm_rope_consumer(
         rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         positions = gl.load(positions_ptr + rows * stride_positions_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -138,10 +139,11 @@ def qkv_norm_rope_gluon_kernel(
     stride_rstd_m, stride_positions_m, stride_freqs_n, stride_qkv_m, stride_qkv_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: h is M-contiguous, its descriptor h's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_qkv_desc, STAGES)
@@ -171,18 +173,18 @@ def qkv_norm_rope_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, rstd_ptr,
                 positions_ptr, freqs_ptr, qkv_ptr, M, N, K, stride_rstd_m, stride_positions_m, stride_freqs_n,
                 stride_qkv_m, stride_qkv_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (qkv_norm_rope_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, rstd_ptr,
                 positions_ptr, freqs_ptr, qkv_ptr, M, N, K, stride_rstd_m, stride_positions_m, stride_freqs_n,
                 stride_qkv_m, stride_qkv_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_qkv_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -190,25 +192,25 @@ def qkv_norm_rope_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, rstd_ptr,
                 positions_ptr, freqs_ptr, qkv_ptr, M, N, K, stride_rstd_m, stride_positions_m, stride_freqs_n,
                 stride_qkv_m, stride_qkv_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (qkv_norm_rope_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, rstd_ptr,
                 positions_ptr, freqs_ptr, qkv_ptr, M, N, K, stride_rstd_m, stride_positions_m, stride_freqs_n,
                 stride_qkv_m, stride_qkv_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (qkv_norm_rope_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, qkv_desc, rstd_ptr,
                 positions_ptr, freqs_ptr, qkv_ptr, M, N, K, stride_rstd_m, stride_positions_m, stride_freqs_n,
                 stride_qkv_m, stride_qkv_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_qkv_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -229,7 +231,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         qkv_norm_rope_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(h, [config.block_m, config.block_k]),
+            hopper.descriptor_a(h, config),
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),
             rstd, positions, freqs, qkv,
@@ -240,6 +242,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
             qkv.stride(0), qkv.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(h),
             num_warps=4,
         )
 

@@ -122,7 +122,8 @@ def qkv_qk_norm_rope_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -145,7 +146,7 @@ def qkv_qk_norm_rope_consumer(
         rstd = gl.load(rstd_ptr + rows * stride_rstd_m, mask=rows < M, other=0.0).to(gl.float32)
         positions = gl.load(positions_ptr + rows * stride_positions_m, mask=rows < M, other=0)
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, False, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -188,10 +189,11 @@ def qkv_qk_norm_rope_gluon_kernel(
     stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: h is M-contiguous, its descriptor h's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(h_desc, STAGES)
     b_ring = hopper.allocate_ring(w_qkv_desc, STAGES)
@@ -223,7 +225,7 @@ def qkv_qk_norm_rope_gluon_kernel(
                 stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
                 stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
-                DIRECT_STORES,
+                DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (qkv_qk_norm_rope_consumer, (
@@ -232,11 +234,11 @@ def qkv_qk_norm_rope_gluon_kernel(
                 stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
                 stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
-                DIRECT_STORES,
+                DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_qkv_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -246,7 +248,7 @@ def qkv_qk_norm_rope_gluon_kernel(
                 stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
                 stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
-                DIRECT_STORES,
+                DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (qkv_qk_norm_rope_consumer, (
@@ -255,7 +257,7 @@ def qkv_qk_norm_rope_gluon_kernel(
                 stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
                 stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
-                DIRECT_STORES,
+                DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (qkv_qk_norm_rope_consumer, (
@@ -264,11 +266,11 @@ def qkv_qk_norm_rope_gluon_kernel(
                 stride_rstd_m, stride_positions_m, stride_freqs_n, stride_wn_qk_n, stride_v_pass_n, stride_qkv_m,
                 stride_qkv_n, stride_z_m, stride_z_n, stride_head_rstd_m, stride_head_rstd_n, NUM_PROGRAMS, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL,
-                DIRECT_STORES,
+                DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (h_desc, w_qkv_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, False, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -290,7 +292,7 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         qkv_qk_norm_rope_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(h, [config.block_m, config.block_k]),
+            hopper.descriptor_a(h, config),
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),
             hopper.store_descriptor(z, [config.block_m, slice_n], config),
@@ -307,6 +309,7 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
             head_rstd.stride(0), head_rstd.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(h),
             num_warps=4,
         )
 

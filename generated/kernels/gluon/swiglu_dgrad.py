@@ -105,7 +105,8 @@ def swiglu_dgrad_consumer(
     NUM_PROGRAMS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -135,7 +136,7 @@ def swiglu_dgrad_consumer(
                                      pid_n * EPILOGUE_SPLIT + early_part, SLICE_N)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
         acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True)
+                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True, A_KM)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -182,10 +183,11 @@ def swiglu_dgrad_gluon_kernel(
     stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
     # programs in the grid (persistent: at most one per SM)
     NUM_PROGRAMS,
-    # settings
+    # settings; A_KM: grad_y is M-contiguous, its descriptor grad_y's transpose (hopper.descriptor_a)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr,
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
+    A_KM: gl.constexpr,
 ):
     a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
     b_ring = hopper.allocate_ring(w_down_desc, STAGES)
@@ -212,18 +214,18 @@ def swiglu_dgrad_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (swiglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
@@ -231,25 +233,25 @@ def swiglu_dgrad_gluon_kernel(
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (swiglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (swiglu_dgrad_consumer, (
                 a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
                 grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
                 stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True)),
+                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -270,7 +272,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
         swiglu_dgrad_gluon_kernel[(plan.programs,)](
-            hopper.descriptor(grad_y, [config.block_m, config.block_k]),
+            hopper.descriptor_a(grad_y, config),
             hopper.descriptor(w_down, [config.block_k, config.block_n]),
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),
             hopper.store_descriptor(dz, [config.block_m, 2 * slice_n], config),
@@ -282,6 +284,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
             y.stride(0), y.stride(1),
             plan.programs,
             **config.meta(),
+            A_KM=hopper.mn_major(grad_y),
             num_warps=4,
         )
 
