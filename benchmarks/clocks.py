@@ -46,10 +46,10 @@ class Sampled:
         p90 = calls[int(0.9 * (len(calls) - 1))]
         counts = ", ".join(f"{label} {sum(1 for r in self.reasons if r & bit)}"
                            for bit, label in EVENT_REASONS.items() if any(r & bit for r in self.reasons))
+        clock, power = (f"{statistics.mean(v):.0f} ({min(v):.0f}-{max(v):.0f})" if v else "-"
+                        for v in (self.clocks, self.power))
         return (f"| {name} | {self.ms:.4f} | {statistics.median(calls):.4f} / {p90:.4f} / {calls[-1]:.4f} | "
-                f"{self.waits:.4f} | {self.host_ms:.4f} | {statistics.mean(self.clocks):.0f} "
-                f"({min(self.clocks):.0f}-{max(self.clocks):.0f}) | {statistics.mean(self.power):.0f} "
-                f"({min(self.power):.0f}-{max(self.power):.0f}) | {counts or '-'} | {len(self.clocks)} |")
+                f"{self.waits:.4f} | {self.host_ms:.4f} | {clock} | {power} | {counts or '-'} | {len(self.clocks)} |")
 
 
 def sampled(fn, seconds: float) -> Sampled:
@@ -83,11 +83,27 @@ def sampled(fn, seconds: float) -> Sampled:
     events = []
     calls, enqueue = spin(time.monotonic() + seconds, batch, events)
     smi.terminate()
-    rows = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
+    rows = [_sample(line) for line in smi.communicate()[0].splitlines()]
+    rows = [r for r in rows if r is not None]
     own = [start.elapsed_time(end) for start, end in events]
     whole = events[0][0].elapsed_time(events[-1][1])
     return Sampled(whole / calls, own, (whole - sum(own)) / calls, 1e3 * enqueue / calls,
-                   [float(c) for c, _, _ in rows], [float(p) for _, p, _ in rows], [int(r, 16) for _, _, r in rows])
+                   [c for c, _, _ in rows], [p for _, p, _ in rows], [r for _, _, r in rows])
+
+
+def _sample(line: str) -> tuple[float, float, int] | None:
+    """(MHz, W, clock event reasons) of one nvidia-smi line; None for a line that is not a sample. Reasons a
+    driver does not report ([N/A]) count as none."""
+    fields = [f.strip() for f in line.split(",")]
+    try:
+        clock, power = float(fields[0]), float(fields[1])
+    except (IndexError, ValueError):
+        return None
+    try:
+        reasons = int(fields[2], 16)
+    except (IndexError, ValueError):
+        reasons = 0
+    return clock, power, reasons
 
 
 def main() -> None:
