@@ -15,6 +15,7 @@ hardware slowdown, power brake, thermal; an idle GPU)."""
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ class Sampled:
 
     def row(self, name: str) -> str:
         calls = sorted(self.calls)
-        p90 = calls[int(0.9 * (len(calls) - 1))]
+        p90 = calls[math.ceil(0.9 * len(calls)) - 1]  # nearest rank
         counts = ", ".join(f"{label} {sum(1 for r in self.reasons if r & bit)}"
                            for bit, label in EVENT_REASONS.items() if any(r & bit for r in self.reasons))
         clock, power = (f"{statistics.mean(v):.0f} ({min(v):.0f}-{max(v):.0f})" if v else "-"
