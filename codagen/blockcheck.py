@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .blockmodel import (CHOICES, FINISH_SIGNATURES, IN_PLACE, TOKENS, TRANSPOSES, Arg, Block, BlockDim, BlockStep,
+from .blockmodel import (CHOICES, FINISH_SIGNATURES, IN_PLACE, TOKENS, TRANSPOSES, Accumulator, Arg, Block, BlockDim,
+                         BlockStep,
                          Call, CheckedBlock, GradForward, RowChunks, SUMS, Value)
 from .errors import ErrorSink
-from .model import Dim, DType, InputRole, Kernel, Location
+from .model import BLayout, Dim, DType, InputRole, Kernel, Location
 from .names import MODULE_ATTRIBUTES
 from .validate import in_place_inputs
 
@@ -152,6 +153,11 @@ def check_block(b: Block, kernels: dict[str, Kernel]) -> CheckedBlock:
         values.update(grad_values)
         saved = tuple(g for g in grads if g) + ((grad_forward.grad_scale,) if grad_forward and
                                                  grad_forward.grad_scale else ())
+    _check_accumulate(forward, None, sink)
+    _check_accumulate(backward, chunks, sink)
+    if grad_forward is not None:
+        _check_accumulate(grad_forward.before + grad_forward.after, None, sink)
+        _check_accumulate(grad_forward.chunk, grad_forward.chunks, sink)
     sink.raise_if_any()
     return CheckedBlock(b, forward, backward, values, saved, tuple(grads), chunks, grad_forward)
 
@@ -187,6 +193,21 @@ def _row_chunks(rows, calls: tuple[Call, ...], sliced, concatenated, summed, sum
     dropped = tuple(dict.fromkeys(o for c in calls for o in c.outs if o not in summed_by_gemm and o != DISCARD))
     return RowChunks(Arg("rows", rows, isinstance(rows, str)), tuple(sliced), tuple(concatenated), tuple(summed),
                      summed_by_gemm, dropped, sums)
+
+
+def _check_accumulate(calls: tuple[Call, ...], chunks: RowChunks | None, sink) -> None:
+    """matmul.accumulate applies where the GEMM sums a gradient over row chunks in the operands' type."""
+    for c in calls:
+        if not any(a.param == "accumulate" for a in c.args):
+            continue
+        if chunks is None or c.outs[0] not in chunks.summed_by_gemm:
+            sink.add(c.loc, f"matmul.accumulate: only a parameter's gradient that its GEMM sums over row chunks (made "
+                            f"on each chunk and read by no step) is accumulated, and '{c.outs[0]}' is not one; remove "
+                            "accumulate")
+        elif not chunks.sums.is_name and chunks.sums.value == "float32":
+            sink.add(c.loc, "matmul.accumulate: the gradients are summed in float32 here, and the kernel adds to a "
+                            "total of its inputs' type; sum them in 'same' (or an attr choosing), or remove "
+                            "accumulate")
 
 
 def _grad_forward(b: Block, kernels: dict[str, Kernel], attrs: dict, sink) -> tuple[GradForward | None, list, dict]:
@@ -289,7 +310,7 @@ def _sums(ref, attrs: dict, loc, sink) -> Arg:
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
     if step.op in FINISH_SIGNATURES:
-        return _finish(step, b, env, define, used, sink, shadowed=step.op in kernels)
+        return _finish(step, b, kernels, env, define, used, sink, shadowed=step.op in kernels)
     kernel = kernels.get(step.op)
     if kernel is None:
         known = ", ".join(sorted(kernels)) or "none"
@@ -436,7 +457,8 @@ def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...]) -> bool
     return True
 
 
-def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool = False) -> Call | None:
+def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink,
+            shadowed: bool = False) -> Call | None:
     """A finish step; `shadowed`: a kernel spec has its name too, which a block step cannot call."""
     sig = FINISH_SIGNATURES[step.op]
     names = [n for n, _ in sig]
@@ -487,6 +509,11 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool =
                                        "choosing between them")
                 ok = False
             args.append(Arg(name, ref, a is not None))
+        elif kind == "kernel?":
+            accumulator = _accumulator(kernels.get(ref) if isinstance(ref, str) else None, ref,
+                                       loc_of(name), f"{step.op}.{name}", sink)
+            ok &= accumulator is not None
+            args.append(Arg(name, accumulator, False))
         elif kind == "transpose?":
             if ref not in TRANSPOSES:
                 sink.add(loc_of(name), f"matmul.transpose must be 'none', 'a' or 'b', got '{ref}'")
@@ -505,6 +532,27 @@ def _finish(step: BlockStep, b: Block, env, define, used, sink, shadowed: bool =
     for (ref, name), value in zip(outs, result):
         define(ref, value, loc_of(name))
     return Call(step.op, False, tuple(args), tuple(ref for ref, _ in outs), step.loc)
+
+
+def _accumulator(k: Kernel | None, ref, loc, what: str, sink) -> Accumulator | None:
+    """The kernel that matmul.accumulate names, if it is a GEMM added to a total: inputs the GEMM's a and b and
+    one [M, N] tile `total`, one [M, N] output, and the epilogue `add: {x: acc, y: total}` then a store of the sum
+    to that output; else None, reported."""
+    if k is None:
+        sink.add(loc, f"{what}: '{ref}' is no kernel spec among those given")
+        return None
+    role = {k.gemm.a: "a", k.gemm.b: "b" if k.gemm.b_layout is BLayout.KN else "b.T"} if k.gemm else {}
+    totals = [i.name for i in k.inputs if i.name not in role and i.dims == (Dim.M, Dim.N) and i.dtype is DType.T]
+    outputs = [o for o in k.outputs if o.dims == (Dim.M, Dim.N) and o.dtype is DType.T and not o.inplace]
+    add, store = (k.steps + (None, None))[:2]
+    if (k.gemm is None or len(k.inputs) != 3 or len(totals) != 1 or len(k.outputs) != 1 or len(outputs) != 1
+            or len(k.steps) != 2 or add.op != "add" or sorted(add.args.values()) != sorted(["acc", totals[0]])
+            or store.op != "store" or store.args.get("x") != add.out or store.target != outputs[0].name):
+        sink.add(loc, f"{what}: kernel '{k.name}' ({k.source}) must add its GEMM to a total: inputs a and b of the "
+                      "GEMM and one [M, N] tile 'total' in the inputs' type T, one [M, N] output of type T, and the "
+                      "epilogue `add: {x: acc, y: total}` then `store` of that sum to the output")
+        return None
+    return Accumulator(k.name, tuple((i.name, role.get(i.name, "total")) for i in k.inputs), outputs[0].name)
 
 
 def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) -> list[Value] | None:
@@ -562,6 +610,10 @@ def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) 
     bd = b_.dims[::-1] if transpose == "b" else b_.dims
     if ad[1] != bd[0]:
         sink.add(loc, f"matmul: {_fmt(ad)} @ {_fmt(bd)} do not chain ({ad[1]} != {bd[0]})")
+        return None
+    if (a.dtype, b_.dtype) != ("T", "T") and any(arg.param == "accumulate" for arg in args):
+        sink.add(loc, f"matmul.accumulate: a is {a.dtype} and b {b_.dtype}; the kernel takes both in the block's "
+                      "type T")
         return None
     return [Value((ad[0], bd[1]), a.dtype if a.dtype == b_.dtype else "float32")]
 

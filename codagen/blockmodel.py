@@ -11,8 +11,8 @@ from .model import Location
 # Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
 FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     # (argument, kind): value = a block value; operand = a block value, a number or an int/float attr;
-    # size/number = an attr or a literal; choice = one of CHOICES; out = defines a value; a kind ending in '?'
-    # may be left out
+    # size/number = an attr or a literal; choice = one of CHOICES; kernel = a kernel spec's name; out = defines a
+    # value; a kind ending in '?' may be left out
     "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
     "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
     "logsumexp_tiles": (("x", "value"), ("out", "out")),
@@ -31,7 +31,8 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"),
                     ("token_weights", "value?"), ("out", "out")),
     "unit_scale": (("x", "value"), ("out", "out")),
-    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("out", "out")),
+    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("accumulate", "kernel?"),
+               ("out", "out")),
 }
 # the values of each finish-step argument of kind choice: by argument, or by step.argument where a step differs
 CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"),
@@ -147,6 +148,16 @@ class Arg:
     param: str
     value: object
     is_name: bool
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """matmul.accumulate: a kernel spec that adds a GEMM to a total, new = total + a @ b, which a weight gradient
+    summed over row chunks calls with its output written over the total."""
+
+    kernel: str
+    inputs: tuple[tuple[str, str], ...]  # (input, what it gets: 'a', 'b', 'b.T' (b as [N, K]) or 'total')
+    output: str  # its one output, written over the total
 
 
 @dataclass(frozen=True)

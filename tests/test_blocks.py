@@ -229,6 +229,23 @@ def test_lm_head_loss_matches_cross_entropy_fp16(grad_sum):
     check_low(fused, plain, torch.float16)
 
 
+@pytest.mark.parametrize("grad_sum, calls", [("same", 7), ("float32", 0)])
+def test_lm_head_weight_gradient_accumulates_through_its_kernel(monkeypatch, grad_sum, calls):
+    """matmul.accumulate: with the sum in the operands' dtype, every chunk after the first adds its weight
+    gradient through matmul_accumulate (an M-contiguous a: dz^T); with an fp32 sum, cuBLAS adds into it."""
+    seen = []
+    kernel = kernels.matmul_accumulate.matmul_accumulate
+
+    def counted(a, b, total, **outs):
+        seen.append((a.stride(), outs["new_total"] is total))
+        return kernel(a, b, total, **outs)
+    monkeypatch.setattr(kernels.matmul_accumulate, "matmul_accumulate", counted)
+    m, vocab = 37, 130
+    fused, plain = run_lm_head(m, 32, vocab, targets(m, vocab), "mean", torch.float32, 5, grad_sum=grad_sum)
+    check_fp32(fused, plain)
+    assert seen == [((1, vocab), True)] * calls
+
+
 def test_lm_head_loss_without_gradients_makes_none(monkeypatch):
     """Under no_grad, or with no input that wants a gradient, the forward keeps no logits and makes no
     gradient: the kernels of the forward with gradients never run, and the loss is the same."""

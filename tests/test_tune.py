@@ -20,7 +20,7 @@ import triton
 from click.testing import CliRunner
 
 from codagen import api
-from codagen.blockmodel import CheckedBlock
+from codagen.blockmodel import Accumulator, CheckedBlock
 from codagen.cli import main
 from codagen.emit import kernel as kernel_emit
 from codagen.fingerprint import fingerprint
@@ -109,6 +109,12 @@ def kernels_of_specs() -> list:
     return [c.kernel for c in all_specs() if isinstance(c, api.Checked)]
 
 
+def called(block: CheckedBlock) -> set[str]:
+    """The kernels a block calls, those its GEMMs accumulate with (matmul.accumulate) among them."""
+    return {name for _, calls, _ in block.passes() for call in calls
+            for name in (call.op, *(a.value.kernel for a in call.args if isinstance(a.value, Accumulator)))}
+
+
 def test_presets_give_every_kernel_of_specs_its_shapes():
     """Each kernel gets shapes at every preset whose model family runs a block that calls it (every GEMM kernel
     no block calls, at every preset), and none at the others: Llama presets leave Gemma-2's kernels alone."""
@@ -117,13 +123,26 @@ def test_presets_give_every_kernel_of_specs_its_shapes():
         for preset, model in PRESETS.items():
             found = shapes.preset_shapes(all_specs(), preset, k)
             assert all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in found), (preset, k.name)
-            runs = any(model.runs_block(c.block.name) and k.name in {call.op for _, calls, _ in c.passes()
-                                                                      for call in calls}
-                       for c in all_specs() if isinstance(c, CheckedBlock))
+            runs = any(model.runs_block(c.block.name) and k.name in called(c) for c in all_specs()
+                       if isinstance(c, CheckedBlock))
             assert bool(found) == (runs or k.name == "matmul"), (preset, k.name)
             if found:
                 families.add(model.family)
         assert families, k.name
+
+
+def test_an_accumulating_gemm_is_tuned_as_its_block_calls_it():
+    """lm_head_loss's weight gradient, dz^T @ normed summed over chunks by matmul_accumulate: (vocab, dim,
+    chunk_rows), its a (dz^T) M-contiguous, in the tuning inputs as in the block."""
+    uses = [u for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"], (32768,), family_only=True)
+            if u.kernel == "matmul_accumulate"]
+    assert [u.shape for u in uses] == [shapes.Shape(128256, 2048, 2048, a_km=True)]
+    assert uses[0].where == "lm_head_loss forward with gradients: dz^T @ normed summed over chunks"
+    module = importlib.import_module("generated.kernels.matmul_accumulate")
+    for a_km, strides in ((True, (1, 45)), (False, (24, 1))):
+        inputs = harness.make_inputs(checked("matmul_accumulate").kernel, module, shapes.Shape(45, 40, 24, a_km),
+                                     torch.device("cpu"), torch.float32)
+        assert inputs["a"].shape == (45, 24) and inputs["a"].stride() == strides
 
 
 def test_family_presets_take_shapes_from_their_own_blocks():
@@ -747,11 +766,12 @@ def test_precompile_launches_each_candidate_once_in_workers():
     """Worker processes launch each candidate once (here under the interpreter, as this machine has no GPU);
     one that fails is reported and left to the run, which compiles and reports it again."""
     source = str(SPECS / "matmul.yaml")
-    assert precompile.compile_candidate(source, str(REPO / "generated"), "matmul", 45, 40, 24,
-                                        POOL[0].as_dict(), "float32", 0) is None
+    for shape in (shapes.Shape(45, 40, 24), shapes.Shape(45, 40, 24, a_km=True)):
+        assert precompile.compile_candidate(source, str(REPO / "generated"), "matmul", shape, POOL[0].as_dict(),
+                                            "float32", 0) is None
     gluon = dataclasses.replace(POOL[0], backend="gluon")
-    assert "Hopper" in precompile.compile_candidate(source, str(REPO / "generated"), "matmul", 45, 40, 24,
-                                                    gluon.as_dict(), "float32", 0)
+    assert "Hopper" in precompile.compile_candidate(source, str(REPO / "generated"), "matmul",
+                                                    shapes.Shape(45, 40, 24), gluon.as_dict(), "float32", 0)
     log = []
     precompile.precompile([(source, "matmul", shapes.Shape(45, 40, 24), c) for c in (POOL[0], gluon)],
                           REPO / "generated", torch.device("cuda", 0), 2, log.append, torch.float32)

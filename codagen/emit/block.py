@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..blockmodel import Arg, Call, CheckedBlock, RowChunks
+from ..blockmodel import Accumulator, Arg, Call, CheckedBlock, RowChunks
 from .kernel import wrap
 from .templates import render
 
@@ -58,7 +58,12 @@ def _grad_factor(gf) -> str:
 
 
 def _value(a: Arg, rows: set[str] = frozenset()) -> str:
-    """A name in scope (a value renamed to its row slice in a chunked backward), else a literal."""
+    """A name in scope (a value renamed to its row slice in a chunked backward), else a literal, or the function
+    that matmul.accumulate names."""
+    if isinstance(a.value, Accumulator):
+        k = a.value
+        inputs = ", ".join(f"{name}={'t' if role == 'total' else role}" for name, role in k.inputs)
+        return f"lambda a, b, t: kernels.{k.kernel}.{k.kernel}({inputs}, {k.output}=t)"
     if not a.is_name:
         return repr(a.value)
     return f"{a.value}_rows" if a.value in rows else str(a.value)
@@ -83,7 +88,9 @@ def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tu
 def render_block(cb: CheckedBlock, regenerate: str) -> str:
     b, chunks, gf = cb.block, cb.chunks, cb.grad_forward
     body = 12 if chunks else 8  # the backward's steps run inside the loop over chunks
-    kernels = sorted({c.op for _, calls, _ in cb.passes() for c in calls if c.kernel})
+    kernels = sorted({c.op for _, calls, _ in cb.passes() for c in calls if c.kernel} |
+                     {a.value.kernel for _, calls, _ in cb.passes() for c in calls for a in c.args
+                      if isinstance(a.value, Accumulator)})
     passes = "The forward and backward run" if cb.backward or gf else "The forward runs"
     grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
     inputs = [t.name for t in b.inputs]

@@ -171,7 +171,7 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
         if not shapes:
             continue
         present = [Config(**table[s.bucket]["config"]) for s in shapes if only is not None and s.bucket in table]
-        first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k)
+        first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool_of[kernel.name]))]
     return work
 

@@ -55,7 +55,7 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
     """Random arguments that look like a model's, never zeros: T tensors from randn (the GEMM's B operand
     scaled by K**-0.5, like a weight, so that the accumulator is O(1) and exp() stays finite), float32
     vectors and scalars positive like rstd, index tensors within [0, N), host scalars in [0.5, 1.5), and the
-    initial values of inplace outputs from randn."""
+    initial values of inplace outputs from randn. The GEMM's a is M-contiguous where the shape says so."""
     g = torch.Generator(device=device).manual_seed(seed)
     sizes = _sizes(shape)
     inplace = inplace_names(kernel)
@@ -71,6 +71,8 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
         dt = dtype if d.dtype == "T" else FLOATS[d.dtype]
         if d.dtype != "T" and len(dims) <= 1:
             t = 0.5 + torch.rand(dims, generator=g, device=device)
+        elif shape.a_km and d.name == kernel.gemm.a:
+            t = torch.randn(dims[::-1], generator=g, device=device).T
         else:
             t = torch.randn(dims, generator=g, device=device)
             if d.name == b_name:
@@ -182,7 +184,7 @@ class Checker:
 
     def __call__(self, config: Config, shape: Shape) -> str | None:
         """None when the candidate is right; else why not."""
-        sub = Shape(self.rows, shape.n, shape.k)
+        sub = Shape(self.rows, shape.n, shape.k, shape.a_km)
         initial = {n: self.inputs[n] for n in inplace_names(self.kernel)}
         outs = new_outputs(self.kernel, self.module, sub, config, self.device, self.dtype, initial)
         launch_args = {n: v for n, v in self.inputs.items() if n not in initial}

@@ -32,8 +32,8 @@ def precompile(work: list[tuple[str, str, Shape, Config]], out: str | Path, devi
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=processes,
                                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(compile_candidate, source, str(out), name, shape.m, shape.n, shape.k,
-                                   config.as_dict(), dtype_name, device.index or 0): (name, config)
+            futures = {pool.submit(compile_candidate, source, str(out), name, shape, config.as_dict(), dtype_name,
+                                   device.index or 0): (name, config)
                        for source, name, shape, config in work}
             for future in concurrent.futures.as_completed(futures):
                 why = future.result()
@@ -47,9 +47,9 @@ def precompile(work: list[tuple[str, str, Shape, Config]], out: str | Path, devi
         log(f"  {line}")
 
 
-def compile_candidate(source: str, out: str, name: str, m: int, n: int, k: int, config: dict, dtype: str,
+def compile_candidate(source: str, out: str, name: str, shape: Shape, config: dict, dtype: str,
                       device_index: int) -> str | None:
-    """In a worker: launch kernel `name` of spec file `source` once with `config` on random inputs at m x n x k
+    """In a worker: launch kernel `name` of spec file `source` once with `config` on random inputs of `shape`
     (so that Triton compiles it); None, or why it failed."""
     try:
         from .. import api
@@ -59,7 +59,7 @@ def compile_candidate(source: str, out: str, name: str, m: int, n: int, k: int, 
         checked = next(c for c in api.load([Path(source)]) if isinstance(c, api.Checked) and c.kernel.name == name)
         module = load_module(Path(out), name)
         device = torch.device("cuda", device_index) if torch.cuda.is_available() else torch.device("cpu")
-        shape, dt = Shape(m, n, k), DTYPES[dtype]
+        dt = DTYPES[dtype]
         inputs = make_inputs(checked.kernel, module, shape, device, dt)
         launch, _ = launcher(checked, module, Config(**config), shape, inputs, device, dt)
         launch()

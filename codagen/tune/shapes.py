@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..api import Checked
-from ..blockmodel import Block, BlockDim, Call, CheckedBlock
+from ..blockmodel import Accumulator, Block, BlockDim, Call, CheckedBlock
 from ..model import BLayout, Dim, InputRole, Kernel
 from ..presets import PRESETS, LlamaShape
 from ..runtime.configs import shape_bucket
@@ -24,6 +24,7 @@ class Shape:
     m: int
     n: int
     k: int  # 0: no GEMM
+    a_km: bool = False  # the GEMM's a is M-contiguous (a [K, M] tensor's transpose), as the block passes it
 
     @property
     def bucket(self) -> str:
@@ -63,8 +64,16 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
                     rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _call_shape(kernel, call, cb, values, rows)
                     uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
+            for call, accumulator in _accumulated(calls):
+                where = f"{cb.block.name} {pass_name}: {_matmul_text(call)} summed over chunks"
+                for t in tokens:
+                    rows = min(t, chunk_rows) if chunk_rows else t
+                    shape = _matmul_shape(call, cb, values, rows)
+                    uses.setdefault((accumulator.kernel, shape.bucket), Use(accumulator.kernel, shape, where))
     called = {call.op for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
               for call in calls if call.kernel}
+    called |= {a.kernel for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
+               for _, a in _accumulated(calls)}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
@@ -112,6 +121,30 @@ def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows:
     return Shape(int(sizes["M"]), int(sizes["N"]), int(sizes["K"]) if kernel.gemm else 0)
 
 
+def _accumulated(calls) -> list[tuple[Call, Accumulator]]:
+    """The matmul steps that name a kernel to accumulate with (matmul.accumulate), and that kernel."""
+    return [(c, a.value) for c in calls for a in c.args if isinstance(a.value, Accumulator)]
+
+
+def _matmul_operands(call: Call) -> tuple[str, str, str]:
+    args = {a.param: a.value for a in call.args}
+    return args["a"], args["b"], args.get("transpose", "none")
+
+
+def _matmul_shape(call: Call, cb: CheckedBlock, attrs: dict, rows: int) -> Shape:
+    """M, N and K of a matmul step: a [M, K] @ b [K, N], either transposed as the step says."""
+    a, b, transpose = _matmul_operands(call)
+    ad = [_size(d, attrs, rows, cb.block) for d in cb.values[a].dims]
+    bd = [_size(d, attrs, rows, cb.block) for d in cb.values[b].dims]
+    ad, bd = ad[::-1] if transpose == "a" else ad, bd[::-1] if transpose == "b" else bd
+    return Shape(int(ad[0]), int(bd[1]), int(ad[1]), a_km=transpose == "a")
+
+
+def _matmul_text(call: Call) -> str:
+    a, b, transpose = _matmul_operands(call)
+    return f"{a}{'^T' if transpose == 'a' else ''} @ {b}{'^T' if transpose == 'b' else ''}"
+
+
 def _step_text(kernel: Kernel, call: Call) -> str:
     """A call as a reader recognizes it: its GEMM (y1 @ w_down^T), else the kernel and its tensors."""
     names = {a.param: a.value for a in call.args}
@@ -141,7 +174,7 @@ def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS, attrs=None)
 
 
 def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
-    return any(call.kernel and call.op == kernel.name
+    return any((call.kernel and call.op == kernel.name) or any(a.kernel == kernel.name for _, a in _accumulated([call]))
                for cb in specs if isinstance(cb, CheckedBlock) and not model.runs_block(cb.block.name)
                for _, calls, _ in cb.passes() for call in calls)
 

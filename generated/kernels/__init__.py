@@ -45,6 +45,8 @@
 - lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml): LM-head projection with the final RMSNorm
   row scale, per-tile log-sum-exp and sum partials and the target logit.
 - matmul (specs/matmul.yaml): Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
+- matmul_accumulate (specs/matmul_accumulate.yaml): GEMM added to a total, new_total = total + a @ b, summed in fp32 and
+  rounded once to the total's type.
 - norm_dgrad (specs/backward/norm_dgrad.yaml): Data gradient through a projection and the RMSNorm before it.
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml): Data gradient through a projection and the RMSNorm
   before it, plus the residual gradient.
@@ -89,6 +91,7 @@ from . import lm_head_logsumexp
 from . import lm_head_logsumexp_softcap
 from . import lm_head_logsumexp_zsum
 from . import matmul
+from . import matmul_accumulate
 from . import norm_dgrad
 from . import norm_dgrad_residual
 from . import out_proj_residual_norm
@@ -106,7 +109,7 @@ __all__ = [
     "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
     "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
     "lm_head_ce_dz_softcap", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp",
-    "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "norm_dgrad", "norm_dgrad_residual",
-    "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats",
-    "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "matmul_accumulate", "norm_dgrad",
+    "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope", "qkv_qk_norm_rope",
+    "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad",
 ]

@@ -17,6 +17,7 @@
 - lm_head_logsumexp_softcap (specs/cross_entropy/lm_head_logsumexp_softcap.yaml)
 - lm_head_logsumexp_zsum (specs/cross_entropy/lm_head_logsumexp_zsum.yaml)
 - matmul (specs/matmul.yaml)
+- matmul_accumulate (specs/matmul_accumulate.yaml)
 - norm_dgrad (specs/backward/norm_dgrad.yaml)
 - norm_dgrad_residual (specs/backward/norm_dgrad_residual.yaml)
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml)
