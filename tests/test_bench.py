@@ -37,7 +37,8 @@ def test_codagen_variants_run_known_patterns():
     variants = codagen_variants.codagen_variants(cases.PRESETS["tiny"], 128, torch.bfloat16)
     assert {v.pattern for v in variants if v.name == "codagen"} == set(cases.PATTERN_BY_KEY)  # every pattern
     assert {(v.pattern, v.name) for v in variants if v.name != "codagen"} == {
-        ("lm_ce.fwdbwd", codagen_variants.FP32_SUM), ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
+        ("lm_ce.fwdbwd", codagen_variants.FP32_SUM), ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS),
+        ("lm_ce.fwdbwd", codagen_variants.FIVE_EIGHTHS_CHUNKS)}
 
 
 def test_torch_compile_runs_in_both_modes_on_every_pattern():
@@ -61,7 +62,8 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
     checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
     assert set(checked) == {("oproj_swiglu.fwdbwd", "codagen"), ("lm_ce.fwd", "codagen"),
                             ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.FP32_SUM),
-                            ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS)}
+                            ("lm_ce.fwdbwd", codagen_variants.HALF_CHUNKS),
+                            ("lm_ce.fwdbwd", codagen_variants.FIVE_EIGHTHS_CHUNKS)}
     for key, row in checked.items():
         assert not row.error and row.ms is not None, (key, row.error)
         assert row.err_ref < 1e-5 and row.err_eager < 1e-5, (key, row.errs)
