@@ -8,8 +8,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from .blockmodel import (CHOICES, FINISH_SIGNATURES, IN_PLACE, TOKENS, TRANSPOSES, Accumulator, Arg, Block, BlockDim,
-                         BlockStep,
-                         Call, CheckedBlock, GradForward, RowChunks, SUMS, Value)
+                         BlockStep, Call, CheckedBlock, GradForward, RowChunks, SUMS, Value)
 from .errors import ErrorSink
 from .model import BLayout, Dim, DType, InputRole, Kernel, Location
 from .names import MODULE_ATTRIBUTES

@@ -70,10 +70,8 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
                     rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _matmul_shape(call, cb, values, rows)
                     uses.setdefault((accumulator.kernel, shape.bucket), Use(accumulator.kernel, shape, where))
-    called = {call.op for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
-              for call in calls if call.kernel}
-    called |= {a.kernel for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
-               for _, a in _accumulated(calls)}
+    called = {name for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
+              for call in calls for name in _kernels_run(call)}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
@@ -119,6 +117,11 @@ def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows:
             elif kd.width is not None:
                 sizes.setdefault("N", size * _PER_N[kd])
     return Shape(int(sizes["M"]), int(sizes["N"]), int(sizes["K"]) if kernel.gemm else 0)
+
+
+def _kernels_run(call: Call) -> set[str]:
+    """The kernels a step runs: its own, or the one its GEMM accumulates with (matmul.accumulate)."""
+    return ({call.op} if call.kernel else set()) | {a.kernel for _, a in _accumulated([call])}
 
 
 def _accumulated(calls) -> list[tuple[Call, Accumulator]]:
@@ -174,7 +177,7 @@ def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS, attrs=None)
 
 
 def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
-    return any((call.kernel and call.op == kernel.name) or any(a.kernel == kernel.name for _, a in _accumulated([call]))
+    return any(kernel.name in _kernels_run(call)
                for cb in specs if isinstance(cb, CheckedBlock) and not model.runs_block(cb.block.name)
                for _, calls, _ in cb.passes() for call in calls)
 
