@@ -131,6 +131,27 @@ def test_chunk_sum_of_products_matches_one_product():
     assert torch.allclose(total.result().double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_chunk_sum_accumulates_through_the_kernel_it_is_given(in_place):
+    """Parts after the first go through `accumulate`, whose result is the total, written over the old one or
+    (an op under torch.compile or autograd) a new tensor; with an fp32 sum the kernel is not used."""
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(3 * 37, 20, generator=g), torch.randn(3 * 37, 13, generator=g)
+    calls = []
+
+    def accumulate(a, b, total):
+        calls.append(a.shape)
+        return total.add_(a @ b) if in_place else total + a @ b
+    same, fp32 = runtime.ChunkSum("same"), runtime.ChunkSum()
+    for rows in runtime.row_chunks(a.shape[0], 37):
+        same.add_matmul(a[rows], b[rows], "a", accumulate=accumulate)
+        fp32.add_matmul(a[rows], b[rows], "a", accumulate=accumulate)
+    want = a.double().T @ b.double()
+    for total in (same, fp32):
+        torch.testing.assert_close(total.result().double(), want, rtol=1e-5, atol=1e-5)
+    assert calls == [(20, 37)] * 2
+
+
 @pytest.mark.parametrize("rows,tiles", [(37, 1500), (700, 3), (5, 1002), (130, 16)])
 def test_finish_reductions_over_tiles_match_float64(rows, tiles):
     """sum_tiles, rstd and logsumexp_tiles over fresh partials, in steps of up to 1024 tiles and 64 rows

@@ -103,14 +103,15 @@ class ChunkSum:
         """add(finish.matmul(a, b, transpose)). On a GPU the GEMM writes the total and then accumulates into it
         (cuBLAS: bf16/fp16 operands, C = A @ B + C computed in fp32, C in fp32 as Megatron's gradient
         accumulation fusion does, or in the operands' dtype), so that no chunk's product is written out and
-        added in another pass. `accumulate(a, b, total)`, where given, writes total + a @ b over a total in the
-        operands' dtype (a generated kernel, which overlaps the total's read and write with its GEMM where
-        cuBLAS does not): every part after the first goes through it, on any device, when the sum is 'same'."""
+        added in another pass. `accumulate(a, b, total)`, where given, returns total + a @ b for a total in the
+        operands' dtype, written over it where it can (a generated kernel, which overlaps the total's read and
+        write with its GEMM where cuBLAS does not; under torch.compile or autograd, its op makes a new tensor):
+        every part after the first goes through it, on any device, when the sum is 'same'."""
         a = a.T if transpose == "a" else a
         b = b.T if transpose == "b" else b
         if accumulate is not None and not self._fp32 and self._dtype is not None:
             self._start_total()
-            accumulate(a, b, self._total)
+            self._total = accumulate(a, b, self._total)
         elif not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)):
             self.add(torch.matmul(a, b))
         elif self._dtype is None:  # the first part is the total, made here: ours to update in place

@@ -4,7 +4,7 @@ For every selected kernel and shape (shapes.py: literal, or a model preset's as 
 kernel), each candidate Config (candidates.py) is first checked: it runs on NaN-prefilled outputs over a
 ragged slice of the rows (all of N and K), and every output is compared with the float64 reference
 (codagen.reference). A candidate that fails to compile, runs out of resources or is wrong is discarded and
-reported, never chosen. With `--compile-jobs`, worker processes compile every candidate first (precompile.py).
+reported, never chosen. Worker processes compile every candidate first (precompile.py; `--compile-jobs`).
 The survivors are timed at the full shape on random bf16 data (harness.py), the fastest again in turn with
 cuBLAS's GEMM of the shape, and it goes into generated/tuning/<gpu>/<kernel>.json (tables.py), keyed by
 runtime.configs.shape_bucket and by the kernel's fingerprint (what it computes), which runtime.pick_config
