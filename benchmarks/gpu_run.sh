@@ -5,6 +5,10 @@
 #   benchmarks/gpu_run.sh tests SECONDS                      # pytest -m gpu over tests/
 #   benchmarks/gpu_run.sh bench SECONDS TAG [bench.py args]  # benchmarks/bench.py ... --out $OUT --tag TAG
 #   benchmarks/gpu_run.sh tune SECONDS [codagen tune args]   # codagen tune specs/ ...; the tables to $OUT/tuning.tar
+#                                   # (its log to $OUT/tune-N.log, N counting the call's tunes) and to the machine's
+#                                   # $TMPDIR, where `restore` finds them
+#   benchmarks/gpu_run.sh restore 0                          # the tables of the machine's last tune over generated/
+#                                   # (a next call while the machine is warm: the checkout it gets has this one's)
 #   benchmarks/gpu_run.sh profile SECONDS KERNEL SHAPE [launch_kernel.py args]
 #                                   # Nsight Compute (ncu, or $NCU) on one launch: $OUT/ncu-KERNEL-SHAPE.*
 #   benchmarks/gpu_run.sh clocks SECONDS KERNEL SHAPE...     # clocks.py beside cuBLAS: $OUT/clocks-KERNEL.md
@@ -36,10 +40,19 @@ case $what in
     echo "bench exit: $?"
     tail -n 30 "$OUT/bench-$tag.log" ;;
   tune)  # --budget stops it cleanly before the limit: the shapes finished are written
-    python3 -m codagen tune specs/ --budget "$((limit - 20))" "$@" > "$OUT/tune.log" 2>&1
+    n=1
+    while [ -e "$OUT/tune-$n.log" ]; do n=$((n + 1)); done
+    python3 -m codagen tune specs/ --budget "$((limit - 20))" "$@" > "$OUT/tune-$n.log" 2>&1
     echo "tune exit: $?"
     tar -cf "$OUT/tuning.tar" generated/tuning
-    tail -n 20 "$OUT/tune.log" ;;
+    cp "$OUT/tuning.tar" "${TMPDIR:-/tmp}/codagen-tuning.tar"
+    tail -n 20 "$OUT/tune-$n.log" ;;
+  restore)
+    if [ -f "${TMPDIR:-/tmp}/codagen-tuning.tar" ]; then
+      tar -xf "${TMPDIR:-/tmp}/codagen-tuning.tar" && echo "restored the tables of this machine's last tune"
+    else
+      echo "no tune ran on this machine: the checkout's tables stay"
+    fi ;;
   profile)  # the second launch (the first compiles): speed of light, warp stalls, memory, per-instruction stalls
     kernel=$1 shape=$2
     shift 2
