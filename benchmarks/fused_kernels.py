@@ -3,7 +3,9 @@ specs run it), against the cuBLAS GEMM of the same shape and operands: the "fuse
 bench.py's report.
 
 A kernel runs with the configuration its launcher would pick (the committed tuning table of this GPU, else
-the default; no tuning at run time, so that the row says what the table gives). Before it is timed, its
+the default; no tuning at run time, so that the row says what the table gives). Where it runs the default on
+an sm_90 GPU, a second row times the Hopper kernel's own default there (what run-time tuning would try beside
+it): whether an untuned shape should default to the Hopper kernel. Before it is timed, its
 outputs on the first rows are compared with the float64 reference on NaN-prefilled outputs, as
 `codagen tune` does; a wrong or failing kernel is reported, not timed.
 """
@@ -50,29 +52,56 @@ def run(preset: str, tokens: int, device: torch.device, dtype: torch.dtype,
         module = load_module(ROOT / "generated", use.kernel)
         row = KernelRow(preset, tokens, use.kernel, use.where, str(use.shape))
         rows.append(row)
-        try:
-            _measure(row, c, module, use.shape, device, dtype, timer)
-        except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the report
-            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-            row.error = f"{type(e).__name__}: {first[:200]}"
-        log(f"   {use.kernel:<24} {str(use.shape):<22} {row.config:<44} "
-            + (row.error or f"{row.ms:.4f} ms" + (f"  cuBLAS {row.cublas_ms:.4f} ms  x{row.ms / row.cublas_ms:.2f}"
-                                                  if row.cublas_ms else "")))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        default = _measured(row, c, module, use.shape, device, dtype, timer, None, log)
+        hopper = _hopper_default(c, module, use.shape, device) if default else None
+        if hopper is not None:
+            extra = KernelRow(preset, tokens, use.kernel, use.where + " (the Hopper kernel's default)", str(use.shape))
+            rows.append(extra)
+            _measured(extra, c, module, use.shape, device, dtype, timer, hopper, log)
     return rows
 
 
-def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype, timer) -> None:
+def _measured(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype, timer, config, log) -> bool:
+    """Time the row (its launcher's choice where config is None); whether that choice is the default."""
+    default = False
+    try:
+        default = _measure(row, c, module, shape, device, dtype, timer, config)
+    except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the report
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        row.error = f"{type(e).__name__}: {first[:200]}"
+    log(f"   {row.kernel:<24} {row.shape:<22} {row.config:<44} "
+        + (row.error or f"{row.ms:.4f} ms" + (f"  cuBLAS {row.cublas_ms:.4f} ms  x{row.ms / row.cublas_ms:.2f}"
+                                              if row.cublas_ms else "")))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return default
+
+
+def _hopper_default(c: api.Checked, module, shape: Shape, device) -> runtime.Config | None:
+    """The Hopper kernel's default at this shape, as run-time tuning tries it; None where there is none."""
+    if device.type != "cuda" or not harness.times_hopper(module, device):
+        return None
     kernel = c.kernel
-    config = runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n, shape.k, device,
-                                 split=module.DEFAULT_SPLIT)
+    default = runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
+    tile_dependent = any(d.startswith("tiles(") for decl in module.DECLS for d in decl.dims)
+    found = runtime.configs.hopper_candidates(module.__package__, module.NAME, default, tile_dependent,
+                                              kernel.column_group, shape.n)
+    return found[0] if found else None
+
+
+def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype, timer, config=None) -> bool:
+    """Check and time the kernel with `config`, else its launcher's choice; whether that was the default."""
+    kernel = c.kernel
+    picked = config is None
+    config = config or runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n,
+                                           shape.k, device, kernel.column_group, split=module.DEFAULT_SPLIT)
+    default = picked and config == runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
     row.config = config.label()
     inputs = harness.make_inputs(kernel, module, shape, device, dtype)
     why = harness.Checker(c, module, inputs, min(harness.CHECK_ROWS, shape.m), device, dtype)(config, shape)
     if why is not None:
         row.error = f"wrong: {why}"
-        return
+        return default
     inplace = harness.inplace_names(kernel)
     outs = harness.new_outputs(kernel, module, shape, config, device, dtype, {n: inputs[n] for n in inplace})
     launch_args = {n: v for n, v in inputs.items() if n not in inplace}
@@ -82,6 +111,7 @@ def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype
 
     timed = harness.time_against_cublas(kernel, fn, inputs, timer) if kernel.gemm else None
     row.ms, row.cublas_ms = timed or (timer(fn), None)
+    return default
 
 
 def report_lines(rows: list[KernelRow]) -> list[str]:

@@ -448,12 +448,12 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
         if key not in _tuned:
             pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
             if package is not None and hopper_runs(device):
-                pool += _runtime_hopper(package, kernel, default, tile_dependent, group, n)
+                pool += hopper_candidates(package, kernel, default, tile_dependent, group, n)
             _tuned[key] = _tune(kernel, bucket, pool, run, default)
     return _tuned[key]
 
 
-def _runtime_hopper(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
+def hopper_candidates(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
     """The Hopper kernel's default as a run-time candidate (none where its slices would split column groups);
     for a kernel whose outputs depend on the tile shape, with the default's tile and epilogue split, as the tl
     candidates (runtime_candidates)."""
