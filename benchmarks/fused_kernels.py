@@ -83,8 +83,7 @@ def _hopper_default(c: api.Checked, module, shape: Shape, device) -> runtime.Con
         return None
     kernel = c.kernel
     default = runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
-    tile_dependent = any(d.startswith("tiles(") for decl in module.DECLS for d in decl.dims)
-    found = runtime.configs.hopper_candidates(module.__package__, module.NAME, default, tile_dependent,
+    found = runtime.configs.hopper_candidates(module.__package__, module.NAME, default, kernel.tile_dependent,
                                               kernel.column_group, shape.n)
     return found[0] if found else None
 

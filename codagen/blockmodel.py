@@ -172,6 +172,12 @@ class Call:
     loc: Location
     in_place: tuple[tuple[str, str], ...] = ()  # (kernel output, value): the output is written over the value
 
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels this step runs: its own, or the one its GEMM accumulates with (matmul.accumulate)."""
+        return (self.op,) if self.kernel else tuple(a.value.kernel for a in self.args
+                                                      if isinstance(a.value, Accumulator))
+
 
 @dataclass(frozen=True)
 class RowChunks:

@@ -135,8 +135,8 @@ KERNELS = {c.kernel.name: c.kernel for c in SPECS if isinstance(c, api.Checked)}
 def kernel_shapes() -> dict[str, dict[str, tuple[int, int]]]:
     """Kernel -> {'NxK': (N, K)} at every place where the block specs run it for the preset (K = 0: no GEMM);
     a kernel that no block calls (the plain matmul), at the first of the GEMM shapes it is tuned at."""
-    called = {c.op for b in SPECS if isinstance(b, CheckedBlock) for _, calls, _ in b.passes() for c in calls
-              if c.kernel}
+    called = {name for b in SPECS if isinstance(b, CheckedBlock) for _, calls, _ in b.passes() for c in calls
+              for name in c.kernels}
     shapes: dict[str, dict[str, tuple[int, int]]] = {}
     for use in block_uses(SPECS, LLAMA_1B, (M_TOKENS,)):
         found = shapes.setdefault(use.kernel, {})

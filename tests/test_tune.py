@@ -117,7 +117,7 @@ def test_presets_give_every_kernel_of_specs_its_shapes():
         for preset, model in PRESETS.items():
             found = shapes.preset_shapes(all_specs(), preset, k)
             assert all(s.n > 0 and (s.k > 0) == (k.gemm is not None) for s in found), (preset, k.name)
-            runs = any(model.runs_block(c.block.name) and any(k.name in shapes._kernels_run(call)
+            runs = any(model.runs_block(c.block.name) and any(k.name in call.kernels
                                                               for _, calls, _ in c.passes() for call in calls)
                        for c in all_specs() if isinstance(c, CheckedBlock))
             assert bool(found) == (runs or k.name == "matmul"), (preset, k.name)

@@ -88,9 +88,7 @@ def _call(c: Call, indent: int, rows: set[str] = frozenset(), summed_by_gemm: tu
 def render_block(cb: CheckedBlock, regenerate: str) -> str:
     b, chunks, gf = cb.block, cb.chunks, cb.grad_forward
     body = 12 if chunks else 8  # the backward's steps run inside the loop over chunks
-    kernels = sorted({c.op for _, calls, _ in cb.passes() for c in calls if c.kernel} |
-                     {a.value.kernel for _, calls, _ in cb.passes() for c in calls for a in c.args
-                      if isinstance(a.value, Accumulator)})
+    kernels = sorted({name for _, calls, _ in cb.passes() for c in calls for name in c.kernels})
     passes = "The forward and backward run" if cb.backward or gf else "The forward runs"
     grad_params = [f"grad_{o.name}" if o.grad else f"_grad_{o.name}" for o in b.outputs]
     inputs = [t.name for t in b.inputs]

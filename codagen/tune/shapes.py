@@ -71,7 +71,7 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
                     shape = _matmul_shape(call, cb, values, rows)
                     uses.setdefault((accumulator.kernel, shape.bucket), Use(accumulator.kernel, shape, where))
     called = {name for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
-              for call in calls for name in _kernels_run(call)}
+              for call in calls for name in call.kernels}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
@@ -117,11 +117,6 @@ def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows:
             elif kd.width is not None:
                 sizes.setdefault("N", size * _PER_N[kd])
     return Shape(int(sizes["M"]), int(sizes["N"]), int(sizes["K"]) if kernel.gemm else 0)
-
-
-def _kernels_run(call: Call) -> set[str]:
-    """The kernels a step runs: its own, or the one its GEMM accumulates with (matmul.accumulate)."""
-    return ({call.op} if call.kernel else set()) | {a.kernel for _, a in _accumulated([call])}
 
 
 def _accumulated(calls) -> list[tuple[Call, Accumulator]]:
@@ -177,7 +172,7 @@ def preset_shapes(specs, preset: str, kernel: Kernel, tokens=TOKENS, attrs=None)
 
 
 def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
-    return any(kernel.name in _kernels_run(call)
+    return any(kernel.name in call.kernels
                for cb in specs if isinstance(cb, CheckedBlock) and not model.runs_block(cb.block.name)
                for _, calls, _ in cb.passes() for call in calls)
 
