@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-import baselines as B
 from cases import Case, InputSet
 from runners import AutogradRunner, Runner, Variant
 
@@ -91,6 +90,13 @@ def _cg_modules():
     from codagen.runtime import finish
     from generated import blocks, kernels
     return convert, finish, kernels, blocks
+
+
+def _cg_split_heads(qkv: torch.Tensor, dm) -> tuple:
+    """(T, QKV) -> q, k, v as baselines.split_heads makes them, through codagen's split_heads (whose backward
+    writes the three gradients into one (T, QKV) tensor in one kernel, as codagen.hf's attention does)."""
+    from codagen.runtime.heads import split_heads
+    return split_heads(qkv.view(dm.batch, dm.seq, -1), dm.n_q, dm.n_kv, dm.head_dim)
 
 
 def _cg_freqs(case: Case) -> torch.Tensor:
@@ -209,7 +215,7 @@ def _cg_down_qkv_rope(case: Case) -> Runner:
         x2, h2, ss2 = kernels.out_proj_residual_norm.out_proj_residual_norm(y1, w2, x1, wn2)
         r2 = finish.rstd(ss2, dm.d, eps)
         qkv = kernels.qkv_norm_rope.qkv_norm_rope(h2, w_qkv, r2, positions, freqs)
-        return (x2, *B.split_heads(qkv, dm))
+        return (x2, *_cg_split_heads(qkv, dm))
     return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
                           args=("x1", "y1", "w2", "wn2", "w_qkv", "positions", "freqs"))
 
@@ -224,7 +230,7 @@ def _cg_block(case: Case) -> Runner:
     def fwd(x0, y0, wo, wn1, w_gate_up, w2, wn2, w_qkv, positions, freqs):
         x2, h2, r2 = blocks.PostAttentionFunction.apply(y0, x0, wn2, wo, wn1, w_gate_up, w2, dm.d, dm.ffn, eps)
         x2, qkv = blocks.PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn2, w_qkv, dm.d, dm.qkv_width)
-        return (x2, *B.split_heads(qkv, dm))
+        return (x2, *_cg_split_heads(qkv, dm))
     return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
                           args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "positions", "freqs"),
                           leaves=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv"))
@@ -255,7 +261,7 @@ def _cg_qwen3_block(case: Case) -> Runner:
                            wqn.new_zeros(dm.kv_width)])
         x2, qkv = blocks.Qwen3PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn_qk, v_pass, wn2, w_qkv,
                                                          dm.d, dm.qkv_width, eps)
-        return (x2, *B.split_heads(qkv, dm))
+        return (x2, *_cg_split_heads(qkv, dm))
     return AutogradRunner(case.pattern, fwd, prepare=prepare, to_reference=_cg_to_reference(case),
                           args=("x0", "y0", "wo", "wn1", "w_gate_up", "w2", "wn2", "w_qkv", "wqn", "wkn", "positions",
                                 "freqs", "v_pass"),
@@ -273,7 +279,7 @@ def _cg_gemma2_block(case: Case) -> Runner:
         x2, h2, r2 = blocks.Gemma2PostAttentionFunction.apply(y0, x0, wn2, wo, wna, wn1, w_gate_up, w2, wnm, dm.d,
                                                               dm.q_width, dm.ffn, eps)
         x2, qkv = blocks.Gemma2PreAttentionFunction.apply(x2, h2, r2, positions, freqs, wn2, w_qkv, dm.d, dm.qkv_width)
-        return (x2, *B.split_heads(qkv, dm))
+        return (x2, *_cg_split_heads(qkv, dm))
     return AutogradRunner(case.pattern, fwd, prepare=_cg_prepare(case), to_reference=_cg_to_reference(case),
                           args=("x0", "y0", "wo", "wna", "wn1", "w_gate_up", "w2", "wnm", "wn2", "w_qkv", "positions",
                                 "freqs"),

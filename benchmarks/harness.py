@@ -38,6 +38,7 @@ class Row:
     note: str = ""
     error: str = ""
     kernels: list = field(default_factory=list)  # (name, ms, launches) per call, with --kernel-profile
+    timeline: Optional[dict] = None  # measure.gpu_idle of the profiled calls, with --kernel-profile on a GPU
 
 
 def log(msg):
@@ -159,7 +160,7 @@ def run_case(preset: Preset, tokens: int, args, variants: list, rows: list, chec
             for row, runner, states in built:
                 if not row.error:
                     try:
-                        row.kernels = kernel_times(lambda: runner.run(states[0]), device)
+                        row.kernels, row.timeline = kernel_times(lambda: runner.run(states[0]), device)
                     except Exception as e:  # noqa: BLE001
                         log(f"   {row.variant}: no kernel profile: {type(e).__name__}: {e}")
         cub = next((r.ms_passes for r, _, _ in built if r.variant == CUBLAS and r.ms_passes), None)

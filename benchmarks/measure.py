@@ -96,9 +96,10 @@ def host_ms(fn, device, calls: int = 10) -> float:
     return elapsed * 1e3 / calls
 
 
-def kernel_times(fn, device, calls: int = 3) -> list[tuple[str, float, float]]:
+def kernel_times(fn, device, calls: int = 3) -> tuple[list, dict | None]:
     """Where a call's time goes, from torch.profiler over `calls` calls after one more: on a GPU its kernels,
-    on the CPU its operators' own time. (name, ms per call, launches per call), the most expensive first."""
+    on the CPU its operators' own time, as (name, ms per call, launches per call), the most expensive first;
+    and on a GPU the timeline of those calls (gpu_idle)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -113,7 +114,31 @@ def kernel_times(fn, device, calls: int = 3) -> list[tuple[str, float, float]]:
         us = e.self_device_time_total if gpu else e.self_cpu_time_total
         if us > 0:
             found.append((e.key, us / 1e3 / calls, e.count / calls))
-    return sorted(found, key=lambda t: -t[1])
+    timeline = None
+    if gpu:
+        spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+        timeline = gpu_idle(spans, calls)
+    return sorted(found, key=lambda t: -t[1]), timeline
+
+
+def gpu_idle(spans: list, calls: int, gap_us: float = 5.0, top: int = 5) -> dict:
+    """From the GPU's activities (start us, end us, name) over `calls` calls back to back: per call, the span
+    from the first start to the last end, the time within it when no kernel ran, and how many idle gaps were
+    longer than gap_us; and the longest gaps (ms, the kernel before, the kernel after). Idle time within a
+    sustained run is the GPU waiting for the host or for a launch, which per-kernel sums do not show."""
+    spans = sorted(spans)
+    idle, gaps, end, before = 0.0, [], None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            idle += start - end
+            if start - end > gap_us:
+                gaps.append(((start - end) / 1e3, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    span = (end - spans[0][0]) if spans else 0.0
+    return {"span_ms": span / 1e3 / calls, "idle_ms": idle / 1e3 / calls, "gaps_per_call": len(gaps) / calls,
+            "longest": sorted(gaps, key=lambda g: -g[0])[:top]}
 
 
 def free(device):

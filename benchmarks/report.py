@@ -246,8 +246,10 @@ def kernel_profile_lines(grows: list, pats: list, variants: list, top: int = 12)
         for r in sorted((r for r in profiled if r.pattern == pk), key=lambda r: variants.index(r.variant)):
             total = sum(ms for _, ms, _ in r.kernels)
             L += [f"**{pk}, {r.variant}**: {len(r.kernels)} kernels, {total:.3f} ms per call"
-                  + (f" of the row's {r.ms:.3f} ms" if r.ms else ""), "",
-                  "| kernel | ms | launches |", "|---|---|---|"]
+                  + (f" of the row's {r.ms:.3f} ms" if r.ms else ""), ""]
+            if r.timeline:
+                L += [timeline_line(r.timeline), ""]
+            L += ["| kernel | ms | launches |", "|---|---|---|"]
             for name, ms, launches in r.kernels[:top]:
                 short = name if len(name) <= 90 else name[:87] + "..."
                 L.append(f"| `{short.replace('|', '/')}` | {ms:.3f} | {launches:g} |")
@@ -257,6 +259,16 @@ def kernel_profile_lines(grows: list, pats: list, variants: list, top: int = 12)
                          f"{sum(n for _, _, n in rest):g} |")
             L.append("")
     return L + ["</details>", ""]
+
+
+def timeline_line(t: dict) -> str:
+    """measure.gpu_idle's figures in a sentence."""
+    def short(name):
+        return name if len(name) <= 40 else name[:37] + "..."
+    longest = "; ".join(f"{ms:.3f} ms after `{short(a)}`, before `{short(b)}`" for ms, a, b in t["longest"][:3])
+    return (f"Timeline of the profiled calls, back to back: {t['span_ms']:.3f} ms per call from the first kernel's "
+            f"start to the last one's end, {t['idle_ms']:.3f} ms of it with no kernel running "
+            f"({t['gaps_per_call']:g} gaps over 5 us a call)" + (f"; longest: {longest}" if longest else "") + ".")
 
 
 def _div(a, b):

@@ -32,6 +32,7 @@ from torch import nn
 # without a GPU, the runtime switches Triton's interpreter on, for the generated kernels these functions run
 from . import runtime  # noqa: F401
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+from .runtime.heads import split_heads
 
 __all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "from_pretrained"]
 
@@ -186,10 +187,7 @@ class CodagenAttention(nn.Module):
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[M, qkv_dim] -> Hugging Face's [batch, heads, seq, head_dim] q, k, v (q and k in interleaved order: the
         same permutation of both leaves q . k unchanged)."""
-        hd = self.head_dim
-        return tuple(t.unflatten(-1, (-1, hd)).transpose(1, 2)
-                     for t in qkv.split([self.num_heads * hd, self.num_key_value_heads * hd,
-                                         self.num_key_value_heads * hd], dim=-1))
+        return split_heads(qkv, self.num_heads, self.num_key_value_heads, self.head_dim)
 
 
 class CodagenMLP(nn.Module):

@@ -14,7 +14,6 @@ that codagen's difference from Hugging Face (both bf16) is measured against.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import time

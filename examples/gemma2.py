@@ -16,6 +16,7 @@ from torch import nn
 
 from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
 from codagen.presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
+from codagen.runtime.heads import split_heads
 from examples.llama import rope_tables, rotate
 from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
 
@@ -44,10 +45,7 @@ def attend(q, k, v, layer: int, shape: Gemma2Shape) -> torch.Tensor:
 def attention(qkv: torch.Tensor, layer: int, shape: Gemma2Shape, batch: int, seq: int) -> torch.Tensor:
     """[batch * seq, qkv_dim] (q and k already rotated) -> [batch * seq, attn_dim]."""
     hd = shape.head_dim
-    q, k, v = qkv.split([shape.n_heads * hd, shape.n_kv_heads * hd, shape.n_kv_heads * hd], dim=1)
-    q = q.reshape(batch, seq, shape.n_heads, hd).transpose(1, 2)
-    k = k.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
-    v = v.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    q, k, v = split_heads(qkv.view(batch, seq, -1), shape.n_heads, shape.n_kv_heads, hd)
     return attend(q, k, v, layer, shape).transpose(1, 2).reshape(batch * seq, shape.attn_dim)
 
 

@@ -11,16 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from codagen.convert import LlamaShape, rope_freqs
+from codagen.runtime.heads import split_heads
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
 
 
 def attention(qkv: torch.Tensor, shape: LlamaShape, batch: int, seq: int) -> torch.Tensor:
     """Causal GQA attention over [batch * seq, qkv_dim] -> [batch * seq, dim]."""
     hd = shape.head_dim
-    q, k, v = qkv.split([shape.n_heads * hd, shape.n_kv_heads * hd, shape.n_kv_heads * hd], dim=1)
-    q = q.reshape(batch, seq, shape.n_heads, hd).transpose(1, 2)
-    k = k.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
-    v = v.reshape(batch, seq, shape.n_kv_heads, hd).transpose(1, 2)
+    q, k, v = split_heads(qkv.view(batch, seq, -1), shape.n_heads, shape.n_kv_heads, hd)
     groups = shape.n_heads // shape.n_kv_heads
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

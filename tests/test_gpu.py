@@ -106,6 +106,7 @@ from codagen.validate import check_kernel
 from examples.llama import CodagenLlama, PlainLlama
 from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention, Qwen3PostAttention, Qwen3PreAttention
+from test_runtime import check_split_heads
 from test_tile import _sincos
 
 pytestmark = [
@@ -575,6 +576,14 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
         assert pick().backend == "gluon" and [c for c in tried if c.backend == "gluon"] == [pick()]
     finally:
         runtime.configs.clear_caches()
+
+
+@pytest.mark.parametrize("preset", ["llama3-1b", "llama3-8b"])
+def test_split_heads_at_llama_shapes(preset):
+    """The attention's q, k, v views and their one-kernel backward (codagen.runtime.heads) at a preset's heads,
+    over a ragged sequence."""
+    shape = PRESETS[preset]
+    check_split_heads(2, 1000 + 37, shape.n_heads, shape.n_kv_heads, shape.head_dim, torch.bfloat16, DEVICE)
 
 
 def test_hopper_kernel_reads_a_in_either_memory_order():

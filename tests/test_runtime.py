@@ -189,3 +189,37 @@ def test_scale_in_place_rounds_once(dtype):
     else:
         ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}[dtype]
         torch.testing.assert_close(x.double(), exact, rtol=ulp, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,seq,q_heads,kv_heads,head_dim", [(2, 37, 4, 2, 64), (1, 5, 3, 1, 80), (3, 9, 2, 2, 16)])
+def test_split_heads_is_pytorch_s_views_with_one_kernel_backward(batch, seq, q_heads, kv_heads, head_dim, dtype):
+    check_split_heads(batch, seq, q_heads, kv_heads, head_dim, dtype, DEVICE)
+    from codagen.runtime.heads import split_heads
+
+    with pytest.raises(ValueError, match=r"split_heads: qkv \(2, 37, 12\) is not"):
+        split_heads(torch.zeros(2, 37, 12, device=DEVICE), 4, 2, 64)
+
+
+def check_split_heads(batch, seq, q_heads, kv_heads, head_dim, dtype, device):
+    """split_heads gives the views that split, view and transpose give, and the same gradient bit for bit (a copy),
+    also for upstream gradients in other strides (k's below) and where only some of q, k, v are used."""
+    from codagen.runtime.heads import split_heads
+
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(batch, seq, width, device=device, dtype=dtype, requires_grad=True)
+    ref = qkv.detach().clone().requires_grad_()
+    ours = split_heads(qkv, q_heads, kv_heads, head_dim)
+    theirs = [t.view(batch, seq, -1, head_dim).transpose(1, 2)
+              for t in ref.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)]
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        assert a.data_ptr() - qkv.data_ptr() == b.data_ptr() - ref.data_ptr()
+    grads = [torch.randn(t.shape, device=device, dtype=dtype) for t in theirs]
+    grads[1] = grads[1].transpose(2, 3).contiguous().transpose(2, 3)
+    for used in ((0, 1, 2), (0, 2), (1,)):
+        got, = torch.autograd.grad([ours[i] for i in used], qkv, [grads[i] for i in used])
+        want, = torch.autograd.grad([theirs[i] for i in used], ref, [grads[i] for i in used])
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert split_heads(qkv, q_heads, kv_heads, head_dim)[0].grad_fn is None
