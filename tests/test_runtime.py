@@ -223,3 +223,16 @@ def check_split_heads(batch, seq, q_heads, kv_heads, head_dim, dtype, device):
         assert torch.equal(got, want)
     with torch.no_grad():
         assert split_heads(qkv, q_heads, kv_heads, head_dim)[0].grad_fn is None
+
+
+def test_tl_stages_fit_shared_memory_in_the_launch_dtype(monkeypatch):
+    """A bf16-tuned tile (two 128x64 operand tiles, 4 of 5 stages in flight: 128 KiB) takes 256 KiB in fp32, more
+    than an H200 program's 227 KiB: the tl launch keeps as many stages as fit (an fp32 launch given a bf16 table's
+    entry failed with Triton's OutOfResources)."""
+    monkeypatch.setattr(runtime, "_shared_bytes", lambda device: 232448)
+    gpu = torch.device("cuda")
+    config = runtime.Config(128, 128, 64, num_stages=5)
+    assert runtime.fitting_stages(config, torch.bfloat16, gpu) == 5
+    assert runtime.fitting_stages(config, torch.float32, gpu) == 4
+    assert runtime.fitting_stages(runtime.Config(256, 256, 128, num_stages=4), torch.float32, gpu) == 2
+    assert runtime.fitting_stages(config, torch.float32, torch.device("cpu")) == 5

@@ -227,10 +227,26 @@ class LaunchPlan:
             dot_precision=dot["DOT_PRECISION"],
             int64=needs_int64(tensors),
             # a kernel without a GEMM has no K loop and no operand to share: no BLOCK_K, FLATTEN or GROUP_M
-            meta={k: v for k, v in config.meta().items()
-                  if gemm is not None or k not in ("BLOCK_K", "FLATTEN", "GROUP_M")},
+            meta={**{k: v for k, v in config.meta().items()
+                     if gemm is not None or k not in ("BLOCK_K", "FLATTEN", "GROUP_M")},
+                  **({"num_stages": fitting_stages(config, t_dtype, device)} if gemm is not None else {})},
             aliasing=aliasing,
         )
+
+
+def fitting_stages(config: Config, t_dtype: torch.dtype, device: torch.device) -> int:
+    """config.num_stages, or fewer where the tl kernel's pipelined operand tiles (num_stages - 1 of them) would not
+    fit a program's shared memory in t_dtype: tables are tuned in bf16, and an fp32 launch that takes their entry
+    (the nearest tuned shape, or the tl kernel in place of a Hopper one that refuses fp32) needs twice the bytes."""
+    if device.type != "cuda":
+        return config.num_stages
+    per_stage = (config.block_m + config.block_n) * config.block_k * t_dtype.itemsize
+    return max(2, min(config.num_stages, _shared_bytes(device) // per_stage + 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
