@@ -44,7 +44,8 @@ def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict
     strides: dict[str, list[str]] = {}
     for p in params:
         if p.startswith("stride_"):
-            tensor = max((d.name for d in module.DECLS if p.startswith(f"stride_{d.name}_")), key=len)
+            tensor = max((name for name in [*(d.name for d in module.DECLS), "acc"]  # acc: backend "mm"'s product
+                          if p.startswith(f"stride_{name}_")), key=len)
             strides.setdefault(tensor, []).append(p)
     unit = {names[-1] for names in strides.values()}
     constexprs, attrs = {}, {}
@@ -66,7 +67,9 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     descs = [p for p in params if p.endswith("_desc")]
     sig = {}
     for p in params:
-        if p.endswith("_ptr"):
+        if p == "acc_ptr":  # the fp32 product of backend "mm"; None (a constexpr) for the others
+            sig[p] = "*fp32" if config.backend == "mm" else "constexpr"
+        elif p.endswith("_ptr"):
             sig[p] = POINTER[decls[p[:-4]].dtype]
         elif p in descs:  # the GEMM's a, then b, as the launcher builds them
             if p == descs[0]:
@@ -85,7 +88,9 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
               "GROUP_M": config.group_m, "EVEN_K": True, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
               "TMA": config.tma, "FLATTEN": config.flatten, "WARP_SPECIALIZE": config.warp_specialize,
-              "EPILOGUE_SPLIT": config.epilogue_split, "INT64": False}
+              "EPILOGUE_SPLIT": config.epilogue_split, "INT64": False, "ACC_IN": config.backend == "mm"}
+    if config.backend != "mm":
+        consts["acc_ptr"] = None
     return sig, {k: v for k, v in consts.items() if k in params}
 
 

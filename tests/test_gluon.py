@@ -635,14 +635,14 @@ def test_backend_recorded_in_tables(tmp_path):
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
-    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, candidates, gluon_candidates
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, MM_CANDIDATES, candidates, gluon_candidates
     from codagen.tune.harness import times_hopper
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
     tiles_and_quarters = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, 4))
-    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters
+    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters + MM_CANDIDATES
     assert gluon_candidates(kernels["swiglu_dgrad"]) == GLUON_CANDIDATES  # and eighths
-    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES
+    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + MM_CANDIDATES
     assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
     assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
     tl_matmul = importlib.import_module("generated.kernels.matmul")

@@ -339,6 +339,47 @@ def test_every_generated_kernel_passes_its_check():
         assert check(config, shape) is None, c.kernel.name
 
 
+def test_mm_backend_passes_the_check_of_every_gemm_kernel():
+    """Backend "mm" (torch.mm's product, then the tl kernel's epilogue over it in place of its mainloop) gives
+    every GEMM kernel of specs/ what the float64 reference gives, with tiles ragged against the shape; a kernel
+    without a GEMM refuses it, naming why."""
+    for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked) and c.kernel.gemm):
+        mod = module(c.kernel.name)
+        group = c.kernel.column_group
+        shape = shapes.Shape(45, 3 * group if group else 40, 24)
+        config = Config(16, 2 * group if group else 32, 16, 8, 4, 1, backend="mm")
+        inputs = harness.make_inputs(c.kernel, mod, shape, CPU)
+        assert harness.Checker(c, mod, inputs, 37, CPU)(config, shape) is None, c.kernel.name
+    stats = module("rmsnorm_stats")
+    x, wn = torch.randn(5, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="rmsnorm_stats: Config.backend='mm'. makes a GEMM's product with "
+                                         "torch.mm, but this kernel has no GEMM"):
+        stats.launch(x, wn, h=torch.empty(5, 8), ss=torch.empty(5, 1), config=Config(backend="mm"))
+    with pytest.raises(ValueError, match="backend 'mm' has no mainloop"):
+        Config(backend="mm", tma=True)
+
+
+def test_mm_backend_is_timed_only_where_k_is_long(as_gpu, tmp_path):
+    """The tuner times backend "mm" where configs.mm_pays (K at least 8 times M and N: the LM head's input
+    gradient over a chunk of rows), and leaves it out elsewhere; run-time tuning tries it there too, with the
+    default's tile."""
+    mm = Config(16, 16, 16, 8, 4, 1, backend="mm")
+    norm = checked("norm_dgrad")
+    mod = module("norm_dgrad")
+    for shape, timed in ((shapes.Shape(45, 40, 24), False), (shapes.Shape(20, 24, 200), True)):
+        outcome = harness.tune_shape(norm, mod, shape, CPU, pool=(POOL[0], mm), timer=FakeTimer(), check_rows=20)
+        assert (mm in [c for c, _ in outcome.timed]) == timed and not outcome.discarded
+    for m, k, tried in ((45, 24, False), (20, 400, True)):
+        as_gpu.trials.clear()
+        configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, k, CPU, decls=mod.DECLS, run=lambda c: None,
+                            split=mod.DEFAULT_SPLIT)
+        ran = [c for c in as_gpu.trials if c.backend == "mm"]
+        assert len(ran) == tried
+        default = configs.gpu_default(split=mod.DEFAULT_SPLIT)
+        assert all((c.block_m, c.block_n, c.persistent, c.tma) == (default.block_m, default.block_n, False, False)
+                   for c in ran)
+
+
 def test_budget_stops_cleanly():
     outcome = harness.tune_shape(checked("rmsnorm_stats"), module("rmsnorm_stats"), shapes.Shape(40, 32, 0), CPU,
                               pool=POOL, timer=FakeTimer(), deadline=0.0)

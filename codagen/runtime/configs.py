@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("codagen.tune")
 
 
-BACKENDS = ("tl", "gluon")
+BACKENDS = ("tl", "gluon", "mm")
 MIN_BLOCK, MAX_BLOCK = 16, 512  # tile sizes: tl.dot needs 16 or more, and larger tiles do not fit on chip
 
 
@@ -70,7 +70,10 @@ class Config:
     consumers: int = 2
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
-    # group_m and num_stages (its operand stages); the other fields are the tl kernel's
+    # group_m and num_stages (its operand stages); the other fields are the tl kernel's. "mm": the GEMM by
+    # torch.mm (cuBLAS on NVIDIA GPUs) into an fp32 product, then the tl kernel with this tile shape runs the
+    # epilogue over it, reading the product in place of its mainloop: two passes, for shapes of a long K and
+    # few output tiles, where cuBLAS splits K across the SMs and a kernel of one program per tile cannot (mm_pays)
     backend: str = "tl"
 
     def __post_init__(self):
@@ -121,6 +124,9 @@ class Config:
             fail(f"slice_unroll is slice_loop's: 2 or 4 slices per step of the loop, dividing epilogue_split "
                  f"({self.epilogue_split}) and less than it, got {self.slice_unroll} with slice_loop "
                  f"{self.slice_loop}")
+        if self.backend == "mm" and (self.tma or self.flatten or self.warp_specialize):
+            fail("backend 'mm' has no mainloop to load through TMA, flatten or warp-specialize: tma, flatten and "
+                 "warp_specialize must be False")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
                  "with descriptor loads), and flatten=False")
@@ -231,11 +237,31 @@ def check_group(kernel: str, config: Config, group: int | str, n: int) -> None:
                      f"whole row; use a block_n of {_row_width(n) * config.epilogue_split} or more")
 
 
-def check_tl_only(kernel: str, config: Config) -> None:
-    """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel."""
+def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
+    """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel; and for a
+    kernel without a GEMM, one that asks for torch.mm's."""
     if config.backend == "gluon":
         raise ValueError(f"{kernel}: Config(backend='gluon'), but the Hopper backend does not lower this kernel "
                          "(generated/kernels/gluon/__init__.py says why); use backend='tl'")
+    if config.backend == "mm" and not gemm:
+        raise ValueError(f"{kernel}: Config(backend='mm') makes a GEMM's product with torch.mm, but this kernel has "
+                         "no GEMM; use backend='tl'")
+
+
+def mm_pays(m: int, n: int, k: int) -> bool:
+    """Whether backend "mm" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
+    input gradient over a chunk of rows (1280 x 2048 x 128256), where the fp32 product's extra write and read are
+    a few percent of the GEMM's time and memory, and cuBLAS's split-K fills SMs that one program per output tile
+    leaves idle (norm_dgrad at 1280 x 2048: 80 tiles of 128x256 for the H200's 132 SMs)."""
+    return k >= 8 * max(m, n)
+
+
+def mm_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for backend "mm": bf16 and fp16 operands through cuBLAS with an fp32 output (no rounding
+    of the product to their dtype before the epilogue, as in the fused kernel); elsewhere in fp32."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def hopper_runs(device: torch.device) -> bool:
@@ -447,6 +473,9 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     with _tuning:
         if key not in _tuned:
             pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
+            if k and mm_pays(m, n, k):  # the default's tile, its epilogue after torch.mm's product
+                pool.append(dataclasses.replace(default, backend="mm", persistent=False, tma=False, flatten=False,
+                                                warp_specialize=False))
             if package is not None and hopper_runs(device):
                 pool += hopper_candidates(package, kernel, default, tile_dependent, group, n)
             _tuned[key] = _tune(kernel, bucket, pool, run, default)

@@ -148,6 +148,15 @@ GLUON_CANDIDATES = (
 )
 
 
+# Backend "mm": torch.mm's product (cuBLAS), then the tl kernel's epilogue over it, timed where configs.mm_pays
+# (a long K, few output tiles: the LM head's input gradient over a chunk of rows). The tile shape and warps are
+# those of the epilogue's pass alone, as for the kernels without a GEMM (ELEMENTWISE_CANDIDATES).
+MM_CANDIDATES = tuple(
+    Config(bm, bn, 64, 8, w, 1, epilogue_split=split, backend="mm")
+    for bm, bn, w, split in ((128, 128, 8, 1), (128, 128, 8, 2), (64, 128, 4, 1), (32, 128, 4, 1))
+)
+
+
 # Column groups as wide as the tile (Qwen3's 128-column heads) keep the epilogue on whole tiles, where
 # QK-norm with RoPE spills 1400-1500 bytes per thread at 128x128; 64-row tiles hold half as much (216 bytes).
 GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
@@ -166,10 +175,12 @@ def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
 
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
-    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it. For a
+    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it (backend
+    "mm" only at the shapes where configs.mm_pays: the tuner leaves it out at others). For a
     kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
     at the spec's column_group."""
-    pool = ELEMENTWISE_CANDIDATES if not kernel.gemm else GEMM_CANDIDATES + (gluon_candidates(kernel) if hopper else ())
+    pool = (ELEMENTWISE_CANDIDATES if not kernel.gemm
+            else GEMM_CANDIDATES + (gluon_candidates(kernel) if hopper else ()) + MM_CANDIDATES)
     fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))
     if not fitting:
         widest = max(c.epilogue_n for c in pool)

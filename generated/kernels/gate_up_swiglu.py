@@ -72,6 +72,8 @@ def gate_up_swiglu_kernel(
     h_ptr, w_gate_up_ptr, rstd_ptr, z_ptr, y_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     h_desc, w_gate_up_desc,
+    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    acc_ptr, stride_acc_m, stride_acc_n,
     # sizes
     M, N, K,
     # strides
@@ -86,6 +88,7 @@ def gate_up_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
+    ACC_IN: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -106,32 +109,35 @@ def gate_up_swiglu_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # mainloop: acc = h @ w_gate_up^T, accumulated in fp32. Through TMA, edges read zeros;
-        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-        offs_k = tl.arange(0, BLOCK_K)
-        if INT64:
-            offs_k = offs_k.to(tl.int64)
-        a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
-        b_ptrs = w_gate_up_ptr + offs_k[:, None] * stride_w_gate_up_k + (cols % N)[None, :] * stride_w_gate_up_n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-        first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a_tile = h_desc.load([first_row, k0])
-                b_tile = w_gate_up_desc.load([first_col, k0]).T
-            elif EVEN_K:
-                a_tile = tl.load(a_ptrs)
-                b_tile = tl.load(b_ptrs)
-            else:
-                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                a_tile = a_tile.to(tl.float32)
-                b_tile = b_tile.to(tl.float32)
-            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_h_k
-            b_ptrs += BLOCK_K * stride_w_gate_up_k
+        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+        else:
+            # mainloop: acc = h @ w_gate_up^T, accumulated in fp32. Through TMA, edges read zeros;
+            # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+            offs_k = tl.arange(0, BLOCK_K)
+            if INT64:
+                offs_k = offs_k.to(tl.int64)
+            a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
+            b_ptrs = w_gate_up_ptr + offs_k[:, None] * stride_w_gate_up_k + (cols % N)[None, :] * stride_w_gate_up_n
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
+            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                if TMA:
+                    a_tile = h_desc.load([first_row, k0])
+                    b_tile = w_gate_up_desc.load([first_col, k0]).T
+                elif EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                    a_tile = a_tile.to(tl.float32)
+                    b_tile = b_tile.to(tl.float32)
+                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_h_k
+                b_ptrs += BLOCK_K * stride_w_gate_up_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
         for part in tl.static_range(EPILOGUE_SPLIT):
@@ -163,6 +169,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         runtime.configs.launch_hopper(__package__, NAME, h=h, w_gate_up=w_gate_up, rstd=rstd, z=z, y=y,
                                       config=plan.config)
         return
+    acc = runtime.configs.mm_product(h, w_gate_up.T) if plan.config.backend == "mm" else None
     tma = plan.tma and runtime.aligned(h, w_gate_up)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_gate_up_desc = runtime.descriptor(w_gate_up, plan.config.block_n, plan.config.block_k) if tma else None
@@ -170,6 +177,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         gate_up_swiglu_kernel[(plan.programs,)](
             h, w_gate_up, rstd, z, y,
             h_desc, w_gate_up_desc,
+            acc, *(acc.stride() if acc is not None else (0, 0)),
             plan.m, plan.n, plan.k,
             h.stride(0), h.stride(1),
             w_gate_up.stride(0), w_gate_up.stride(1),
@@ -182,6 +190,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
             WARP_SPECIALIZE=tma and plan.config.warp_specialize,
             UPCAST_DOT=plan.upcast_dot,
             DOT_PRECISION=plan.dot_precision,
+            ACC_IN=acc is not None,
             INT64=plan.int64,
             **plan.meta,
         )

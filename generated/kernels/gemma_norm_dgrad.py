@@ -103,6 +103,8 @@ def gemma_norm_dgrad_kernel(
     dz_ptr, w_ptr, x_ptr, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     dz_desc, w_desc,
+    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    acc_ptr, stride_acc_m, stride_acc_n,
     # sizes
     M, N, K,
     # strides
@@ -121,6 +123,7 @@ def gemma_norm_dgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
+    ACC_IN: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -141,32 +144,35 @@ def gemma_norm_dgrad_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # mainloop: acc = dz @ w, accumulated in fp32. Through TMA, edges read zeros;
-        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-        offs_k = tl.arange(0, BLOCK_K)
-        if INT64:
-            offs_k = offs_k.to(tl.int64)
-        a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
-        b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-        first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a_tile = dz_desc.load([first_row, k0])
-                b_tile = w_desc.load([k0, first_col])
-            elif EVEN_K:
-                a_tile = tl.load(a_ptrs)
-                b_tile = tl.load(b_ptrs)
-            else:
-                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                a_tile = a_tile.to(tl.float32)
-                b_tile = b_tile.to(tl.float32)
-            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_dz_k
-            b_ptrs += BLOCK_K * stride_w_k
+        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+        else:
+            # mainloop: acc = dz @ w, accumulated in fp32. Through TMA, edges read zeros;
+            # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+            offs_k = tl.arange(0, BLOCK_K)
+            if INT64:
+                offs_k = offs_k.to(tl.int64)
+            a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
+            b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
+            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                if TMA:
+                    a_tile = dz_desc.load([first_row, k0])
+                    b_tile = w_desc.load([k0, first_col])
+                elif EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                    a_tile = a_tile.to(tl.float32)
+                    b_tile = b_tile.to(tl.float32)
+                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_dz_k
+                b_ptrs += BLOCK_K * stride_w_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
         for part in tl.static_range(EPILOGUE_SPLIT):
@@ -202,6 +208,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
         runtime.configs.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, dx=dx,
                                       dwn_part=dwn_part, normed=normed, config=plan.config)
         return
+    acc = runtime.configs.mm_product(dz, w) if plan.config.backend == "mm" else None
     tma = plan.tma and runtime.aligned(dz, w)
     dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
@@ -209,6 +216,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
         gemma_norm_dgrad_kernel[(plan.programs,)](
             dz, w, x, rstd, wn, zdz, dx, dwn_part, normed,
             dz_desc, w_desc,
+            acc, *(acc.stride() if acc is not None else (0, 0)),
             plan.m, plan.n, plan.k,
             dz.stride(0), dz.stride(1),
             w.stride(0), w.stride(1),
@@ -225,6 +233,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
             WARP_SPECIALIZE=tma and plan.config.warp_specialize,
             UPCAST_DOT=plan.upcast_dot,
             DOT_PRECISION=plan.dot_precision,
+            ACC_IN=acc is not None,
             INT64=plan.int64,
             **plan.meta,
         )

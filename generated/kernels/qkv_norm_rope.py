@@ -71,6 +71,8 @@ def qkv_norm_rope_kernel(
     h_ptr, w_qkv_ptr, rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     h_desc, w_qkv_desc,
+    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    acc_ptr, stride_acc_m, stride_acc_n,
     # sizes
     M, N, K,
     # strides
@@ -86,6 +88,7 @@ def qkv_norm_rope_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
+    ACC_IN: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -106,32 +109,35 @@ def qkv_norm_rope_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # mainloop: acc = h @ w_qkv^T, accumulated in fp32. Through TMA, edges read zeros;
-        # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-        offs_k = tl.arange(0, BLOCK_K)
-        if INT64:
-            offs_k = offs_k.to(tl.int64)
-        a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
-        b_ptrs = w_qkv_ptr + offs_k[:, None] * stride_w_qkv_k + (cols % N)[None, :] * stride_w_qkv_n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-        first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            if TMA:
-                a_tile = h_desc.load([first_row, k0])
-                b_tile = w_qkv_desc.load([first_col, k0]).T
-            elif EVEN_K:
-                a_tile = tl.load(a_ptrs)
-                b_tile = tl.load(b_ptrs)
-            else:
-                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-            if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                a_tile = a_tile.to(tl.float32)
-                b_tile = b_tile.to(tl.float32)
-            acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_h_k
-            b_ptrs += BLOCK_K * stride_w_qkv_k
+        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+        else:
+            # mainloop: acc = h @ w_qkv^T, accumulated in fp32. Through TMA, edges read zeros;
+            # through pointers, rows and columns past the edge wrap around (their results are masked off later).
+            offs_k = tl.arange(0, BLOCK_K)
+            if INT64:
+                offs_k = offs_k.to(tl.int64)
+            a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
+            b_ptrs = w_qkv_ptr + offs_k[:, None] * stride_w_qkv_k + (cols % N)[None, :] * stride_w_qkv_n
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
+            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                if TMA:
+                    a_tile = h_desc.load([first_row, k0])
+                    b_tile = w_qkv_desc.load([first_col, k0]).T
+                elif EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
+                    a_tile = a_tile.to(tl.float32)
+                    b_tile = b_tile.to(tl.float32)
+                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_h_k
+                b_ptrs += BLOCK_K * stride_w_qkv_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
         for part in tl.static_range(EPILOGUE_SPLIT):
@@ -164,6 +170,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
         runtime.configs.launch_hopper(__package__, NAME, h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs,
                                       qkv=qkv, config=plan.config)
         return
+    acc = runtime.configs.mm_product(h, w_qkv.T) if plan.config.backend == "mm" else None
     tma = plan.tma and runtime.aligned(h, w_qkv)
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
@@ -171,6 +178,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
         qkv_norm_rope_kernel[(plan.programs,)](
             h, w_qkv, rstd, positions, freqs, qkv,
             h_desc, w_qkv_desc,
+            acc, *(acc.stride() if acc is not None else (0, 0)),
             plan.m, plan.n, plan.k,
             h.stride(0), h.stride(1),
             w_qkv.stride(0), w_qkv.stride(1),
@@ -184,6 +192,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
             WARP_SPECIALIZE=tma and plan.config.warp_specialize,
             UPCAST_DOT=plan.upcast_dot,
             DOT_PRECISION=plan.dot_precision,
+            ACC_IN=acc is not None,
             INT64=plan.int64,
             **plan.meta,
         )
