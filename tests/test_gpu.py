@@ -580,6 +580,19 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
         runtime.configs.clear_caches()
 
 
+@pytest.mark.parametrize("dtype", list(LOW))
+def test_mm_backend_at_the_lm_head_s_input_gradient(dtype):
+    """Backend "mm" (cuBLAS's fp32 product, then the tl kernel's epilogue over it) on norm_dgrad over a ragged
+    chunk of rows of the LM head (K = vocab), where codagen tune times it."""
+    start = time.perf_counter()
+    module = importlib.import_module("generated.kernels.norm_dgrad")
+    config = runtime.Config(64, 128, 64, 8, 4, 1, backend="mm")
+    m, n, k = 1280 + 37, D, VOCAB
+    assert runtime.configs.mm_pays(m, n, k)
+    check_launch(f"gpu mm norm_dgrad {dtype}", KERNELS["norm_dgrad"], ViaConfig(module, config),
+                 {"M": m, "N": n, "K": k}, LOW[dtype], lambda: config, f"mm/norm_dgrad/{dtype}", start)
+
+
 @pytest.mark.parametrize("preset", ["llama3-1b", "llama3-8b"])
 def test_split_heads_at_llama_shapes(preset):
     """The attention's q, k, v views and their one-kernel backward (codagen.runtime.heads) at a preset's heads,
