@@ -117,9 +117,9 @@ for path in sys.argv[1:]:
     for split in (1, 2):
         consts = dict(BLOCK_M=128, BLOCK_N=128 * split, BLOCK_K=64, GROUP_M=8, EVEN_K=False, UPCAST_DOT=False,
                       DOT_PRECISION="tf32", TMA=False, FLATTEN=False, WARP_SPECIALIZE=False, EPILOGUE_SPLIT=split,
-                      INT64=False)
+                      INT64=False, ACC_IN=False)
         consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a kernel without a GEMM has no BLOCK_K
-        consts.update({n: None for n in fn.arg_names if n.endswith("_desc")})
+        consts.update({n: None for n in fn.arg_names if n.endswith("_desc") or n == "acc_ptr"})
         signature = {n: "constexpr" if n in consts else POINTER[decls[n[:-4]].dtype] if n.endswith("_ptr")
                      else "i32" if n.startswith("stride_") or n in ("M", "N", "K", "NUM_PROGRAMS") else "fp32"
                      for n in fn.arg_names}
