@@ -796,6 +796,13 @@ def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_pa
     assert work[0][0] == job.checked.kernel.source
     work = command._compile_work([job], pool_of, None, True, 1072, triton.__version__)  # --missing-only
     assert {shape for _, _, shape, _ in work} == {shapes.Shape(1072, 40, 24)} and len(work) == 2
+    mm = Config(16, 16, 16, 8, 4, 1, backend="mm")  # compiled only for a run with a shape that times it
+    work = command._compile_work([job], {"matmul": (POOL[0], mm)}, None, False, 1072, triton.__version__)
+    assert [c for _, _, _, c in work] == [POOL[0]]
+    (long_k,) = command.jobs([SPECS / "matmul.yaml"], "45x40x24,20x40x400", kernels="matmul", tuning_dir=tmp_path,
+                             gpu="test-gpu")
+    work = command._compile_work([long_k], {"matmul": (POOL[0], mm)}, None, False, 1072, triton.__version__)
+    assert [c for _, _, _, c in work] == [POOL[0], mm]
 
 
 def test_precompile_launches_each_candidate_once_in_workers():

@@ -172,7 +172,9 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
             continue
         present = [Config(**table[s.bucket]["config"]) for s in shapes if only is not None and s.bucket in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
-        work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool_of[kernel.name]))]
+        mm = any(configs.mm_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times no "mm" candidate
+        pool = [c for c in pool_of[kernel.name] if c.backend != "mm" or mm]
+        work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work
 
 
