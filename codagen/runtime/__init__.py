@@ -218,6 +218,10 @@ class LaunchPlan:
              aliasing: Aliasing, gemm: tuple[int, int] | None = None) -> "LaunchPlan":
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         dot = dot_settings(t_dtype)
+        if gemm is None:  # no K loop and no operand to share: no BLOCK_K, FLATTEN or GROUP_M
+            meta = {k: v for k, v in config.meta().items() if k not in ("BLOCK_K", "FLATTEN", "GROUP_M")}
+        else:
+            meta = {**config.meta(), "num_stages": fitting_stages(config, t_dtype, device)}
         return cls(
             config, device, m, n, k,
             programs=min(tiles, sm_count(device)) if config.persistent else tiles,
@@ -226,10 +230,7 @@ class LaunchPlan:
             upcast_dot=dot["UPCAST_DOT"],
             dot_precision=dot["DOT_PRECISION"],
             int64=needs_int64(tensors),
-            # a kernel without a GEMM has no K loop and no operand to share: no BLOCK_K, FLATTEN or GROUP_M
-            meta={**{k: v for k, v in config.meta().items()
-                     if gemm is not None or k not in ("BLOCK_K", "FLATTEN", "GROUP_M")},
-                  **({"num_stages": fitting_stages(config, t_dtype, device)} if gemm is not None else {})},
+            meta=meta,
             aliasing=aliasing,
         )
 
