@@ -15,26 +15,39 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from codagen import api  # noqa: E402
 from codagen.presets import PRESETS  # noqa: E402
-from codagen.runtime.configs import Config, table_path  # noqa: E402
+from codagen.runtime.configs import Config  # noqa: E402
 from codagen.tune.shapes import block_uses  # noqa: E402
 
 
-def rows(gpu: str, tuning_dir: Path) -> dict[str, list[tuple]]:
+def rows(gpu: str, tuning_dir: Path) -> tuple[dict[str, list[tuple]], list[tuple]]:
     """preset -> [(kernel, where, shape, entry or None)] in block order, for the presets the tables hold any
-    shape of."""
+    shape of; and [(kernel, shape, entry)] for the other shapes the tables hold (tuned with --attrs, e.g. the
+    LM head's other chunk sizes, or at literal shapes)."""
     specs = api.load([ROOT / "specs"])
-    tables: dict[str, dict] = {}
+    tables = {path.stem: json.loads(path.read_text())["shapes"] for path in sorted((tuning_dir / gpu).glob("*.json"))}
     out: dict[str, list[tuple]] = {}
+    shown = set()
     for preset, model in PRESETS.items():
         found = []
         for use in block_uses(specs, model, family_only=True):
-            if use.kernel not in tables:
-                path = table_path(tuning_dir, gpu, use.kernel)
-                tables[use.kernel] = json.loads(path.read_text())["shapes"] if path.is_file() else {}
-            found.append((use.kernel, use.where, use.shape, tables[use.kernel].get(use.shape.bucket)))
+            found.append((use.kernel, use.where, use.shape, tables.get(use.kernel, {}).get(use.shape.key)))
+            shown.add((use.kernel, use.shape.key))
         if any(entry is not None for *_, entry in found):
             out[preset] = found
-    return out
+    others = [(kernel, key, entry) for kernel, shapes in tables.items() for key, entry in shapes.items()
+              if (kernel, key) not in shown]
+    return out, sorted(others, key=lambda o: (o[0], [int(d) for d in o[1].split("x")]))
+
+
+def cells(name: str, entry: dict) -> str:
+    """The configuration, ms, cuBLAS ms and ratio columns of an entry."""
+    cublas = entry.get("cuBLAS_ms")
+    ratio = f"{entry['ms'] / cublas:.2f}" if cublas else "-"
+    if cublas and "rounds" not in entry:
+        ratio += " *"
+    if name == "matmul" and cublas:
+        ratio += f" (throughput {cublas / entry['ms']:.2f})"
+    return f"{Config(**entry['config']).label()} | {entry['ms']:.4g} | {cublas if cublas else '-'} | {ratio}"
 
 
 def markdown(gpu: str, tuning_dir: Path) -> str:
@@ -48,21 +61,20 @@ def markdown(gpu: str, tuning_dir: Path) -> str:
              "cuBLAS = cuBLAS ms / ms. Both times are medians of 3 do_bench medians taken in turn, the kernel's "
              "then cuBLAS's; rows marked * are older entries: the chosen configuration's time in the sweep and "
              "one cuBLAS timing after it, which moved by up to 6% from run to run.", ""]
-    for preset, found in rows(gpu, tuning_dir).items():
+    presets, others = rows(gpu, tuning_dir)
+    for preset, found in presets.items():
         lines += [f"## {preset}", "", "| kernel | where | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |",
                   "|---|---|---|---|---|---|---|"]
         for name, where, shape, entry in found:
-            if entry is None:
-                lines.append(f"| {name} | {where} | {shape} | not tuned | - | - | - |")
-                continue
-            cublas = entry.get("cuBLAS_ms")
-            ratio = f"{entry['ms'] / cublas:.2f}" if cublas else "-"
-            if cublas and "rounds" not in entry:
-                ratio += " *"
-            if name == "matmul" and cublas:
-                ratio += f" (throughput {cublas / entry['ms']:.2f})"
-            lines.append(f"| {name} | {where} | {shape} | {Config(**entry['config']).label()} | {entry['ms']:.4g} | "
-                         f"{cublas if cublas else '-'} | {ratio} |")
+            lines.append(f"| {name} | {where} | {shape} | "
+                         f"{'not tuned | - | - | -' if entry is None else cells(name, entry)} |")
+        lines.append("")
+    if others:
+        lines += ["## Other shapes in the tables", "",
+                  "Tuned with `--attrs` (the LM head's row chunks other than the specs' 2048, e.g. "
+                  "`--attrs chunk_rows=1280`) or at literal shapes; the blocks run them only when so configured.",
+                  "", "| kernel | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |", "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {key} | {cells(name, entry)} |" for name, key, entry in others]
         lines.append("")
     return "\n".join(lines)
 

@@ -182,9 +182,9 @@ def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") 
     messages = []
     for t in stale_tables(Path(out) / "tuning", kernels):
         fix = "delete it"
-        if t.kernel is not None and t.buckets:
+        if t.kernel is not None and t.shapes:
             fix = (f"re-run on a {t.gpu} GPU: codagen tune {command_args(paths, out)} --kernels {t.kernel.name} "
-                   f"--shapes {','.join(t.buckets)}")
+                   f"--shapes {','.join(t.shapes)}")
         messages.append(f"stale tuning table {display_path(t.path)}: {t.problem}; {fix}")
     return messages
 

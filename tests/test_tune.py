@@ -141,20 +141,20 @@ def test_an_accumulating_gemm_is_tuned_as_its_block_calls_it():
 
 
 def test_family_presets_take_shapes_from_their_own_blocks():
-    buckets = lambda name, preset: [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+    keys = lambda name, preset: [s.key for s in shapes.parse_shapes(  # noqa: E731
         preset, checked(name).kernel, all_specs())]
     # Gemma-2-2B: out-projection from the attention width (2048) to dim (2304), GeGLU over 2 x 9216 columns
-    assert buckets("gemma_proj_sumsq", "gemma2-2b") == ["8192x2304x2048", "32768x2304x2048", "8192x2304x9216",
+    assert keys("gemma_proj_sumsq", "gemma2-2b") == ["8192x2304x2048", "32768x2304x2048", "8192x2304x9216",
                                                          "32768x2304x9216"]
-    assert buckets("gate_up_geglu", "gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
-    assert buckets("lm_head_logits_softcap", "gemma2-2b") == ["2048x256000x2304"]
-    assert buckets("qkv_qk_norm_rope", "qwen3-1.7b") == ["8192x4096x2048", "32768x4096x2048"]
-    assert buckets("lm_head_logits", "qwen3-1.7b") == ["2048x151936x2048"]  # Llama's LM-head block
-    assert buckets("gate_up_swiglu", "qwen3-1.7b") == ["8192x12288x2048", "32768x12288x2048"]
+    assert keys("gate_up_geglu", "gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
+    assert keys("lm_head_logits_softcap", "gemma2-2b") == ["2048x256000x2304"]
+    assert keys("qkv_qk_norm_rope", "qwen3-1.7b") == ["8192x4096x2048", "32768x4096x2048"]
+    assert keys("lm_head_logits", "qwen3-1.7b") == ["2048x151936x2048"]  # Llama's LM-head block
+    assert keys("gate_up_swiglu", "qwen3-1.7b") == ["8192x12288x2048", "32768x12288x2048"]
     for kernel, preset in (("gate_up_geglu", "llama3-1b"), ("qkv_qk_norm_rope", "gemma2-2b"),
                            ("qkv_norm_rope", "qwen3-1.7b"), ("gate_up_swiglu", "gemma2-2b")):
-        assert buckets(kernel, preset) == [], (kernel, preset)
-    assert buckets("gate_up_geglu", "llama3-1b,gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
+        assert keys(kernel, preset) == [], (kernel, preset)
+    assert keys("gate_up_geglu", "llama3-1b,gemma2-2b") == ["8192x18432x2304", "32768x18432x2304"]
     # without family_only, every block at a preset's dims: how the GPU tests run every kernel at Llama-1B's
     llama = PRESETS["llama3-1b"]
     own = {u.kernel for u in shapes.block_uses(all_specs(), llama, family_only=True)}
@@ -166,28 +166,28 @@ def test_plain_matmul_is_tuned_at_every_gemm_shape_of_the_presets():
     # no block calls matmul; its ratio to cuBLAS is reported at every GEMM shape the blocks run
     matmul = checked("matmul").kernel
     for preset in PRESETS:
-        have = {s.bucket for s in shapes.preset_shapes(all_specs(), preset, matmul)}
+        have = {s.key for s in shapes.preset_shapes(all_specs(), preset, matmul)}
         for k in kernels_of_specs():
             if k.gemm and k.name != "matmul":
-                assert {s.bucket for s in shapes.preset_shapes(all_specs(), preset, k)} <= have, (preset, k.name)
+                assert {s.key for s in shapes.preset_shapes(all_specs(), preset, k)} <= have, (preset, k.name)
 
 
 def test_preset_shapes_follow_the_block_specs():
-    buckets = lambda name, preset="llama3-1b": [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+    keys = lambda name, preset="llama3-1b": [s.key for s in shapes.parse_shapes(  # noqa: E731
         preset, checked(name).kernel, all_specs())]
-    assert buckets("out_proj_residual_norm") == ["8192x2048x2048", "32768x2048x2048", "8192x2048x8192",
+    assert keys("out_proj_residual_norm") == ["8192x2048x2048", "32768x2048x2048", "8192x2048x8192",
                                                  "32768x2048x8192"]  # out-projection, then down projection
-    assert buckets("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
-    assert buckets("norm_dgrad_residual") == ["8192x2048x16384", "32768x2048x16384", "8192x2048x3072",
+    assert keys("gate_up_swiglu", "llama3-8b") == ["8192x28672x4096", "32768x28672x4096"]
+    assert keys("norm_dgrad_residual") == ["8192x2048x16384", "32768x2048x16384", "8192x2048x3072",
                                               "32768x2048x3072"]  # post_attention's, then pre_attention's
-    assert buckets("lm_head_logits") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
-    assert buckets("lm_head_logsumexp") == ["8192x128256x2048", "32768x128256x2048"]  # the forward is not chunked
-    assert buckets("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
+    assert keys("lm_head_logits") == ["2048x128256x2048"]  # row chunks of 2048, whatever the tokens
+    assert keys("lm_head_logsumexp") == ["8192x128256x2048", "32768x128256x2048"]  # the forward is not chunked
+    assert keys("norm_dgrad", "llama3-8b") == ["2048x4096x128256"]
     # the norm's statistics of every row (norm_stats, an LM head's forward), and of a chunk of rows (its forward
     # with gradients)
-    assert buckets("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0", "2048x2048x0"]
-    assert buckets("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
-    where = {(u.kernel, u.shape.bucket): u.where for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"])}
+    assert keys("rmsnorm_stats") == ["8192x2048x0", "32768x2048x0", "2048x2048x0"]
+    assert keys("rope_bwd_rowdot", "llama3-8b") == ["8192x6144x0", "32768x6144x0"]
+    where = {(u.kernel, u.shape.key): u.where for u in shapes.block_uses(all_specs(), PRESETS["llama3-1b"])}
     assert where["out_proj_residual_norm", "8192x2048x8192"] == "post_attention forward: y1 @ w_down^T"
     assert where["rmsnorm_stats", "2048x2048x0"] == "lm_head_loss forward with gradients: rmsnorm_stats(x, wn)"
     # the first of the LM-head blocks (by name) whose forward with gradients runs this GEMM
@@ -202,21 +202,21 @@ def test_shapes_follow_edits_to_the_block_specs(tmp_path):
         block.write_text(block.read_text().replace("chunk_rows: 2048", "chunk_rows: 1024"))
     loaded = api.load([specs])
     logits = next(c.kernel for c in loaded if isinstance(c, api.Checked) and c.kernel.name == "lm_head_logits")
-    assert [s.bucket for s in shapes.preset_shapes(loaded, "tiny", logits, (100, 3000))] == ["128x1000x64",
-                                                                                              "1024x1000x64"]
+    assert [s.key for s in shapes.preset_shapes(loaded, "tiny", logits, (100, 3000))] == ["100x1000x64",
+                                                                                           "1024x1000x64"]
     assert [str(s) for s in shapes.preset_shapes(loaded, "tiny", logits, (100,))] == ["100x1000x64"]
 
 
 def test_attrs_set_the_block_attrs_of_the_preset_shapes():
     """--attrs chunk_rows=1024: the LM heads' chunked kernels at 1024 rows, the rest as the preset gives them."""
-    buckets = lambda name, attrs: [s.bucket for s in shapes.parse_shapes(  # noqa: E731
+    keys = lambda name, attrs: [s.key for s in shapes.parse_shapes(  # noqa: E731
         "llama3-1b", checked(name).kernel, all_specs(), attrs=shapes.parse_attrs(attrs, all_specs()))]
-    assert buckets("lm_head_logits", "chunk_rows=1024") == ["1024x128256x2048"]
-    assert buckets("norm_dgrad", "chunk_rows=1024,dim=4096") == ["1024x4096x128256"]
-    assert buckets("gate_up_swiglu", "chunk_rows=1024") == ["8192x16384x2048", "32768x16384x2048"]
+    assert keys("lm_head_logits", "chunk_rows=1024") == ["1024x128256x2048"]
+    assert keys("norm_dgrad", "chunk_rows=1024,dim=4096") == ["1024x4096x128256"]
+    assert keys("gate_up_swiglu", "chunk_rows=1024") == ["8192x16384x2048", "32768x16384x2048"]
     job, = command.jobs([REPO / "specs"], "llama3-8b", REPO / "generated", kernels="lm_head_logits",
                         attrs="chunk_rows=512")
-    assert [s.bucket for s in job.shapes] == ["512x128256x4096"]
+    assert [s.key for s in job.shapes] == ["512x128256x4096"]
 
 
 @pytest.mark.parametrize("text, words", [
@@ -253,8 +253,8 @@ def test_a_kernel_named_at_presets_that_never_run_it_is_refused(tmp_path):
 
 
 def test_literal_shapes_apply_to_every_kernel():
-    assert [s.bucket for s in shapes.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
-        "128x64x32", "8x8x8"]  # 100 and 128 rows share a bucket
+    assert [s.key for s in shapes.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
+        "100x64x32", "128x64x32", "8x8x8"]  # each shape its own entry
     assert [str(s) for s in shapes.parse_shapes("100x64x32", checked("rmsnorm_stats").kernel)] == ["100x64"]
     for bad in ("llama3-70b", "12x34", "0x8x8"):
         with pytest.raises(TuneError):
@@ -487,10 +487,10 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
                        pools={"matmul": POOL, "rmsnorm_stats": POOL}, log=log.append)
     assert written == [tmp_path / "test-gpu" / "matmul.json", tmp_path / "test-gpu" / "rmsnorm_stats.json"]
     assert any(line.startswith("matmul 45x40x24: 1.0000 ms") for line in log), log
-    assert json.loads(written[0].read_text())["shapes"]["64x40x24"]["cuBLAS_ms"] == 0.5
+    assert json.loads(written[0].read_text())["shapes"]["45x40x24"]["cuBLAS_ms"] == 0.5
     mm = module("matmul")
     assert triton.__version__ == json.loads(written[0].read_text())["triton"]
-    for m in (33, 45, 64):  # one bucket
+    for m in (33, 45, 64):  # the shape tuned, and token counts nearest to it
         assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU) == best
     rs = module("rmsnorm_stats")
     assert configs.pick_config(rs.NAME, rs.FINGERPRINT, tmp_path, 45, 40, 0, CPU) == best
@@ -504,20 +504,34 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     timer.calls = 0
     assert command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path,
                     timer=timer, missing_only=True, log=log.append) == []
-    assert timer.calls == 0 and "matmul 45x40x24: in the table already (bucket 64x40x24), skipped" in log
+    assert timer.calls == 0 and "matmul 45x40x24: in the table already, skipped" in log
 
 
 def test_an_untuned_token_count_takes_the_nearest_tuned_one():
     table = {"8192x64x32": POOL[0], "32768x64x32": POOL[1], "2048x64x32": POOL[2], "4096x96x32": GPU_DEFAULT}
-    near = lambda m: configs.nearest_tuned(table, configs.shape_bucket(m, 64, 32))  # noqa: E731
+    near = lambda m: configs.nearest_tuned(table, configs.shape_key(m, 64, 32))  # noqa: E731
     assert (near(5000), near(16384), near(100_000), near(4096), near(1)) == (POOL[0], POOL[1], POOL[1], POOL[0],
                                                                              POOL[2])
-    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 64, 16)) is None
+    assert configs.nearest_tuned(table, configs.shape_key(4096, 64, 16)) is None
     # other widths: nearest in M, N and K together; only configurations that fit
-    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 80, 32), other_widths=True) == GPU_DEFAULT
-    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 64, 16), other_widths=True) == GPU_DEFAULT
-    assert configs.nearest_tuned(table, configs.shape_bucket(4096, 80, 32), other_widths=True,
+    assert configs.nearest_tuned(table, configs.shape_key(4096, 80, 32), other_widths=True) == GPU_DEFAULT
+    assert configs.nearest_tuned(table, configs.shape_key(4096, 64, 16), other_widths=True) == GPU_DEFAULT
+    assert configs.nearest_tuned(table, configs.shape_key(4096, 80, 32), other_widths=True,
                                  fits=lambda c: c != GPU_DEFAULT) == POOL[0]
+
+
+def test_each_tuned_row_count_keeps_its_own_entry(tmp_path, as_gpu):
+    """The LM head's kernels tuned at 1280- and 2048-row chunks: each chunk size reads its own entry, neither
+    overwrites the other, and a row count between them takes the nearer."""
+    mm = module("matmul")
+    k = checked("matmul").kernel
+    path = tmp_path / "test-gpu" / "matmul.json"
+    tables.write_table(path, k, "test-gpu", triton.__version__, {"2048x40x24": entry(POOL[0], 1.0)})
+    tables.write_table(path, k, "test-gpu", triton.__version__, {"1280x40x24": entry(POOL[1], 1.0)})
+    configs.clear_caches()
+    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU)  # noqa: E731
+    assert (pick(2048), pick(1280), pick(1400), pick(1900), pick(1024)) == (POOL[0], POOL[1], POOL[1], POOL[0],
+                                                                            POOL[1])
 
 
 def test_tile_dependent_kernels_take_a_tuned_tile_of_other_widths(tmp_path, as_gpu):
@@ -768,7 +782,7 @@ def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
         command.run([SPECS / "matmul.yaml", SPECS / "rmsnorm_stats.yaml"], "45x40x24", device=CPU, gpu="test-gpu",
                     tuning_dir=tmp_path, timer=timer, check_rows=37, only=only,
                     pools={"matmul": POOL, "rmsnorm_stats": POOL[:1]}, log=log.append)
-        return json.loads(table.read_text())["shapes"]["64x40x24"], "\n".join(log)
+        return json.loads(table.read_text())["shapes"]["45x40x24"], "\n".join(log)
 
     command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=timer,
                 check_rows=37, pools={"matmul": POOL[:1]}, log=lambda _: None)
@@ -788,7 +802,7 @@ def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_pa
     once, at the first shape the run tunes with as many rows as its check launches."""
     (job,) = command.jobs([SPECS / "matmul.yaml"], "45x40x24,2000x40x24", kernels="matmul", tuning_dir=tmp_path,
                           gpu="test-gpu")
-    tables.write_table(job.table, job.checked.kernel, "test-gpu", triton.__version__, {"64x40x24": entry(POOL[1], 1.0)})
+    tables.write_table(job.table, job.checked.kernel, "test-gpu", triton.__version__, {"45x40x24": entry(POOL[1], 1.0)})
     pool_of = {"matmul": POOL[:2]}
     work = command._compile_work([job], pool_of, "s1", False, 1072, triton.__version__)
     assert [(name, shape, c) for _, name, shape, c in work] == [

@@ -302,24 +302,31 @@ def gpu_key(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def shape_key(m: int, n: int, k: int) -> str:
+    """A tuning table's key: the tuned shape itself, 'MxNxK' (K is 0 for kernels without a GEMM). Tables hold
+    the few token counts and row chunks that were tuned, each its own entry (1280- and 2048-row chunks of the
+    LM head alike); a launch at another M takes the nearest (nearest_tuned)."""
+    return f"{int(m)}x{int(n)}x{int(k)}"
+
+
 def shape_bucket(m: int, n: int, k: int) -> str:
-    """Tables are keyed by M rounded up to a power of two (token counts vary) and the exact N and K
-    (model widths do not); K is 0 for kernels without a GEMM."""
+    """Run-time tuning tunes once per bucket: M rounded up to a power of two (token counts vary from batch to
+    batch), the exact N and K (model widths do not)."""
     return f"{1 << max(int(m) - 1, 0).bit_length()}x{int(n)}x{int(k)}"
 
 
-def nearest_tuned(table: dict, bucket: str, other_widths: bool = False, fits=lambda config: True) -> Config | None:
+def nearest_tuned(table: dict, key: str, other_widths: bool = False, fits=lambda config: True) -> Config | None:
     """For a shape that was not tuned: the entry of the same N and K whose M is nearest (by ratio; between two
     as near, the larger), or with `other_widths`, the entry nearest in M, N and K together; only entries
     for which fits(config) holds. Tables hold a few token counts per model width, and a configuration tuned
     at 8k tokens serves 4k far better than the untuned default (which spills in the kernels with heavy
     epilogues, and which kernels with tile-shaped partial sums cannot leave at run time)."""
-    want = [math.log2(max(int(d), 1)) for d in bucket.split("x")]
+    want = [math.log2(max(int(d), 1)) for d in key.split("x")]
     near = []
-    for key, config in table.items():
-        have = [math.log2(max(int(d), 1)) for d in key.split("x")]
+    for tuned, config in table.items():
+        have = [math.log2(max(int(d), 1)) for d in tuned.split("x")]
         if (other_widths or have[1:] == want[1:]) and fits(config):
-            near.append((sum(abs(h - w) for h, w in zip(have, want)), -have[0], key))
+            near.append((sum(abs(h - w) for h, w in zip(have, want)), -have[0], tuned))
     return table[min(near)[2]] if near else None
 
 
@@ -455,15 +462,16 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     import triton
 
     gpu = gpu_key(device)
-    bucket = shape_bucket(m, n, k)
+    shape = shape_key(m, n, k)
     table = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__)
     fits = lambda config: fits_group(config, group, n)  # noqa: E731
-    hit = table.get(bucket) or nearest_tuned(table, bucket, fits=fits)
+    hit = table.get(shape) or nearest_tuned(table, shape, fits=fits)
     tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
     if hit is None and tile_dependent:  # run-time tuning could not change the tile: a tuned one of other widths
-        hit = nearest_tuned(table, bucket, other_widths=True, fits=fits)
+        hit = nearest_tuned(table, shape, other_widths=True, fits=fits)
     if hit is not None:
         return hit
+    bucket = shape_bucket(m, n, k)
     key = (kernel, fingerprint, gpu, bucket)
     hit = _tuned.get(key)
     if hit is not None or run is None or not _may_tune():

@@ -124,15 +124,15 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
         have = table if missing_only else {}
         for shape in job.shapes:
             label = f"{kernel.name} {shape}"
-            if shape.bucket in have:
-                log(f"{label}: in the table already (bucket {shape.bucket}), skipped")
+            if shape.key in have:
+                log(f"{label}: in the table already, skipped")
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 stopped = label
                 break
             pool = pool_of[kernel.name]
-            if only is not None and shape.bucket in table:  # the present choice, to beat
-                present = Config(**table[shape.bucket]["config"])
+            if only is not None and shape.key in table:  # the present choice, to beat
+                present = Config(**table[shape.key]["config"])
                 pool = pool if present in pool else (present, *pool)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 outcome = tune_shape(job.checked, job.module, shape, device, pool=pool, timer=timer,
@@ -142,7 +142,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
                 stopped = label
                 break
             if outcome.best is not None:
-                if write_table(job.table, kernel, gpu, triton.__version__, {shape.bucket: outcome.entry()}):
+                if write_table(job.table, kernel, gpu, triton.__version__, {shape.key: outcome.entry()}):
                     configs.clear_caches()  # this process reads the new table from now on
                     if job.table not in written:
                         written.append(job.table)
@@ -167,10 +167,10 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
     for job in selected:
         kernel = job.checked.kernel
         table = read_table(job.table, kernel, triton_version)
-        shapes = [s for s in job.shapes if not (missing_only and s.bucket in table)]
+        shapes = [s for s in job.shapes if not (missing_only and s.key in table)]
         if not shapes:
             continue
-        present = [Config(**table[s.bucket]["config"]) for s in shapes if only is not None and s.bucket in table]
+        present = [Config(**table[s.key]["config"]) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
         mm = any(configs.mm_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times no "mm" candidate
         pool = [c for c in pool_of[kernel.name] if c.backend != "mm" or mm]

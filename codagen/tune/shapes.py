@@ -13,7 +13,7 @@ from ..api import Checked
 from ..blockmodel import Accumulator, Block, BlockDim, Call, CheckedBlock
 from ..model import BLayout, Dim, InputRole, Kernel
 from ..presets import PRESETS, LlamaShape
-from ..runtime.configs import shape_bucket
+from ..runtime.configs import shape_key
 from . import TuneError
 
 TOKENS = (8192, 32768)  # the token counts (M) that presets are tuned at by default
@@ -27,8 +27,9 @@ class Shape:
     a_km: bool = False  # the GEMM's a is M-contiguous (a [K, M] tensor's transpose), as the block passes it
 
     @property
-    def bucket(self) -> str:
-        return shape_bucket(self.m, self.n, self.k)
+    def key(self) -> str:
+        """Its key in a tuning table."""
+        return shape_key(self.m, self.n, self.k)
 
     def __str__(self) -> str:
         return f"{self.m}x{self.n}x{self.k}" if self.k else f"{self.m}x{self.n}"
@@ -48,8 +49,7 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
     block and step order, each with the first step that gives it: with family_only, only the blocks that
     `model`'s family runs (LlamaShape.runs_block: what tuning and the benchmark take), else every block (a
     Llama preset then gives every kernel its dims). A GEMM kernel that no block calls (a plain GEMM) gets every
-    GEMM shape of the others: its mainloop alone at the shapes that matter. Shapes of one bucket count once
-    per kernel. `attrs` (parse_attrs) override the model's values and the specs' defaults, e.g. chunk_rows."""
+    GEMM shape of the others: its mainloop alone at the shapes that matter. A shape counts once per kernel. `attrs` (parse_attrs) override the model's values and the specs' defaults, e.g. chunk_rows."""
     kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
     uses: dict[tuple[str, str], Use] = {}
     blocks = (c for c in specs if isinstance(c, CheckedBlock) and (model.runs_block(c.block.name) or not family_only))
@@ -63,20 +63,20 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
                 for t in tokens:
                     rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _call_shape(kernel, call, cb, values, rows)
-                    uses.setdefault((kernel.name, shape.bucket), Use(kernel.name, shape, where))
+                    uses.setdefault((kernel.name, shape.key), Use(kernel.name, shape, where))
             for call, accumulator in _accumulated(calls):
                 where = f"{cb.block.name} {pass_name}: {_matmul_text(call)} summed over chunks"
                 for t in tokens:
                     rows = min(t, chunk_rows) if chunk_rows else t
                     shape = _matmul_shape(call, cb, values, rows)
-                    uses.setdefault((accumulator.kernel, shape.bucket), Use(accumulator.kernel, shape, where))
+                    uses.setdefault((accumulator.kernel, shape.key), Use(accumulator.kernel, shape, where))
     called = {name for cb in specs if isinstance(cb, CheckedBlock) for _, calls, _ in cb.passes()
               for call in calls for name in call.kernels}
     gemm_uses = [u for u in uses.values() if kernels[u.kernel].gemm]
     for kernel in sorted(kernels.values(), key=lambda k: k.name):
         if kernel.gemm and kernel.name not in called:
             for u in gemm_uses:
-                uses.setdefault((kernel.name, u.shape.bucket), Use(kernel.name, u.shape, f"the GEMM of {u.where}"))
+                uses.setdefault((kernel.name, u.shape.key), Use(kernel.name, u.shape, f"the GEMM of {u.where}"))
     return list(uses.values())
 
 
@@ -183,7 +183,7 @@ _LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
 def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None) -> list[Shape]:
     """`--shapes`: comma-separated presets and literal MxNxK (MxN for kernels without a GEMM); a literal
     applies to every kernel (K is dropped for those without a GEMM), a preset to the kernels its family's
-    blocks call, with `attrs` (parse_attrs) for their attrs. Shapes of one bucket count once."""
+    blocks call, with `attrs` (parse_attrs) for their attrs. A shape counts once."""
     shapes: dict[str, Shape] = {}
     for item in (s.strip() for s in text.split(",")):
         if item in PRESETS:
@@ -198,7 +198,7 @@ def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None)
             raise TuneError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}) nor MxNxK, "
                             "e.g. 8192x2048x2048")
         for s in found:
-            shapes.setdefault(s.bucket, s)
+            shapes.setdefault(s.key, s)
     return list(shapes.values())
 
 

@@ -1,5 +1,5 @@
 """Tuning tables: generated/tuning/<gpu>/<kernel>.json, one per kernel and GPU, holding the chosen config of
-each shape bucket. A table is keyed by the kernel's fingerprint (what it computes) and the Triton version:
+each shape tuned. A table is keyed by the kernel's fingerprint (what it computes) and the Triton version:
 runtime.pick_config uses it only when both match. Standard library only, so that `codagen build --check`
 can find stale tables without importing torch."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def read_table(path: Path, kernel: Kernel, triton_version: str) -> dict:
 
 
 def write_table(path: Path, kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> bool:
-    """Merge `shapes` (bucket -> entry) into the table at `path` (its entries are kept when it was made for
+    """Merge `shapes` (shape -> entry) into the table at `path` (its entries are kept when it was made for
     this computation and Triton version, else replaced) and write it atomically if it changed. Touches no
     other file. Returns whether it wrote."""
     merged = {**read_table(path, kernel, triton_version), **shapes}
@@ -68,7 +68,7 @@ class StaleTable:
     gpu: str
     kernel: Kernel | None  # the kernel of the table's name; None when no spec defines it
     problem: str  # why no kernel uses it
-    buckets: tuple[str, ...]  # the shapes it holds
+    shapes: tuple[str, ...]  # the shapes it holds
 
 
 def stale_tables(tuning_dir: Path, kernels) -> list[StaleTable]:
@@ -85,15 +85,15 @@ def stale_tables(tuning_dir: Path, kernels) -> list[StaleTable]:
         if data is None:
             stale.append(StaleTable(path, gpu, kernel, "not a tuning table (no JSON object with shapes)", ()))
             continue
-        buckets = tuple(sorted(data["shapes"], key=_bucket_order))
+        shapes = tuple(sorted(data["shapes"], key=_shape_order))
         if kernel is None:
-            stale.append(StaleTable(path, gpu, None, f"no spec defines a kernel '{path.stem}'", buckets))
+            stale.append(StaleTable(path, gpu, None, f"no spec defines a kernel '{path.stem}'", shapes))
         elif data.get("kernel") != kernel.name or data.get("fingerprint") != fingerprint(kernel):
             stale.append(StaleTable(path, gpu, kernel, f"tuned for a different computation than {kernel.source} "
-                                                       "now describes", buckets))
+                                                       "now describes", shapes))
     return stale
 
 
-def _bucket_order(bucket: str) -> tuple:
+def _shape_order(shape: str) -> tuple:
     """'8192x2048x2048' before '32768x2048x2048': by the numbers, not the text."""
-    return tuple(int(p) if p.isdigit() else 0 for p in bucket.split("x"))
+    return tuple(int(p) if p.isdigit() else 0 for p in shape.split("x"))
