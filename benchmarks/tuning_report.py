@@ -73,7 +73,8 @@ def markdown(gpu: str, tuning_dir: Path) -> str:
         lines += ["## Other shapes in the tables", "",
                   "Tuned with `--attrs` (the LM head's row chunks other than the specs' 2048, e.g. "
                   "`--attrs chunk_rows=1280`) or at literal shapes; the blocks run them only when so configured.",
-                  "", "| kernel | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |", "|---|---|---|---|---|---|"]
+                  "", "| kernel | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {key} | {cells(name, entry)} |" for name, key, entry in others]
         lines.append("")
     return "\n".join(lines)

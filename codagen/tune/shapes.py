@@ -49,7 +49,8 @@ def block_uses(specs, model: LlamaShape, tokens=TOKENS, *, family_only: bool = F
     block and step order, each with the first step that gives it: with family_only, only the blocks that
     `model`'s family runs (LlamaShape.runs_block: what tuning and the benchmark take), else every block (a
     Llama preset then gives every kernel its dims). A GEMM kernel that no block calls (a plain GEMM) gets every
-    GEMM shape of the others: its mainloop alone at the shapes that matter. A shape counts once per kernel. `attrs` (parse_attrs) override the model's values and the specs' defaults, e.g. chunk_rows."""
+    GEMM shape of the others: its mainloop alone at the shapes that matter. A shape counts once per kernel.
+    `attrs` (parse_attrs) override the model's values and the specs' defaults, e.g. chunk_rows."""
     kernels = {c.kernel.name: c.kernel for c in specs if isinstance(c, Checked)}
     uses: dict[tuple[str, str], Use] = {}
     blocks = (c for c in specs if isinstance(c, CheckedBlock) and (model.runs_block(c.block.name) or not family_only))
