@@ -17,11 +17,13 @@ import triton, were imported first.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import torch
@@ -73,11 +75,31 @@ def _generated():
     return package
 
 
-def _blocks():
+@functools.cache
+def _api() -> types.SimpleNamespace:
+    """What the patched forward calls, resolved once (at apply time): the generated blocks and transformers' own
+    functions and output classes. Nothing on the forward path imports, inspects a signature or looks a module up,
+    which would cost host time on every step and break torch.compile's graph."""
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
     package = _generated().__name__
-    blocks = importlib.import_module(package + ".blocks")
-    lm_head = importlib.import_module(package + ".blocks.lm_head_loss")
-    return blocks, lm_head.lm_head_loss
+    parameters = inspect.signature(create_causal_mask).parameters
+    return types.SimpleNamespace(
+        blocks=importlib.import_module(package + ".blocks"),
+        lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
+        create_causal_mask=create_causal_mask,
+        # the name of the cache argument of this transformers version's create_causal_mask (newer versions take
+        # `cache` and warn when the older `past_key_values` is passed too)
+        mask_cache_argument=next((name for name in ("cache", "past_key_values") if name in parameters), None),
+        mask_takes_cache_position="cache_position" in parameters,
+        attention_functions=ALL_ATTENTION_FUNCTIONS,
+        eager_attention=eager_attention_forward,
+        model_output=BaseModelOutputWithPast,
+        lm_output=CausalLMOutputWithPast,
+    )
 
 
 # ---- configuration checks ----
@@ -103,7 +125,8 @@ def check_config(config) -> None:
 def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.") -> None:
     """Refuse modules other than transformers' own Llama ones (an adapter such as LoRA, a quantized linear, another
     library's patch) in a LlamaModel: the patch reads their weights and would silently drop what they add. Checked
-    at patch time, and on each call for the modules whose weights the patched model reads (patched=True)."""
+    at patch time, and, for the modules whose weights the patched model reads (patched=True), on its first call
+    after one of them changed (CodagenPatch)."""
     from transformers.models.llama import modeling_llama as hf
 
     expected = {"norm": hf.LlamaRMSNorm}
@@ -242,31 +265,92 @@ def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) ->
             state_dict[prefix + f"mlp.gate_up_proj.{kind}"] = interleave_rows(*(state_dict.pop(n) for n in names))
 
 
+# ---- what the patched forward needs that does not depend on its inputs ----
+
+class CodagenPatch:
+    """A patched model's state that does not depend on the inputs, made by apply_codagen: the functions its
+    forward calls (_api), the RoPE frequencies (cached per inv_freq tensor and version: model.to() or an in-place
+    change makes them again), and whether the modules whose weights the forward reads were checked since one of
+    them last changed. Module registration hooks (torch.nn.modules.module) mark it unchecked when a watched module
+    gets a new child or parameter (an adapter or a quantized linear in place of a projection, a bias given to the
+    LM head), so that the forward checks again then, instead of on every call."""
+
+    def __init__(self):
+        self.api = _api()
+        self.decoder_checked = self.head_checked = False
+        self._freqs: tuple | None = None
+
+    def check(self, llama: nn.Module, causal_lm: nn.Module | None = None) -> None:
+        """Check the decoder's modules (and the LM head of causal_lm, when given) if they may have changed, and
+        watch them from then on."""
+        if not self.decoder_checked:
+            check_modules(llama, patched=True)
+            _watch(self, [llama, llama.layers, *(m for layer in llama.layers
+                                                 for m in (layer, layer.self_attn, layer.mlp))])
+            self.decoder_checked = True
+        if causal_lm is not None and not self.head_checked:
+            _check_lm_head(causal_lm.lm_head)
+            _watch(self, [causal_lm, causal_lm.lm_head])
+            self.head_checked = True
+
+    def rope_freqs(self, llama: nn.Module) -> torch.Tensor:
+        inv = llama.rotary_emb.inv_freq
+        if torch.compiler.is_compiling():
+            return _rope_freqs(llama, llama.config)  # in the graph: no Python state to guard on
+        cached = self._freqs
+        if cached is None or cached[0] is not inv or cached[1] != inv._version:
+            cached = self._freqs = (inv, inv._version, _rope_freqs(llama, llama.config))
+        return cached[2]
+
+    def __deepcopy__(self, memo) -> "CodagenPatch":
+        return CodagenPatch()  # the copy's modules are others: checked and watched on its first call
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # watched module -> its model's CodagenPatch
+
+
+def _watch(patch: CodagenPatch, modules) -> None:
+    _install_registration_hooks()
+    for module in modules:
+        _WATCHED[module] = patch
+
+
+@functools.cache
+def _install_registration_hooks() -> None:
+    def changed(module, name, value):
+        patch = _WATCHED.get(module)
+        if patch is not None:
+            patch.decoder_checked = patch.head_checked = False
+        # returns None: the registration goes on unchanged
+
+    torch.nn.modules.module.register_module_module_registration_hook(changed)
+    torch.nn.modules.module.register_module_parameter_registration_hook(changed)
+
+
 # ---- forward ----
 
-def _attention_interface(config):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
+def _attention_interface(api, config):
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation == "eager":
-        return eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[implementation]
+        return api.eager_attention
+    return api.attention_functions[implementation]
 
 
-def _causal_mask(config, inputs_embeds, attention_mask, position_ids):
+def _causal_mask(api, config, inputs_embeds, attention_mask, position_ids):
     """Hugging Face's own mask for these inputs: padding (left or right) and packed sequences (position_ids that
     restart at 0) as the unpatched model sees them."""
-    from transformers.masking_utils import create_causal_mask
-
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
-    parameters = inspect.signature(create_causal_mask).parameters
-    for name in ("cache", "past_key_values"):
-        if name in parameters:
-            kwargs[name] = None
-    if "cache_position" in parameters:
+    if api.mask_cache_argument:
+        kwargs[api.mask_cache_argument] = None
+    if api.mask_takes_cache_position:
         kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-    return create_causal_mask(**kwargs)
+    return api.create_causal_mask(**kwargs)
 
 
 def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
@@ -307,9 +391,9 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
            **attention_kwargs):
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
     (lm_head_loss makes the final norm's statistics itself), and (batch, seq)."""
-    config = llama.config
-    check_modules(llama, patched=True)
-    blocks, _ = _blocks()
+    config, patch = llama.config, llama.codagen_patch
+    api = patch.api
+    blocks = api.blocks
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
@@ -317,11 +401,11 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     batch, seq, dim = inputs_embeds.shape
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
-    mask = _causal_mask(config, inputs_embeds, attention_mask, position_ids)
+    mask = _causal_mask(api, config, inputs_embeds, attention_mask, position_ids)
     positions = position_ids.expand(batch, seq).reshape(-1)
-    freqs = _rope_freqs(llama, config)
+    freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
-    attention = _attention_interface(config)
+    attention = _attention_interface(api, config)
     eps = config.rms_norm_eps
     layers = list(llama.layers[: config.num_hidden_layers])
 
@@ -387,22 +471,19 @@ def _check_call(config, kwargs) -> None:
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
     """LlamaModel.forward, patched: last_hidden_state is the final norm's output, as in Hugging Face."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
     _check_call(self.config, kwargs)
+    self.codagen_patch.check(self)
     kwargs.pop("return_dict", None)
     x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
-    return BaseModelOutputWithPast(last_hidden_state=self.norm(x.view(batch, seq, -1)))
+    return self.codagen_patch.api.model_output(last_hidden_state=self.norm(x.view(batch, seq, -1)))
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, logits_to_keep=0, **kwargs):
     """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss and no
     logits are made (logits is None); without, the logits are Hugging Face's."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     _check_call(self.config, kwargs)
-    _check_lm_head(self.lm_head)
+    self.model.codagen_patch.check(self.model, self)
     return_dict = kwargs.pop("return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -414,13 +495,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if shift_labels is None:
             # Hugging Face's shift: position t predicts labels[t + 1], the last position nothing
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        _, lm_head_loss = _blocks()
         weight, norm_weight = self.lm_head.weight, llama.norm.weight
         if x.dtype != weight.dtype:  # under autocast (decode)
             weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
         reduction = "mean" if num_items_in_batch is None else "sum"
         with torch.autocast(x.device.type, enabled=False):
-            loss = lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight, weight.shape[1],
+            loss = llama.codagen_patch.api.lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight, weight.shape[1],
                                 weight.shape[0], self.config.rms_norm_eps, ignore_index, reduction,
                                 self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
@@ -429,7 +509,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
-    output = CausalLMOutputWithPast(loss=loss, logits=logits)
+    output = llama.codagen_patch.api.lm_output(loss=loss, logits=logits)
     return output if return_dict else output.to_tuple()
 
 
@@ -459,6 +539,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     for i, layer in enumerate(llama.layers):
         llama.layers[i] = CodagenDecoderLayer(layer, model.config)
     model.codagen_chunk_rows = chunk_rows
+    llama.codagen_patch = CodagenPatch()
+    llama.codagen_patch.check(llama, model)
     llama.forward = types.MethodType(_model_forward, llama)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model

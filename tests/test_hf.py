@@ -312,3 +312,76 @@ def test_lm_head_with_bias_is_refused():
     model.lm_head = torch.nn.Linear(64, VOCAB, bias=True).to(DEVICE)
     with pytest.raises(TypeError, match="^apply_codagen: lm_head has a bias"):
         apply_codagen(model)
+
+
+def test_forward_repeats_no_host_work_that_does_not_depend_on_its_inputs(monkeypatch):
+    """Checks, imports, signature inspection and the RoPE frequencies are done once, not per step: each runs again
+    only after what it depends on changed (a module replaced, inv_freq changed in place), and then once."""
+    import types
+
+    import codagen.hf as hf
+
+    model = apply_codagen(tiny_llama())
+    calls = {name: 0 for name in ("check_modules", "_check_lm_head", "_rope_freqs")}
+    for name in calls:
+        def counted(*args, _name=name, _fn=getattr(hf, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(hf, name, counted)
+    def refused(*args, **kwargs):
+        raise AssertionError("codagen.hf imported, looked up a module or inspected a signature on the forward path")
+    monkeypatch.setattr(hf, "importlib", types.SimpleNamespace(import_module=refused, util=types.SimpleNamespace(
+        find_spec=refused, spec_from_file_location=refused, module_from_spec=refused)))
+    monkeypatch.setattr(hf, "inspect", types.SimpleNamespace(signature=refused))
+
+    ids, labels = tokens_and_labels()
+
+    def steps(n):
+        for _ in range(n):
+            model(input_ids=ids, labels=labels).loss.backward()
+            model.model(input_ids=ids)
+
+    steps(2)
+    assert calls == {"check_modules": 0, "_check_lm_head": 0, "_rope_freqs": 1}  # the first call makes the freqs
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(80, 64, bias=False, device=DEVICE)  # allowed: a Linear
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(1.5)
+    steps(2)
+    assert calls == {"check_modules": 1, "_check_lm_head": 1, "_rope_freqs": 2}
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB, device=DEVICE))
+    with pytest.raises(TypeError, match="^apply_codagen: lm_head has a bias"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_deep_copy_of_a_patched_model_is_checked_on_its_own():
+    model = apply_codagen(tiny_llama())
+    copied = copy.deepcopy(model)
+    assert copied.model.codagen_patch is not model.model.codagen_patch
+    ids, labels = tokens_and_labels()
+    assert copied(input_ids=ids, labels=labels).loss.item() == model(input_ids=ids, labels=labels).loss.item()
+    copied.model.layers[0].mlp.down_proj = torch.nn.Identity()
+    model(input_ids=ids, labels=labels)  # the original is untouched
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.0\.mlp\.down_proj is a .*Identity"):
+        copied(input_ids=ids, labels=labels)
+
+
+def test_compiled_model_is_one_graph_without_recompiles():
+    """torch.compile over the patched model: the whole forward (decoder stack, loss) in one graph, fullgraph=True,
+    no recompile in later steps, and the gradients of the uncompiled model. On the CPU the backend is aot_eager
+    (forward and backward traced by AOTAutograd, as Inductor gets them on a GPU)."""
+    torch._dynamo.reset()
+    base = tiny_llama()
+    eager, compiled = apply_codagen(copy.deepcopy(base)), apply_codagen(copy.deepcopy(base))
+    ids, labels = tokens_and_labels()
+    explained = torch._dynamo.explain(compiled)(input_ids=ids, labels=labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+    torch._dynamo.reset()
+    step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    for i in range(3):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            for model in (eager, step):
+                model.zero_grad(set_to_none=True)
+                model(input_ids=ids, labels=labels).loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    torch._dynamo.reset()

@@ -118,6 +118,10 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         sums=_value(chunks.sums) if chunks else None,
         backward=_calls(cb.backward, body, chunks),
         drop=_statement("del", list(chunks.dropped), 12) if chunks else [],
+        # a forward-only block whose outputs are all non-differentiable: autograd never calls its backward, which
+        # returns no gradients rather than raising, so that torch.compile traces the block into its graph
+        no_grads=_statement("return", ["None"] * (len(inputs) + len(b.params) + len(b.attrs)), 8)
+        if len(non_diff) == len(b.outputs) else [],
         returns=_statement("return", [(f"finish.scale_(x={g}, factor={_grad_factor(gf)})" if gf else g) if g else "None"
                                       for g in cb.grads] + ["None"] * len(b.attrs), 8),
         gf=gf,

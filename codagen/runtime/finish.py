@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, on_device
+from .ops import interpreted_op
 
 _SUM, _RSTD, _LOGSUMEXP = 0, 1, 2
 
@@ -46,6 +47,7 @@ def _reduce_tiles_kernel(
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 
+@interpreted_op("reduce_tiles", fake=lambda x, op, scale=1.0, eps=0.0: x.new_empty(x.shape[:1]))
 def _reduce_tiles(x: torch.Tensor, op: int, scale: float = 1.0, eps: float = 0.0) -> torch.Tensor:
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"partial-reduction buffers are float32 [rows, tiles], got {x.dtype} {tuple(x.shape)}")
@@ -81,10 +83,15 @@ def scale_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous() or factor.numel() != 1:
         return x.mul_(factor)
     if x.numel():
-        block = 4096
-        with on_device(x.device):
-            _scale_kernel[(triton.cdiv(x.numel(), block),)](x, factor.float().reshape(()), x.numel(), BLOCK=block)
+        _scale(x, factor.float().reshape(()))
     return x
+
+
+@interpreted_op("scale", fake=lambda x, factor: None, mutates_args=("x",))
+def _scale(x: torch.Tensor, factor: torch.Tensor) -> None:
+    block = 4096
+    with on_device(x.device):
+        _scale_kernel[(triton.cdiv(x.numel(), block),)](x, factor, x.numel(), BLOCK=block)
 
 
 # Parameters are named as the finish steps' arguments in block specs: generated blocks pass them by keyword.
@@ -157,15 +164,22 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if empty_mean not in ("nan", "zero"):
         raise ValueError(f"empty_mean must be 'nan' or 'zero', got {empty_mean!r}")
+    return _cross_entropy(lse, target_logit, target.contiguous(), int(ignore_index), int(classes),
+                          reduction == "mean", empty_mean == "nan")
+
+
+@interpreted_op("cross_entropy", fake=lambda lse, target_logit, target, *_: (lse.new_empty(()),
+                                                                              lse.new_empty(target.shape)))
+def _cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                   classes: int, mean: bool, empty_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if INTERPRETED:
         _check_targets(target, classes, ignore_index)
     m = target.shape[0]
     loss = torch.empty((), dtype=torch.float32, device=lse.device)
     weights = torch.empty(m, dtype=torch.float32, device=lse.device)
     with on_device(lse.device):
-        _cross_entropy_kernel[(1,)](lse, target_logit, target.contiguous(), loss, weights, m, int(classes),
-                                    int(ignore_index), MEAN=reduction == "mean", EMPTY_NAN=empty_mean == "nan",
-                                    BLOCK=1024)
+        _cross_entropy_kernel[(1,)](lse, target_logit, target, loss, weights, m, classes, ignore_index, MEAN=mean,
+                                    EMPTY_NAN=empty_nan, BLOCK=1024)
     return loss, weights
 
 
@@ -264,17 +278,28 @@ def reduce_loss(x: torch.Tensor, target: torch.Tensor, classes: int, ignore_inde
         if t is not None and (t.dtype != torch.float32 or t.shape != target.shape):
             raise ValueError(f"reduce_loss.{name} must be float32 {tuple(target.shape)}, got {t.dtype} "
                              f"{tuple(t.shape)}")
+    return _reduce_loss(x.contiguous(), target.contiguous(),
+                        None if token_weights is None else token_weights.contiguous(), int(classes),
+                        int(ignore_index), ("mean", "sum", "none").index(reduction), empty_mean == "nan")
+
+
+def _reduce_loss_fake(x, target, token_weights, classes, ignore_index, reduction, empty_nan):
+    return x.new_empty(target.shape if reduction == 2 else ()), x.new_empty(target.shape)
+
+
+@interpreted_op("reduce_loss", fake=_reduce_loss_fake)
+def _reduce_loss(x: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None, classes: int,
+                 ignore_index: int, reduction: int, empty_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if INTERPRETED:
         _check_targets(target, classes, ignore_index)
     m = target.shape[0]
-    loss = torch.empty((m,) if reduction == "none" else (), dtype=torch.float32, device=x.device)
+    loss = torch.empty((m,) if reduction == 2 else (), dtype=torch.float32, device=x.device)
     weights = torch.empty(m, dtype=torch.float32, device=x.device)
     weighted = token_weights is not None
     with on_device(x.device):
-        _reduce_loss_kernel[(1,)](x.contiguous(), target.contiguous(),
-                                  token_weights.contiguous() if weighted else x, loss, weights, m, int(classes),
-                                  int(ignore_index), REDUCTION=("mean", "sum", "none").index(reduction),
-                                  WEIGHTED=weighted, EMPTY_NAN=empty_mean == "nan", BLOCK=1024)
+        _reduce_loss_kernel[(1,)](x, target, token_weights if weighted else x, loss, weights, m, classes,
+                                  ignore_index, REDUCTION=reduction, WEIGHTED=weighted, EMPTY_NAN=empty_nan,
+                                  BLOCK=1024)
     return loss, weights
 
 

@@ -16,6 +16,7 @@ buffers (which follow the tile shape) are those the implementation allocates. Ea
 run the calling module's own launcher with its own tables."""
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -86,3 +87,27 @@ def no_backward(kernel: str, module: str):
                            "torch.autograd.Functions), whose backward runs the backward kernels; call kernels "
                            "under torch.no_grad() or on tensors that do not require grad")
     return backward
+
+
+def interpreted_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator of a runtime function that launches a Triton kernel itself (the finish steps, merge_heads). On a
+    GPU, torch.compile traces such a launch as a user-defined Triton kernel, which Inductor launches from its own
+    code. Triton's interpreter cannot be traced (it runs the kernel's Python on the tensors' data), so there,
+    while torch.compile traces, the function runs as the opaque op `codagen_runtime::<name>` with `fake` for
+    its outputs' shapes: a compiled model keeps one graph on the CPU too. Elsewhere the function runs as it is."""
+
+    def wrap(fn: Callable) -> Callable:
+        from . import INTERPRETED
+
+        if not INTERPRETED:
+            return fn
+        op = torch.library.custom_op(f"codagen_runtime::{name}", fn, mutates_args=mutates_args)
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            return (op if torch.compiler.is_compiling() else fn)(*args, **kwargs)
+
+        return run
+
+    return wrap
