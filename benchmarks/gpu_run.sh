@@ -12,6 +12,8 @@
 #   benchmarks/gpu_run.sh profile SECONDS KERNEL SHAPE [launch_kernel.py args]
 #                                   # Nsight Compute (ncu, or $NCU) on one launch: $OUT/ncu-KERNEL-SHAPE.*
 #   benchmarks/gpu_run.sh clocks SECONDS KERNEL SHAPE...     # clocks.py beside cuBLAS: $OUT/clocks-KERNEL.md
+#   benchmarks/gpu_run.sh train SECONDS [train_speed.py args] # training speed: $OUT/<gpu>-train-speed.*, its log
+#                                   # to $OUT/train-speed-N.log (N counting the call's runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -74,4 +76,11 @@ case $what in
       > "$OUT/clocks-$kernel.md" 2>&1
     echo "clocks exit: $?"
     cat "$OUT/clocks-$kernel.md" ;;
+  train)  # the report is rewritten after every case: a run that the limit cuts off keeps the cases it finished
+    n=1
+    while [ -e "$OUT/train-speed-$n.log" ]; do n=$((n + 1)); done
+    timeout "$limit" python3 benchmarks/train_speed.py --out "$OUT" "$@" > "$OUT/train-speed-$n.log" 2>&1
+    echo "train_speed exit: $?"
+    # the variants' one-line results and any error (the log also holds the libraries' warnings)
+    grep -E -e '^[a-z0-9]+-[0-9]+x[0-9]+-(bf16|amp) ' -e '^wrote ' -e 'Error' "$OUT/train-speed-$n.log" | tail -n 40 ;;
 esac

@@ -33,6 +33,20 @@ def category(name: str) -> str:
     return "other"
 
 
+def kernel_events(prof, on_gpu: bool) -> list[tuple[object, float]]:
+    """The profile's kernels as (event, us): on the GPU every kernel (and copy) by its duration, on the CPU every
+    operator by its own time (outside the operators it calls: the times add up to the whole)."""
+    found = []
+    for event in prof.events():
+        if getattr(event, "is_user_annotation", False):
+            continue  # a range such as Optimizer.step#AdamW.step: its kernels are counted themselves
+        if on_gpu and event.device_type == torch.autograd.DeviceType.CUDA:
+            found.append((event, event.time_range.elapsed_us()))
+        elif not on_gpu and event.device_type == torch.autograd.DeviceType.CPU:
+            found.append((event, event.self_cpu_time_total))
+    return found
+
+
 def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str, float, int]]]:
     """Wall ms per step (profiled, so a little slower than unprofiled), kernel ms per step, and every kernel's
     (name, total ms per step, calls per step); on the CPU, the operators' own time."""
@@ -41,16 +55,7 @@ def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str
     with torch.profiler.profile(activities=activities) as prof:
         _, tokens_per_s = C.train(model, data, args, steps + 1, first_step=3)  # the first step is not timed
     kernels = {}
-    on_gpu = torch.device(args.device).type == "cuda"
-    for event in prof.events():
-        if getattr(event, "is_user_annotation", False):
-            continue  # a range such as Optimizer.step#AdamW.step: its kernels are counted themselves
-        if on_gpu and event.device_type == torch.autograd.DeviceType.CUDA:
-            us = event.time_range.elapsed_us()
-        elif not on_gpu and not event.cpu_children:
-            us = event.self_cpu_time_total
-        else:
-            continue
+    for event, us in kernel_events(prof, torch.device(args.device).type == "cuda"):
         total, calls = kernels.get(event.name, (0.0, 0))
         kernels[event.name] = (total + us / 1e3 / (steps + 1), calls + 1)
     rows = sorted(((n, t, c // (steps + 1)) for n, (t, c) in kernels.items()), key=lambda r: -r[1])

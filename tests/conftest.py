@@ -34,6 +34,15 @@ FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def tuning_cache_dir(tmp_path_factory, monkeypatch):
+    """A fresh, empty cache folder per test (CODAGEN_CACHE_DIR, inherited by subprocesses): run-time tuning
+    neither reads choices another test kept nor writes into the user's ~/.cache."""
+    path = tmp_path_factory.mktemp("codagen-cache")
+    monkeypatch.setenv("CODAGEN_CACHE_DIR", str(path))
+    return path
+
+
 # -- the test kernels -------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def test_kernels(tmp_path_factory) -> Callable[[str], object]:

@@ -612,6 +612,7 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
     assert len(set(as_gpu.trials)) == len(as_gpu.trials)
     # without decls, pick_config cannot tell, so it keeps the default tile shape too
     configs.clear_caches()
+    monkeypatch.setenv("CODAGEN_TUNING_CACHE", "0")  # tuned again, not read from what the launch above kept
     as_gpu.trials.clear()
     configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
     assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
@@ -882,3 +883,28 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
                                decls=mm.DECLS) == config  # remembered
     mm.launch(a, b, out_tile=out, config=config)
     assert harness.relative_error(out, a.double() @ b.double().T) < 1e-2
+
+
+def test_a_launch_looks_its_configuration_up_once(tmp_path, as_gpu, monkeypatch):
+    """The table look-up (hundreds of microseconds of host time) runs once per launch arguments, also where the
+    table has nothing: later launches take the answer as it was, until clear_caches; a default given while tuning
+    could not run yet is not kept, so that the tuned choice replaces it."""
+    mod = module("matmul")
+    faster = configs.RUNTIME_GEMM_CANDIDATES[2]
+    as_gpu.times[faster] = 1.0
+    reads, table = [], configs._table
+
+    def counted(*args):
+        reads.append(args)
+        return table(*args)
+    counted.cache_clear = table.cache_clear
+    monkeypatch.setattr(configs, "_table", counted)
+    pick = lambda: configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU)  # noqa: E731
+    assert pick() == GPU_DEFAULT and pick() == GPU_DEFAULT and len(reads) == 1  # untuned, no run: the default
+    args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
+                     generator=torch.Generator().manual_seed(0))
+    assert launch_with_hook(mod, args, tmp_path) == faster
+    trials, looked_up = len(as_gpu.trials), len(reads)
+    assert pick() == faster and pick() == faster and len(reads) == looked_up and len(as_gpu.trials) == trials
+    configs.clear_caches()
+    assert pick() == faster and len(reads) == looked_up + 1  # looked up again (the choice now from the disk cache)

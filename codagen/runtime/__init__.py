@@ -178,6 +178,22 @@ def signature(tensors, config) -> tuple | None:
         return None
 
 
+def bind_once(bound: dict, kernel: str, decls, values: dict, **options) -> tuple[dict, torch.dtype, torch.device]:
+    """bind(kernel, decls, values, **options), checked once per signature of the values and kept in `bound` (a
+    generated module's own dict): its result follows from the signature alone, and an allocation before each
+    launch would otherwise check the same tensors again at every call."""
+    key = signature(tuple(values.values()), None)
+    try:
+        found = bound.get(key) if key is not None else None
+    except TypeError:  # symbolic sizes (torch.compile's dynamic shapes) have no hash: check them each time
+        key = found = None
+    if found is None:
+        found = bind(kernel, decls, values, **options)
+        if key is not None:
+            bound[key] = found
+    return found
+
+
 def check_storage(kernel: str, values: dict) -> None:
     """Kernels read and write memory directly: refuse tensors without storage of their own, such as the
     sharded DTensor parameters of FSDP2 outside the module that gathers them (their data pointer is 0)."""

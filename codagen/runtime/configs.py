@@ -1,7 +1,7 @@
 """Tile configurations: the committed tuning table of this GPU when it has the shape and was tuned for what the
 kernel computes (its fingerprint) with this Triton (`codagen tune` writes generated/tuning/<gpu>/<kernel>.json);
-otherwise, once per process and shape bucket, the fastest of a few built-in candidates, timed on the launch
-itself; otherwise the default.
+otherwise, once per shape bucket, the fastest of a few built-in candidates, timed on the launch itself, in this
+process or an earlier one (tuning_cache keeps the choices in the user's cache folder); otherwise the default.
 
 CODAGEN_NO_TUNE=1 always gives the default: no table, no tuning at run time (reproducible baselines)."""
 from __future__ import annotations
@@ -345,15 +345,27 @@ def _table(path: str, fingerprint: str, triton_version: str) -> dict:
     return {key: Config(**value["config"]) for key, value in data["shapes"].items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _saved(path: str, fingerprint: str, triton_version: str) -> dict:
+    """What earlier processes' run-time tuning chose (bucket -> Config), read once per process."""
+    from . import tuning_cache  # it imports Config from here
+
+    return tuning_cache.read(Path(path), fingerprint, triton_version)
+
+
 _tuned: dict[tuple, Config] = {}  # (kernel, fingerprint, gpu, bucket) -> what run-time tuning chose
+_picked: dict[tuple, Config] = {}  # pick_config's arguments -> its final answer for them
 _tuning = threading.Lock()
 
 
 def clear_caches() -> None:
-    """Forget the tables read and the configurations tuned in this process (after `codagen tune` wrote
-    tables, and in tests)."""
+    """Forget the tables and tuning cache files read and the configurations tuned in this process (after
+    `codagen tune` wrote tables, and in tests); the files themselves stay."""
     _table.cache_clear()
+    _saved.cache_clear()
+    _from_table.cache_clear()
     _tuned.clear()
+    _picked.clear()
 
 
 def _on_gpu(device: torch.device) -> bool:
@@ -402,11 +414,9 @@ def runtime_candidates(has_gemm: bool, tile_dependent: bool, group: int | str | 
     return list(dict.fromkeys(pool))  # in order, without duplicates
 
 
-def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None],
-          default: Config = GPU_DEFAULT) -> Config:
+def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None]) -> Config | None:
     """The fastest candidate, timed by `measure` on the caller's own arguments; a candidate that fails
-    (does not compile, needs more shared memory than there is) is skipped. If all fail, the default, whose
-    launch then raises the error for the caller to see."""
+    (does not compile, needs more shared memory than there is) is skipped. None if all fail."""
     timings = []
     for config in candidates:
         try:
@@ -414,7 +424,7 @@ def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Con
         except Exception as e:  # noqa: BLE001 - any failure rules the candidate out; the launch reports its own
             log.info("codagen: %s %s: candidate %s failed: %s", kernel, bucket, config.label(), e)
     if not timings:
-        return default
+        return None
     ms, best = min(timings, key=lambda t: t[0])  # min keeps the first of equal times: the default's
     log.info("codagen: %s %s is not in the tuning table; tuned in this process: %s (%.3f ms); "
              "`codagen tune` commits a table, CODAGEN_NO_TUNE=1 skips this", kernel, bucket, best.label(), ms)
@@ -430,6 +440,7 @@ def _aliased(decls, values: dict) -> bool:
                for d in decls if d.output for t in [values.get(d.name)])
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_default(group: int | str | None = None, n: int | None = None, split: int = 1) -> Config:
     """GPU_DEFAULT with a kernel's default epilogue split (its generated module's DEFAULT_SPLIT), widened to its
     column groups."""
@@ -445,8 +456,9 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     A token count the table lacks takes the table's entry at the nearest one of the same N and K
     (nearest_tuned); widths it lacks, for a kernel whose outputs depend on the tile shape (or without
     `decls`), the nearest entry of other widths. `run(config)` launches the kernel on the caller's arguments
-    with `config`; given, another shape is tuned on those arguments once per process. Pass it only when every
-    output is overwritten by a launch (no `inplace` outputs: an accumulation would be applied once per trial).
+    with `config`; given, another shape is tuned on those arguments once per process, unless an earlier process
+    tuned its bucket (tuning_cache keeps the choice). Pass it only when every output is overwritten by a launch
+    (no `inplace` outputs: an accumulation would be applied once per trial).
     `decls` (the module's DECLS) says whether outputs depend on the tile shape (without it, tuning keeps the
     default tile shape) and, with `values` (name -> tensor), whether an output aliases an input (then there is
     no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
@@ -456,38 +468,82 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     GPU, run-time tuning tries its Hopper kernel's default too (hopper_default)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
-    default = gpu_default(group, n, split)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
-        return default
+        return gpu_default(group, n, split)
+    # a launch's arguments decide its configuration once the table or tuning has it: the look-ups below cost
+    # hundreds of microseconds of host time, on every launch of a training step
+    launch = (kernel, fingerprint, tuning_dir, int(m), int(n), int(k), device, group, split, decls is None)
+    picked = _picked.get(launch)
+    if picked is not None:
+        return picked
     import triton
 
     gpu = gpu_key(device)
-    shape = shape_key(m, n, k)
-    table = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton.__version__)
-    fits = lambda config: fits_group(config, group, n)  # noqa: E731
-    hit = table.get(shape) or nearest_tuned(table, shape, fits=fits)
-    tile_dependent = decls is None or any(d.startswith("tiles(") for decl in decls for d in decl.dims)
-    if hit is None and tile_dependent:  # run-time tuning could not change the tile: a tuned one of other widths
-        hit = nearest_tuned(table, shape, other_widths=True, fits=fits)
+    tile_dependent = decls is None or _tile_dependent(decls)
+    hit = _from_table(kernel, fingerprint, tuning_dir, gpu, int(m), int(n), int(k), group, tile_dependent,
+                      triton.__version__)
     if hit is not None:
+        _picked[launch] = hit
         return hit
+    default = gpu_default(group, n, split)
+    from . import tuning_cache  # it imports Config from here
+
     bucket = shape_bucket(m, n, k)
     key = (kernel, fingerprint, gpu, bucket)
+    pool = functools.partial(_candidates, kernel, m, n, k, device, default, tile_dependent, group, split, package)
+    saved = tuning_cache.cache_file(gpu, kernel)
     hit = _tuned.get(key)
-    if hit is not None or run is None or not _may_tune():
-        return hit or default
+    if hit is None and saved is not None:
+        earlier = _saved(str(saved), fingerprint, triton.__version__).get(bucket)
+        # one outside this launch's candidates was chosen by another codagen version, and may not suit its launch
+        if earlier is not None and earlier in pool():
+            hit = _tuned[key] = earlier
+    if hit is not None:
+        _picked[launch] = hit
+        return hit
+    if run is None or not _may_tune():
+        return default  # for now: tuning may choose another later
     if values is not None and _aliased(decls or (), values):
         return default  # trial launches would read what the previous ones wrote
     with _tuning:
         if key not in _tuned:
-            pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
-            if k and mm_pays(m, n, k):  # the default's tile, its epilogue after torch.mm's product
-                pool.append(dataclasses.replace(default, backend="mm", persistent=False, tma=False, flatten=False,
-                                                warp_specialize=False))
-            if package is not None and hopper_runs(device):
-                pool += hopper_candidates(package, kernel, default, tile_dependent, group, n)
-            _tuned[key] = _tune(kernel, bucket, pool, run, default)
+            best = _tune(kernel, bucket, pool(), run)
+            _tuned[key] = best or default  # all failed: the default, whose launch raises the error for the caller
+            if best is not None and saved is not None:
+                tuning_cache.write(saved, kernel, gpu, fingerprint, triton.__version__, bucket, best)
+    _picked[launch] = _tuned[key]
     return _tuned[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_dependent(decls) -> bool:
+    return any(d.startswith("tiles(") for decl in decls for d in decl.dims)
+
+
+@functools.lru_cache(maxsize=None)
+def _from_table(kernel: str, fingerprint: str, tuning_dir: Path, gpu: str, m: int, n: int, k: int, group,
+                tile_dependent: bool, triton_version: str) -> Config | None:
+    """The committed table's configuration for this launch (pick_config), or None: looked up once per launch shape,
+    also where the answer is none (a shape run-time tuning has not chosen for yet asks again at every launch)."""
+    table = _table(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton_version)
+    shape = shape_key(m, n, k)
+    fits = lambda config: fits_group(config, group, n)  # noqa: E731
+    hit = table.get(shape) or nearest_tuned(table, shape, fits=fits)
+    if hit is None and tile_dependent:  # run-time tuning could not change the tile: a tuned one of other widths
+        hit = nearest_tuned(table, shape, other_widths=True, fits=fits)
+    return hit
+
+
+def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: Config, tile_dependent: bool,
+                group, split: int, package: str | None) -> list[Config]:
+    """What run-time tuning times at this launch (see pick_config for the arguments)."""
+    pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
+    if k and mm_pays(m, n, k):  # the default's tile, its epilogue after torch.mm's product
+        pool.append(dataclasses.replace(default, backend="mm", persistent=False, tma=False, flatten=False,
+                                        warp_specialize=False))
+    if package is not None and hopper_runs(device):
+        pool += hopper_candidates(package, kernel, default, tile_dependent, group, n)
+    return pool
 
 
 def hopper_candidates(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:

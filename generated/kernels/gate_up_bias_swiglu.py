@@ -162,6 +162,7 @@ def gate_up_bias_swiglu_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(h, w_gate_up, rstd, b_gate_up, *, z, y, config=None) -> None:
@@ -225,7 +226,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_gate_up, rstd, b_gate_up):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(h=h, w_gate_up=w_gate_up, rstd=rstd, b_gate_up=b_gate_up)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),

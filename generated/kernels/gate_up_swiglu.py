@@ -153,6 +153,7 @@ def gate_up_swiglu_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
@@ -215,7 +216,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_gate_up, rstd):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(h=h, w_gate_up=w_gate_up, rstd=rstd)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),

@@ -171,6 +171,7 @@ def geglu_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
@@ -235,7 +236,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(grad_y, w_down, z, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, w_down=w_down, z=z)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

@@ -125,6 +125,7 @@ def gemma_post_norm_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(g, o, rstd, wn, dot, *, dout, config=None) -> None:
@@ -168,7 +169,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(g, o, rstd, wn, dot, *, dout=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(g=g, o=o, rstd=rstd, wn=wn, dot=dot)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     return (
         dout if dout is not None else torch.empty((M, N), dtype=t_dtype, device=device),

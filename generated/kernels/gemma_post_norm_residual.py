@@ -148,6 +148,7 @@ def gemma_post_norm_residual_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(o, rstd, wn, x, wn_next, *, x_out, h, ss, config=None) -> None:
@@ -194,7 +195,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(o=o, rstd=rstd, wn=wn, x=x, wn_next=wn_next)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (

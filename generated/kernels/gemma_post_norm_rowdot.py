@@ -124,6 +124,7 @@ def gemma_post_norm_rowdot_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(g, o, rstd, wn, *, dot_part, dwn_part, config=None) -> None:
@@ -168,7 +169,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(g, o, rstd, wn):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(g=g, o=o, rstd=rstd, wn=wn)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (

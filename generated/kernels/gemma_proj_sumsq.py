@@ -143,6 +143,7 @@ def gemma_proj_sumsq_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(y, w, *, o, ss, config=None) -> None:
@@ -204,7 +205,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(y, w):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(y=y, w=w)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:2], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

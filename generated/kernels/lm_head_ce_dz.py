@@ -133,6 +133,7 @@ def lm_head_ce_dz_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(logits, lse, target, weights, *, dz, zdz_part, config=None) -> None:
@@ -177,7 +178,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(logits, lse, target, weights, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(logits=logits, lse=lse, target=target, weights=weights)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (

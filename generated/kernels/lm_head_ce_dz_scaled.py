@@ -142,6 +142,7 @@ def lm_head_ce_dz_scaled_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(logits, lse, target, p_weight, t_weight, *, dz, zdz_part, config=None) -> None:
@@ -187,7 +188,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(logits, lse, target, p_weight, t_weight, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(logits=logits, lse=lse, target=target, p_weight=p_weight, t_weight=t_weight)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (

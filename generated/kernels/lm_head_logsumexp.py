@@ -153,6 +153,7 @@ def lm_head_logsumexp_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> None:
@@ -217,7 +218,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_vocab, rstd, target):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

@@ -141,6 +141,7 @@ def matmul_accumulate_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(a, b, total, *, new_total, config=None) -> None:
@@ -201,7 +202,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(a, b, total, *, new_total=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(a=a, b=b, total=total)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:3], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:3], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
         new_total if new_total is not None else torch.empty((M, N), dtype=t_dtype, device=device),

@@ -198,6 +198,7 @@ def norm_dgrad_residual_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None) -> None:
@@ -266,7 +267,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:7], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

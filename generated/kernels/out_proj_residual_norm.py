@@ -166,6 +166,7 @@ def out_proj_residual_norm_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
@@ -231,7 +232,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(y, w_o, x, wn, *, x_out=None, h=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(y=y, w_o=w_o, x=x, wn=wn)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

@@ -189,6 +189,7 @@ def qk_norm_rope_bwd_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz, zdz_part, dwn_qk_part, config=None) -> None:
@@ -239,7 +240,7 @@ def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=Non
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(z=z, grad_qkv=grad_qkv, head_rstd=head_rstd, positions=positions, freqs=freqs, wn_qk=wn_qk,
                   v_pass=v_pass)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values, group=128)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:7], values, group=128)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128, split=DEFAULT_SPLIT)
     return (

@@ -154,6 +154,7 @@ def qkv_norm_rope_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
@@ -217,7 +218,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_qkv, rstd, positions, freqs):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:5], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),

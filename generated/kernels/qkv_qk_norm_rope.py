@@ -210,6 +210,7 @@ def qkv_qk_norm_rope_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head_rstd, config=None) -> None:
@@ -278,7 +279,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs, wn_qk=wn_qk, v_pass=v_pass)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:7], values, group=128)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:7], values, group=128)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     return (
         torch.empty((M, N), dtype=t_dtype, device=device),

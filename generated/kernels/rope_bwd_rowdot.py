@@ -123,6 +123,7 @@ def rope_bwd_rowdot_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> None:
@@ -167,7 +168,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(qkv, grad_qkv, positions, freqs, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (

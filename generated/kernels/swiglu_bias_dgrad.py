@@ -194,6 +194,7 @@ def swiglu_bias_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=None) -> None:
@@ -260,7 +261,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:4], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
     return (

@@ -119,6 +119,7 @@ def swiglu_bwd_rowdot_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
 def launch(grad_y, z, *, dz, zdz_part, config=None) -> None:
@@ -161,7 +162,7 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(grad_y, z, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     values = dict(grad_y=grad_y, z=z)
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS[:2], values)
+    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:2], values)
     M, N = sizes["M"], sizes["N"]
     config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
     return (
