@@ -34,6 +34,17 @@ FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture
+def fresh_caches():
+    """No tuning table read nor configuration tuned or picked before the test, nor kept after it (modules that
+    fake the GPU path of pick_config use it for every test)."""
+    from codagen.runtime import configs
+
+    configs.clear_caches()
+    yield
+    configs.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def tuning_cache_dir(tmp_path_factory, monkeypatch):
     """A fresh, empty cache folder per test (CODAGEN_CACHE_DIR, inherited by subprocesses): run-time tuning

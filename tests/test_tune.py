@@ -31,17 +31,11 @@ from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, draw_args
 
 SPECS = REPO / "specs"
+pytestmark = pytest.mark.usefixtures("fresh_caches")
 CPU = torch.device("cpu")
 # Small tiles keep the interpreter quick; the shapes below are ragged for all of them.
 POOL = (Config(16, 16, 16, 8, 4, 1), Config(32, 16, 16, 8, 4, 1, persistent=True),
         Config(16, 32, 32, 8, 4, 1, tma=True))
-
-
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    configs.clear_caches()
-    yield
-    configs.clear_caches()
 
 
 @pytest.fixture

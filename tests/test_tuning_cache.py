@@ -20,18 +20,12 @@ from codagen.runtime import configs, tuning_cache
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO
 
+pytestmark = pytest.mark.usefixtures("fresh_caches")
 CPU = torch.device("cpu")
 KERNEL, FINGERPRINT, GPU = "matmul", "f" * 64, "test-gpu"
 M, N, K, BUCKET = 45, 40, 24, "64x40x24"
 FASTER = configs.RUNTIME_GEMM_CANDIDATES[2]  # what the fake timer makes run-time tuning choose
 OTHER = configs.RUNTIME_GEMM_CANDIDATES[1]  # another candidate, for entries tuning would not choose here
-
-
-@pytest.fixture(autouse=True)
-def fresh_caches():
-    configs.clear_caches()
-    yield
-    configs.clear_caches()
 
 
 @pytest.fixture
