@@ -483,7 +483,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss and no
     logits are made (logits is None); without, the logits are Hugging Face's."""
     _check_call(self.config, kwargs)
-    self.model.codagen_patch.check(self.model, self)
+    patch = self.model.codagen_patch
+    patch.check(self.model, self)
     return_dict = kwargs.pop("return_dict", True)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -500,16 +501,16 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
         reduction = "mean" if num_items_in_batch is None else "sum"
         with torch.autocast(x.device.type, enabled=False):
-            loss = llama.codagen_patch.api.lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight, weight.shape[1],
-                                weight.shape[0], self.config.rms_norm_eps, ignore_index, reduction,
-                                self.codagen_chunk_rows, "nan", "same")
+            loss = patch.api.lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight,
+                                          weight.shape[1], weight.shape[0], self.config.rms_norm_eps, ignore_index,
+                                          reduction, self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     else:
         hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
-    output = llama.codagen_patch.api.lm_output(loss=loss, logits=logits)
+    output = patch.api.lm_output(loss=loss, logits=logits)
     return output if return_dict else output.to_tuple()
 
 
