@@ -100,8 +100,9 @@ def main(argv=None):
         print(label, flush=True)
         model = C.make_model(transformers, config, initial_state, torch.bfloat16, args.device)
         try:
-            model = patch(model) if patch else model
-            wall, busy, rows = profile(model, data, args, args.steps)
+            with C.hugging_face_kept(transformers):
+                model = patch(model) if patch else model
+                wall, busy, rows = profile(model, data, args, args.steps)
         except Exception as error:  # Liger-Kernel is optional, as in examples/convergence.py
             if patch is not C.liger:
                 raise

@@ -20,7 +20,6 @@ so a run cut off by a time limit keeps the cases it finished; --merge joins the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.util
 import json
@@ -263,18 +262,6 @@ def error_message(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-@contextlib.contextmanager
-def hugging_face_kept(transformers):
-    """Liger-Kernel's patch rebinds RoPE, LlamaRMSNorm and LlamaMLP in transformers' modeling_llama, for every model
-    made after it too: the module's names are put back after each variant, so that the next is Hugging Face's own."""
-    module = transformers.models.llama.modeling_llama
-    names = dict(vars(module))
-    try:
-        yield
-    finally:
-        vars(module).update(names)
-
-
 def run_case(case: Case, args, report: dict) -> None:
     """Every variant of one case into the report's rows; Hugging Face's kernels give the case's limit."""
     import transformers
@@ -287,7 +274,7 @@ def run_case(case: Case, args, report: dict) -> None:
                "reserved_mib": None, "warmup_s": None, "losses": [], "loss_diff_final": None, "idle_fraction": None,
                "limit_multiple": None, "graphs": None, "graph_breaks": None, "recompiles": None, "error": None}
         try:
-            with hugging_face_kept(transformers):
+            with C.hugging_face_kept(transformers):
                 fields, limit = measure(case, variant, transformers, config, state, batches, args)
             row.update(fields)
             if variant == "hf" and limit:

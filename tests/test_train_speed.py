@@ -54,11 +54,11 @@ def test_tiny_cases_run_report_and_merge(tmp_path):
 
 def test_each_variant_gets_hugging_face_own_llama():
     """Liger-Kernel's patch rebinds names in transformers' modeling_llama for every model made after it: they are put
-    back after each variant."""
+    back after each variant (examples/convergence.py's hugging_face_kept, used by its and profile_train's runs too)."""
     import transformers
 
     module = transformers.models.llama.modeling_llama
     mlp, rope = module.LlamaMLP, module.apply_rotary_pos_emb
-    with train_speed.hugging_face_kept(transformers):
+    with train_speed.C.hugging_face_kept(transformers):
         module.LlamaMLP = module.apply_rotary_pos_emb = None
     assert module.LlamaMLP is mlp and module.apply_rotary_pos_emb is rope
