@@ -21,6 +21,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import numbers
 import sys
 import types
 import weakref
@@ -398,6 +399,9 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
         inputs_embeds = llama.embed_tokens(input_ids)
+    if inputs_embeds.is_meta:
+        _refuse_call("its weights are on the meta device, where no kernel runs; load them first (from_pretrained, "
+                     "or to_empty() and load_state_dict())")
     batch, seq, dim = inputs_embeds.shape
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
@@ -535,11 +539,11 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     check_config(model.config)
     check_modules(llama)
     _check_lm_head(model.lm_head)
-    if chunk_rows < 1:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     for i, layer in enumerate(llama.layers):
         llama.layers[i] = CodagenDecoderLayer(layer, model.config)
-    model.codagen_chunk_rows = chunk_rows
+    model.codagen_chunk_rows = int(chunk_rows)
     llama.codagen_patch = CodagenPatch()
     llama.codagen_patch.check(llama, model)
     llama.forward = types.MethodType(_model_forward, llama)

@@ -385,3 +385,22 @@ def test_compiled_model_is_one_graph_without_recompiles():
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             assert torch.equal(p.grad, q.grad), name
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("chunk_rows", [1.5, 0, -3, True, "2048", None])
+def test_chunk_rows_must_be_a_positive_int(chunk_rows):
+    """Refused where it enters, naming it (1.5 was accepted, and the first forward failed deep inside)."""
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=f"^apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}$"):
+        apply_codagen(model, chunk_rows=chunk_rows)
+    assert not hasattr(model, "codagen_chunk_rows")  # refused before anything was patched
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    """A model made on the meta device patches (its weights may be loaded later) but is not run: refused with a
+    message that says why, not `Tensor.item() cannot be called on meta tensors` from inside the loss."""
+    with torch.device("meta"):
+        model = apply_codagen(transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)))
+    ids, labels = tokens_and_labels()
+    with pytest.raises(NotImplementedError, match="weights are on the meta device, where no kernel runs"):
+        model(input_ids=ids, labels=labels)
