@@ -21,9 +21,9 @@ demo: $(BIN)/codagen
 test: $(BIN)/codagen
 	$(BIN)/python -m pytest -q
 
-# The spec fuzzer at length: random examples (a new seed each run), 20 times the bounded run's number
+# The spec and tuning-table fuzzers at length: random examples (a new seed each run), 20 times the bounded run's number
 fuzz: $(BIN)/codagen
-	CODAGEN_FUZZ_EXAMPLES=$${CODAGEN_FUZZ_EXAMPLES:-20} $(BIN)/python -m pytest -q tests/test_fuzz.py \
+	CODAGEN_FUZZ_EXAMPLES=$${CODAGEN_FUZZ_EXAMPLES:-20} $(BIN)/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_tables.py \
 		--hypothesis-show-statistics
 
 build: $(BIN)/codagen

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,16 +14,14 @@ from .emit.gluon import render_gluon, unlowered
 from .emit.kernel import render_kernel
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
+from .quoting import quoted, showable
 from .loader import parse_kernel, read_spec
 from .model import Kernel, Location, ValueType
-from .tune.tables import stale_tables
+from .tune.tables import check_tables
 from .validate import check_kernel
 from .writer import Diff, OutputFiles, diff, write
 
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
-# characters that end a line, or change or hide what is shown: controls (newline, carriage return, escape),
-# format characters (bidirectional overrides), line and paragraph separators, lone surrogates
-_UNSHOWABLE = ("Cc", "Cf", "Zl", "Zp", "Cs")
 
 
 class PathError(ValueError):
@@ -36,7 +33,7 @@ def quote_path(path: str | Path, what: str = "path") -> str:
     with a character that could end a line or hide itself is refused (PathError, the path escaped), so that
     no folder name can change generated source or forge a line of output."""
     text = str(path)
-    if any(unicodedata.category(c) in _UNSHOWABLE for c in text):
+    if not showable(text):
         raise PathError(f"{what} {ascii(text)} holds a control, format or line-separator character; rename it")
     return shlex.quote(text)
 
@@ -176,16 +173,20 @@ def hopper_fallbacks(paths: list[str | Path]) -> list[str]:
 
 def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
     """The tuning tables under `out`/tuning/ that no kernel of the specs can use, each as a message that says
-    why and what to do. A comment or doc edit to a spec keeps its tables in use; an edit to what the kernel
-    computes makes them stale."""
+    why and what to do: a file that is no tuning table, or entries of a table that no launch of its kernel can use,
+    as file:line:col errors; a table of a computation the kernel no longer performs (a comment or doc edit to a
+    spec keeps its tables in use; an edit to what the kernel computes makes them stale), or of no kernel. Names
+    from the disk are quoted, and the command to re-tune is written from the keys' numbers only."""
     kernels = [c.kernel for c in load(paths) if isinstance(c, Checked)]
-    messages = []
-    for t in stale_tables(Path(out) / "tuning", kernels):
+    stale, errors = check_tables(Path(out) / "tuning", kernels)
+    messages = [f"{e.located()}; delete {'the entry' if e.entry else 'it'}, or run codagen tune to write it again"
+                for e in errors]
+    for t in stale:
         fix = "delete it"
         if t.kernel is not None and t.shapes:
-            fix = (f"re-run on a {t.gpu} GPU: codagen tune {command_args(paths, out)} --kernels {t.kernel.name} "
-                   f"--shapes {','.join(t.shapes)}")
-        messages.append(f"stale tuning table {display_path(t.path)}: {t.problem}; {fix}")
+            fix = (f"re-run on a {quoted(t.gpu)} GPU: codagen tune {command_args(paths, out)} --kernels "
+                   f"{shlex.quote(t.kernel.name)} --shapes {shlex.quote(','.join(t.shapes))}")
+        messages.append(f"stale tuning table {quoted(display_path(t.path))}: {t.problem}; {fix}")
     return messages
 
 

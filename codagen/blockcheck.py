@@ -443,12 +443,17 @@ def _unbind(d: Dim, sizes: dict, group: int | None) -> BlockDim:
                         Dim.GROUPS_N: Fraction(1, group or 1)}.get(d, Fraction(1)))
 
 
-def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...]) -> bool:
+def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...], positive: bool = False) -> bool:
+    """Whether `ref` is a number (an integer unless kinds has "float"; with `positive`, above 0: a count or a divisor
+    of 0 or -1 would fail or mislead at run time) or an attr of one of `kinds`; reported at `loc` if not."""
     if isinstance(ref, (int, float)):
-        if "float" in kinds or isinstance(ref, int):
-            return True
-        sink.add(loc, f"{what} must be an integer")
-        return False
+        if not ("float" in kinds or isinstance(ref, int)):
+            sink.add(loc, f"{what} must be an integer")
+            return False
+        if positive and not ref > 0:
+            sink.add(loc, f"{what} must be positive, got {ref}")
+            return False
+        return True
     a = b.attr(ref)
     if a is None or a.kind not in kinds:
         sink.add(loc, f"{what}: '{ref}' must be a number or an attr of kind {' or '.join(kinds)}")
@@ -494,8 +499,8 @@ def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, 
             used.add(ref)
             vals[name] = v
             args.append(Arg(name, ref, True))
-        elif kind in ("size", "size?"):
-            ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("int",))
+        elif kind in ("size", "size?", "int"):
+            ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("int",), positive=kind != "int")
             args.append(Arg(name, ref, isinstance(ref, str)))
         elif kind == "number":
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))

@@ -11,8 +11,10 @@ from .model import Location
 # Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
 FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     # (argument, kind): value = a block value; operand = a block value, a number or an int/float attr;
-    # size/number = an attr or a literal; choice = one of CHOICES; kernel = a kernel spec's name; out = defines a
-    # value; a kind ending in '?' may be left out
+    # size = an int attr or a positive integer (a count or a divisor: 0 or -1 would fail or mislead at run time);
+    # int = an int attr or any integer (ignore_index, -100 as PyTorch's); number = an attr or a literal;
+    # choice = one of CHOICES; kernel = a kernel spec's name; out = defines a value; a kind ending in '?' may be
+    # left out
     "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
     "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
     "logsumexp_tiles": (("x", "value"), ("out", "out")),
@@ -23,12 +25,12 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     "square": (("x", "value"), ("out", "out")),
     "gather": (("x", "value"), ("index", "value"), ("out", "out")),
     "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"), ("classes", "size"),
-                      ("ignore_index", "size"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
+                      ("ignore_index", "int"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
                       ("weights", "out")),
-    "reduce_loss": (("x", "value"), ("target", "value"), ("classes", "size"), ("ignore_index", "size"),
+    "reduce_loss": (("x", "value"), ("target", "value"), ("classes", "size"), ("ignore_index", "int"),
                     ("reduction", "choice"), ("token_weights", "value?"), ("empty_mean", "choice?"), ("loss", "out"),
                     ("weights", "out")),
-    "row_weights": (("target", "value"), ("ignore_index", "size"), ("reduction", "choice"),
+    "row_weights": (("target", "value"), ("ignore_index", "int"), ("reduction", "choice"),
                     ("token_weights", "value?"), ("out", "out")),
     "unit_scale": (("x", "value"), ("out", "out")),
     "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("accumulate", "kernel?"),

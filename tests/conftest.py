@@ -16,6 +16,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import importlib  # noqa: E402
 import inspect  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -52,6 +53,25 @@ def tuning_cache_dir(tmp_path_factory, monkeypatch):
     path = tmp_path_factory.mktemp("codagen-cache")
     monkeypatch.setenv("CODAGEN_CACHE_DIR", str(path))
     return path
+
+
+def within_seconds(fn, seconds: float = 10.0):
+    """fn(), failing the test if it has not returned in `seconds` (a read that blocks on a FIFO or never ends)."""
+    result = {}
+
+    def call():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the test's own thread
+            result["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 # -- the test kernels -------------------------------------------------------------------------------------

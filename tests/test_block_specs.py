@@ -289,6 +289,9 @@ def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
                                                             "forward_with_grads.before"),
     ("  grad_scale: scale", "  grad_scale: weights", "grad_scale 'weights' must be a [] float32 value"),
     ("    - unit_scale: {x: row_weight", "    - unit_scale: {x: target", "unit_scale.x must be float32, got index"),
+    ("size: dim,", "size: -1,", "rstd.size must be positive, got -1"),
+    ("divide_by: dim,", "divide_by: 0,", "sum_tiles.divide_by must be positive, got 0"),
+    ("classes: vocab,", "classes: 0,", "cross_entropy.classes must be positive, got 0"),
 ])
 def test_forward_with_grads_mistakes_are_reported(tmp_path, old, new, words):
     errors = lm_head_mistake(tmp_path, old, new)
@@ -341,11 +344,30 @@ def test_row_finish_steps_are_valid(tmp_path):
     ("reduction: red, loss", "reduction: red, token_weights: target, loss", 21,
      "reduce_loss.token_weights must be [M] float32"),
     ("- sum_tiles: {x: parts", "- sum_tiles: {x: r", 18, "partial-reduction buffer [rows, tiles(...)]"),
+    # sizes given as numbers are positive; ignore_index is any integer (-100 above), never a fraction or a bool
+    ("sum_tiles: {x: parts,", "sum_tiles: {x: parts, divide_by: 0,", 18, "sum_tiles.divide_by must be positive, got 0"),
+    ("sum_tiles: {x: parts,", "sum_tiles: {x: parts, divide_by: -1,", 18, "divide_by must be positive, got -1"),
+    ("classes: width,", "classes: 0,", 21, "reduce_loss.classes must be positive, got 0"),
+    ("classes: width,", "classes: -5,", 21, "reduce_loss.classes must be positive, got -5"),
+    ("ignore_index: -100,", "ignore_index: -1.5,", 21, "reduce_loss.ignore_index must be an integer"),
+    ("ignore_index: -100,", "ignore_index: lam,", 21, "'lam' must be a number or an attr of kind int"),
 ])
 def test_row_finish_step_mistakes_are_located(tmp_path, old, new, line, words):
     assert old in ROW_STEPS
     errors = check(tmp_path, ROW_STEPS.replace(old, new))
     assert line in [ln for ln, m in errors if words in m], errors
+
+
+def test_a_size_out_of_range_is_located_at_its_value(tmp_path):
+    """file:line:col of the number itself, as every spec error; a negative ignore_index is no error."""
+    (tmp_path / "k.yaml").write_text(KERNEL)
+    spoiled = ROW_STEPS.replace("sum_tiles: {x: parts,", "sum_tiles: {x: parts, divide_by: 0,")
+    (tmp_path / "b.yaml").write_text(spoiled.replace("ignore_index: -100", "ignore_index: -7"))
+    with pytest.raises(ValidationFailed) as e:
+        api.load([tmp_path])
+    col = spoiled.splitlines()[17].index("0,") + 1
+    assert f"{tmp_path / 'b.yaml'}:18:{col}: sum_tiles.divide_by must be positive, got 0" in str(e.value)
+    assert "ignore_index" not in str(e.value)
 
 
 def test_reference_block_examples_are_valid_blocks(tmp_path):

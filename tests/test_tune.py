@@ -219,6 +219,9 @@ def test_attrs_set_the_block_attrs_of_the_preset_shapes():
     ("chunk_rows=0", "'chunk_rows=0': expected chunk_rows=N with N a positive integer"),
     ("chunk_rows=1e3", "expected chunk_rows=N"),
     ("chunk_rows", "expected chunk_rows=N"),
+    ("chunk_rows=\u00b2", "'chunk_rows=\u00b2': expected chunk_rows=N"),  # a digit to str.isdigit, not to int()
+    ("chunk_rows=\u0661\u0660\u0662\u0664", "expected chunk_rows=N"),  # Arabic-Indic 1024: no ASCII digits
+    ("chunk_rows=1" + "0" * 5000, "expected chunk_rows=N"),  # more digits than int() takes
 ])
 def test_attrs_mistakes_are_named(text, words):
     with pytest.raises(TuneError) as e:
@@ -250,11 +253,12 @@ def test_literal_shapes_apply_to_every_kernel():
     assert [s.key for s in shapes.parse_shapes("100x64x32,128x64x32,8x8x8", checked("matmul").kernel)] == [
         "100x64x32", "128x64x32", "8x8x8"]  # each shape its own entry
     assert [str(s) for s in shapes.parse_shapes("100x64x32", checked("rmsnorm_stats").kernel)] == ["100x64"]
-    for bad in ("llama3-70b", "12x34", "0x8x8"):
+    for bad in ("llama3-70b", "12x34", "0x8x8", "\u00b2x8x8", "\u0668x8x8", "8x8x" + "9" * 5000):
         with pytest.raises(TuneError):
             shapes.parse_shapes(bad, checked("matmul").kernel, all_specs())
-    with pytest.raises(TuneError):
-        shapes.parse_tokens("8k")
+    for bad in ("8k", "\u00b2", "1" + "0" * 5000, ","):
+        with pytest.raises(TuneError):
+            shapes.parse_tokens(bad)
 
 
 def test_inputs_look_like_a_models():
@@ -464,10 +468,12 @@ def test_check_reports_tables_of_kernels_no_spec_defines(tmp_path):
     (tuning / "gone.json").write_text((tuning / "matmul.json").read_text())
     (tuning / "broken.json").write_text("{")
     (tmp_path / "tuning" / "notes.txt").write_text("not a table\n")
-    stale = tables.stale_tables(tmp_path / "tuning", kernels_of_specs())
-    assert [(t.path.name, t.problem) for t in stale] == [
-        ("broken.json", "not a tuning table (no JSON object with shapes)"),
-        ("gone.json", "no spec defines a kernel 'gone'")]
+    stale, errors = tables.check_tables(tmp_path / "tuning", kernels_of_specs())
+    assert [(t.path.name, t.problem) for t in stale] == [("gone.json", "no spec defines a kernel 'gone'")]
+    assert [(e.path.name, e.line, e.col, str(e)) for e in errors] == [
+        ("broken.json", 1, 2, f"not a tuning table: {tuning / 'broken.json'} (invalid JSON: Expecting property name "
+                              "enclosed in double quotes)")]
+    assert tables.stale_tables(tmp_path / "tuning", kernels_of_specs()) == stale
 
 
 def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
@@ -759,6 +765,22 @@ def test_cli_reports_bad_requests(tune_on_cpu):
     assert result.exit_code == 1 and "no spec defines nope" in result.output
     result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "big", "--kernels", "matmul"])
     assert result.exit_code == 1 and "neither a preset" in result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--attrs", "chunk_rows=\u00b2"], "error: --attrs: 'chunk_rows=\u00b2': expected chunk_rows=N with N a positive"),
+    (["--kernels", ","], "error: --kernels ',' names no kernel"),
+    (["--kernels", " , "], "error: --kernels ' , ' names no kernel"),
+    (["--kernels", ""], "error: --kernels '' names no kernel"),
+    (["--shapes", "8x8x" + "9" * 5000], "error: --shapes: '8x8x999"),
+    (["--tokens", "\u00b2"], "error: --tokens '\u00b2': expected positive integers"),
+])
+def test_cli_names_bad_arguments_instead_of_a_traceback_or_tuning_nothing(tune_on_cpu, args, words):
+    options = {"--shapes": "45x40x24", "--kernels": "matmul", **dict(zip(args[::2], args[1::2]))}
+    argv = ["tune", str(SPECS)] + [x for option, value in options.items() for x in (option, value)]
+    result = CliRunner().invoke(main, argv)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception
+    assert words in result.output and "wrote" not in result.output
 
 
 def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):

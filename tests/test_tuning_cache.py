@@ -9,7 +9,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import triton
 
 from codagen.runtime import configs, tuning_cache
 from codagen.runtime.configs import GPU_DEFAULT, Config
-from conftest import REPO
+from conftest import REPO, within_seconds
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 CPU = torch.device("cpu")
@@ -64,25 +63,6 @@ def table(shapes: dict, fingerprint: str = FINGERPRINT, triton_version: str = tr
 
 def entry(config: Config) -> dict:
     return {"config": config.as_dict()}
-
-
-def within_seconds(fn, seconds: float = 10.0):
-    """fn(), failing the test if it has not returned in `seconds` (a read that blocks on a FIFO or never ends)."""
-    result = {}
-
-    def call():
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - raised again in the test's own thread
-            result["error"] = e
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 CHILD = """

@@ -9,17 +9,18 @@ import functools
 import json
 import logging
 import os
-import stat
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from .. import tablefile
+from ..quoting import quoted
 from .configs import Config
 
 log = logging.getLogger("codagen.tune")
 
 # A kernel's file holds a few hundred bytes per bucket tuned: a larger one is not the cache's, and is not read.
-MAX_BYTES = 1 << 20
+MAX_BYTES = tablefile.MAX_BYTES
 
 
 def cache_file(gpu: str, kernel: str) -> Path | None:
@@ -46,51 +47,37 @@ def _cache_file(gpu: str, kernel: str, switch: str | None, root: str | None, xdg
 
 
 def _load(path: Path) -> dict | None:
-    """The JSON object in `path`; None when there is no such file, and None (logged) when it is not a regular file
-    (a FIFO or a link to /dev/zero: reading it may wait or never end) of at most MAX_BYTES holding a JSON object.
-    Opened without blocking, since opening a FIFO waits for a writer; never read past MAX_BYTES."""
+    """The JSON object in `path`; None when there is no such file, and None (logged) when it is no tuning table
+    (tablefile.read_json: a FIFO or a link to /dev/zero, more than MAX_BYTES, not a JSON object)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return tablefile.read_json(path)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        log.info("codagen: ignoring the tuning cache %s: %s", path, e)
+    except tablefile.TableError as e:
+        log.info("codagen: ignoring the tuning cache: %s", e)
         return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError("not a regular file")
-            raw = f.read(MAX_BYTES + 1)
-        if len(raw) > MAX_BYTES:
-            raise ValueError(f"larger than {MAX_BYTES} bytes")
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
-        log.info("codagen: ignoring the tuning cache %s: %s", path, e)
-        return None
-    return data
 
 
 def read(path: Path, fingerprint: str, triton_version: str) -> dict[str, Config]:
     """The valid entries (bucket -> Config) of the cache file at `path`, when it was written for this computation
-    (`fingerprint`) with this Triton; otherwise none. Entries whose config is not a valid Config are skipped."""
+    (`fingerprint`) with this Triton; otherwise none. Entries whose key or config is not valid are skipped."""
     data = _load(path)
     if data is None:
         return {}
     if data.get("fingerprint") != fingerprint or data.get("triton") != triton_version:
-        log.info("codagen: the tuning cache %s was written for another computation or Triton; not used", path)
+        log.info("codagen: the tuning cache %s was written for another computation or Triton; not used",
+                 quoted(path))
         return {}
     shapes = data.get("shapes")
     if not isinstance(shapes, dict):
-        log.info("codagen: ignoring the tuning cache %s: its shapes are not a JSON object", path)
+        log.info("codagen: ignoring the tuning cache %s: its shapes are not a JSON object", quoted(path))
         return {}
     entries = {}
     for bucket, entry in shapes.items():
         try:
-            entries[bucket] = Config(**entry["config"])
-        except (TypeError, ValueError, KeyError) as e:  # wrong types, unknown fields, no config
-            log.info("codagen: ignoring the tuning cache %s entry %r: %s", path, bucket, e)
+            entries[tablefile.shape_text(tablefile.shape_numbers(bucket))] = tablefile.entry_config(bucket, entry)
+        except ValueError as e:  # wrong types, unknown fields, no config, a key that is no shape
+            log.info("codagen: ignoring the tuning cache %s entry %s: %s", quoted(path), ascii(bucket), e)
     return entries
 
 

@@ -54,9 +54,12 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
     tuning_dir = Path(tuning_dir) if tuning_dir is not None else out / "tuning"
     specs = api.load(list(paths))
     found = sorted((c for c in specs if isinstance(c, Checked)), key=lambda c: c.kernel.name)
-    if kernels:
+    if kernels is not None:
         wanted = [k.strip() for k in kernels.split(",") if k.strip()]
         names = {c.kernel.name for c in found}
+        if not wanted:  # tuning nothing and saying ok would hide the mistake
+            raise TuneError(f"--kernels {kernels!r} names no kernel; give kernel names separated by commas, e.g. "
+                            "matmul,rmsnorm_stats")
         unknown = [k for k in wanted if k not in names]
         if unknown:
             raise TuneError(f"--kernels: no spec defines {', '.join(unknown)}; "
@@ -73,7 +76,7 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
         selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks, given),
                             configs.table_path(tuning_dir, gpu, c.kernel.name)))
     idle = [j.checked.kernel.name for j in selected if not j.shapes]
-    if kernels and idle:  # asked for by name: a kernel that would be skipped is an error, not a silent no-op
+    if kernels is not None and idle:  # asked for by name: a kernel that would be skipped is an error, not a no-op
         raise TuneError(f"--kernels: no block of the presets in --shapes ({shapes}) runs {', '.join(idle)}; give "
                         "a preset of the model family whose blocks call it, or MxNxK shapes")
     return selected
@@ -120,7 +123,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     stopped = None
     for job in selected:
         kernel = job.checked.kernel
-        table = read_table(job.table, kernel, triton.__version__)
+        table = read_table(job.table, kernel, triton.__version__, log)
         have = table if missing_only else {}
         for shape in job.shapes:
             label = f"{kernel.name} {shape}"

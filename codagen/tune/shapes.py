@@ -178,7 +178,9 @@ def _called_by_other_families(specs, model: LlamaShape, kernel: Kernel) -> bool:
                for _, calls, _ in cb.passes() for call in calls)
 
 
-_LITERAL = re.compile(r"(\d+)x(\d+)(?:x(\d+))?")
+# ASCII digits: \d and int() take '²' and other scripts' digits too. Ten at most: no dimension has more
+_LITERAL = re.compile(r"([0-9]{1,10})x([0-9]{1,10})(?:x([0-9]{1,10}))?")
+_POSITIVE = re.compile(r"[0-9]{1,10}")
 
 
 def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None) -> list[Shape]:
@@ -213,17 +215,15 @@ def parse_attrs(text: str, specs) -> dict[str, int]:
         if name not in known:
             raise TuneError(f"--attrs: {name!r} is no int attr of the block specs given"
                             f"{' (' + ', '.join(known) + ')' if known else ''}")
-        if not value.isdigit() or int(value) < 1:
+        if not _POSITIVE.fullmatch(value) or int(value) < 1:  # str.isdigit takes '²', which int() refuses
             raise TuneError(f"--attrs: {item!r}: expected {name}=N with N a positive integer")
         attrs[name] = int(value)
     return attrs
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
-    try:
-        tokens = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        tokens = ()
+    items = [t.strip() for t in text.split(",")]
+    tokens = tuple(int(t) for t in items) if all(_POSITIVE.fullmatch(t) for t in items) else ()
     if not tokens or min(tokens) < 1:
         raise TuneError(f"--tokens {text!r}: expected positive integers separated by commas, e.g. 8192,32768")
     return tokens

@@ -10,8 +10,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import tablefile
+from ..quoting import quoted
 from ..fingerprint import fingerprint
 from ..model import Kernel
+from ..tablefile import TableError, shape_numbers, shape_order, shape_text
+from . import TuneError
 
 
 def table_text(kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> str:
@@ -20,21 +24,24 @@ def table_text(kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> s
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def _read(path: Path) -> dict | None:
+def read_table(path: Path, kernel: Kernel, triton_version: str, log=None) -> dict:
+    """The valid entries (shape -> entry) of an existing table that is still valid: same kernel, fingerprint and
+    Triton version; none when there is no table. Entries that no launch of the kernel can use are left out (each
+    reported to `log` when given: the next write drops them); a file that is no tuning table raises TuneError,
+    so that tuning never overwrites what it cannot read without saying so."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("shapes"), dict) else None
-
-
-def read_table(path: Path, kernel: Kernel, triton_version: str) -> dict:
-    """The shapes of an existing table that is still valid: same kernel, fingerprint and Triton version."""
-    data = _read(path)
-    if data is None or (data.get("kernel"), data.get("fingerprint"), data.get("triton")) != (
+        table = tablefile.read_table(path, kernel.column_group, kernel.gemm is not None)
+    except FileNotFoundError:
+        return {}
+    except TableError as e:
+        raise TuneError(f"{e}; delete it, or move it away, and run again") from None
+    data = table.data
+    if (data.get("kernel"), data.get("fingerprint"), data.get("triton")) != (
             kernel.name, fingerprint(kernel), triton_version):
         return {}
-    return dict(data["shapes"])
+    for bad in table.bad if log is not None else ():
+        log(f"{bad.located()}; dropped at the next write")
+    return dict(table.shapes)
 
 
 def write_table(path: Path, kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> bool:
@@ -43,7 +50,7 @@ def write_table(path: Path, kernel: Kernel, gpu: str, triton_version: str, shape
     other file. Returns whether it wrote."""
     merged = {**read_table(path, kernel, triton_version), **shapes}
     text = table_text(kernel, gpu, triton_version, merged)
-    if path.is_file() and path.read_bytes() == text.encode("utf-8"):
+    if _holds(path, text):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -60,6 +67,14 @@ def write_table(path: Path, kernel: Kernel, gpu: str, triton_version: str, shape
     return True
 
 
+def _holds(path: Path, text: str) -> bool:
+    """Whether the table at `path` is `text` already (read as tables are: not a FIFO's, nor past the size cap)."""
+    try:
+        return tablefile.read_bytes(path) == text.encode("utf-8")
+    except (FileNotFoundError, TableError):
+        return False
+
+
 @dataclass(frozen=True)
 class StaleTable:
     """A table that no kernel of the specs can use."""
@@ -68,32 +83,40 @@ class StaleTable:
     gpu: str
     kernel: Kernel | None  # the kernel of the table's name; None when no spec defines it
     problem: str  # why no kernel uses it
-    shapes: tuple[str, ...]  # the shapes it holds
+    shapes: tuple[str, ...]  # the shapes it holds, written from their numbers (keys that are no shape left out)
+
+
+def check_tables(tuning_dir: Path, kernels) -> tuple[list[StaleTable], list[TableError]]:
+    """The tables under tuning_dir/<gpu>/ that no kernel of `kernels` uses (stale_tables), and the errors of the
+    others: a file that is no tuning table, entries of a table in use that no launch of its kernel can use."""
+    by_name = {k.name: k for k in kernels}
+    stale, errors = [], []
+    for path in sorted(Path(tuning_dir).glob("*/*.json")):
+        kernel = by_name.get(path.stem)
+        try:
+            table = tablefile.read_table(path, *((kernel.column_group, kernel.gemm is not None) if kernel else ()))
+        except (OSError, TableError) as e:  # OSError: gone since the listing
+            errors.append(e if isinstance(e, TableError) else TableError(path, f"not a tuning table: "
+                                                                               f"{quoted(path)} ({e.strerror})"))
+            continue
+        data, gpu = table.data, path.parent.name
+        # from the numbers of the keys, never their text: a key is shown in a command to paste
+        shapes = tuple(sorted(dict.fromkeys(shape_text(n) for n in map(shape_numbers, data["shapes"]) if n),
+                              key=shape_order))
+        if kernel is None:
+            stale.append(StaleTable(path, gpu, None, f"no spec defines a kernel {ascii(path.stem)}", shapes))
+        elif data.get("kernel") != kernel.name or data.get("fingerprint") != fingerprint(kernel):
+            stale.append(StaleTable(path, gpu, kernel, f"tuned for a different computation than {kernel.source} "
+                                                       "now describes", shapes))
+        else:
+            errors += table.bad
+    return stale, errors
 
 
 def stale_tables(tuning_dir: Path, kernels) -> list[StaleTable]:
     """The tables under tuning_dir/<gpu>/ whose key matches none of `kernels`: tuned for a computation that
     the kernel of that name no longer performs (a comment or doc edit keeps the fingerprint; a change to
-    what the kernel computes does not), for a kernel no spec defines, or unreadable. The Triton version is
-    not checked: a table of another Triton is stale only on a machine that runs that other version."""
-    by_name = {k.name: k for k in kernels}
-    stale = []
-    for path in sorted(Path(tuning_dir).glob("*/*.json")):
-        data = _read(path)
-        kernel = by_name.get(path.stem)
-        gpu = path.parent.name
-        if data is None:
-            stale.append(StaleTable(path, gpu, kernel, "not a tuning table (no JSON object with shapes)", ()))
-            continue
-        shapes = tuple(sorted(data["shapes"], key=_shape_order))
-        if kernel is None:
-            stale.append(StaleTable(path, gpu, None, f"no spec defines a kernel '{path.stem}'", shapes))
-        elif data.get("kernel") != kernel.name or data.get("fingerprint") != fingerprint(kernel):
-            stale.append(StaleTable(path, gpu, kernel, f"tuned for a different computation than {kernel.source} "
-                                                       "now describes", shapes))
-    return stale
-
-
-def _shape_order(shape: str) -> tuple:
-    """'8192x2048x2048' before '32768x2048x2048': by the numbers, not the text."""
-    return tuple(int(p) if p.isdigit() else 0 for p in shape.split("x"))
+    what the kernel computes does not), or for a kernel no spec defines. The Triton version is not checked: a
+    table of another Triton is stale only on a machine that runs that other version. Files that are no tuning
+    table are check_tables' errors."""
+    return check_tables(tuning_dir, kernels)[0]

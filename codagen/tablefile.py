@@ -1,0 +1,197 @@
+"""The one reader of tuning tables (generated/tuning/<gpu>/<kernel>.json, and run-time tuning's cache files in the
+same format), shared by `codagen build --check`, `codagen tune` and the launcher (runtime.configs).
+
+A committed table is reviewed in pull requests as a spec is, and a cache file is whatever is on the disk: neither is
+trusted. Only a regular file is read (a FIFO would block for ever, /dev/zero never ends), not through a link out of
+its folder, and at most MAX_BYTES of it; a file that does not decode as a JSON object with shapes is "not a tuning
+table"; each entry is checked (its key a shape, its configuration one that constructs and that the kernel can
+launch) so that a bad one is reported or skipped by name, never handed to a launch. Standard library only: `build
+--check` reads tables without importing torch."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .quoting import quoted
+from .tileconfig import MAX_SHARED_BYTES, Config, fits_group, fits_shared, stage_bytes
+
+# A table holds a few hundred bytes per shape tuned (the largest committed one, 12 KB): a larger file is no table.
+MAX_BYTES = 1 << 20
+# ASCII digits only: \d and int() also take '²' or Arabic-Indic digits, which no shape key holds. Ten digits at most:
+# int() refuses a few thousand, and no dimension has more than ten.
+_SHAPE = re.compile(r"([0-9]{1,10})x([0-9]{1,10})x([0-9]{1,10})")
+_CONFIG_FIELDS = frozenset(f.name for f in fields(Config))
+_SHOWN = 200  # characters of a value from a file that a message shows at most
+
+
+class TableError(ValueError):
+    """A file that is no tuning table, or an entry of one that no launch can use, at its line and column."""
+
+    def __init__(self, path: str | Path, message: str, line: int = 1, col: int = 1, entry: bool = False):
+        super().__init__(message)
+        self.path, self.line, self.col = Path(path), line, col
+        self.entry = entry  # about one entry of the table, not the whole file
+
+    def located(self) -> str:
+        """file:line:col: message, as spec errors are shown."""
+        return f"{quoted(self.path)}:{self.line}:{self.col}: {self}"
+
+
+def shape_numbers(key) -> tuple[int, int, int] | None:
+    """(M, N, K) of a table's key 'MxNxK' (K 0 for a kernel without a GEMM), or None when it is no such key."""
+    match = _SHAPE.fullmatch(key) if isinstance(key, str) else None
+    if match is None:
+        return None
+    m, n, k = (int(g) for g in match.groups())
+    return (m, n, k) if m >= 1 and n >= 1 else None
+
+
+def shape_text(numbers: tuple[int, int, int]) -> str:
+    """The key of (M, N, K), written from the numbers (never from a file's text)."""
+    return "x".join(str(int(d)) for d in numbers)
+
+
+def shape_order(key: str) -> tuple:
+    """'8192x2048x2048' before '32768x2048x2048': by the numbers, not the text; a key that is no shape last."""
+    numbers = shape_numbers(key)
+    return (0, numbers) if numbers is not None else (1, (), str(key))
+
+
+def read_json(path: str | Path) -> dict:
+    """The JSON object in the file at `path`. Raises FileNotFoundError when there is none, and TableError ("not a
+    tuning table: <path>") for anything else that is not a regular file in its folder holding at most MAX_BYTES of
+    UTF-8 JSON, an object."""
+    return _read(Path(path))[1]
+
+
+@dataclass
+class Table:
+    path: Path
+    data: dict  # the file's JSON object: fingerprint, triton, kernel, gpu, shapes
+    entries: dict[str, Config]  # shape key (as shape_text writes it) -> the entry's configuration: the valid ones
+    shapes: dict[str, dict]  # the same keys -> the entries as the file holds them (config, ms, cuBLAS_ms)
+    bad: list[TableError]  # the entries skipped, each at its line
+
+
+def read_table(path: str | Path, group: int | str | None = None, gemm: bool | None = None) -> Table:
+    """The table at `path`, its entries checked (entry_config) for a kernel of column_group `group` that has a GEMM
+    or not (`gemm`; None: as each key's K says). Raises as read_json does, and TableError when the object has no
+    shapes."""
+    path = Path(path)
+    text, data = _read(path)
+    shapes = data.get("shapes")
+    if not isinstance(shapes, dict):
+        raise TableError(path, f"not a tuning table: {quoted(path)} (no JSON object of shapes)")
+    table = Table(path, data, {}, {}, [])
+    for key, entry in shapes.items():
+        try:
+            config = entry_config(key, entry, group, gemm)
+        except ValueError as e:
+            table.bad.append(TableError(path, f"tuning table {quoted(path)}: entry {_shown(key)}: {e}",
+                                        *_where(text, key), entry=True))
+            continue
+        canonical = shape_text(shape_numbers(key))
+        table.entries[canonical], table.shapes[canonical] = config, entry
+    return table
+
+
+def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None) -> Config:
+    """The configuration of a table's entry {"config": {...}} at shape `key`; ValueError, saying why, when the key
+    is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
+    would cut its column groups (`group`), operand tiles larger than any GPU's shared memory."""
+    numbers = shape_numbers(key)
+    if numbers is None:
+        raise ValueError("the key is not a shape MxNxK of positive numbers in ASCII digits (K 0 without a GEMM), "
+                         "e.g. 8192x2048x2048")
+    m, n, k = numbers
+    has_gemm = k > 0 if gemm is None else gemm
+    if gemm is not None and (k > 0) != gemm:
+        raise ValueError(f"K must be {'positive: the kernel has a GEMM' if gemm else '0: the kernel has no GEMM'}")
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        raise ValueError('expected {"config": {...}}, the configuration\'s fields')
+    given = entry["config"]
+    unknown = sorted(set(given) - _CONFIG_FIELDS)
+    if unknown:  # named here: Config's own TypeError would show the name unquoted
+        raise ValueError(f"the configuration has no field {', '.join(_shown(u) for u in unknown)}")
+    try:
+        config = Config(**given)
+    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: showing a deeply nested value
+        raise ValueError(_shorter(str(e) if not isinstance(e, RecursionError) else "a field is nested too deep"))
+    if not fits_group(config, group, n):
+        raise ValueError(f"its epilogue runs on {config.epilogue_n} columns at a time, which cuts the kernel's "
+                         f"column groups ({group}) at N = {n}")
+    if not fits_shared(config, has_gemm):
+        raise ValueError(f"one stage of its {config.block_m}x{config.block_n}x{config.block_k} operand tiles takes "
+                         f"{stage_bytes(config)} bytes of shared memory, more than a GPU has ({MAX_SHARED_BYTES})")
+    return config
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """The bytes of the file at `path`, when it is a regular file in its folder of at most MAX_BYTES; raises
+    FileNotFoundError when there is none, TableError otherwise."""
+    path = Path(path)
+    folder = os.path.realpath(path.parent)
+    if os.path.commonpath([os.path.realpath(path), folder]) != folder:
+        _fail(path, "a link to a file outside its folder")
+    try:  # without blocking: opening a FIFO waits for a writer
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        _fail(path, f"cannot be opened: {e.strerror}")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked on what was opened, not on the name
+        os.close(fd)
+        _fail(path, "not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw = f.read(MAX_BYTES + 1)
+        except OSError as e:
+            _fail(path, f"cannot be read: {e.strerror}")
+    if len(raw) > MAX_BYTES:
+        _fail(path, f"larger than {MAX_BYTES} bytes")
+    return raw
+
+
+def _read(path: Path) -> tuple[str, dict]:
+    raw = read_bytes(path)
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as e:
+        _fail(path, f"not UTF-8: byte {e.start}")
+    except json.JSONDecodeError as e:
+        _fail(path, f"invalid JSON: {e.msg}", e.lineno, e.colno)
+    except ValueError as e:  # a number of more digits than int() takes
+        _fail(path, _shorter(f"invalid JSON: {e}"))
+    except RecursionError:
+        _fail(path, "JSON nested too deep")
+    if not isinstance(data, dict):
+        _fail(path, "not a JSON object")
+    return text, data
+
+
+def _fail(path: Path, why: str, line: int = 1, col: int = 1):
+    raise TableError(path, f"not a tuning table: {quoted(path)} ({why})", line, col)
+
+
+def _where(text: str, key: str) -> tuple[int, int]:
+    """Line and column of `key` as a key of the file's text (the first place it is one), else 1, 1."""
+    for written in (json.dumps(key), json.dumps(key, ensure_ascii=False)):
+        match = re.search(re.escape(written) + r"\s*:", text)
+        if match:
+            start = match.start()
+            return text.count("\n", 0, start) + 1, start - text.rfind("\n", 0, start)
+    return 1, 1
+
+
+def _shown(value) -> str:
+    """A value from a file, quoted on one line as ascii() writes it, and shortened."""
+    return _shorter(ascii(value))
+
+
+def _shorter(text: str) -> str:
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
