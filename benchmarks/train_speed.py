@@ -60,7 +60,8 @@ LIMIT_PARTS = ("GEMM (cuBLAS)", "attention", "optimizer")
 PEERS = ("hf+compile", "hf+liger")
 METHOD = ("A step: forward with labels, backward, AdamW (fused on the GPU), zero_grad; random tokens, the same initial "
           "weights and batches for every variant of a case. tokens/s and ms/step: the timed steps after the warm-up "
-          "(CUDA events; the wall clock on the CPU); warm-up s: the warm-up steps' host time (compilation, tuning); "
+          "(CUDA events; the wall clock on the CPU); host ms: the host's time per timed step until the last step's "
+          "work was queued (near ms/step: the GPU waited for the host); warm-up s: the warm-up steps' host time (compilation, tuning); "
           "peak and reserved: torch.cuda.max_memory_allocated and max_memory_reserved over the timed steps (CUDA "
           "graphs' private memory pool counts in reserved only); idle: the profiled steps' wall time in which "
           "no kernel ran; limit: Hugging Face's GEMM, attention and optimizer kernels per step; loss diff: |final "
@@ -163,22 +164,27 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_ms(run) -> tuple[list, float]:
-    """run()'s result and its time: CUDA events on the GPU (the GPU's time, its waits for the host included), the
-    wall clock on the CPU."""
+def timed_ms(run) -> tuple[list, float, float]:
+    """run()'s result, its time (CUDA events on the GPU: the GPU's time, its waits for the host included; the wall
+    clock on the CPU) and the host's time until run() returned (less than the first where the host ran ahead)."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
-        return run(), 1e3 * (time.perf_counter() - start)
+        result = run()
+        ms = 1e3 * (time.perf_counter() - start)
+        return result, ms, ms
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    host_start = time.perf_counter()
     result = run()
+    host_ms = 1e3 * (time.perf_counter() - host_start)
     end.record()
     end.synchronize()
-    return result, start.elapsed_time(end)
+    return result, start.elapsed_time(end), host_ms
 
 
-def profiled(run) -> tuple[list, float, list]:
-    """run()'s result, its wall ms (synchronized at both ends) and its kernels (profile_train.kernel_events)."""
+def profiled(run, trace: Path | None = None) -> tuple[list, float, list]:
+    """run()'s result, its wall ms (synchronized at both ends) and its kernels (profile_train.kernel_events); the
+    profile as a Chrome trace (gzipped) to trace when given."""
     on_gpu = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     sync()
@@ -187,6 +193,9 @@ def profiled(run) -> tuple[list, float, list]:
         result = run()
         sync()
         wall_ms = 1e3 * (time.perf_counter() - start)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))  # a name ending in .gz is written gzipped
     return result, wall_ms, kernel_events(prof, on_gpu)
 
 
@@ -228,7 +237,7 @@ def measure(case: Case, variant: str, transformers, config, state: dict, batches
     graphs = dynamo["stats"]["unique_graphs"]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # after the warm-up: the steady state, not compilation's autotuning
-    timed_losses, ms = timed_ms(lambda: steps(args.warmup, args.steps))
+    timed_losses, ms, host_ms = timed_ms(lambda: steps(args.warmup, args.steps))
     # CUDA graphs keep their tensors in a private pool that max_memory_allocated misses; the pool is reserved memory
     peak_mib, reserved_mib = ((torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20)
                               if torch.cuda.is_available() else (None, None))
@@ -238,11 +247,13 @@ def measure(case: Case, variant: str, transformers, config, state: dict, batches
         else {"graphs": None, "graph_breaks": None, "recompiles": None}
     idle, limit = None, None
     if args.profile_steps:
-        profile_losses, wall_ms, kernels = profiled(lambda: steps(args.warmup + args.steps, args.profile_steps))
+        trace = args.out / "traces" / f"{case.name}-{variant.replace('+', '-')}.json.gz" if args.traces else None
+        profile_losses, wall_ms, kernels = profiled(lambda: steps(args.warmup + args.steps, args.profile_steps), trace)
         timed_losses += profile_losses
         idle = 1 - busy_ms(kernels) / wall_ms if torch.cuda.is_available() else None
         limit = limit_ms(kernels, args.profile_steps)
     fields = {"tokens_per_s": case.tokens * args.steps / (ms / 1e3), "ms_per_step": ms / args.steps,
+              "host_ms_per_step": host_ms / args.steps,
               "peak_mib": peak_mib, "reserved_mib": reserved_mib, "warmup_s": warmup_s,
               "losses": torch.stack(losses + timed_losses).tolist(), "idle_fraction": idle, **compiled}
     return fields, limit
@@ -271,8 +282,8 @@ def run_case(case: Case, args, report: dict) -> None:
     batches = token_batches(case, config.vocab_size, args.warmup + args.steps + args.profile_steps, args.seed)
     for variant in args.variants:
         row = {"case": case.name, "variant": variant, "tokens_per_s": None, "ms_per_step": None, "peak_mib": None,
-               "reserved_mib": None, "warmup_s": None, "losses": [], "loss_diff_final": None, "idle_fraction": None,
-               "limit_multiple": None, "graphs": None, "graph_breaks": None, "recompiles": None, "error": None}
+               "reserved_mib": None, "warmup_s": None, "host_ms_per_step": None, "losses": [], "loss_diff_final": None,
+               "idle_fraction": None, "limit_multiple": None, "graphs": None, "graph_breaks": None, "recompiles": None, "error": None}
         try:
             with C.hugging_face_kept(transformers):
                 fields, limit = measure(case, variant, transformers, config, state, batches, args)
@@ -300,7 +311,7 @@ def row_line(row: dict) -> str:
     if row["error"]:
         return f"{row['case']} {row['variant']}: error: {row['error']}"
     return (f"{row['case']} {row['variant']}: {row['tokens_per_s']:,.0f} tokens/s, {row['ms_per_step']:.1f} ms/step "
-            f"({fmt(row['limit_multiple'], '.2f')}x limit), peak {fmt(row['peak_mib'], ',.0f')} MiB "
+            f"({fmt(row['limit_multiple'], '.2f')}x limit; host {fmt(row['host_ms_per_step'], '.1f')} ms), peak {fmt(row['peak_mib'], ',.0f')} MiB "
             f"(reserved {fmt(row['reserved_mib'], ',.0f')}), warm-up "
             f"{row['warmup_s']:.1f} s, idle {fmt(row['idle_fraction'], '.0%')}, final loss {row['losses'][-1]:.4f} "
             f"(vs hf {fmt(row['loss_diff_final'], '.1e')})"
@@ -349,14 +360,14 @@ def compile_counts(row: dict) -> str:
 
 def case_table(rows: list[dict], limit: float | None) -> list[str]:
     peer = best(rows, PEERS)
-    lines = ["| variant | tokens/s | vs best peer | ms/step | x limit | peak MiB | reserved MiB | warm-up s | idle | "
-             "loss diff | graphs / breaks / recompiles | error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| variant | tokens/s | vs best peer | ms/step | x limit | host ms | peak MiB | reserved MiB | warm-up s | "
+             "idle | loss diff | graphs / breaks / recompiles | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         vs_peer = r["tokens_per_s"] / peer["tokens_per_s"] if peer and r["tokens_per_s"] else None
         lines.append(f"| {r['variant']} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(vs_peer, '.2f')} | "
                      f"{fmt(r['ms_per_step'], '.1f')} | {fmt(r['limit_multiple'], '.2f')} | "
-                     f"{fmt(r['peak_mib'], ',.0f')} | {fmt(r['reserved_mib'], ',.0f')} | {fmt(r['warmup_s'], '.1f')} | "
+                     f"{fmt(r.get('host_ms_per_step'), '.1f')} | {fmt(r['peak_mib'], ',.0f')} | {fmt(r['reserved_mib'], ',.0f')} | {fmt(r['warmup_s'], '.1f')} | "
                      f"{fmt(r['idle_fraction'], '.0%')} | "
                      f"{fmt(r['loss_diff_final'], '.1e')} | {compile_counts(r)} | "
                      f"{(r['error'] or '')[:200].replace('|', '/')} |")
@@ -471,6 +482,7 @@ def parse_args(argv):
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: no idle, no limit)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--traces", action="store_true", help="the profiled steps as Chrome traces in OUT/traces/")
     ap.add_argument("--tag", default="", help="file-name suffix: <gpu>-train-speed-TAG.*")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSONs into one report in --out")
     ap.add_argument("--out", type=Path, required=True)

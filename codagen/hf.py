@@ -403,9 +403,11 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         _refuse_call("its weights are on the meta device, where no kernel runs; load them first (from_pretrained, "
                      "or to_empty() and load_state_dict())")
     batch, seq, dim = inputs_embeds.shape
+    # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
+    # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
+    mask = _causal_mask(api, config, inputs_embeds, attention_mask, position_ids)
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
-    mask = _causal_mask(api, config, inputs_embeds, attention_mask, position_ids)
     positions = position_ids.expand(batch, seq).reshape(-1)
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)

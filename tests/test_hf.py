@@ -353,6 +353,25 @@ def test_forward_repeats_no_host_work_that_does_not_depend_on_its_inputs(monkeyp
         model(input_ids=ids, labels=labels)
 
 
+def test_packed_sequences_are_looked_for_only_in_given_position_ids(monkeypatch):
+    """transformers looks for packed sequences in the position_ids its mask builder is given, a host sync on a GPU
+    (`.all()` of a device tensor) that made the GPU wait for the host's whole next forward at every step. Positions
+    the patched model makes itself are one sequence per row: the builder does not get them; position_ids a caller
+    gives it does, as in the unpatched model."""
+    from transformers import masking_utils
+
+    looked = []
+    find = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: looked.append(p) or find(p))
+    model = apply_codagen(tiny_llama())
+    ids, labels = tokens_and_labels()
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert looked == []
+    positions = torch.arange(ids.shape[1], device=DEVICE).expand_as(ids)
+    model(input_ids=ids, labels=labels, position_ids=positions)
+    assert len(looked) == 1 and torch.equal(looked[0], positions)
+
+
 def test_deep_copy_of_a_patched_model_is_checked_on_its_own():
     model = apply_codagen(tiny_llama())
     copied = copy.deepcopy(model)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, on_device
-from .ops import interpreted_op
+from .ops import opaque_op
 
 _SUM, _RSTD, _LOGSUMEXP = 0, 1, 2
 
@@ -47,7 +47,7 @@ def _reduce_tiles_kernel(
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 
-@interpreted_op("reduce_tiles", fake=lambda x, op, scale=1.0, eps=0.0: x.new_empty(x.shape[:1]))
+@opaque_op("reduce_tiles", fake=lambda x, op, scale=1.0, eps=0.0: x.new_empty(x.shape[:1]))
 def _reduce_tiles(x: torch.Tensor, op: int, scale: float = 1.0, eps: float = 0.0) -> torch.Tensor:
     if x.dim() != 2 or x.dtype != torch.float32:
         raise ValueError(f"partial-reduction buffers are float32 [rows, tiles], got {x.dtype} {tuple(x.shape)}")
@@ -87,7 +87,7 @@ def scale_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@interpreted_op("scale", fake=lambda x, factor: None, mutates_args=("x",))
+@opaque_op("scale", fake=lambda x, factor: None, mutates_args=("x",))
 def _scale(x: torch.Tensor, factor: torch.Tensor) -> None:
     block = 4096
     with on_device(x.device):
@@ -168,7 +168,7 @@ def cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.T
                           reduction == "mean", empty_mean == "nan")
 
 
-@interpreted_op("cross_entropy", fake=lambda lse, target_logit, target, *_: (lse.new_empty(()),
+@opaque_op("cross_entropy", fake=lambda lse, target_logit, target, *_: (lse.new_empty(()),
                                                                               lse.new_empty(target.shape)))
 def _cross_entropy(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, ignore_index: int,
                    classes: int, mean: bool, empty_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +287,7 @@ def _reduce_loss_fake(x, target, token_weights, classes, ignore_index, reduction
     return x.new_empty(target.shape if reduction == 2 else ()), x.new_empty(target.shape)
 
 
-@interpreted_op("reduce_loss", fake=_reduce_loss_fake)
+@opaque_op("reduce_loss", fake=_reduce_loss_fake)
 def _reduce_loss(x: torch.Tensor, target: torch.Tensor, token_weights: torch.Tensor | None, classes: int,
                  ignore_index: int, reduction: int, empty_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if INTERPRETED:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import on_device
-from .ops import interpreted_op
+from .ops import opaque_op
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _merge_heads_fake(q, k, v):
     return q.new_empty(q.shape[0], q.shape[2], (q.shape[1] + 2 * k.shape[1]) * q.shape[3])
 
 
-@interpreted_op("merge_heads", fake=_merge_heads_fake)
+@opaque_op("merge_heads", fake=_merge_heads_fake)
 def merge_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[batch, q_heads, seq, head_dim] q and [batch, kv_heads, seq, head_dim] k and v, in any strides, -> their
     [batch, seq, (q_heads + 2 * kv_heads) * head_dim] concatenation by heads, in one kernel."""

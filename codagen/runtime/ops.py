@@ -89,18 +89,15 @@ def no_backward(kernel: str, module: str):
     return backward
 
 
-def interpreted_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
-    """Decorator of a runtime function that launches a Triton kernel itself (the finish steps, merge_heads). On a
-    GPU, torch.compile traces such a launch as a user-defined Triton kernel, which Inductor launches from its own
-    code. Triton's interpreter cannot be traced (it runs the kernel's Python on the tensors' data), so there,
-    while torch.compile traces, the function runs as the opaque op `codagen_runtime::<name>` with `fake` for
-    its outputs' shapes: a compiled model keeps one graph on the CPU too. Elsewhere the function runs as it is."""
+def opaque_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator of a runtime function that launches a Triton kernel itself (the finish steps, merge_heads): while
+    torch.compile traces, the function runs as the opaque op `codagen_runtime::<name>` with `fake` for its outputs'
+    shapes; other calls run it as it is. Traced as a user-defined Triton kernel instead, each call site would be
+    compiled to Triton IR once more for Inductor's mutation analysis (minutes for a 16-layer model's first step),
+    and Triton's interpreter (no GPU) cannot be traced at all: as an op, a compiled model is one graph, the same
+    on the CPU and on a GPU."""
 
     def wrap(fn: Callable) -> Callable:
-        from . import INTERPRETED
-
-        if not INTERPRETED:
-            return fn
         op = torch.library.custom_op(f"codagen_runtime::{name}", fn, mutates_args=mutates_args)
         op.register_fake(fake)
 
