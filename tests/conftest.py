@@ -15,6 +15,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import importlib  # noqa: E402
 import inspect  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -29,6 +30,19 @@ from codagen.runtime import Config  # noqa: E402
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 TEST_SPECS = TESTS / "specs"
+# a one-line error of the CLI: file:line:col: message
+ERROR_LINE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>\S.*)$")
+# a valid kernel spec, for tests that need one on disk
+SCALED_SPEC = """\
+kernel: scaled
+doc: Scales the GEMM result by a column vector.
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], v: [N]}
+outputs: {o: [M, N]}
+epilogue:
+  - scale: {x: acc, by: v, out: s}
+  - store: {x: s, to: o}
+"""
 PACKAGE = "cg_test_generated"
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Where the kernels run: the GPU when there is one (compiled Triton), else the CPU (the interpreter).

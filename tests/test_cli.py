@@ -10,21 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ERROR_LINE, SCALED_SPEC
 
 REPO = Path(__file__).resolve().parent.parent
 SPECS = REPO / "specs"
-ERROR_LINE = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>\S.*)$")
-
-GOOD = """\
-kernel: scaled
-doc: Scales the GEMM result by a column vector.
-gemm: {a: a, b: b}
-inputs: {a: [M, K], b: [N, K], v: [N]}
-outputs: {o: [M, N]}
-epilogue:
-  - scale: {x: acc, by: v, out: s}
-  - store: {x: s, to: o}
-"""
 
 THREE_ERRORS = """\
 kernel: three
@@ -47,7 +36,7 @@ def run(*args: str, cwd: Path, program: list[str] | None = None) -> subprocess.C
 @pytest.fixture
 def ws(tmp_path) -> Path:
     (tmp_path / "specs").mkdir()
-    (tmp_path / "specs" / "scaled.yaml").write_text(GOOD)
+    (tmp_path / "specs" / "scaled.yaml").write_text(SCALED_SPEC)
     return tmp_path
 
 
@@ -75,7 +64,7 @@ def test_validate_the_repository_specs():
 
 
 def test_validate_a_bad_spec(ws):
-    (ws / "specs" / "bad.yaml").write_text(GOOD.replace("scaled", "bad").replace("to: o}", "to: oo}"))
+    (ws / "specs" / "bad.yaml").write_text(SCALED_SPEC.replace("scaled", "bad").replace("to: o}", "to: oo}"))
     result = run("validate", "specs", cwd=ws)
     assert result.returncode == 1
     assert result.stdout == ""
@@ -88,7 +77,7 @@ def test_validate_a_bad_spec(ws):
 
 def test_validate_reports_every_error_of_every_file(ws):
     (ws / "specs" / "three.yaml").write_text(THREE_ERRORS)
-    (ws / "specs" / "tagged.yaml").write_text(GOOD.replace("kernel: scaled", "kernel: !!python/name:os.system x"))
+    (ws / "specs" / "tagged.yaml").write_text(SCALED_SPEC.replace("kernel: scaled", "kernel: !!python/name:os.system x"))
     result = run("validate", "specs", cwd=ws)
     assert result.returncode == 1
     found = [(m["file"], int(m["line"]), int(m["col"])) for m in error_lines(result.stderr)]
@@ -100,9 +89,9 @@ def test_validate_reports_every_error_of_every_file(ws):
 
 def test_hostile_specs_give_messages_not_tracebacks(ws):
     (ws / "specs" / "deep.yaml").write_text("kernel: " + "[" * 5000 + "]" * 5000 + "\n")
-    (ws / "specs" / "huge.yaml").write_text(GOOD + "#" * (300 * 1024) + "\n")
-    (ws / "specs" / "latin1.yaml").write_bytes(GOOD.replace("Scales", "Sc\xe4les").encode("latin-1"))
-    (ws / "specs" / "injection.yaml").write_text(GOOD.replace("out: s}", 'out: "s\\nimport os"}'))
+    (ws / "specs" / "huge.yaml").write_text(SCALED_SPEC + "#" * (300 * 1024) + "\n")
+    (ws / "specs" / "latin1.yaml").write_bytes(SCALED_SPEC.replace("Scales", "Sc\xe4les").encode("latin-1"))
+    (ws / "specs" / "injection.yaml").write_text(SCALED_SPEC.replace("out: s}", 'out: "s\\nimport os"}'))
     result = run("validate", "specs", cwd=ws)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr

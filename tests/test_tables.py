@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 
 import pytest
@@ -22,22 +21,11 @@ from codagen.cli import main
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from codagen.tune import tables
-from conftest import TEST_SPECS, within_seconds
+from conftest import ERROR_LINE, SCALED_SPEC, TEST_SPECS, within_seconds
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 CPU = torch.device("cpu")
-LOCATED = re.compile(r"^(?P<file>[^:\n]+):(?P<line>\d+):(?P<col>\d+): (?P<message>\S.*)$")
 
-SCALED = """\
-kernel: scaled
-doc: Scales the GEMM result by a column vector.
-gemm: {a: a, b: b}
-inputs: {a: [M, K], b: [N, K], v: [N]}
-outputs: {o: [M, N]}
-epilogue:
-  - scale: {x: acc, by: v, out: s}
-  - store: {x: s, to: o}
-"""
 GOOD = Config(64, 64, 32, 8, 4, 2)
 SPLIT_GROUPS = Config(64, 16, 32, 8, 4, 1, epilogue_split=4)  # 4 columns at a time: cuts t_group_reduce's groups of 8
 TOO_BIG = Config(512, 512, 512, 8, 8, 2)  # one stage of its operand tiles: 1 MiB of shared memory
@@ -52,7 +40,7 @@ def ws(tmp_path, monkeypatch):
     """A working folder with specs/ (scaled, and t_group_reduce with its column groups of 8) built into generated/;
     returns name -> a function writing that kernel's table for 'test-gpu' with the given shapes."""
     (tmp_path / "specs").mkdir()
-    (tmp_path / "specs" / "scaled.yaml").write_text(SCALED)
+    (tmp_path / "specs" / "scaled.yaml").write_text(SCALED_SPEC)
     shutil.copy(TEST_SPECS / "t_group_reduce.yaml", tmp_path / "specs")
     monkeypatch.chdir(tmp_path)
     api.build(["specs"], "generated")
@@ -173,7 +161,7 @@ def test_check_names_a_corrupt_table_at_its_place(ws, name, how, words, one_entr
     code, output = check()
     assert code == 1, output
     (line,) = [line for line in output.splitlines() if "tuning table" in line]
-    located = LOCATED.match(line)
+    located = ERROR_LINE.match(line)
     assert located and located["file"] == "generated/tuning/test-gpu/scaled.json", line
     if one_entry:
         assert "tuning table generated/tuning/test-gpu/scaled.json: " in line and "; delete the entry" in line
