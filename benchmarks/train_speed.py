@@ -14,18 +14,24 @@ their wall time in which no kernel runs (idle) and, from Hugging Face's own kern
 per step of its GEMM, attention and optimizer kernels, what is left if everything else were free. Precision bf16:
 bfloat16 parameters; amp: fp32 parameters, the forward under torch.autocast(bfloat16), as Trainer(bf16=True).
 
-Writes <gpu>-train-speed.json, .md and .png (the chart: when matplotlib is installed) into --out after every case,
-so a run cut off by a time limit keeps the cases it finished; --merge joins the JSONs of several runs on one GPU.
+Writes <gpu>-train-speed.json, .md and .png (the chart: when matplotlib is installed) into --out after every
+variant, so a run cut off by a time limit keeps the variants it finished; --variant-limit ends a variant that runs
+longer (a compilation that never finishes) with an error in its row and goes on; --traces and --host-profile
+write the profiled steps' Chrome traces and a cProfile of the host's time per variant; --merge joins the JSONs of several runs on one GPU.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import importlib.util
 import json
 import math
+import pstats
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -199,6 +205,18 @@ def profiled(run, trace: Path | None = None) -> tuple[list, float, list]:
     return result, wall_ms, kernel_events(prof, on_gpu)
 
 
+def host_profile(run, path: Path) -> None:
+    """run() under cProfile, synchronized at the end; its functions by own time and by cumulative time to path."""
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    sync()
+    text = io.StringIO()
+    for order in ("tottime", "cumtime"):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(50)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+
+
 def busy_ms(kernels: list) -> float:
     """The union of the kernels' intervals: overlapping kernels (streams) count once."""
     total, end = 0.0, -math.inf
@@ -252,6 +270,9 @@ def measure(case: Case, variant: str, transformers, config, state: dict, batches
         timed_losses += profile_losses
         idle = 1 - busy_ms(kernels) / wall_ms if torch.cuda.is_available() else None
         limit = limit_ms(kernels, args.profile_steps)
+    if args.host_profile:  # the timed steps' batches once more under cProfile: where the host's time goes
+        host_profile(lambda: steps(args.warmup, args.steps),
+                     args.out / "host" / f"{case.name}-{variant.replace('+', '-')}.txt")
     fields = {"tokens_per_s": case.tokens * args.steps / (ms / 1e3), "ms_per_step": ms / args.steps,
               "host_ms_per_step": host_ms / args.steps,
               "peak_mib": peak_mib, "reserved_mib": reserved_mib, "warmup_s": warmup_s,
@@ -273,8 +294,17 @@ def error_message(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+class VariantTimeout(Exception):
+    pass
+
+
+def over_time(signum, frame):
+    raise VariantTimeout("did not finish within --variant-limit")
+
+
 def run_case(case: Case, args, report: dict) -> None:
-    """Every variant of one case into the report's rows; Hugging Face's kernels give the case's limit."""
+    """Every variant of one case into the report's rows, the report written after each; Hugging Face's kernels give
+    the case's limit."""
     import transformers
 
     config = transformers.LlamaConfig(**MODELS[case.model], attn_implementation="sdpa", use_cache=False)
@@ -285,17 +315,21 @@ def run_case(case: Case, args, report: dict) -> None:
                "reserved_mib": None, "warmup_s": None, "host_ms_per_step": None, "losses": [], "loss_diff_final": None,
                "idle_fraction": None, "limit_multiple": None, "graphs": None, "graph_breaks": None, "recompiles": None, "error": None}
         try:
+            signal.alarm(args.variant_limit)  # 0: none
             with C.hugging_face_kept(transformers):
                 fields, limit = measure(case, variant, transformers, config, state, batches, args)
+            signal.alarm(0)
             row.update(fields)
             if variant == "hf" and limit:
                 report["limits"][case.name] = limit
         except Exception as error:  # noqa: BLE001  (out of memory included: the run goes on)
+            signal.alarm(0)
             row["error"] = error_message(error)
         free()  # after the except clause: the traceback held the variant's model
         report["rows"].append(row)
         compare(report["rows"], report["limits"])
         print(row_line(row), flush=True)
+        print(f"wrote {write(report, args.out, args.tag)}", flush=True)
 
 
 def compare(rows: list[dict], limits: dict) -> None:
@@ -481,14 +515,18 @@ def parse_args(argv):
     ap.add_argument("--warmup", type=int, default=3, help="steps before the timing (compilation, tuning)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: no idle, no limit)")
+    ap.add_argument("--variant-limit", type=int, default=0, metavar="SECONDS",
+                    help="a variant still running after this long ends with an error in its row (0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--traces", action="store_true", help="the profiled steps as Chrome traces in OUT/traces/")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="the timed steps once more under cProfile, after the timing: OUT/host/<case>-<variant>.txt")
     ap.add_argument("--tag", default="", help="file-name suffix: <gpu>-train-speed-TAG.*")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSONs into one report in --out")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 0:
-        ap.error("--steps must be positive, --warmup and --profile-steps not negative")
+    if args.steps < 1 or min(args.warmup, args.profile_steps, args.variant_limit) < 0:
+        ap.error("--steps must be positive, --warmup, --profile-steps and --variant-limit not negative")
     return args
 
 
@@ -501,10 +539,9 @@ def main(argv=None) -> dict:
         return report
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu_name(), "versions": versions(),
               "command": shlex.join(["python3", "benchmarks/train_speed.py", *argv]), "rows": [], "limits": {}}
+    signal.signal(signal.SIGALRM, over_time)
     for name in args.cases:
         run_case(CASES[name], args, report)
-        path = write(report, args.out, args.tag)  # after every case: a run cut off keeps what it finished
-    print(f"wrote {path}", flush=True)
     return report
 
 

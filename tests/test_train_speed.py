@@ -62,3 +62,21 @@ def test_each_variant_gets_hugging_face_own_llama():
     with train_speed.C.hugging_face_kept(transformers):
         module.LlamaMLP = module.apply_rotary_pos_emb = None
     assert module.LlamaMLP is mlp and module.apply_rotary_pos_emb is rope
+
+
+def test_a_variant_over_its_limit_is_an_error_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    """--variant-limit: a variant that never finishes (a compilation that hangs) ends with an error in its row, the
+    report holding it is written, and the next variant runs."""
+    import time
+
+    def hangs(model):
+        time.sleep(60)
+        return model
+
+    monkeypatch.setitem(train_speed.VARIANTS, "hangs", hangs)
+    report = train_speed.main(["--cases", "tiny-2x16-bf16", "--variants", "hangs,hf", "--warmup", "0", "--steps", "1",
+                               "--profile-steps", "0", "--variant-limit", "2", "--out", str(tmp_path)])
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["hangs"]["error"] == "VariantTimeout: did not finish within --variant-limit"
+    assert rows["hf"]["error"] is None and rows["hf"]["tokens_per_s"] > 0
+    assert "did not finish" in (tmp_path / f"{report['gpu']}-train-speed.md").read_text()
