@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import gc
 import io
 import importlib.util
@@ -109,9 +110,11 @@ def with_liger(model):
 
 
 def codagen_cudagraphs(model):
+    """The patched model's steps replayed as CUDA graphs (torch.compile's cudagraphs backend: Dynamo captures the
+    forward and backward, no Inductor): no host work per launch."""
     if not torch.cuda.is_available():
         raise Skipped("CUDA graphs need a GPU: skipped on the CPU")
-    return torch.compile(codagen.hf.apply_codagen(model), mode="reduce-overhead")
+    return torch.compile(codagen.hf.apply_codagen(model), backend="cudagraphs")
 
 
 # variant -> how it makes its model out of a fresh Hugging Face one
@@ -316,14 +319,18 @@ def run_case(case: Case, args, report: dict) -> None:
                "idle_fraction": None, "limit_multiple": None, "graphs": None, "graph_breaks": None, "recompiles": None, "error": None}
         try:
             signal.alarm(args.variant_limit)  # 0: none
+            if args.variant_limit > 2:  # where every thread was, into the log: what a variant over its limit waits on
+                faulthandler.dump_traceback_later(args.variant_limit - 2)
             with C.hugging_face_kept(transformers):
                 fields, limit = measure(case, variant, transformers, config, state, batches, args)
             signal.alarm(0)
+            faulthandler.cancel_dump_traceback_later()
             row.update(fields)
             if variant == "hf" and limit:
                 report["limits"][case.name] = limit
         except Exception as error:  # noqa: BLE001  (out of memory included: the run goes on)
             signal.alarm(0)
+            faulthandler.cancel_dump_traceback_later()
             row["error"] = error_message(error)
         free()  # after the except clause: the traceback held the variant's model
         report["rows"].append(row)

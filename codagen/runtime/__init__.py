@@ -46,12 +46,13 @@ from dataclasses import dataclass  # noqa: E402
 
 from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
 from .configs import Config, pick_config  # noqa: E402
+from .launcher import Launcher  # noqa: E402
 from .ops import kernel_op, no_backward  # noqa: E402
 
 __all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "host_scalar", "Aliasing", "pick_config",
            "dot_settings", "needs_int64", "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned",
            "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "kernel_op", "no_backward",
-           "row_chunks", "ChunkSum"]
+           "row_chunks", "ChunkSum", "Launcher"]
 
 
 def dot_settings(dtype: torch.dtype) -> dict:

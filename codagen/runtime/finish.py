@@ -7,11 +7,13 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETED, on_device
+from .launcher import Launcher
 from .ops import opaque_op
 
 _SUM, _RSTD, _LOGSUMEXP = 0, 1, 2
 
 
+@Launcher  # Triton's argument binding once per kind of call
 @triton.jit
 def _reduce_tiles_kernel(
     x_ptr, out_ptr,
@@ -66,6 +68,7 @@ def _reduce_tiles(x: torch.Tensor, op: int, scale: float = 1.0, eps: float = 0.0
     return out
 
 
+@Launcher  # Triton's argument binding once per kind of call
 @triton.jit
 def _scale_kernel(x_ptr, factor_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -114,6 +117,7 @@ def logsumexp_tiles(x: torch.Tensor) -> torch.Tensor:
 
 # debug=True keeps the target check below on a GPU: a failed check is a device-side assert, as in PyTorch's
 # own CUDA cross-entropy, with no host sync (debug also checks this kernel's integer arithmetic: a small pass)
+@Launcher  # Triton's argument binding once per kind of call
 @triton.jit(debug=True)
 def _cross_entropy_kernel(
     lse_ptr, target_logit_ptr, target_ptr, loss_ptr, weight_ptr,
@@ -212,6 +216,7 @@ def row_weights(target: torch.Tensor, ignore_index: int, reduction: str,
     return weighted / torch.where(total == 0, 1.0, total)
 
 
+@Launcher  # Triton's argument binding once per kind of call
 @triton.jit(debug=True)
 def _reduce_loss_kernel(
     x_ptr, target_ptr, token_weight_ptr, loss_ptr, weight_ptr,

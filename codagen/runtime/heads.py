@@ -12,9 +12,11 @@ import triton
 import triton.language as tl
 
 from . import on_device
+from .launcher import Launcher
 from .ops import opaque_op
 
 
+@Launcher  # Triton's argument binding once per kind of call
 @triton.jit
 def _merge_heads_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seq, width, q_heads, kv_heads,

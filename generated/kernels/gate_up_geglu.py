@@ -154,6 +154,7 @@ def gate_up_geglu_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gate_up_geglu_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -176,7 +177,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_gate_up_desc = runtime.descriptor(w_gate_up, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        gate_up_geglu_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             h, w_gate_up, rstd, z, y,
             h_desc, w_gate_up_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -171,6 +171,7 @@ def geglu_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(geglu_dgrad_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -193,7 +194,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     grad_y_desc = runtime.descriptor(grad_y, plan.config.block_m, plan.config.block_k) if tma else None
     w_down_desc = runtime.descriptor(w_down, plan.config.block_k, plan.config.block_n) if tma else None
     with runtime.on_device(plan.device):
-        geglu_dgrad_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             grad_y, w_down, z, dz, zdz_part, y,
             grad_y_desc, w_down_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -192,6 +192,7 @@ def gemma_norm_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gemma_norm_dgrad_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -214,7 +215,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
     with runtime.on_device(plan.device):
-        gemma_norm_dgrad_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             dz, w, x, rstd, wn, zdz, dx, dwn_part, normed,
             dz_desc, w_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

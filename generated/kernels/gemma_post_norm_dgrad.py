@@ -125,6 +125,7 @@ def gemma_post_norm_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gemma_post_norm_dgrad_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -139,7 +140,7 @@ def launch(g, o, rstd, wn, dot, *, dout, config=None) -> None:
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        gemma_post_norm_dgrad_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             g, o, rstd, wn, dot, dout,
             plan.m, plan.n,
             g.stride(0), g.stride(1),

@@ -148,6 +148,7 @@ def gemma_post_norm_residual_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gemma_post_norm_residual_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -162,7 +163,7 @@ def launch(o, rstd, wn, x, wn_next, *, x_out, h, ss, config=None) -> None:
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        gemma_post_norm_residual_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             o, rstd, wn, x, wn_next, x_out, h, ss,
             plan.m, plan.n,
             o.stride(0), o.stride(1),

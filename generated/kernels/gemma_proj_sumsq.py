@@ -143,6 +143,7 @@ def gemma_proj_sumsq_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gemma_proj_sumsq_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -164,7 +165,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
     y_desc = runtime.descriptor(y, plan.config.block_m, plan.config.block_k) if tma else None
     w_desc = runtime.descriptor(w, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        gemma_proj_sumsq_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             y, w, o, ss,
             y_desc, w_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -108,6 +108,7 @@ def gemma_rmsnorm_stats_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(gemma_rmsnorm_stats_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -122,7 +123,7 @@ def launch(x, wn, *, h, ss, config=None) -> None:
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        gemma_rmsnorm_stats_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             x, wn, h, ss,
             plan.m, plan.n,
             x.stride(0), x.stride(1),

@@ -142,6 +142,7 @@ def lm_head_ce_dz_scaled_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(lm_head_ce_dz_scaled_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -156,7 +157,7 @@ def launch(logits, lse, target, p_weight, t_weight, *, dz, zdz_part, config=None
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        lm_head_ce_dz_scaled_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             logits, lse, target, p_weight, t_weight, dz, zdz_part,
             plan.m, plan.n,
             logits.stride(0), logits.stride(1),

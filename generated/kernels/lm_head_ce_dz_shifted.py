@@ -150,6 +150,7 @@ def lm_head_ce_dz_shifted_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(lm_head_ce_dz_shifted_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -164,7 +165,7 @@ def launch(logits, lse, target, p_weight, t_weight, u_weight, *, dz, zdz_part, c
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        lm_head_ce_dz_shifted_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             logits, lse, target, p_weight, t_weight, u_weight, dz, zdz_part,
             plan.m, plan.n,
             logits.stride(0), logits.stride(1),

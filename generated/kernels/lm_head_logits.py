@@ -164,6 +164,7 @@ def lm_head_logits_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(lm_head_logits_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -186,7 +187,7 @@ def launch(h, w_vocab, rstd, target, *, logits, lse_part, target_logit, config=N
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_vocab_desc = runtime.descriptor(w_vocab, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        lm_head_logits_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             h, w_vocab, rstd, target, logits, lse_part, target_logit,
             h_desc, w_vocab_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -141,6 +141,7 @@ def matmul_accumulate_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(matmul_accumulate_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -162,7 +163,7 @@ def launch(a, b, total, *, new_total, config=None) -> None:
     a_desc = runtime.descriptor(a, plan.config.block_m, plan.config.block_k) if tma else None
     b_desc = runtime.descriptor(b, plan.config.block_k, plan.config.block_n) if tma else None
     with runtime.on_device(plan.device):
-        matmul_accumulate_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             a, b, total, new_total,
             a_desc, b_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -166,6 +166,7 @@ def out_proj_residual_norm_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(out_proj_residual_norm_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -188,7 +189,7 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     y_desc = runtime.descriptor(y, plan.config.block_m, plan.config.block_k) if tma else None
     w_o_desc = runtime.descriptor(w_o, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        out_proj_residual_norm_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             y, w_o, x, wn, x_out, h, ss,
             y_desc, w_o_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

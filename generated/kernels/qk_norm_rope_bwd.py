@@ -189,6 +189,7 @@ def qk_norm_rope_bwd_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(qk_norm_rope_bwd_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -203,7 +204,7 @@ def launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz, zdz_p
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        qk_norm_rope_bwd_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz, zdz_part, dwn_qk_part,
             plan.m, plan.n,
             z.stride(0), z.stride(1),

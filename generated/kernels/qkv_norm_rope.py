@@ -154,6 +154,7 @@ def qkv_norm_rope_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(qkv_norm_rope_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -176,7 +177,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        qkv_norm_rope_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             h, w_qkv, rstd, positions, freqs, qkv,
             h_desc, w_qkv_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

@@ -210,6 +210,7 @@ def qkv_qk_norm_rope_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(qkv_qk_norm_rope_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -234,7 +235,7 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
     h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
     w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
     with runtime.on_device(plan.device):
-        qkv_qk_norm_rope_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, qkv, z, head_rstd,
             h_desc, w_qkv_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

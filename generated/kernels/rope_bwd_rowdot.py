@@ -123,6 +123,7 @@ def rope_bwd_rowdot_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(rope_bwd_rowdot_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -137,7 +138,7 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        rope_bwd_rowdot_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             qkv, grad_qkv, positions, freqs, dz, zdz_part,
             plan.m, plan.n,
             qkv.stride(0), qkv.stride(1),

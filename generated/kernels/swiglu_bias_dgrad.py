@@ -194,6 +194,7 @@ def swiglu_bias_dgrad_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(swiglu_bias_dgrad_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -216,7 +217,7 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
     grad_y_desc = runtime.descriptor(grad_y, plan.config.block_m, plan.config.block_k) if tma else None
     w_down_desc = runtime.descriptor(w_down, plan.config.block_k, plan.config.block_n) if tma else None
     with runtime.on_device(plan.device):
-        swiglu_bias_dgrad_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             grad_y, w_down, z, b_gate_up, dz, zdz_part, db_part, y,
             grad_y_desc, w_down_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),

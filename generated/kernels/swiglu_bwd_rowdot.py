@@ -119,6 +119,7 @@ def swiglu_bwd_rowdot_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(swiglu_bwd_rowdot_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -133,7 +134,7 @@ def launch(grad_y, z, *, dz, zdz_part, config=None) -> None:
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        swiglu_bwd_rowdot_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             grad_y, z, dz, zdz_part,
             plan.m, plan.n,
             grad_y.stride(0), grad_y.stride(1),

@@ -216,6 +216,7 @@ def gate_up_geglu_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(gate_up_geglu_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
@@ -231,7 +232,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gate_up_geglu_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(h, config),
             hopper.descriptor(w_gate_up, [config.block_n, config.block_k]),
             hopper.store_descriptor(z, [config.block_m, slice_n], config),

@@ -289,6 +289,7 @@ def gemma_norm_dgrad_residual_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(gemma_norm_dgrad_residual_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None) -> None:
@@ -304,7 +305,7 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gemma_norm_dgrad_residual_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(dz, config),
             hopper.descriptor(w, [config.block_k, config.block_n]),
             hopper.descriptor(x, [config.block_m, slice_n]),

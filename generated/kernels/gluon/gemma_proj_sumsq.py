@@ -208,6 +208,7 @@ def gemma_proj_sumsq_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(gemma_proj_sumsq_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(y, w, *, o, ss, config=None) -> None:
@@ -223,7 +224,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        gemma_proj_sumsq_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(y, config),
             hopper.descriptor(w, [config.block_n, config.block_k]),
             hopper.store_descriptor(o, [config.block_m, slice_n], config),

@@ -198,6 +198,7 @@ def lm_head_logsumexp_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(lm_head_logsumexp_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> None:
@@ -213,7 +214,7 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        lm_head_logsumexp_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(h, config),
             hopper.descriptor(w_vocab, [config.block_n, config.block_k]),
             rstd, target, lse_part, target_logit,

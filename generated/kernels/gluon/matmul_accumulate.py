@@ -229,6 +229,7 @@ def matmul_accumulate_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(matmul_accumulate_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(a, b, total, *, new_total, config=None) -> None:
@@ -244,7 +245,7 @@ def launch(a, b, total, *, new_total, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        matmul_accumulate_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(a, config),
             hopper.descriptor(b, [config.block_k, config.block_n]),
             hopper.descriptor(total, [config.block_m, slice_n]),

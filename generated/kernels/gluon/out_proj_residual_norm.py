@@ -250,6 +250,7 @@ def out_proj_residual_norm_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(out_proj_residual_norm_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
@@ -265,7 +266,7 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        out_proj_residual_norm_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(y, config),
             hopper.descriptor(w_o, [config.block_n, config.block_k]),
             hopper.descriptor(x, [config.block_m, slice_n]),

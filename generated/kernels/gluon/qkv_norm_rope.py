@@ -215,6 +215,7 @@ def qkv_norm_rope_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(qkv_norm_rope_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
@@ -230,7 +231,7 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        qkv_norm_rope_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(h, config),
             hopper.descriptor(w_qkv, [config.block_n, config.block_k]),
             hopper.store_descriptor(qkv, [config.block_m, slice_n], config),

@@ -256,6 +256,7 @@ def swiglu_dgrad_gluon_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks run once per signature
+_LAUNCH = runtime.Launcher(swiglu_dgrad_gluon_kernel)  # Triton's argument binding once per kind of call
 
 
 def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
@@ -271,7 +272,7 @@ def launch(grad_y, w_down, z, *, dz, zdz_part, y, config=None) -> None:
     plan.aliasing.check(tensors)
     slice_n = config.block_n // config.epilogue_split  # the columns of one epilogue slice
     with runtime.on_device(plan.device):
-        swiglu_dgrad_gluon_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             hopper.descriptor_a(grad_y, config),
             hopper.descriptor(w_down, [config.block_k, config.block_n]),
             hopper.descriptor(z, [config.block_m, 2 * slice_n]),
