@@ -314,3 +314,56 @@ def test_cross_entropy_block_specials_without_gradients(variant, planted, at, va
     """The forward alone (no logits stored, the loss from the LM-head epilogue's partials) too."""
     fused, want = _ce_block_run(variant, planted, at, value, grad=False)
     _masks_match(f"{variant} loss", fused["loss"], want["loss"])
+
+
+# Qwen3's QK-norm block: q and k heads normalized, v heads passed through. PyTorch never computes a statistic of
+# a v head, so a NaN or infinity in one v column must stay in that column (and its RoPE partner) and in the
+# gradients PyTorch's autograd gives, never spread over the head through its unused rstd.
+QK_HEADS, QK_KV_HEADS, QK_DIM, QK_M = 2, 1, 40, 19
+QK_V0 = (QK_HEADS + QK_KV_HEADS) * 128  # the first v column
+QK_PLANTS = [("x", (3, 5)), ("wn", (7,)), ("w_qkv", (10, 4)), ("w_qkv", (2 * 128 + 9, 11)), ("w_qkv", (QK_V0 + 6, 2)),
+             ("w_qkv", (QK_V0 + 101, 30)), ("q_norm", (17,)), ("k_norm", (64,)), ("freqs", (3,))]
+QK_CASES = [(planted, at, value) for planted, at in QK_PLANTS for value in SPECIALS]
+
+
+@pytest.mark.parametrize("planted, at, value", QK_CASES, ids=[f"{p}{list(a)}-{v}" for p, a, v in QK_CASES])
+def test_qwen3_pre_attention_specials_match_pytorch(planted, at, value):
+    """One NaN, +inf or -inf in one input of Qwen3PreAttention (a q, k or v row of w_qkv among them): qkv and every
+    gradient have NaN and infinities where PyTorch's definition of the layer and its autograd have them."""
+    from generated.blocks import NormStats, Qwen3PreAttention
+    from test_blocks import EPS
+    from test_qwen3 import qwen3_pre_attention_plain
+
+    heads, kv_heads, dim, m, hd = QK_HEADS, QK_KV_HEADS, QK_DIM, QK_M, 128
+    qkv_dim = (heads + 2 * kv_heads) * hd
+    g = torch.Generator().manual_seed(zlib.crc32(f"qk/{planted}/{at}".encode()))
+    inv = 1.0 / 1e6 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    values = {"x": torch.randn(m, dim, generator=g, dtype=torch.float64),
+              "wn": 1.0 + 0.2 * torch.randn(dim, generator=g, dtype=torch.float64),
+              "w_qkv": dim**-0.5 * torch.randn(qkv_dim, dim, generator=g, dtype=torch.float64),
+              "q_norm": 1.0 + 0.2 * torch.randn(hd, generator=g, dtype=torch.float64),
+              "k_norm": 1.0 + 0.2 * torch.randn(hd, generator=g, dtype=torch.float64),
+              "freqs": torch.cat([inv.repeat(heads + kv_heads), torch.zeros(kv_heads * hd // 2, dtype=torch.float64)])}
+    values[planted][at] = value
+    values = {k: v.float().to(DEVICE) for k, v in values.items()}
+    positions = torch.randint(1, 50, (m,), generator=g).to(DEVICE)
+    up_x = torch.randn(m, dim, generator=g, dtype=torch.float64).to(DEVICE)
+    up_qkv = torch.randn(m, qkv_dim, generator=g, dtype=torch.float64).to(DEVICE)
+    names = ["qkv", "x", "wn", "w_qkv", "q_norm", "k_norm"]
+
+    block = Qwen3PreAttention(dim, qkv_dim, EPS, device=DEVICE)
+    with torch.no_grad():
+        block.wn.copy_(values["wn"]), block.w_qkv.copy_(values["w_qkv"])
+    xb, qn, kn = (values[n].clone().requires_grad_() for n in ("x", "q_norm", "k_norm"))
+    wn_qk = torch.cat([qn.repeat(heads), kn.repeat(kv_heads), qn.new_zeros(kv_heads * hd)])
+    v_pass = torch.cat([torch.zeros((heads + kv_heads) * hd), torch.ones(kv_heads * hd)]).to(DEVICE)
+    h, rstd = NormStats(dim, EPS)(xb.detach(), block.wn.detach())
+    x_out, qkv = block(xb, h, rstd, positions, values["freqs"], wn_qk, v_pass)
+    got = torch.autograd.grad((x_out, qkv), [xb, block.wn, block.w_qkv, qn, kn], (up_x.float(), up_qkv.float()))
+    fused = dict(zip(names, [qkv, *got]))
+
+    leaves = [values[n].double().requires_grad_() for n in ("x", "wn", "w_qkv", "q_norm", "k_norm")]
+    qkv_plain = qwen3_pre_attention_plain(*leaves, positions, values["freqs"].double(), heads, kv_heads)
+    want = dict(zip(names, [qkv_plain, *torch.autograd.grad((leaves[0], qkv_plain), leaves, (up_x, up_qkv))]))
+    for name, value_got in fused.items():
+        _masks_match(f"Qwen3PreAttention {name}", value_got, want[name])
