@@ -7,24 +7,40 @@ chosen configuration, its time and the cuBLAS GEMM of the same shape, both measu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from codagen import api  # noqa: E402
+from codagen import api, tablefile  # noqa: E402
 from codagen.presets import PRESETS  # noqa: E402
 from codagen.runtime.configs import Config  # noqa: E402
 from codagen.tune.shapes import block_uses  # noqa: E402
 
 
+def read_tables(gpu: str, tuning_dir: Path) -> tuple[dict[str, dict], list[str]]:
+    """kernel -> its table's valid entries (shape key as the reader writes it -> entry), read by the one reader
+    of tuning tables (codagen/tablefile.py); and the reader's errors: files that are no tables, entries skipped
+    (a key that is no MxNxK, a configuration that does not construct), quoted."""
+    tables, skipped = {}, []
+    for path in sorted((tuning_dir / gpu).glob("*.json")):
+        try:
+            table = tablefile.read_table(path)
+        except (tablefile.TableError, FileNotFoundError) as e:
+            skipped.append(str(e) if isinstance(e, tablefile.TableError) else f"{tablefile.quoted(path)}: gone")
+            continue
+        tables[path.stem] = table.shapes
+        skipped += [str(bad) for bad in table.bad]
+    return tables, skipped
+
+
 def rows(gpu: str, tuning_dir: Path) -> tuple[dict[str, list[tuple]], list[tuple]]:
     """preset -> [(kernel, where, shape, entry or None)] in block order, for the presets the tables hold any
     shape of; and [(kernel, shape, entry)] for the other shapes the tables hold (tuned with --attrs, e.g. the
-    LM head's other chunk sizes, or at literal shapes)."""
+    LM head's other chunk sizes, or at literal shapes), by kernel and shape (the numbers, as the reader parses
+    them)."""
     specs = api.load([ROOT / "specs"])
-    tables = {path.stem: json.loads(path.read_text())["shapes"] for path in sorted((tuning_dir / gpu).glob("*.json"))}
+    tables, _ = read_tables(gpu, tuning_dir)
     out: dict[str, list[tuple]] = {}
     shown = set()
     for preset, model in PRESETS.items():
@@ -36,24 +52,33 @@ def rows(gpu: str, tuning_dir: Path) -> tuple[dict[str, list[tuple]], list[tuple
             out[preset] = found
     others = [(kernel, key, entry) for kernel, shapes in tables.items() for key, entry in shapes.items()
               if (kernel, key) not in shown]
-    return out, sorted(others, key=lambda o: (o[0], [int(d) for d in o[1].split("x")]))
+    return out, sorted(others, key=lambda o: (o[0], tablefile.shape_order(o[1])))
 
 
 def cells(name: str, entry: dict) -> str:
     """The configuration, ms, cuBLAS ms and ratio columns of an entry."""
-    cublas = entry.get("cuBLAS_ms")
-    ratio = f"{entry['ms'] / cublas:.2f}" if cublas else "-"
-    if cublas and "rounds" not in entry:
+    number = lambda v: v if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
+    ms, cublas = number(entry.get("ms")), number(entry.get("cuBLAS_ms"))
+    ratio = f"{ms / cublas:.2f}" if ms and cublas else "-"
+    if ms and cublas and "rounds" not in entry:
         ratio += " *"
-    if name == "matmul" and cublas:
-        ratio += f" (throughput {cublas / entry['ms']:.2f})"
-    return f"{Config(**entry['config']).label()} | {entry['ms']:.4g} | {cublas if cublas else '-'} | {ratio}"
+    if name == "matmul" and ms and cublas:
+        ratio += f" (throughput {cublas / ms:.2f})"
+    return (f"{Config(**entry['config']).label()} | {f'{ms:.4g}' if ms else '-'} | {cublas if cublas else '-'} | "
+            f"{ratio}")
 
 
 def markdown(gpu: str, tuning_dir: Path) -> str:
-    meta = next((json.loads(p.read_text()) for p in sorted((tuning_dir / gpu).glob("*.json"))), {})
+    meta = {}
+    for path in sorted((tuning_dir / gpu).glob("*.json")):
+        try:
+            meta = tablefile.read_json(path)
+            break
+        except (tablefile.TableError, FileNotFoundError):
+            continue
+    triton = meta.get("triton") if isinstance(meta.get("triton"), str) else "?"
     lines = [f"# codagen tuning tables: {gpu}", "",
-             f"From `generated/tuning/{gpu}/*.json` (triton {meta.get('triton', '?')}), written by "
+             f"From `generated/tuning/{gpu}/*.json` (triton {tablefile.quoted(triton)}), written by "
              "`codagen tune specs/ --shapes llama3-1b,llama3-8b`. Every candidate was checked against the float64 "
              "reference on NaN-prefilled outputs before it was timed. ms: do_bench median of the chosen "
              "configuration; cuBLAS: torch.matmul of the kernel's GEMM alone, same shape and operands; "
@@ -76,6 +101,11 @@ def markdown(gpu: str, tuning_dir: Path) -> str:
                   "", "| kernel | shape (MxNxK) | configuration | ms | cuBLAS ms | ratio |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {key} | {cells(name, entry)} |" for name, key, entry in others]
+        lines.append("")
+    _, skipped = read_tables(gpu, tuning_dir)
+    if skipped:
+        lines += ["## Skipped", "", "What the table reader refused (as `codagen build --check` reports it):", ""]
+        lines += [f"- {why}" for why in skipped]
         lines.append("")
     return "\n".join(lines)
 

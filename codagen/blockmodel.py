@@ -17,7 +17,7 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
     # left out
     "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
     "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
-    "logsumexp_tiles": (("x", "value"), ("out", "out")),
+    "logsumexp_tiles": (("x", "value"), ("inf_max", "choice?"), ("out", "out")),
     "add": (("x", "operand"), ("y", "operand"), ("out", "out")),
     "sub": (("x", "operand"), ("y", "operand"), ("out", "out")),
     "mul": (("x", "operand"), ("y", "operand"), ("out", "out")),
@@ -37,7 +37,7 @@ FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
                ("out", "out")),
 }
 # the values of each finish-step argument of kind choice: by argument, or by step.argument where a step differs
-CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"),
+CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"), "inf_max": ("keep", "nan"),
            "reduce_loss.reduction": ("mean", "sum", "none"), "row_weights.reduction": ("mean", "sum", "none")}
 TRANSPOSES = ("none", "a", "b")
 IN_PLACE = "in_place"  # the key of a kernel call that writes outputs over values the call reads

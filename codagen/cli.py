@@ -83,7 +83,9 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--shapes", required=True, metavar="PRESET|MxNxK,...",
               help=f"Model presets ({', '.join(PRESETS)}: each kernel at the shapes where the block specs among "
-                   "PATHS run it) and/or literal MxNxK shapes applied to every selected kernel, comma-separated.")
+                   "PATHS run it) and/or literal MxNxK shapes applied to every selected kernel, comma-separated. "
+                   "Refused: a size 0, an N no multiple of a kernel's column_group, operands over 128 GiB in bf16 "
+                   "(or the GPU's memory).")
 @click.option("--out", default="generated", show_default=True, type=click.Path(file_okay=False),
               help="Folder of the generated package; tables go to OUT/tuning/<gpu>/.")
 @click.option("--budget", type=click.FloatRange(min=0), default=None, metavar="SECONDS",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .quoting import quoted
-from .tileconfig import MAX_SHARED_BYTES, Config, fits_group, fits_shared, stage_bytes
+from .tileconfig import Config, fits_group, fits_shared, shared_bytes, stage_bytes
 
 # A table holds a few hundred bytes per shape tuned (the largest committed one, 12 KB): a larger file is no table.
 MAX_BYTES = 1 << 20
@@ -87,9 +87,10 @@ def read_table(path: str | Path, group: int | str | None = None, gemm: bool | No
     if not isinstance(shapes, dict):
         raise TableError(path, f"not a tuning table: {quoted(path)} (no JSON object of shapes)")
     table = Table(path, data, {}, {}, [])
+    gpu = table_gpu(path, data)
     for key, entry in shapes.items():
         try:
-            config = entry_config(key, entry, group, gemm)
+            config = entry_config(key, entry, group, gemm, gpu)
         except ValueError as e:
             table.bad.append(TableError(path, f"tuning table {quoted(path)}: entry {_shown(key)}: {e}",
                                         *_where(text, key), entry=True))
@@ -99,10 +100,20 @@ def read_table(path: str | Path, group: int | str | None = None, gemm: bool | No
     return table
 
 
-def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None) -> Config:
+def table_gpu(path: Path, data: dict) -> str | None:
+    """The GPU a table is for, as its shared memory is checked: the name its "gpu" field gives or its folder's
+    (tables live in <tuning>/<gpu>/), of the two the one with less shared memory (tileconfig.shared_bytes), so
+    that a field naming a larger GPU than the folder does not let through tiles the folder's GPU cannot run."""
+    names = [name for name in (data.get("gpu"), Path(path).parent.name) if isinstance(name, str) and name]
+    return min(names, key=shared_bytes, default=None)
+
+
+def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None,
+                 gpu: str | None = None) -> Config:
     """The configuration of a table's entry {"config": {...}} at shape `key`; ValueError, saying why, when the key
     is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
-    would cut its column groups (`group`), operand tiles larger than any GPU's shared memory."""
+    would cut its column groups (`group`), operand tiles larger than the shared memory of a program on `gpu`
+    (tileconfig.SHARED_BYTES_BY_GPU; any GPU's for None or a name it lacks)."""
     numbers = shape_numbers(key)
     if numbers is None:
         raise ValueError("the key is not a shape MxNxK of positive numbers in ASCII digits (K 0 without a GEMM), "
@@ -124,9 +135,10 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
     if not fits_group(config, group, n):
         raise ValueError(f"its epilogue runs on {config.epilogue_n} columns at a time, which cuts the kernel's "
                          f"column groups ({group}) at N = {n}")
-    if not fits_shared(config, has_gemm):
+    if not fits_shared(config, has_gemm, gpu):
         raise ValueError(f"one stage of its {config.block_m}x{config.block_n}x{config.block_k} operand tiles takes "
-                         f"{stage_bytes(config)} bytes of shared memory, more than a GPU has ({MAX_SHARED_BYTES})")
+                         f"{stage_bytes(config)} bytes of shared memory, more than a program may use on "
+                         f"{_shown(gpu) if gpu else 'any GPU'} ({shared_bytes(gpu)} bytes)")
     return config
 
 

@@ -3,6 +3,7 @@ library only, so that `codagen build --check` checks tuning tables' entries with
 codagen.runtime.configs, which chooses a launch's configuration, re-exports these."""
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 BACKENDS = ("tl", "gluon", "mm")
@@ -152,10 +153,32 @@ def fits_group(config: Config, group: int | str | None, n: int | None = None) ->
     return group is None or config.epilogue_n % group == 0
 
 
-# The most shared memory one program may use on the GPUs codagen tunes for (sm_90 and sm_100: 227 KiB). The tl
-# kernels run at least one operand stage (runtime.fitting_stages lowers the stages to what fits, down to that
-# one), so a tile whose one stage takes more fits no such GPU: every launch of it would fail.
+# The most shared memory one program may use (CUDA's shared memory per block, opt-in), by GPU: the first row
+# whose pattern matches words of a tuning table's GPU name (runtime.configs.gpu_key: the CUDA device name in
+# lowercase, '-' between words, e.g. 'nvidia-h100-80gb-hbm3', 'nvidia-a100-sxm4-80gb', 'nvidia-geforce-rtx-4090').
+# The tl kernels run at least one operand stage (runtime.fitting_stages lowers the stages to what fits, down to
+# that one), so a tile whose one stage takes more fits no such GPU: every launch of it would fail there.
+SHARED_BYTES_BY_GPU: tuple[tuple[str, int], ...] = (
+    (r"gh200|h100|h200|h800|h20", 232448),  # sm_90, Hopper: 227 KiB
+    (r"gb200|b100|b200|b300", 232448),  # sm_100, Blackwell data-center: 227 KiB
+    (r"a100|a800|a30", 166912),  # sm_80: 163 KiB
+    (r"a10g?|a16|a40|rtx-a[0-9]+|rtx-30[0-9]{2}(-ti)?", 101376),  # sm_86: 99 KiB
+    (r"l4|l20|l40s?|rtx-40[0-9]{2}(-ti)?|rtx-[0-9]+-ada(-generation)?", 101376),  # sm_89, Ada: 99 KiB
+    (r"rtx-50[0-9]{2}(-ti)?|rtx-pro-[0-9]+", 101376),  # sm_120, Blackwell workstation: 99 KiB
+    (r"v100", 98304),  # sm_70: 96 KiB
+    (r"t4|rtx-20[0-9]{2}(-ti)?", 65536),  # sm_75, Turing: 64 KiB
+)
+# A GPU none of the rows names (a new one, or a table of no GPU): the most of the GPUs codagen tunes for
 MAX_SHARED_BYTES = 232448
+
+
+def shared_bytes(gpu: str | None) -> int:
+    """The most shared memory one program may use on `gpu` (a tuning table's GPU name), by SHARED_BYTES_BY_GPU;
+    MAX_SHARED_BYTES for a name no row matches, or none."""
+    for pattern, limit in SHARED_BYTES_BY_GPU:
+        if isinstance(gpu, str) and re.search(rf"(?:^|-)(?:{pattern})(?:-|$)", gpu.lower()):
+            return limit
+    return MAX_SHARED_BYTES
 
 
 def stage_bytes(config: Config, element_size: int = 2) -> int:
@@ -163,7 +186,7 @@ def stage_bytes(config: Config, element_size: int = 2) -> int:
     return (config.block_m + config.block_n) * config.block_k * element_size
 
 
-def fits_shared(config: Config, gemm: bool = True) -> bool:
-    """Whether the config's operand tiles fit a program's shared memory; without a GEMM, or with backend "mm"
-    (torch.mm makes the product), there are none."""
-    return not gemm or config.backend == "mm" or stage_bytes(config) <= MAX_SHARED_BYTES
+def fits_shared(config: Config, gemm: bool = True, gpu: str | None = None) -> bool:
+    """Whether the config's operand tiles fit a program's shared memory on `gpu` (shared_bytes; any GPU codagen
+    tunes for when None); without a GEMM, or with backend "mm" (torch.mm makes the product), there are none."""
+    return not gemm or config.backend == "mm" or stage_bytes(config) <= shared_bytes(gpu)

@@ -19,6 +19,7 @@ import codagen_variants  # noqa: E402
 import fused_kernels  # noqa: E402
 import report  # noqa: E402
 import runners  # noqa: E402
+import tuning_report  # noqa: E402
 from harness import Row, run_case  # noqa: E402
 from runners import CUBLAS, MAX_AUTOTUNE  # noqa: E402
 
@@ -163,6 +164,32 @@ def test_rows_become_the_report(tmp_path):
     assert "| pattern | liger | codagen |\n|---|---|---|\n| lm_ce.fwdbwd | 1,008 | 900 |" in text  # peak memory
     assert "codagen / cuBLAS GEMMs alone=1.50  eager=0.75" in report.summary(rows)
     assert "peak MiB: liger=1,008  codagen=900" in report.summary(rows)
+
+
+def test_tuning_report_sorts_shapes_by_number_and_lists_what_the_reader_refused(tmp_path):
+    """Shape keys sorted by their numbers as the table reader parses them (8192 before 32768, 16 before 128), keys
+    that are no shape (which int() failed on) and files that are no table listed as refused, quoted on one line,
+    never a traceback or a raw key."""
+    folder = tmp_path / "test-gpu"
+    folder.mkdir()
+    config = {"block_m": 64, "block_n": 64, "block_k": 32, "group_m": 8, "num_warps": 4, "num_stages": 2}
+    good = lambda ms: {"config": config, "ms": ms, "cuBLAS_ms": 1.0}  # noqa: E731
+    shapes = {"32768x11x7": good(2.0), "8192x11x7": good(1.0), "abc": good(9.0), "1x1x1; touch pwned #": good(9.0),
+              "16x11x7": good(0.5), "\u00b2x1x1": good(9.0), "128x11x7": {"config": config, "ms": "fast"},
+              "64x11x7": {"config": {"bogus_field": 1}}}
+    (folder / "zz_made_up.json").write_text(json.dumps({"triton": "3.x", "shapes": shapes}))
+    (folder / "broken.json").write_text('{"shapes": {')
+    presets, others = tuning_report.rows("test-gpu", tmp_path)
+    assert presets == {}
+    assert [key for _, key, _ in others] == ["16x11x7", "128x11x7", "8192x11x7", "32768x11x7"]
+    text = tuning_report.markdown("test-gpu", tmp_path)
+    assert "| zz_made_up | 16x11x7 | 64x64x32 g8 w4 s2 | 0.5 | 1.0 | 0.50 * |" in text
+    assert "| zz_made_up | 128x11x7 | 64x64x32 g8 w4 s2 | - | - | - |" in text  # no time: no number made up
+    refused = text.split("## Skipped")[1]
+    assert "broken.json (invalid JSON" in refused
+    for key in ("'abc'", "'1x1x1; touch pwned #'", "'\\xb2x1x1'", "'64x11x7'"):
+        assert f"entry {key}: " in refused, key
+    assert "touch pwned" not in text.split("## Skipped")[0] and "\u00b2" not in text  # no key raw in a row
 
 
 def test_launch_kernel_writes_every_output():

@@ -277,10 +277,12 @@ def lm_head_mistake(tmp_path, old: str, new: str) -> list[str]:
     ("accumulate: matmul_accumulate}", "accumulate: matmul}", ") must add its GEMM to a total"),
     ("accumulate: matmul_accumulate}", "accumulate: lm_head_logits}", "kernel 'lm_head_logits'"),
     ("  sums: grad_sum", "  sums: float32", "matmul.accumulate: the gradients are summed in float32 here"),
-    ("  - logsumexp_tiles: {x: lse_part, out: lse}\n  - cross_entropy",
-     "  - logsumexp_tiles: {x: lse_part, out: lse}\n"
+    ("  - logsumexp_tiles: {x: lse_part, inf_max: nan, out: lse}\n  - cross_entropy",
+     "  - logsumexp_tiles: {x: lse_part, inf_max: nan, out: lse}\n"
      "  - matmul: {a: h, b: h, transpose: a, out: hh, accumulate: matmul_accumulate}\n  - cross_entropy",
      "matmul.accumulate: only a parameter's gradient that its GEMM sums over row chunks"),
+    ("inf_max: nan, out: lse}\n  - cross_entropy", "inf_max: inf, out: lse}\n  - cross_entropy",
+     "logsumexp_tiles.inf_max"),
     ("  after:\n", "  after:\n    - sum_tiles: {x: dwn_part, out: wn_total}\n",
      "'dwn_part' is made on each chunk of rows without the token dimension M"),
     ("forward_with_grads:\n", "backward_row_chunks: 4\nforward_with_grads:\n",

@@ -146,6 +146,29 @@ def test_logsumexp_tiles_follows_torch():
         assert_same_specials(f"{width} tiles", got, want, 1e-6)
 
 
+def test_logsumexp_tiles_as_log_softmax_normalizer_follows_torch():
+    """inf_max 'nan': the normalizer log_softmax subtracts, NaN where a row's largest value is infinite (and so
+    F.cross_entropy's loss of that row), finite rows as torch.logsumexp."""
+    inf, nan = float("inf"), float("nan")
+    partials = torch.tensor([
+        [1.0, 2.0, 3.0, 4.0, 5.0],
+        [1.0, nan, 3.0, 4.0, 5.0],
+        [1.0, inf, 3.0, 4.0, 5.0],
+        [inf, -inf, inf, 0.0, 1.0],
+        [-inf, -inf, -inf, -inf, -inf],
+        [-inf, -inf, -inf, -inf, 2.0],
+        [-200.0, 100.0, -inf, 80.0, 0.5],
+    ], device=DEVICE)
+    for width in (5, 3, 1):
+        x = partials[:, :width].double()
+        top = x.max(-1, keepdim=True).values  # torch's log_softmax: x - max - log(sum(exp(x - max)))
+        want = (top + (x - top).exp().sum(-1, keepdim=True).log())[:, 0]
+        got = finish.logsumexp_tiles(partials[:, :width].contiguous(), inf_max="nan")
+        assert_same_specials(f"{width} tiles", got, want, 1e-6)
+    with pytest.raises(ValueError, match="inf_max"):
+        finish.logsumexp_tiles(partials.contiguous(), inf_max="inf")
+
+
 def test_cross_entropy_of_a_nan_lse_is_nan():
     lse = torch.tensor([1.0, float("nan"), 2.0], device=DEVICE)
     loss, _ = finish.cross_entropy(lse, torch.zeros(3, device=DEVICE), torch.tensor([0, 1, 2], device=DEVICE),
@@ -171,3 +194,176 @@ def test_lm_head_loss_with_one_nan_weight_is_nan_like_cross_entropy():
         loss = block(x, target)
         plain = F.cross_entropy(rms(x, block.wn.detach()) @ block.w_vocab.detach().T, target, ignore_index=-100)
         assert plain.isnan().item() is nan and loss.isnan().item() is nan
+
+
+# -- blocks: the cross-entropy variants and Qwen3's QK-norm, against PyTorch's autograd on the same math --------
+# Each variant's loss as PyTorch computes it from float64 logits z: F.cross_entropy where it defines the loss,
+# else its formula with ignored rows selected away (torch.where, as F.cross_entropy's ignore_index does; never a
+# product with a 0/1 mask, whose 0 * NaN is NaN). Its gradients are autograd's.
+BLOCK_M, BLOCK_DIM, BLOCK_VOCAB, BLOCK_CHUNK = 23, 16, 77, 16  # two chunks of rows, a ragged vocabulary
+VALID_ROW, IGNORED_ROW = 2, 5  # tests/test_blocks.targets ignores rows 5 and M - 1
+
+
+def _selected(rows, target, reduction, weights=None):
+    """PyTorch's reduction of per-row losses: ignored rows selected away, 'mean' over the valid rows' weight."""
+    valid = target != -100
+    w = torch.where(valid, weights.to(rows.dtype), 0.0) if weights is not None else valid.to(rows.dtype)
+    picked = torch.where(valid, w * rows, 0.0)
+    return {"mean": picked.sum() / w.sum(), "sum": picked.sum(), "none": picked}[reduction]
+
+
+def _ce_rows(z, target):
+    return F.cross_entropy(z, target, ignore_index=-100, reduction="none")
+
+
+# variant -> (block class name, constructor arguments after (dim, vocab, eps), reduction, loss of (z, target,
+# token_weights))
+CE_BLOCKS = {
+    "plain": ("LmHeadLoss", {"ignore_index": -100, "reduction": "mean"}, "mean",
+              lambda z, t, w: F.cross_entropy(z, t, ignore_index=-100)),
+    "plain-sum": ("LmHeadLoss", {"ignore_index": -100, "reduction": "sum"}, "sum",
+                  lambda z, t, w: F.cross_entropy(z, t, ignore_index=-100, reduction="sum")),
+    "zloss": ("LmHeadLossZloss", {"z_loss": 0.3, "reduction": "mean"}, "mean",
+              lambda z, t, w: _selected(_ce_rows(z, t) + 0.3 * z.logsumexp(-1).square(), t, "mean")),
+    "rows": ("LmHeadLossRows", {}, "none", lambda z, t, w: _ce_rows(z, t)),
+    "weighted": ("LmHeadLossWeighted", {"reduction": "mean"}, "mean",
+                 lambda z, t, w: _selected(_ce_rows(z, t), t, "mean", w)),
+    "weighted-sum": ("LmHeadLossWeighted", {"reduction": "sum"}, "sum",
+                     lambda z, t, w: _selected(_ce_rows(z, t), t, "sum", w)),
+    "smooth": ("LmHeadLossSmooth", {"smoothing": 0.2, "reduction": "mean"}, "mean",
+               lambda z, t, w: F.cross_entropy(z, t, ignore_index=-100, label_smoothing=0.2)),
+    "softcap": ("LmHeadLossSoftcap", {"softcap": 1.5, "reduction": "mean"}, "mean",
+                lambda z, t, w: F.cross_entropy(1.5 * torch.tanh(z / 1.5), t, ignore_index=-100)),
+}
+# (input, element) planted: a valid and an ignored row of x, one norm weight, an element of w_vocab in a
+# column no row targets and one in column 0, row 0's target; a valid and an ignored row's token weight
+CE_PLANTS = [("x", (VALID_ROW, 3)), ("x", (IGNORED_ROW, 7)), ("wn", (4,)), ("w_vocab", (40, 5)),
+             ("w_vocab", (0, 9)), ("token_weights", (VALID_ROW,)), ("token_weights", (IGNORED_ROW,))]
+CE_CASES = [(variant, planted, at, value) for variant in CE_BLOCKS for planted, at in CE_PLANTS
+            if planted != "token_weights" or variant.startswith("weighted") for value in SPECIALS]
+
+
+def _masks_match(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """NaN, +inf and -inf at the same elements; the finite elements close (float32 against float64)."""
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        g, w = test(got), test(want)
+        if not torch.equal(g, w):
+            raise AssertionError(f"{name}: {what} in {g.sum().item()} elements, PyTorch has it in {w.sum().item()}; "
+                                 f"they differ at {(g != w).nonzero()[:4].tolist()}")
+    finite = torch.isfinite(want)
+    if finite.any() and want[finite].norm() > 0:
+        err = rel_err(got[finite], want[finite])
+        assert err < 1e-3, f"{name}: relative error {err} of the finite elements"
+
+
+def _ce_block_run(variant: str, planted: str, at: tuple, value: float, grad: bool = True):
+    import generated.blocks as blocks
+    from test_blocks import EPS, rms, targets
+
+    cls, kwargs, reduction, loss_of = CE_BLOCKS[variant]
+    seed = zlib.crc32(f"{variant}/{planted}/{at}".encode())
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # targets()
+    m, dim, vocab = BLOCK_M, BLOCK_DIM, BLOCK_VOCAB
+    values = {"x": torch.randn(m, dim, generator=g, dtype=torch.float64),
+              "wn": 1.0 + 0.1 * torch.randn(dim, generator=g, dtype=torch.float64),
+              "w_vocab": 3 * dim**-0.5 * torch.randn(vocab, dim, generator=g, dtype=torch.float64),
+              "token_weights": torch.rand(m, generator=g, dtype=torch.float64) + 0.25}
+    values[planted][at] = value
+    values = {k: v.float().to(DEVICE) for k, v in values.items()}
+    target = targets(m, vocab)
+    target[target == 40] = 41  # column 40 of w_vocab is no row's target
+    upstream = (torch.randn(m, generator=g) if reduction == "none" else torch.tensor(1.7)).to(DEVICE)
+    block = getattr(blocks, cls)(dim, vocab, EPS, **kwargs, chunk_rows=BLOCK_CHUNK, device=DEVICE)
+    with torch.no_grad():
+        block.wn.copy_(values["wn"]), block.w_vocab.copy_(values["w_vocab"])
+    extra = (values["token_weights"],) if variant.startswith("weighted") else ()
+    x = values["x"].clone().requires_grad_(grad)
+    names = ("x", "wn", "w_vocab")
+    if grad:
+        loss = block(x, target, *extra)
+        fused = dict(zip(("loss", *names), (loss, *torch.autograd.grad(loss, [x, block.wn, block.w_vocab],
+                                                                       upstream))))
+    else:
+        with torch.no_grad():
+            block.requires_grad_(False)
+            fused = {"loss": block(x, target, *extra)}
+    leaves = [values[n].double().requires_grad_() for n in names]
+    z = rms(leaves[0], leaves[1]) @ leaves[2].T
+    loss = loss_of(z, target, values["token_weights"].double())
+    want = {"loss": loss}
+    if grad:
+        want.update(zip(names, torch.autograd.grad(loss, leaves, upstream.double())))
+    return fused, want
+
+
+@pytest.mark.parametrize("variant, planted, at, value", CE_CASES,
+                         ids=[f"{v}-{p}{list(a)}-{x}" for v, p, a, x in CE_CASES])
+def test_cross_entropy_block_specials_match_pytorch(variant, planted, at, value):
+    """One NaN, +inf or -inf in one input: the loss and every gradient have NaN and infinities where PyTorch's
+    do (a +inf logit makes F.cross_entropy's row NaN, and autograd's gradient of every logit of the row NaN;
+    a NaN token weight of an ignored row is never read), with the forward that makes the gradients."""
+    fused, want = _ce_block_run(variant, planted, at, value)
+    for name, got in fused.items():
+        _masks_match(f"{variant} {name}", got, want[name])
+
+
+@pytest.mark.parametrize("variant, planted, at, value", CE_CASES[::4],
+                         ids=[f"{v}-{p}{list(a)}-{x}" for v, p, a, x in CE_CASES[::4]])
+def test_cross_entropy_block_specials_without_gradients(variant, planted, at, value):
+    """The forward alone (no logits stored, the loss from the LM-head epilogue's partials) too."""
+    fused, want = _ce_block_run(variant, planted, at, value, grad=False)
+    _masks_match(f"{variant} loss", fused["loss"], want["loss"])
+
+
+# Qwen3's QK-norm block: q and k heads normalized, v heads passed through. PyTorch never computes a statistic of
+# a v head, so a NaN or infinity in one v column must stay in that column (and its RoPE partner) and in the
+# gradients PyTorch's autograd gives, never spread over the head through its unused rstd.
+QK_HEADS, QK_KV_HEADS, QK_DIM, QK_M = 2, 1, 40, 19
+QK_V0 = (QK_HEADS + QK_KV_HEADS) * 128  # the first v column
+QK_PLANTS = [("x", (3, 5)), ("wn", (7,)), ("w_qkv", (10, 4)), ("w_qkv", (2 * 128 + 9, 11)), ("w_qkv", (QK_V0 + 6, 2)),
+             ("w_qkv", (QK_V0 + 101, 30)), ("q_norm", (17,)), ("k_norm", (64,)), ("freqs", (3,))]
+QK_CASES = [(planted, at, value) for planted, at in QK_PLANTS for value in SPECIALS]
+
+
+@pytest.mark.parametrize("planted, at, value", QK_CASES, ids=[f"{p}{list(a)}-{v}" for p, a, v in QK_CASES])
+def test_qwen3_pre_attention_specials_match_pytorch(planted, at, value):
+    """One NaN, +inf or -inf in one input of Qwen3PreAttention (a q, k or v row of w_qkv among them): qkv and every
+    gradient have NaN and infinities where PyTorch's definition of the layer and its autograd have them."""
+    from generated.blocks import NormStats, Qwen3PreAttention
+    from test_blocks import EPS
+    from test_qwen3 import qwen3_pre_attention_plain
+
+    heads, kv_heads, dim, m, hd = QK_HEADS, QK_KV_HEADS, QK_DIM, QK_M, 128
+    qkv_dim = (heads + 2 * kv_heads) * hd
+    g = torch.Generator().manual_seed(zlib.crc32(f"qk/{planted}/{at}".encode()))
+    inv = 1.0 / 1e6 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    values = {"x": torch.randn(m, dim, generator=g, dtype=torch.float64),
+              "wn": 1.0 + 0.2 * torch.randn(dim, generator=g, dtype=torch.float64),
+              "w_qkv": dim**-0.5 * torch.randn(qkv_dim, dim, generator=g, dtype=torch.float64),
+              "q_norm": 1.0 + 0.2 * torch.randn(hd, generator=g, dtype=torch.float64),
+              "k_norm": 1.0 + 0.2 * torch.randn(hd, generator=g, dtype=torch.float64),
+              "freqs": torch.cat([inv.repeat(heads + kv_heads), torch.zeros(kv_heads * hd // 2, dtype=torch.float64)])}
+    values[planted][at] = value
+    values = {k: v.float().to(DEVICE) for k, v in values.items()}
+    positions = torch.randint(1, 50, (m,), generator=g).to(DEVICE)
+    up_x = torch.randn(m, dim, generator=g, dtype=torch.float64).to(DEVICE)
+    up_qkv = torch.randn(m, qkv_dim, generator=g, dtype=torch.float64).to(DEVICE)
+    names = ["qkv", "x", "wn", "w_qkv", "q_norm", "k_norm"]
+
+    block = Qwen3PreAttention(dim, qkv_dim, EPS, device=DEVICE)
+    with torch.no_grad():
+        block.wn.copy_(values["wn"]), block.w_qkv.copy_(values["w_qkv"])
+    xb, qn, kn = (values[n].clone().requires_grad_() for n in ("x", "q_norm", "k_norm"))
+    wn_qk = torch.cat([qn.repeat(heads), kn.repeat(kv_heads), qn.new_zeros(kv_heads * hd)])
+    v_pass = torch.cat([torch.zeros((heads + kv_heads) * hd), torch.ones(kv_heads * hd)]).to(DEVICE)
+    h, rstd = NormStats(dim, EPS)(xb.detach(), block.wn.detach())
+    x_out, qkv = block(xb, h, rstd, positions, values["freqs"], wn_qk, v_pass)
+    got = torch.autograd.grad((x_out, qkv), [xb, block.wn, block.w_qkv, qn, kn], (up_x.float(), up_qkv.float()))
+    fused = dict(zip(names, [qkv, *got]))
+
+    leaves = [values[n].double().requires_grad_() for n in ("x", "wn", "w_qkv", "q_norm", "k_norm")]
+    qkv_plain = qwen3_pre_attention_plain(*leaves, positions, values["freqs"].double(), heads, kv_heads)
+    want = dict(zip(names, [qkv_plain, *torch.autograd.grad((leaves[0], qkv_plain), leaves, (up_x, up_qkv))]))
+    for name, value_got in fused.items():
+        _masks_match(f"Qwen3PreAttention {name}", value_got, want[name])

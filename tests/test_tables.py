@@ -16,7 +16,7 @@ import torch
 import triton
 from click.testing import CliRunner
 
-from codagen import api, tablefile
+from codagen import api, tablefile, tileconfig
 from codagen.cli import main
 from codagen.runtime import configs
 from codagen.runtime.configs import GPU_DEFAULT, Config
@@ -169,6 +169,73 @@ def test_check_names_a_corrupt_table_at_its_place(ws, name, how, words, one_entr
     else:
         assert located["message"].startswith("not a tuning table: generated/tuning/test-gpu/scaled.json (")
     assert words in line, line
+
+
+# one stage of 16-bit operand tiles takes (block_m + block_n) x block_k x 2 bytes
+FITS_99K = Config(128, 256, 128, 8, 4, 1)  # 96 KiB: every GPU of the table but the 64 KiB ones
+NEEDS_160K = Config(256, 256, 128, 8, 4, 1)  # 128 KiB: sm_80 (163 KiB), sm_90 and sm_100, not sm_86 or sm_89
+NEEDS_200K = Config(256, 128, 256, 8, 4, 1)  # 192 KiB: sm_90 and sm_100 only
+
+
+@pytest.mark.parametrize("gpu, limit", [
+    ("nvidia-h100-80gb-hbm3", 232448), ("nvidia-h200", 232448), ("nvidia-gh200-480gb", 232448),
+    ("nvidia-b200", 232448), ("nvidia-a100-sxm4-80gb", 166912), ("nvidia-a100-pcie-40gb", 166912),
+    ("nvidia-a10g", 101376), ("nvidia-rtx-a6000", 101376), ("nvidia-geforce-rtx-3090", 101376),
+    ("nvidia-l4", 101376), ("nvidia-l40s", 101376), ("nvidia-geforce-rtx-4090", 101376),
+    ("nvidia-rtx-6000-ada-generation", 101376), ("tesla-v100-sxm2-16gb", 98304), ("tesla-t4", 65536),
+    ("test-gpu", 232448), ("nvidia-h1000", 232448), ("a-l4x", 232448), ("", 232448), (None, 232448),
+])
+def test_shared_memory_by_gpu_name(gpu, limit):
+    """One row per GPU family in tileconfig.SHARED_BYTES_BY_GPU, matched on whole words of the table's GPU name;
+    227 KiB only for names it lacks (not 'h1000' for h100, nor 'l4x' for l4)."""
+    assert tileconfig.shared_bytes(gpu) == limit
+    assert tileconfig.fits_shared(FITS_99K, True, gpu) is (limit >= 98304)
+    assert tileconfig.fits_shared(NEEDS_160K, True, gpu) is (limit >= 131072)
+    assert tileconfig.fits_shared(NEEDS_200K, True, gpu) is (limit >= 196608)
+    assert tileconfig.fits_shared(NEEDS_200K, False, gpu)  # no GEMM: no operand tiles
+
+
+@pytest.mark.parametrize("folder, field, bad", [
+    ("nvidia-a100-sxm4-80gb", "nvidia-a100-sxm4-80gb", ["64x40x48"]),  # 163 KiB: the 200 KiB tile only
+    ("nvidia-l4", "nvidia-l4", ["64x40x40", "64x40x48"]),  # 99 KiB: both
+    ("nvidia-h100-80gb-hbm3", "nvidia-h100-80gb-hbm3", []),
+    ("nvidia-l4", "nvidia-h100-80gb-hbm3", ["64x40x40", "64x40x48"]),  # a field naming a larger GPU: the folder's
+    ("nvidia-h100-80gb-hbm3", "nvidia-l4", ["64x40x40", "64x40x48"]),  # and the reverse: the smaller of the two
+    ("test-gpu", "test-gpu", []),  # a name the table lacks: 227 KiB
+])
+def test_check_takes_the_shared_memory_of_the_tables_gpu(ws, folder, field, bad):
+    path = ws("scaled", {"64x40x24": entry(FITS_99K), "64x40x40": entry(NEEDS_160K), "64x40x48": entry(NEEDS_200K)},
+              folder=folder)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "gpu": field}, indent=1))
+    table = tablefile.read_table(path, None, True)
+    assert sorted(table.entries) == sorted({"64x40x24", "64x40x40", "64x40x48"} - set(bad))
+    code, output = check()
+    assert code == (1 if bad else 0), output
+    for key in bad:
+        limit = min(tileconfig.shared_bytes(folder), tileconfig.shared_bytes(field))
+        name = folder if tileconfig.shared_bytes(folder) <= tileconfig.shared_bytes(field) else field
+        assert f"entry '{key}': one stage of its " in output
+        assert f"more than a program may use on '{name}' ({limit} bytes)" in output, output
+    assert "64x40x24" not in output
+
+
+def test_a_launch_on_a_gpu_skips_entries_its_shared_memory_cannot_hold(tmp_path, monkeypatch, caplog):
+    """On an A100 (by its tuning folder), an entry tuned for 200 KiB of operand tiles is skipped with a warning and
+    the launch takes the default; on an H100 the same entry is used."""
+    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
+    monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)  # pick_config without a run: no run-time tuning
+    for gpu, used in (("nvidia-a100-sxm4-80gb", False), ("nvidia-h100-80gb-hbm3", True)):
+        monkeypatch.setattr(configs, "gpu_key", lambda device, gpu=gpu: gpu)
+        path = tmp_path / gpu / "matmul.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"fingerprint": "f" * 64, "triton": triton.__version__, "gpu": gpu,
+                                    "shapes": {"32x40x24": entry(NEEDS_200K)}}))
+        with caplog.at_level(logging.WARNING, logger="codagen.tune"):
+            config = configs.pick_config("matmul", "f" * 64, tmp_path, 32, 40, 24, CPU)
+        assert (config == NEEDS_200K) is used, gpu
+        assert ("166912 bytes" in caplog.text) is not used, caplog.text
+        caplog.clear()
 
 
 def test_check_names_tiles_that_cut_a_kernels_column_groups(ws):

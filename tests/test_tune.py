@@ -261,6 +261,58 @@ def test_literal_shapes_apply_to_every_kernel():
             shapes.parse_tokens(bad)
 
 
+@pytest.mark.parametrize("kernel, text, words", [
+    ("qkv_qk_norm_rope", "64x1000x64", "--shapes '64x1000x64': N = 1000 (shape 64x1000x64) is no multiple of kernel "
+                                       "'qkv_qk_norm_rope''s column_group 128 (specs/qwen3/qkv_qk_norm_rope.yaml"),
+    ("qk_norm_rope_bwd", "64x1000", "--shapes '64x1000': N = 1000 (shape 64x1000) is no multiple of kernel "
+                                    "'qk_norm_rope_bwd''s column_group 128"),
+    ("qkv_qk_norm_rope", "64x1024x64,64x1088x64", "--shapes '64x1088x64': N = 1088"),  # the second one
+    ("matmul", "0x64x64", "--shapes '0x64x64': M, N and K must be positive (kernel 'matmul' has a GEMM)"),
+    ("matmul", "64x0x64", "--shapes '64x0x64': M, N and K must be positive"),
+    ("matmul", "64x64x0", "--shapes '64x64x0': M, N and K must be positive"),
+    ("rmsnorm_stats", "0x64", "--shapes '0x64': M, N and K must be positive (kernel 'rmsnorm_stats' has no GEMM)"),
+    # 2**37 bytes of operands at most: matmul's out_tile [M, N] in bf16 alone 2**39 bytes here
+    ("matmul", "524288x524288x64", "--shapes '524288x524288x64': shape 524288x524288x64 makes kernel 'matmul''s "
+                                   "operands 512.1 GiB in bf16 ('out_tile' alone 274877906944 elements), over 128 GiB"),
+    ("matmul", "9999999999x8x8", "operands 298.0 GiB in bf16 ('a' alone 79999999992 elements), over 128 GiB"),
+    ("rmsnorm_stats", "9999999999x8", "kernel 'rmsnorm_stats''s operands"),  # no GEMM: every operand counts
+    ("lm_head_logits", "600000x128256x2048", "kernel 'lm_head_logits''s operands"),
+])
+def test_shapes_a_kernel_cannot_run_are_refused_by_name(kernel, text, words):
+    """An N that breaks a kernel's column_group, a zero size and operands no GPU's memory holds are refused as
+    --shapes enters, by argument, kernel and value; never a failure in the middle of a run."""
+    with pytest.raises(TuneError) as e:
+        shapes.parse_shapes(text, checked(kernel).kernel, all_specs())
+    assert words in str(e.value)
+
+
+def test_shapes_a_kernel_can_run_pass_the_checks():
+    assert [s.key for s in shapes.parse_shapes("64x1024x64", checked("qkv_qk_norm_rope").kernel)] == ["64x1024x64"]
+    # the LM head's logits of 32768 rows at once (4.2e9 elements, past 2**31: the tl kernels' offsets are 64-bit)
+    assert shapes.parse_shapes("32768x128256x4096", checked("matmul").kernel)
+    with pytest.raises(TuneError, match="over the GPU.s 8.0 GiB"):  # the GPU's memory, where the run gives it
+        shapes.parse_shapes("32768x128256x4096", checked("lm_head_logits").kernel, memory=8 * 2**30)
+    for preset in PRESETS:  # every preset's shapes at the default token counts pass
+        for k in kernels_of_specs():
+            try:
+                shapes.parse_shapes(preset, k, all_specs())
+            except TuneError as e:
+                assert "has no shapes at preset" in str(e), e
+
+
+def test_preset_shapes_past_the_bound_name_the_preset_and_tokens():
+    with pytest.raises(TuneError) as e:
+        shapes.parse_shapes("llama3-1b", checked("rmsnorm_stats").kernel, all_specs(), tokens=(2**35,))
+    assert "--shapes 'llama3-1b' (at --tokens 34359738368): shape 34359738368x2048 makes kernel 'rmsnorm_stats''s " \
+           "operands" in str(e.value)
+
+
+def test_cli_refuses_shapes_a_kernel_cannot_run(tune_on_cpu):
+    result = CliRunner().invoke(main, ["tune", str(SPECS), "--shapes", "64x1000x64", "--kernels", "qkv_qk_norm_rope"])
+    assert result.exit_code == 1 and "error: --shapes '64x1000x64': N = 1000" in result.output
+    assert "Traceback" not in result.output and "wrote" not in result.output
+
+
 def test_inputs_look_like_a_models():
     args = harness.make_inputs(checked("lm_head_logits").kernel, module("lm_head_logits"), shapes.Shape(40, 64, 32),
                                CPU)

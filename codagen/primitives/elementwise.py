@@ -90,6 +90,43 @@ BINARY = (
 )
 
 
+# -- where --------------------------------------------------------------------------------------------------
+def _check_where(c) -> ValueType | None:
+    a = c.step.args
+    cond, x, y = c.typed("cond"), c.typed("x"), c.typed("y")
+    if isinstance(a["cond"], Literal):
+        c.error("cond", "where.cond: a number selects the same operand everywhere; write that operand instead")
+        return None
+    if isinstance(a["x"], Literal) and isinstance(a["y"], Literal) and a["x"].value == a["y"].value:
+        c.error(None, "where: x and y are the same number; write that number instead")
+        return None
+    if not (cond and x and y):
+        return None
+    result = c.broadcast(x, y)
+    result = c.broadcast(result, cond) if result else None
+    if result is None:
+        c.error(None, f"where: cannot combine {cond} '{a['cond']}', {x} '{a['x']}' and {y} '{a['y']}'; widths differ")
+    return result
+
+
+def _where_reference(r, s):
+    into = r.types[s.out]
+    cond, x, y = (r.tensor(s.args[n], into) for n in ("cond", "x", "y"))
+    return torch.where(cond != 0, x, y).to(r.dtype)
+
+
+_emit_where = expression("{lang}.where({cond} != 0, {x}, {y})")
+
+WHERE = Primitive(
+    "where", (Arg("cond", "value"), Arg("x", "value", number=True), Arg("y", "value", number=True), OUT),
+    "out = x where cond ≠ 0, else y (torch.where): a selection, not a product with a 0/1 mask, so that a NaN or "
+    "infinity in the operand not selected does not reach out (0 · NaN is NaN); a NaN cond selects x.",
+    "cond: a value; x, y: values or numbers; out has the broadcast type of the three (row with column: a tile).",
+    "where: {cond: v_pass, x: zv, y: normed_qk, out: normed}",
+    check=_check_where, reference=_where_reference, emitters={"tl": _emit_where, "gluon": _emit_where},
+)
+
+
 # -- scale --------------------------------------------------------------------------------------------------
 def _check_scale(c):
     a = c.step.args
@@ -154,4 +191,4 @@ CAST = Primitive(
     "cast: {x: acc, dtype: bfloat16, out: acc_bf16}",
     check=_check_cast, reference=_cast_reference, emitters={"tl": _emit_cast, "gluon": _emit_cast})
 
-PRIMITIVES = (*UNARY, *BINARY, SCALE, CAST)
+PRIMITIVES = (*UNARY, *BINARY, WHERE, SCALE, CAST)

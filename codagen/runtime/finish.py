@@ -10,7 +10,7 @@ from . import INTERPRETED, on_device
 from .launcher import Launcher
 from .ops import opaque_op
 
-_SUM, _RSTD, _LOGSUMEXP = 0, 1, 2
+_SUM, _RSTD, _LOGSUMEXP, _LOG_SOFTMAX_NORM = 0, 1, 2, 3
 
 
 @Launcher  # Triton's argument binding once per kind of call
@@ -30,7 +30,7 @@ def _reduce_tiles_kernel(
         tiles = t0 + tl.arange(0, BLOCK_T)
         mask = row_mask[:, None] & (tiles < T)[None, :]
         ptrs = x_ptr + rows[:, None] * stride_x_r + tiles[None, :] * stride_x_t
-        if OP == 2:
+        if OP >= 2:
             # partials are per-tile log-sum-exps: combine them with a running max, as online softmax does.
             # The max may drop a NaN partial; the sum keeps it. An infinite max shifts by 0 (torch.logsumexp)
             x = tl.load(ptrs, mask=mask, other=float("-inf"))
@@ -44,8 +44,11 @@ def _reduce_tiles_kernel(
         out = total * scale
     elif OP == 1:
         out = tl.rsqrt(total * scale + eps)
-    else:
+    elif OP == 2:
         out = tl.where(tl.abs(running_max) == float("inf"), 0.0, running_max) + tl.log(total)
+    else:
+        # log_softmax's normalizer: an infinite max is subtracted as it is (inf - inf), so the row is NaN
+        out = tl.where(tl.abs(running_max) == float("inf"), float("nan"), running_max + tl.log(total))
     tl.store(out_ptr + rows, out, mask=row_mask)
 
 
@@ -110,9 +113,15 @@ def sum_tiles(x: torch.Tensor, divide_by: int | None = None) -> torch.Tensor:
     return _reduce_tiles(x, _SUM, 1.0 / divide_by if divide_by else 1.0)
 
 
-def logsumexp_tiles(x: torch.Tensor) -> torch.Tensor:
-    """log(sum(exp(.))) of each row from per-tile log-sum-exp partials."""
-    return _reduce_tiles(x, _LOGSUMEXP)
+def logsumexp_tiles(x: torch.Tensor, inf_max: str = "keep") -> torch.Tensor:
+    """log(sum(exp(.))) of each row from per-tile log-sum-exp partials. A row whose largest value is +inf or
+    -inf (every value -inf) gives torch.logsumexp's +inf or -inf with inf_max 'keep'; with 'nan' it gives NaN,
+    as the normalizer that log_softmax and F.cross_entropy subtract, max + log(sum(exp(x - max))), in which
+    inf - inf is NaN: a +inf logit makes PyTorch's whole row of log-probabilities, its loss and the gradient of
+    every logit of the row NaN."""
+    if inf_max not in ("keep", "nan"):
+        raise ValueError(f"inf_max must be 'keep' or 'nan', got {inf_max!r}")
+    return _reduce_tiles(x, _LOGSUMEXP if inf_max == "keep" else _LOG_SOFTMAX_NORM)
 
 
 # debug=True keeps the target check below on a GPU: a failed check is a device-side assert, as in PyTorch's
@@ -213,7 +222,8 @@ def row_weights(target: torch.Tensor, ignore_index: int, reduction: str,
     if reduction != "mean":
         return weighted
     total = weighted.sum()
-    return weighted / torch.where(total == 0, 1.0, total)
+    # selected, not multiplied: a NaN or infinite total (a NaN weight of a valid row) leaves ignored rows at 0
+    return torch.where(target != ignore_index, weighted / torch.where(total == 0, 1.0, total), 0.0)
 
 
 @Launcher  # Triton's argument binding once per kind of call

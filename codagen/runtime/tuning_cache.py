@@ -75,7 +75,8 @@ def read(path: Path, fingerprint: str, triton_version: str) -> dict[str, Config]
     entries = {}
     for bucket, entry in shapes.items():
         try:
-            entries[tablefile.shape_text(tablefile.shape_numbers(bucket))] = tablefile.entry_config(bucket, entry)
+            entries[tablefile.shape_text(tablefile.shape_numbers(bucket))] = tablefile.entry_config(
+                bucket, entry, gpu=tablefile.table_gpu(path, data))
         except ValueError as e:  # wrong types, unknown fields, no config, a key that is no shape
             log.info("codagen: ignoring the tuning cache %s entry %s: %s", quoted(path), ascii(bucket), e)
     return entries

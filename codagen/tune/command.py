@@ -48,8 +48,10 @@ class Job:
 
 
 def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None = None, tokens: str | None = None,
-         tuning_dir: str | Path | None = None, gpu: str = "gpu", attrs: str | None = None) -> list[Job]:
-    """What a run would tune: the selected kernels of the specs under `paths`, their shapes and tables."""
+         tuning_dir: str | Path | None = None, gpu: str = "gpu", attrs: str | None = None,
+         memory: int | None = None) -> list[Job]:
+    """What a run would tune: the selected kernels of the specs under `paths`, their shapes (none whose operands
+    exceed `memory` bytes, the GPU's, where given) and tables."""
     out = Path(out)
     tuning_dir = Path(tuning_dir) if tuning_dir is not None else out / "tuning"
     specs = api.load(list(paths))
@@ -73,7 +75,7 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
         if getattr(module, "FINGERPRINT", None) != fingerprint(c.kernel):
             raise TuneError(f"{out}/kernels/{c.kernel.name}.py does not compute what {c.kernel.source} describes "
                             "now; run codagen build first")
-        selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks, given),
+        selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks, given, memory),
                             configs.table_path(tuning_dir, gpu, c.kernel.name)))
     idle = [j.checked.kernel.name for j in selected if not j.shapes]
     if kernels is not None and idle:  # asked for by name: a kernel that would be skipped is an error, not a no-op
@@ -104,7 +106,8 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
             raise TuneError("codagen tune times kernels on a CUDA GPU, and this machine has none")
         device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu or configs.gpu_key(device)
-    selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
         j.checked.kernel, times_hopper(j.module, device))) for j in selected}
     if only is not None:

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 from ..api import Checked
 from ..blockmodel import Accumulator, Block, BlockDim, Call, CheckedBlock
-from ..model import BLayout, Dim, InputRole, Kernel
+from ..model import BLayout, Dim, DType, InputRole, Kernel
 from ..presets import PRESETS, LlamaShape
 from ..runtime.configs import shape_key
 from . import TuneError
@@ -183,24 +183,74 @@ _LITERAL = re.compile(r"([0-9]{1,10})x([0-9]{1,10})(?:x([0-9]{1,10}))?")
 _POSITIVE = re.compile(r"[0-9]{1,10}")
 
 
-def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None) -> list[Shape]:
+# The most bytes the operands of one tuned shape may take: 128 GiB, more than any GPU codagen tunes on holds
+# beside the run's other buffers (an H200 has 141 GB). The run on a GPU bounds them by its memory too. A larger
+# shape is a typo or a unit mistake (10 digits a dimension pass the parser): refused as it enters, not an
+# allocation failure in the middle of a run.
+MAX_SHAPE_BYTES = 2**37
+_MIN_TILE = 16  # the smallest tile of any configuration: tiles(M) and tiles(N) are at most M/16 and N/16
+_BYTES = {DType.T: 2, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.INDEX: 8}  # T: bf16, as tuned
+
+
+def operand_elements(kernel: Kernel, shape: Shape) -> dict[str, tuple[int, int]]:
+    """Each input and output of `kernel` at `shape`: (elements, bytes), tile counts at their largest, T as the
+    bf16 that codagen tune times."""
+    m, n, k = shape.m, shape.n, shape.k
+    group = kernel.column_group if isinstance(kernel.column_group, int) else n
+    size = {Dim.M: m, Dim.K: k, Dim.N: n, Dim.N_HALF: n // 2, Dim.N_DOUBLE: 2 * n, Dim.TILES_M: -(-m // _MIN_TILE),
+            Dim.TILES_N: -(-n // _MIN_TILE), Dim.GROUPS_N: max(n // max(group, 1), 1)}
+    counts = {}
+    for decl in (*kernel.inputs, *kernel.outputs):
+        count = 1
+        for d in decl.dims:
+            count *= size[d]
+        counts[decl.name] = (count, count * _BYTES[decl.dtype])
+    return counts
+
+
+def check_shape(shape: Shape, kernel: Kernel, given: str, memory: int | None = None) -> None:
+    """Refuse a shape `kernel` cannot run or the tuner cannot allocate, naming the argument it came from
+    (`given`, e.g. "--shapes '8192x100x64'"), the kernel and the value: an N that is no multiple of the kernel's
+    column_group (its tiles hold whole column groups); operands of more than MAX_SHAPE_BYTES bytes together, or
+    than `memory` (the GPU's) where given."""
+    group = kernel.column_group
+    if isinstance(group, int) and shape.n % group:
+        raise TuneError(f"{given}: N = {shape.n} (shape {shape}) is no multiple of kernel '{kernel.name}''s "
+                        f"column_group {group} ({kernel.source}): its tiles hold whole column groups")
+    operands = operand_elements(kernel, shape)
+    total = sum(b for _, b in operands.values())
+    bound, what = min((MAX_SHAPE_BYTES, f"{MAX_SHAPE_BYTES >> 30} GiB"),
+                      (memory or MAX_SHAPE_BYTES, f"the GPU's {(memory or 0) / 2**30:.1f} GiB"))
+    if total > bound:
+        name, (count, _) = max(operands.items(), key=lambda item: item[1][1])
+        raise TuneError(f"{given}: shape {shape} makes kernel '{kernel.name}''s operands {total / 2**30:.1f} GiB "
+                        f"in bf16 ('{name}' alone {count} elements), over {what}: no run can allocate them")
+
+
+def parse_shapes(text: str, kernel: Kernel, specs=(), tokens=TOKENS, attrs=None, memory: int | None = None
+                 ) -> list[Shape]:
     """`--shapes`: comma-separated presets and literal MxNxK (MxN for kernels without a GEMM); a literal
     applies to every kernel (K is dropped for those without a GEMM), a preset to the kernels its family's
-    blocks call, with `attrs` (parse_attrs) for their attrs. A shape counts once."""
+    blocks call, with `attrs` (parse_attrs) for their attrs. A shape counts once. Each shape is checked
+    (check_shape): sizes 0, N no multiple of the kernel's column_group and operands too large for MAX_SHAPE_BYTES
+    (or `memory`, the GPU's) are refused."""
     shapes: dict[str, Shape] = {}
     for item in (s.strip() for s in text.split(",")):
         if item in PRESETS:
             found = preset_shapes(specs, item, kernel, tokens, attrs)
+            given = f"--shapes {item!r} (at --tokens {','.join(map(str, tokens))})"
         elif (match := _LITERAL.fullmatch(item)) is not None:
             m, n, k = (int(g or 0) for g in match.groups())
             if m < 1 or n < 1 or (kernel.gemm and k < 1):
-                raise TuneError(f"shape {item!r}: M, N and K must be positive (kernel '{kernel.name}' has "
+                raise TuneError(f"--shapes {item!r}: M, N and K must be positive (kernel '{kernel.name}' has "
                                 f"{'a' if kernel.gemm else 'no'} GEMM)")
             found = [Shape(m, n, k if kernel.gemm else 0)]
+            given = f"--shapes {item!r}"
         else:
             raise TuneError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}) nor MxNxK, "
                             "e.g. 8192x2048x2048")
         for s in found:
+            check_shape(s, kernel, given, memory)
             shapes.setdefault(s.key, s)
     return list(shapes.values())
 

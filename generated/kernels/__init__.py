@@ -32,6 +32,8 @@
   logits from three per-row coefficients, with the RMSNorm backward's row partials.
 - lm_head_ce_dz_softcap (specs/cross_entropy/lm_head_ce_dz_softcap.yaml): Cross-entropy gradient through logit
   softcapping of stored logits, with the RMSNorm backward's row partials.
+- lm_head_ce_dz_weighted (specs/cross_entropy/lm_head_ce_dz_weighted.yaml): Cross-entropy gradient of stored logits
+  weighted per row, the target's term selected, with the RMSNorm backward's row partials.
 - lm_head_logits (specs/lm_head_logits.yaml): LM-head projection with the final RMSNorm row scale, storing the logits,
   their log-sum-exp partials and the target logit.
 - lm_head_logits_softcap (specs/cross_entropy/lm_head_logits_softcap.yaml): LM-head projection with the final RMSNorm
@@ -84,6 +86,7 @@ from . import lm_head_ce_dz
 from . import lm_head_ce_dz_scaled
 from . import lm_head_ce_dz_shifted
 from . import lm_head_ce_dz_softcap
+from . import lm_head_ce_dz_weighted
 from . import lm_head_logits
 from . import lm_head_logits_softcap
 from . import lm_head_logits_zsum
@@ -108,8 +111,9 @@ __all__ = [
     "gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad",
     "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
     "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
-    "lm_head_ce_dz_softcap", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum", "lm_head_logsumexp",
-    "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "matmul_accumulate", "norm_dgrad",
-    "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope", "qkv_qk_norm_rope",
-    "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad",
+    "lm_head_ce_dz_softcap", "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap",
+    "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul",
+    "matmul_accumulate", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd",
+    "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot",
+    "swiglu_dgrad",
 ]

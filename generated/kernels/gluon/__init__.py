@@ -44,7 +44,9 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
-- specs/qwen3/backward/qk_norm_rope_bwd.yaml:6:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
+- specs/cross_entropy/lm_head_ce_dz_weighted.yaml:6:1: lm_head_ce_dz_weighted: no GEMM; the Hopper backend schedules
+  GEMM mainloops only; it keeps the tl kernel only
+- specs/qwen3/backward/qk_norm_rope_bwd.yaml:7:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
   mainloops only; it keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
   the tl kernel only
