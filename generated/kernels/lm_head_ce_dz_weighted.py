@@ -137,6 +137,7 @@ def lm_head_ce_dz_weighted_kernel(
 
 
 _PLANS = {}  # launch plans by argument signature: the checks and the config choice run once per signature
+_LAUNCH = runtime.Launcher(lm_head_ce_dz_weighted_kernel)  # Triton's argument binding once per kind of call
 _BOUND = {}  # the inputs' sizes, dtype and device by their signature, for _allocate
 
 
@@ -151,7 +152,7 @@ def launch(logits, lse, target, weights, *, dz, zdz_part, config=None) -> None:
         return
     plan.aliasing.check(tensors)
     with runtime.on_device(plan.device):
-        lm_head_ce_dz_weighted_kernel[(plan.programs,)](
+        _LAUNCH[(plan.programs,)](
             logits, lse, target, weights, dz, zdz_part,
             plan.m, plan.n,
             logits.stride(0), logits.stride(1),
