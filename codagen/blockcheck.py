@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .blockmodel import (CHOICES, FINISH_SIGNATURES, IN_PLACE, TOKENS, TRANSPOSES, Accumulator, Arg, Block, BlockDim,
-                         BlockStep, Call, CheckedBlock, GradForward, RowChunks, SUMS, Value)
+from .blockmodel import (IN_PLACE, TOKENS, Accumulator, Arg, Block, BlockDim, BlockStep, Call, CheckedBlock,
+                         GradForward, Partial, RowChunks, SUMS, Value)
 from .errors import ErrorSink
+from .finish_steps import FINISH_STEPS, FinishStep, combining
+from .finish_steps.base import fmt as _fmt
 from .model import BLayout, Dim, DType, InputRole, Kernel, Location
 from .names import MODULE_ATTRIBUTES
 from .validate import in_place_inputs
@@ -20,10 +22,6 @@ RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "sel
 # of a gradient), v_sum (a summed gradient); value names of these forms are refused
 DERIVED_SUFFIXES = ("_rows", "_chunks", "_sum")
 _KDTYPE = {DType.T: "T", DType.FLOAT32: "float32", DType.INDEX: "index"}
-
-
-def _fmt(dims) -> str:
-    return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
 def _scope(attrs: dict, sink):
@@ -308,13 +306,13 @@ def _sums(ref, attrs: dict, loc, sink) -> Arg:
 
 
 def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink) -> Call | None:
-    if step.op in FINISH_SIGNATURES:
+    if step.op in FINISH_STEPS:
         return _finish(step, b, kernels, env, define, used, sink, shadowed=step.op in kernels)
     kernel = kernels.get(step.op)
     if kernel is None:
         known = ", ".join(sorted(kernels)) or "none"
         sink.add(step.loc, f"unknown kernel or finish step '{step.op}'; kernels: {known}; finish steps: "
-                           f"{', '.join(FINISH_SIGNATURES)}")
+                           f"{', '.join(FINISH_STEPS)}")
         return None
     if any(o.inplace for o in kernel.outputs):
         sink.add(step.loc, f"kernel '{kernel.name}' updates an output in place; blocks call only kernels that "
@@ -367,8 +365,11 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
             sink.add(loc_of(o.name), f"{kernel.name}.{o.name} is an output: give it a new value name")
             return None
         dims = tuple(_tiles(d, sizes) or _unbind(d, sizes, kernel.column_group) for d in o.dims)
-        dtype = _KDTYPE.get(o.dtype, o.dtype.value)
-        define(name, Value(dims, dtype), loc_of(o.name))
+        reduction = next((s.args["op"] for s in kernel.steps if s.op == "reduce" and s.target == o.name), None)
+        if reduction is not None:  # partials: typed with their reduction, which only some finish steps combine
+            define(name, Partial(reduction, dims, f"kernel '{kernel.name}', output '{o.name}'"), loc_of(o.name))
+        else:
+            define(name, Value(dims, _KDTYPE.get(o.dtype, o.dtype.value)), loc_of(o.name))
         outs.append(name)
     return Call(kernel.name, True, tuple(args), tuple(outs), step.loc, _in_place(step, kernel, sink))
 
@@ -461,11 +462,31 @@ def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...], positiv
     return True
 
 
+class FinishCheck:
+    """What a finish step's type rule (FinishStep.check) sees: the step, its block, the types of its value
+    arguments and its resolved arguments; errors are reported at the step, or at an argument's value."""
+
+    def __init__(self, step: BlockStep, b: Block, types: dict, args: list[Arg], sink):
+        self.op, self.step, self.block = step.op, step, b
+        self._types, self._args, self._sink = types, {a.param: a for a in args}, sink
+
+    def type(self, arg: str) -> Value | Partial | None:
+        """The type of a value argument; None for a number, an attr or an argument left out."""
+        return self._types.get(arg)
+
+    def arg(self, arg: str) -> Arg | None:
+        return self._args.get(arg)
+
+    def error(self, message: str, at: str | None = None) -> None:
+        self._sink.add(self.step.arg_locs.get(at, self.step.loc) if at else self.step.loc, message)
+
+
 def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, used, sink,
             shadowed: bool = False) -> Call | None:
-    """A finish step; `shadowed`: a kernel spec has its name too, which a block step cannot call."""
-    sig = FINISH_SIGNATURES[step.op]
-    names = [n for n, _ in sig]
+    """A finish step (codagen/finish_steps); `shadowed`: a kernel spec has its name too, which a block step cannot
+    call. Each argument is checked against its kind, then the step's own type rule gives what it defines."""
+    fs = FINISH_STEPS[step.op]
+    names = [a.name for a in fs.args]
     loc_of = lambda k: step.arg_locs.get(k, step.loc)  # noqa: E731
     hint = (f" (a block step named '{step.op}' is the finish step, not the kernel of that name: rename the kernel "
             "to call it)") if shadowed else ""
@@ -475,10 +496,11 @@ def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, 
     if step.in_place:
         sink.add(loc_of(IN_PLACE), f"{step.op}.{IN_PLACE}: only kernel calls write outputs over a value")
     ok, args, outs, vals = True, [], [], {}
-    for name, kind in sig:
+    for fa in fs.args:
+        name, kind = fa.name, fa.kind
         ref = step.args.get(name)
         if ref is None:
-            if kind.endswith("?"):
+            if fa.optional:
                 continue
             sink.add(step.loc, f"{step.op} is missing '{name}'")
             ok = False
@@ -490,7 +512,7 @@ def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, 
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))
             args.append(Arg(name, ref, True))
             vals[name] = None
-        elif kind in ("value", "value?", "operand"):
+        elif kind in ("value", "partials", "operand"):
             v = env.get(ref) if isinstance(ref, str) else None
             if v is None:
                 sink.add(loc_of(name), f"{step.op}.{name}: '{ref}' is not defined before this step")
@@ -499,28 +521,30 @@ def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, 
             used.add(ref)
             vals[name] = v
             args.append(Arg(name, ref, True))
-        elif kind in ("size", "size?", "int"):
+            if kind == "partials":
+                ok &= _partials(fs, name, ref, v, loc_of(name), sink)
+        elif kind in ("size", "int"):
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("int",), positive=kind != "int")
             args.append(Arg(name, ref, isinstance(ref, str)))
         elif kind == "number":
             ok &= _number(ref, b, loc_of(name), f"{step.op}.{name}", sink, ("float", "int"))
             args.append(Arg(name, ref, isinstance(ref, str)))
-        elif kind in ("choice", "choice?"):
+        elif kind == "choice":
             a = b.attr(ref) if isinstance(ref, str) else None
-            choices = CHOICES.get(f"{step.op}.{name}", CHOICES.get(name, ()))
-            if ref not in choices and not (a and a.kind == "choice" and set(a.choices) <= set(choices)):
-                sink.add(loc_of(name), f"{step.op}.{name} must be {', '.join(map(repr, choices))} or an attr "
+            if ref not in fa.choices and not (a and a.kind == "choice" and set(a.choices) <= set(fa.choices)):
+                sink.add(loc_of(name), f"{step.op}.{name} must be {', '.join(map(repr, fa.choices))} or an attr "
                                        "choosing between them")
                 ok = False
             args.append(Arg(name, ref, a is not None))
-        elif kind == "kernel?":
+        elif kind == "kernel":
             accumulator = _accumulator(kernels.get(ref) if isinstance(ref, str) else None, ref,
                                        loc_of(name), f"{step.op}.{name}", sink)
             ok &= accumulator is not None
             args.append(Arg(name, accumulator, False))
-        elif kind == "transpose?":
-            if ref not in TRANSPOSES:
-                sink.add(loc_of(name), f"matmul.transpose must be 'none', 'a' or 'b', got '{ref}'")
+        elif kind == "keyword":
+            if ref not in fa.choices:
+                words = ", ".join(map(repr, fa.choices[:-1])) + f" or {fa.choices[-1]!r}"
+                sink.add(loc_of(name), f"{step.op}.{name} must be {words}, got '{ref}'")
                 ok = False
             args.append(Arg(name, ref, False))
         else:  # out
@@ -530,12 +554,37 @@ def _finish(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define, 
             outs.append((ref, name))
     if not ok:
         return None
-    result = _finish_types(step, b, vals, args, sink)
+    result = fs.check(FinishCheck(step, b, vals, args, sink))
     if result is None:
         return None
     for (ref, name), value in zip(outs, result):
         define(ref, value, loc_of(name))
     return Call(step.op, False, tuple(args), tuple(ref for ref, _ in outs), step.loc)
+
+
+def _partials(fs: FinishStep, name: str, ref: str, v: Value | Partial, loc, sink) -> bool:
+    """Whether `v`, passed as `ref` for the argument `name` of a finish step, has the shape of partials
+    ([rows, tiles(...)] float32), so that the step's type rule can type what it makes; and, reported at `loc`,
+    whether it holds the partials of a reduction the step combines."""
+    what = f"{fs.name}.{name}"
+    combines = " or ".join(fs.combines)
+    if isinstance(v, Partial):
+        if v.op in fs.combines:
+            return True
+        others = combining(v.op)
+        hint = (f"{v.op} partials are combined by {' or '.join(others)}" if others else
+                f"no finish step combines {v.op} partials")
+        sink.add(loc, f"{what}: '{ref}' holds the partials of reduce op {v.op} ({v.source}), and {fs.name} "
+                      f"combines those of {combines}; {hint}")
+        return True
+    if len(v.dims) == 2 and v.dtype == "float32" and _is_tiles(v.dims[1]):
+        sink.add(loc, f"{what}: '{ref}' is no partials of a reduction, though it is {_fmt(v.dims)} float32: a finish "
+                      "step made it from partials, and only partials of sum or sumsq scaled by a scalar, or added to "
+                      f"partials of the same reduction, stay partials; {fs.name} combines those of {combines}")
+        return True
+    sink.add(loc, f"{what} must be a float32 partial-reduction buffer [rows, tiles(...)] made by a kernel's "
+                  f"reduce, got {_fmt(v.dims)} {v.dtype}")
+    return False
 
 
 def _accumulator(k: Kernel | None, ref, loc, what: str, sink) -> Accumulator | None:
@@ -559,103 +608,5 @@ def _accumulator(k: Kernel | None, ref, loc, what: str, sink) -> Accumulator | N
     return Accumulator(k.name, tuple((i.name, role.get(i.name, "total")) for i in k.inputs), outputs[0].name)
 
 
-def _finish_types(step: BlockStep, b: Block, vals: dict, args: list[Arg], sink) -> list[Value] | None:
-    op = step.op
-    loc = step.loc
-    if op in ("rstd", "sum_tiles", "logsumexp_tiles"):
-        x = vals["x"]
-        if len(x.dims) != 2 or x.dtype != "float32" or not _is_tiles(x.dims[1]):
-            sink.add(loc, f"{op}.x must be a float32 partial-reduction buffer [rows, tiles(...)] made by a kernel's "
-                          f"reduce, got {_fmt(x.dims)} {x.dtype}")
-            return None
-        return [Value(x.dims[:1], "float32")]
-    if op == "unit_scale":
-        if vals["x"].dtype != "float32":
-            sink.add(loc, f"unit_scale.x must be float32, got {vals['x'].dtype}")
-            return None
-        return [Value((), "float32")]
-    if op in ("add", "sub", "mul", "div", "square"):
-        return _elementwise_type(op, [(n, vals[n]) for n in ("x", "y") if vals.get(n) is not None], loc, sink)
-    if op == "gather":
-        x, index = vals["x"], vals["index"]
-        if len(x.dims) != 2 or x.dtype == "index" or index.dtype != "index" or index.dims != x.dims[:1]:
-            sink.add(loc, f"gather takes x [rows, columns] of floats and index [rows] index, got x {_fmt(x.dims)} "
-                          f"{x.dtype} and index {_fmt(index.dims)} {index.dtype}")
-            return None
-        return [Value(x.dims[:1], "float32")]
-    if op in ("row_weights", "reduce_loss"):
-        want = (("target", "index"), ("token_weights", "float32"))
-        if op == "reduce_loss":
-            want += (("x", "float32"),)
-        for name, dtype in want:
-            v = vals.get(name)
-            if v is not None and (v.dims != (TOKENS,) or v.dtype != dtype):
-                sink.add(loc, f"{op}.{name} must be [M] {dtype}, got {_fmt(v.dims)} {v.dtype}")
-                return None
-        if op == "row_weights":
-            return [Value((TOKENS,), "float32")]
-        per_row = _per_row_loss(step, b, args, sink)
-        if per_row is None:
-            return None
-        return [Value((TOKENS,) if per_row else (), "float32"), Value((TOKENS,), "float32")]
-    if op == "cross_entropy":
-        for name, dtype in (("lse", "float32"), ("target_logit", "float32"), ("target", "index")):
-            v = vals[name]
-            if v.dims != (TOKENS,) or v.dtype != dtype:
-                sink.add(loc, f"cross_entropy.{name} must be [M] {dtype}, got {_fmt(v.dims)} {v.dtype}")
-                return None
-        return [Value((), "float32"), Value((TOKENS,), "float32")]
-    a, b_ = vals["a"], vals["b"]  # matmul
-    if len(a.dims) != 2 or len(b_.dims) != 2:
-        sink.add(loc, f"matmul operands must be matrices, got {_fmt(a.dims)} and {_fmt(b_.dims)}")
-        return None
-    transpose = next((a.value for a in args if a.param == "transpose"), "none")
-    ad = a.dims[::-1] if transpose == "a" else a.dims
-    bd = b_.dims[::-1] if transpose == "b" else b_.dims
-    if ad[1] != bd[0]:
-        sink.add(loc, f"matmul: {_fmt(ad)} @ {_fmt(bd)} do not chain ({ad[1]} != {bd[0]})")
-        return None
-    if (a.dtype, b_.dtype) != ("T", "T") and any(arg.param == "accumulate" for arg in args):
-        sink.add(loc, f"matmul.accumulate: a is {a.dtype} and b {b_.dtype}; the kernel takes both in the block's "
-                      "type T")
-        return None
-    return [Value((ad[0], bd[1]), a.dtype if a.dtype == b_.dtype else "float32")]
-
-
 def _is_tiles(d: BlockDim) -> bool:
     return isinstance(d.symbol, str) and d.symbol.startswith("tiles(")
-
-
-def _elementwise_type(op: str, operands: list, loc, sink) -> list[Value] | None:
-    """An elementwise finish step computes in fp32 on values of one shape, or on one value and scalars (a []
-    value, a number or an attr): its result has that shape, in float32."""
-    if not operands:
-        sink.add(loc, f"{op}: both operands are numbers; write the result as one number")
-        return None
-    for name, v in operands:
-        if v.dtype == "index":
-            sink.add(loc, f"{op}.{name} is an index value; elementwise finish steps compute on floats")
-            return None
-    shapes = {v.dims for _, v in operands if v.dims != ()}
-    if len(shapes) > 1:
-        (_, x), (_, y) = operands
-        sink.add(loc, f"{op}: x is {_fmt(x.dims)} and y is {_fmt(y.dims)}; elementwise finish steps take values "
-                      "of one shape, or one value and a scalar")
-        return None
-    return [Value(shapes.pop() if shapes else (), "float32")]
-
-
-def _per_row_loss(step: BlockStep, b: Block, args: list[Arg], sink) -> bool | None:
-    """Whether reduce_loss makes a loss per row ([M], reduction 'none') rather than a scalar: a static shape,
-    so an attr may choose between 'mean' and 'sum' but not between either and 'none'."""
-    arg = next(a for a in args if a.param == "reduction")
-    if not arg.is_name:
-        return arg.value == "none"
-    choices = set(b.attr(arg.value).choices)
-    if "none" in choices and choices != {"none"}:
-        sink.add(step.arg_locs.get("reduction", step.loc),
-                 f"reduce_loss.reduction: attr '{arg.value}' chooses between 'none' (a loss per row, [M]) and "
-                 f"{', '.join(repr(c) for c in sorted(choices - {'none'}))} (a scalar): the loss's shape must not "
-                 "depend on an attr; give 'none' a block of its own")
-        return None
-    return choices == {"none"}

@@ -8,38 +8,6 @@ from fractions import Fraction
 
 from .model import Location
 
-# Finish (aux) steps: tiny kernels over partial-reduction buffers and row vectors, and plain GEMMs.
-FINISH_SIGNATURES: dict[str, tuple[tuple[str, str], ...]] = {
-    # (argument, kind): value = a block value; operand = a block value, a number or an int/float attr;
-    # size = an int attr or a positive integer (a count or a divisor: 0 or -1 would fail or mislead at run time);
-    # int = an int attr or any integer (ignore_index, -100 as PyTorch's); number = an attr or a literal;
-    # choice = one of CHOICES; kernel = a kernel spec's name; out = defines a value; a kind ending in '?' may be
-    # left out
-    "rstd": (("x", "value"), ("size", "size"), ("eps", "number"), ("out", "out")),
-    "sum_tiles": (("x", "value"), ("divide_by", "size?"), ("out", "out")),
-    "logsumexp_tiles": (("x", "value"), ("inf_max", "choice?"), ("out", "out")),
-    "add": (("x", "operand"), ("y", "operand"), ("out", "out")),
-    "sub": (("x", "operand"), ("y", "operand"), ("out", "out")),
-    "mul": (("x", "operand"), ("y", "operand"), ("out", "out")),
-    "div": (("x", "operand"), ("y", "operand"), ("out", "out")),
-    "square": (("x", "value"), ("out", "out")),
-    "gather": (("x", "value"), ("index", "value"), ("out", "out")),
-    "cross_entropy": (("lse", "value"), ("target_logit", "value"), ("target", "value"), ("classes", "size"),
-                      ("ignore_index", "int"), ("reduction", "choice"), ("empty_mean", "choice?"), ("loss", "out"),
-                      ("weights", "out")),
-    "reduce_loss": (("x", "value"), ("target", "value"), ("classes", "size"), ("ignore_index", "int"),
-                    ("reduction", "choice"), ("token_weights", "value?"), ("empty_mean", "choice?"), ("loss", "out"),
-                    ("weights", "out")),
-    "row_weights": (("target", "value"), ("ignore_index", "int"), ("reduction", "choice"),
-                    ("token_weights", "value?"), ("out", "out")),
-    "unit_scale": (("x", "value"), ("out", "out")),
-    "matmul": (("a", "value"), ("b", "value"), ("transpose", "transpose?"), ("accumulate", "kernel?"),
-               ("out", "out")),
-}
-# the values of each finish-step argument of kind choice: by argument, or by step.argument where a step differs
-CHOICES = {"reduction": ("mean", "sum"), "empty_mean": ("nan", "zero"), "inf_max": ("keep", "nan"),
-           "reduce_loss.reduction": ("mean", "sum", "none"), "row_weights.reduction": ("mean", "sum", "none")}
-TRANSPOSES = ("none", "a", "b")
 IN_PLACE = "in_place"  # the key of a kernel call that writes outputs over values the call reads
 SUMS = ("float32", "same")  # what gradients summed over row chunks are summed in: fp32, or their own dtype
 
@@ -143,6 +111,21 @@ class Value:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """The type of a partial-reduction buffer: the float32 [rows, tiles(...)] that a kernel's
+    `reduce: {op: ...}` writes, one value of the reduction `op` (sum, sumsq, max, logsumexp) per row and tile.
+    Only a finish step that combines `op`'s partials may finish it (codagen/finish_steps: `combines`)."""
+
+    op: str
+    dims: tuple[BlockDim, ...]
+    source: str = field(default="", compare=False)  # where it was made, for messages: "kernel 'k', output 'o'"
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+
+@dataclass(frozen=True)
 class Arg:
     """One argument of a resolved step: the callee's parameter and what is passed, either a name in scope
     (a block value or an attr) or a literal."""
@@ -212,7 +195,7 @@ class CheckedBlock:
     block: Block
     forward: tuple[Call, ...]
     backward: tuple[Call, ...]
-    values: dict  # name -> Value, forward and backward
+    values: dict  # name -> Value or Partial, forward and backward
     saved: tuple[str, ...]  # what the forward saves for the backward: the spec's save list, then the parameters
     grads: tuple[str, ...]  # what backward returns, in forward-argument order ('' for None)
     chunks: RowChunks | None  # set when the spec gives backward_row_chunks

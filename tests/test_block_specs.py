@@ -375,7 +375,7 @@ def test_a_size_out_of_range_is_located_at_its_value(tmp_path):
 def test_reference_block_examples_are_valid_blocks(tmp_path):
     """Every YAML block of docs/spec-reference.md that starts with `block:` is a block codagen accepts, against
     the kernels of specs/; and every finish step is documented with each of its arguments."""
-    from codagen.blockmodel import FINISH_SIGNATURES
+    from codagen.finish_steps import FINISH_STEPS
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "spec-reference.md").read_text(encoding="utf-8")
     blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("block:")]
@@ -387,11 +387,11 @@ def test_reference_block_examples_are_valid_blocks(tmp_path):
     assert {re.match(r"block: (\w+)", b).group(1) for b in blocks} <= names
     table = text[text.index("### Finish steps"):text.index("**The loss steps**")]
     rows = re.findall(r"^\| `\w+`.*$", table, re.M)
-    for op, signature in FINISH_SIGNATURES.items():
+    for op, step in FINISH_STEPS.items():
         row = next((r for r in rows if f"`{op}`" in r.split("|")[1]), None)
         assert row is not None, f"finish step {op} is not documented"
-        for arg, _ in signature:
-            assert f"`{arg}" in row, f"{op}.{arg} is not documented"
+        for arg in step.args:
+            assert f"`{arg.name}" in row, f"{op}.{arg.name} is not documented"
 
 
 def test_a_kernel_named_like_a_finish_step_is_not_called_silently(tmp_path):
