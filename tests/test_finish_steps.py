@@ -3,10 +3,13 @@ in the block, and a finish step takes only the partials of the reductions it dec
 sumsq; rstd: sumsq; logsumexp_tiles: logsumexp); any other is refused at the value's file:line:col."""
 
 import pytest
+import yaml
 
 from codagen import api
 from codagen.blockmodel import CheckedBlock, Partial
 from codagen.errors import ValidationFailed
+from codagen.finish_steps import FINISH_STEPS
+from codagen.primitives.reduce import REDUCTIONS
 
 STATS_KERNEL = """\
 kernel: tile_stats
@@ -119,3 +122,100 @@ def test_partials_changed_otherwise_are_no_partials(tmp_path, between):
     text = _write(tmp_path, "sum", "sum_tiles", between=between, x="half")
     errors = "\n".join(_errors(tmp_path))
     assert f"b.yaml:{_finish_x(text, 'sum_tiles')}: sum_tiles.x: 'half' is no partials" in errors, errors
+
+
+# ---- the registry (codagen/finish_steps): every step complete, its runtime function taking its arguments, the
+# docs generated from it ------------------------------------------------------------------------------------------
+
+def test_every_family_module_is_registered():
+    import pkgutil
+
+    import codagen.finish_steps
+    from codagen.finish_steps import FAMILIES
+
+    modules = {m.name for m in pkgutil.iter_modules(codagen.finish_steps.__path__)} - {"base", "docs"}
+    assert modules == {f.__name__.rsplit(".", 1)[1] for f in FAMILIES}
+
+
+@pytest.mark.parametrize("name", list(FINISH_STEPS))
+def test_finish_step_is_complete(name):
+    step = FINISH_STEPS[name]
+    assert step.doc and "\n" not in step.doc + step.example
+    assert [a.name for a in step.args] == list(dict.fromkeys(a.name for a in step.args)), "an argument twice"
+    assert step.outs, f"{name} defines no value"
+    example = yaml.safe_load(step.example)
+    assert list(example) == [name], f"{name}: the example is a step of another finish step"
+    given = example[name]
+    assert set(given) <= {a.name for a in step.args}, f"{name}: the example's arguments"
+    assert {a.name for a in step.args if not a.optional} <= set(given), f"{name}: the example leaves out a required one"
+    for a in step.args:
+        if a.kind in ("choice", "keyword"):
+            assert a.choices, f"{name}.{a.name} has no choices"
+        if a.kind == "keyword" and a.name in given:
+            assert given[a.name] in a.choices, f"{name}: the example's {a.name}"
+    # partials: the argument and the reductions it takes go together, and name reductions that exist
+    assert bool(step.combines) == any(a.kind == "partials" for a in step.args), name
+    assert set(step.combines) <= {r.name for r in REDUCTIONS}, name
+
+
+@pytest.mark.parametrize("name", list(FINISH_STEPS))
+def test_runtime_function_takes_the_arguments(name):
+    """The generated block calls finish.<name>(...) with every argument the spec gives, by keyword: the
+    function takes each (a kernel argument goes to runtime.ChunkSum.add_matmul instead), has a default for
+    each optional one, and needs none the step lacks."""
+    import inspect
+
+    from codagen.runtime import ChunkSum
+
+    step = FINISH_STEPS[name]
+    params = inspect.signature(step.runtime).parameters
+    passed = [a for a in step.args if a.kind not in ("out", "kernel")]
+    for a in passed:
+        assert a.name in params, f"finish.{name} takes no '{a.name}'"
+        assert params[a.name].kind is not inspect.Parameter.POSITIONAL_ONLY
+        if a.optional:
+            assert params[a.name].default is not inspect.Parameter.empty, f"finish.{name}: '{a.name}' has no default"
+    needed = [p for p, v in params.items() if v.default is inspect.Parameter.empty
+              and v.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    assert set(needed) <= {a.name for a in passed if not a.optional}, f"finish.{name} needs {needed}"
+    for a in step.args:
+        if a.kind == "kernel":
+            assert a.name in inspect.signature(ChunkSum.add_matmul).parameters
+
+
+def test_generated_docs_are_up_to_date():
+    """The finish-step kinds and table of docs/spec-reference.md, and the reductions' table that names the
+    steps combining each, are generated from the registry (CI: python -m codagen.primitives.docs --check)."""
+    from codagen.primitives import docs
+
+    stale = docs.outdated()
+    assert not stale, f"{stale} differ from what the registries generate; run: python -m codagen.primitives.docs"
+    text = (docs.ROOT / docs.REFERENCE).read_text(encoding="utf-8")
+    for name, step in FINISH_STEPS.items():
+        assert f"| `{name}` |" in text and f"`- {step.example}`" in text, name
+
+
+def test_a_new_finish_step_is_one_registry_entry(tmp_path, monkeypatch):
+    """docs/contributing.md's worked example: a step combining max partials, declared once, is what the checker
+    accepts for them, names in its messages and writes into the docs."""
+    from codagen.finish_steps import FinishArg, FinishStep
+    from codagen.finish_steps.partials import _per_row
+    from codagen.primitives import docs
+
+    max_tiles = FinishStep("max_tiles", (FinishArg("x", "partials", what="`[rows, tiles]` float32"),
+                                         FinishArg("out", "out")),
+                           "`[rows]` float32: the largest of each row's per-tile maxima",
+                           "max_tiles: {x: top_part, out: top}", check=_per_row, combines=("max",))
+    _write(tmp_path, "max", "sum_tiles")
+    assert "max partials are combined by" not in "\n".join(_errors(tmp_path))
+    monkeypatch.setitem(FINISH_STEPS, "max_tiles", max_tiles)
+    assert "max partials are combined by max_tiles" in "\n".join(_errors(tmp_path))
+    EXTRA["max_tiles"] = ""
+    try:
+        _write(tmp_path, "max", "max_tiles")
+        block = next(c for c in api.load([tmp_path]) if isinstance(c, CheckedBlock))
+    finally:
+        del EXTRA["max_tiles"]
+    assert [c.op for c in block.forward] == ["tile_stats", "max_tiles"]
+    assert "| `max` | `max x` | `max` | `max_tiles` |" in docs.reduction_table()
+    assert "| `max_tiles` | `x` partials of `max` `[rows, tiles]` float32, `out` out |" in docs.finish_table()

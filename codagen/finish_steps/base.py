@@ -18,12 +18,12 @@ KINDS = {
     "value": "a value name",
     "operand": "a value name, a number or an int/float attr",
     "size": "an int attr or a positive integer (a count or a divisor: 0 or -1 would fail or mislead at run time)",
-    "int": "an int attr or any integer (ignore_index, -100 as PyTorch's)",
+    "int": "an int attr or any integer (`ignore_index: -100`, as PyTorch's)",
     "number": "an attr or a number",
     "choice": "one of `choices`, or a choice attr whose choices are all among them",
     "keyword": "one of `choices`, as written (no attr)",
     "kernel": "a kernel spec's name",
-    "out": "a new value name, or '_'",
+    "out": "a new value name, or `_` (discarded)",
 }
 
 

@@ -1,7 +1,7 @@
-"""What is generated from the registry outside the kernels: the step section of the JSON Schema
+"""What is generated from the registries outside the kernels: the step section of the JSON Schema
 (codagen/schema/kernel.schema.json, `$defs.step`; its reserved names come from codagen/names.py) and the
-tables of primitives and of reductions in docs/spec-reference.md (between `<!-- generated: NAME -->` and
-`<!-- end: NAME -->`).
+tables of primitives, of reductions and of finish steps (codagen/finish_steps) in docs/spec-reference.md
+(between `<!-- generated: NAME -->` and `<!-- end: NAME -->`).
 
     python -m codagen.primitives.docs           rewrite them
     python -m codagen.primitives.docs --check   fail, naming the files, if they are out of date (CI runs this)"""
@@ -15,6 +15,8 @@ import textwrap
 from pathlib import Path
 
 from .. import names
+from ..finish_steps import combining
+from ..finish_steps.docs import finish_table, kinds_list
 from . import PRIMITIVES, Primitive
 from .base import Arg
 from .reduce import REDUCTIONS
@@ -108,8 +110,11 @@ def primitive_table() -> str:
 
 
 def reduction_table() -> str:
-    rows = ["| `op` | partial (over the in-range elements of one tile) | combine the partials with |", "|---|---|---|"]
-    rows += [f"| `{r.name}` | `{r.partial}` | `{r.combine}` |" for r in REDUCTIONS]
+    rows = ["| `op` | partial (over the in-range elements of one tile) | combine the partials with | finish steps "
+            "that combine them |", "|---|---|---|---|"]
+    for r in REDUCTIONS:
+        steps = ", ".join(f"`{s}`" for s in combining(r.name)) or "none"
+        rows.append(f"| `{r.name}` | `{r.partial}` | `{r.combine}` | {steps} |")
     return "\n".join(rows)
 
 
@@ -131,7 +136,8 @@ def reserved_names() -> str:
     ])
 
 
-TABLES = {"primitives": primitive_table, "reductions": reduction_table, "reserved": reserved_names}
+TABLES = {"primitives": primitive_table, "reductions": reduction_table, "reserved": reserved_names,
+          "finish_kinds": kinds_list, "finish_steps": finish_table}
 
 
 def render_reference(text: str, path: str = REFERENCE) -> str:
@@ -175,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         for rel in stale:
             print(f"stale: {rel}", file=sys.stderr)
         if stale:
-            print("generated from the primitive registry; run: python -m codagen.primitives.docs", file=sys.stderr)
+            print("generated from the primitive and finish-step registries; run: python -m codagen.primitives.docs",
+                  file=sys.stderr)
             return 1
         print(f"{SCHEMA} and {REFERENCE} are up to date")
         return 0
