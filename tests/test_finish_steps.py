@@ -204,7 +204,7 @@ def test_a_new_finish_step_is_one_registry_entry(tmp_path, monkeypatch):
 
     max_tiles = FinishStep("max_tiles", (FinishArg("x", "partials", what="`[rows, tiles]` float32"),
                                          FinishArg("out", "out")),
-                           "`[rows]` float32: the largest of each row's per-tile maxima",
+                           "`[rows]` float32: the largest value of each row, from per-tile maxima",
                            "max_tiles: {x: top_part, out: top}", check=_per_row, combines=("max",))
     _write(tmp_path, "max", "sum_tiles")
     assert "max partials are combined by" not in "\n".join(_errors(tmp_path))
