@@ -10,7 +10,7 @@ from .blockmodel import IN_PLACE, TOKENS, Attr, Block, BlockDim, BlockStep, Bloc
 from .errors import ErrorSink
 from .loader import _is_mapping, _Mapping, _name, doc_text
 from .model import Location
-from .names import identifier_problem
+from .names import MODULE_KEYWORDS, identifier_problem
 from .yamlnodes import Node
 
 _CHOICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -113,6 +113,10 @@ def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
         name = _name(Node(key, loc), "attr name", sink)
         v = value.value
         if name is None:
+            continue
+        if name in MODULE_KEYWORDS:
+            sink.add(loc, f"attr name: '{name}' is a keyword argument of every generated nn.Module's constructor "
+                          f"({', '.join(MODULE_KEYWORDS)}); choose another name")
             continue
         if v in ("int", "float"):
             out.append(Attr(name, v, None, (), loc))

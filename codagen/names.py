@@ -1,5 +1,6 @@
 """Which names a spec may use. Spec names become Python and Triton identifiers in generated code, so they
-are checked against a strict pattern and every name the generated code itself uses."""
+are checked against a strict pattern (a lowercase letter first: never '_', which starts the generated code's
+own names) and the few names the generated code has in scope wherever a spec name is."""
 from __future__ import annotations
 
 import builtins
@@ -9,25 +10,16 @@ import unicodedata
 
 IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
-# Every lowercase name that the generated modules (codagen/templates, codagen/emit) use for themselves:
-# modules, locals and parameters of the kernels, launchers and ops, the Hopper backend's schedule, and the
-# blocks. tests/test_bad_specs.py scans the generated sources for any name not listed here.
-INTERNAL = frozenset("""
-    tl triton torch math functools runtime tile codagen generated acc pid pid_m pid_n num_pid_m num_pid_n
-    num_pid_in_group group_id first_pid_m group_size_m k0 a_tile b_tile rows cols cols_half cols_even
-    cols_odd cols_double row_mask col_mask col_mask_half tile_mask tile_mask_half tile_mask_double first_row
-    first_col part
-    config grid device dtype out outs ctx self args kwargs library op fake meta m n k
-    launch values sizes t_dtype tensors key plan tma tile_id offs_k path
-    gluon gl hopper mbarrier fence_async_shared a_ring b_ring ready empty turn buffers epilogue_buffers
-    inputs_ready slice_n acc_slice first_buffer slot k_steps step tile_count i step_start in_step early_part
-    nn kernels finish chosen check_launch cols_group col_mask_group group_mask grad_factor
-""".split())
-# Names made from a spec name x: x_ptr, x_ptrs (pointers), x_desc (TMA descriptors), x_even, x_odd (halves
-# of pairs, emit/epilogue.py), x_of_columns (per-pair values by column), x_as_t (a cast's tile in T for its
-# store, emit/gluon.py), stride_x_m and the like, offs_*
-RESERVED_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns", "_as_t")
-RESERVED_PREFIXES = ("stride_", "offs_")
+# The generated code's own locals, parameters and helpers start with '_' (or are uppercase: sizes and
+# constexprs), which no spec name can, so a spec's names share no scope with them. What is left in scope wherever
+# a spec name is: the keyword argument of every launcher, the accumulator of the spec language, and the modules
+# and public function of a generated kernel module. (A kernel that the Hopper backend could not lower for its
+# names keeps the tl kernel: codagen/emit/gluon.py.)
+CONFIG = "config"  # launch(..., config=None): the keyword argument of the public launch API
+MODULES = frozenset({"torch", "triton", "tl", "tile", "runtime", "launch"})
+RESERVED = frozenset({CONFIG, "acc", *MODULES})
+# A block's nn.Module takes these keyword arguments besides its attrs: no attr may be named so (blockspec.py)
+MODULE_KEYWORDS = ("device", "dtype")
 # What a kernel named k defines besides k itself: checked against the kernel's own names (validate.py)
 KERNEL_FUNCTIONS = ("kernel", "gluon_kernel", "epilogue", "consumer", "load_inputs", "op")
 # torch.ops.codagen.<kernel> is an attribute of an op namespace, which has one public attribute of its own
@@ -70,10 +62,13 @@ def name_problem(name: object) -> str | None:
         return f"'{name}' is a Python keyword; choose another name"
     if hasattr(builtins, name):
         return f"'{name}' is a Python builtin; choose another name"
-    # *_even and *_odd: the halves of a value of interleaved pairs (see emit/epilogue.py)
-    if name in INTERNAL or name.endswith(RESERVED_SUFFIXES) or name.startswith(RESERVED_PREFIXES):
-        return (f"'{name}' is reserved for generated code (names such as acc, tl, part, *_ptr, *_desc, *_even, "
-                "*_odd, stride_* and offs_* are taken); choose another name")
+    if name == CONFIG:
+        return "'config' is the keyword argument of every generated launch(); choose another name"
+    if name == "acc":
+        return "'acc' is the GEMM accumulator; choose another name"
+    if name in MODULES:
+        return (f"'{name}' is a name of every generated kernel module ({', '.join(sorted(MODULES))}: the modules "
+                "it imports and its launch()); choose another name")
     return None
 
 

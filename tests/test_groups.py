@@ -119,9 +119,9 @@ for path in sys.argv[1:]:
                       DOT_PRECISION="tf32", TMA=False, FLATTEN=False, WARP_SPECIALIZE=False, EPILOGUE_SPLIT=split,
                       INT64=False, ACC_IN=False)
         consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a kernel without a GEMM has no BLOCK_K
-        consts.update({n: None for n in fn.arg_names if n.endswith("_desc") or n == "acc_ptr"})
-        signature = {n: "constexpr" if n in consts else POINTER[decls[n[:-4]].dtype] if n.endswith("_ptr")
-                     else "i32" if n.startswith("stride_") or n in ("M", "N", "K", "NUM_PROGRAMS") else "fp32"
+        consts.update({n: None for n in fn.arg_names if n.endswith("_desc") or n == "_acc_ptr"})
+        signature = {n: "constexpr" if n in consts else POINTER[decls[n[1:-4]].dtype] if n.endswith("_ptr")
+                     else "i32" if n.startswith("_stride_") or n in ("M", "N", "K", "NUM_PROGRAMS") else "fp32"
                      for n in fn.arg_names}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})

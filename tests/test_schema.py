@@ -20,7 +20,7 @@ from codagen import api
 from codagen.errors import ValidationFailed
 from codagen.loader import MAX_STEPS
 from codagen.model import BLayout, Dim, DType
-from codagen.names import IDENTIFIER, INTERNAL, name_problem
+from codagen.names import IDENTIFIER, RESERVED, name_problem
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "codagen" / "schema" / "kernel.schema.json"
@@ -75,8 +75,10 @@ def test_dimensions_and_dtypes():
 
 def test_name_rules():
     assert DEFS["name"]["pattern"] == f"^{IDENTIFIER.pattern}$"
-    assert DEFS["reserved_generated"]["enum"] == sorted(INTERNAL), (
-        "codagen/names.py INTERNAL changed: copy sorted(INTERNAL) into $defs.reserved_generated")
+    assert DEFS["reserved_generated"]["enum"] == sorted(RESERVED), (
+        "codagen/names.py RESERVED changed: run python -m codagen.primitives.docs")
+    for name in RESERVED:
+        assert name_problem(name), f"{name} is in codagen/names.py RESERVED but codagen accepts it"
     python_names = set(DEFS["reserved_python"]["enum"])
     for name in python_names:  # the schema never refuses a name that codagen accepts
         assert name_problem(name), f"{name} is in $defs.reserved_python but codagen accepts it"
@@ -153,9 +155,9 @@ INVALID = {
     "unknown output key": _mutate(lambda d: d["outputs"].update(h={"shape": ["M", "N"], "inplce": True})),
     "inplace not a boolean": _mutate(lambda d: d["outputs"].update(h={"shape": ["M", "N"], "inplace": "yes"})),
     "capital letter in a name": _mutate(lambda d: d.update(kernel="K1")),
-    "reserved name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="out")),
-    "pointer-like name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="hv_ptr")),
-    "pair-half-like name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="hv_even")),
+    "reserved name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="config")),
+    "module name": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="tl")),
+    "name starting with '_'": _mutate(lambda d: d["epilogue"][3]["scale"].update(out="_hv")),
     "builtin name": _mutate(lambda d: d["inputs"].update(sum=["M"])),
     "empty epilogue": _mutate(lambda d: d.update(epilogue=[])),
     "two primitives in one step": _mutate(lambda d: d["epilogue"][0].update(store={"x": "acc", "to": "h"})),

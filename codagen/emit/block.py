@@ -54,7 +54,7 @@ def _docstring(paragraphs: list[str], indent: int) -> str:
 def _grad_factor(gf) -> str:
     """What the backward multiplies the gradients made in the forward by: the output's gradient, over the output
     gradient they were made for when the spec gives one (grad_scale)."""
-    return "grad_factor" if gf.grad_scale else f"grad_{gf.output}"
+    return "_factor" if gf.grad_scale else f"grad_{gf.output}"
 
 
 def _value(a: Arg, rows: set[str] = frozenset()) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from ..model import DType, InputRole, Kernel, Kind, Literal, Step, ValueType, Width
 from ..primitives import PRIMITIVES, step_text
 
-COLS = {Width.HALF: "cols_half", Width.FULL: "cols"}
 HALVES = ("even", "odd")  # the two columns of each pair, in memory order
 BLOCK = {Width.HALF: "BLOCK_N // 2", Width.FULL: "BLOCK_N"}
 SIZE = {Width.HALF: "N // 2", Width.FULL: "N", Width.DOUBLE: "2 * N"}
@@ -27,6 +26,11 @@ class EpilogueEmitter:
 
     backend = "tl"
     lang = "tl"  # the language module, as generated code names it
+    # The epilogue's own names start with '_', which no spec name can: the spec's inputs and values are the
+    # function's other locals. (The Hopper emitter, GluonEpilogueEmitter, keeps names of its own.)
+    own = "_"
+    rows, cols, pid_m, pid_n, row_mask = "_rows", "_cols", "_pid_m", "_pid_n", "_row_mask"
+    pair_cols = ("_even_cols", "_odd_cols")  # the columns of the even and odd halves of pairs, in 2*N
 
     def __init__(self, kernel: Kernel, types: dict[str, ValueType]):
         self.kernel = kernel
@@ -50,20 +54,20 @@ class EpilogueEmitter:
         if w not in self.widths:
             self.widths.add(w)
             if w is not Width.FULL:
-                self.lines.append(f"{COLS[w]} = pid_n * ({BLOCK[w]}) + tl.arange(0, {BLOCK[w]})")
-            self.lines.append(f"{self.col_mask(w)} = {COLS[w]} < {SIZE[w]}")
+                self.lines.append(f"{self.cols_of(w)} = {self.pid_n} * ({BLOCK[w]}) + tl.arange(0, {BLOCK[w]})")
+            self.lines.append(f"{self.col_mask(w)} = {self.cols_of(w)} < {SIZE[w]}")
         if tile and w not in self.tile_masks:
             self.tile_masks.add(w)
-            self.lines.append(f"{self.tile_mask(w)} = row_mask[:, None] & {self.col_mask(w)}[None, :]")
+            self.lines.append(f"{self.tile_mask(w)} = {self.row_mask}[:, None] & {self.col_mask(w)}[None, :]")
 
     def need_groups(self) -> None:
         """The indices and mask of the tile's column groups (of the kernel's column_group columns each)."""
         if not self.groups:
             self.groups = True
-            g = self.kernel.column_group
-            self.lines += [f"cols_group = pid_n * (BLOCK_N // {g}) + tl.arange(0, BLOCK_N // {g})",
-                           f"col_mask_group = cols_group < N // {g}",
-                           "group_mask = row_mask[:, None] & col_mask_group[None, :]"]
+            g, o = self.kernel.column_group, self.own
+            self.lines += [f"{o}cols_group = {self.pid_n} * (BLOCK_N // {g}) + tl.arange(0, BLOCK_N // {g})",
+                           f"{o}col_mask_group = {o}cols_group < N // {g}",
+                           f"{o}group_mask = {self.row_mask}[:, None] & {o}col_mask_group[None, :]"]
 
     def load(self, name: str) -> None:
         """Load an input at its first use, as fp32 (index inputs keep their integer type). Without a GEMM, a tile
@@ -80,27 +84,27 @@ class EpilogueEmitter:
         if t.width is Width.DOUBLE and t.kind is Kind.TILE:
             ptr, mask = self.pair_tile_ptr_mask(name)
             loaded = f"tl.load({ptr}, mask={mask}, other=0.0)"
-            self.lines.append(f"{name}_even, {name}_odd = tile.split_pairs("
+            self.lines.append(f"{self.half(name, 'even')}, {self.half(name, 'odd')} = tile.split_pairs("
                               + (f"tile.widen({loaded}))" if widen else f"{loaded}{cast})"))
             return
         if t.width is Width.DOUBLE:
             for half in HALVES:
                 ptr, mask, _ = self.tensor_ptr_mask(name, t, half)
-                self.lines.append(f"{name}_{half} = tl.load({ptr}, mask={mask}, other=0.0){cast}")
+                self.lines.append(f"{self.half(name, half)} = tl.load({ptr}, mask={mask}, other=0.0){cast}")
             return
         if t.kind is Kind.TILE:
             self.need_width(t.width, tile=True)
-            ptr = f"{name}_ptr + rows[:, None] * stride_{name}_m + {COLS[t.width]}[None, :] * stride_{name}_n"
+            ptr = self.tile_ptr(name, self.cols_of(t.width))
             mask = self.tile_mask(t.width)
         elif t.kind is Kind.ROW:
-            ptr, mask = f"{name}_ptr + rows * stride_{name}_m", "row_mask"
+            ptr, mask = self.row_ptr(name), self.row_mask
         elif t.kind is Kind.GROUP:
             ptr, mask, _ = self.tensor_ptr_mask(name, t)
         elif t.kind is Kind.COL:
             self.need_width(t.width)
-            ptr, mask = f"{name}_ptr + {COLS[t.width]} * stride_{name}_n", self.col_mask(t.width)
+            ptr, mask = f"{self.ptr(name)} + {self.cols_of(t.width)} * {self.stride(name, 'n')}", self.col_mask(t.width)
         else:
-            self.lines.append(f"{name} = tl.load({name}_ptr){cast}")
+            self.lines.append(f"{name} = tl.load({self.ptr(name)}){cast}")
             return
         if widen:
             self.lines.append(f"{name} = tile.widen(tl.load({ptr}, mask={mask}, other=0.0))")
@@ -126,7 +130,7 @@ class EpilogueEmitter:
         if not self.is_pair(operand):
             return (self.ref(operand, into),) * 2
         self.load(operand)
-        even, odd = (self.broadcast(f"{operand}_{half}", self.types[operand], into) for half in HALVES)
+        even, odd = (self.broadcast(self.half(operand, half), self.types[operand], into) for half in HALVES)
         return even, odd
 
     def broadcast(self, text: str, t: ValueType, into: ValueType | None) -> str:
@@ -142,7 +146,7 @@ class EpilogueEmitter:
 
     def assign_pair(self, step: Step, expr: str) -> None:
         """out = expr, where expr gives the even and odd halves of a value of pairs."""
-        self.lines.append(f"{step.out}_even, {step.out}_odd = {expr}")
+        self.lines.append(f"{self.half(step.out, 'even')}, {self.half(step.out, 'odd')} = {expr}")
 
     def elementwise(self, s: Step, template: str, operands: dict[str, object]) -> None:
         """out = template(operands); on a pair, once per half (the other operands broadcast to both)."""
@@ -152,7 +156,7 @@ class EpilogueEmitter:
             return
         halves = {k: self.halves(v, out) for k, v in operands.items()}
         for i, half in enumerate(HALVES):
-            self.lines.append(f"{s.out}_{half} = " + template.format(**{k: h[i] for k, h in halves.items()}))
+            self.lines.append(f"{self.half(s.out, half)} = " + template.format(**{k: h[i] for k, h in halves.items()}))
 
     def cast(self, s: Step) -> bool:
         """Emit a cast to T that a store shares (with the stored tile kept for it), unless the store before it
@@ -166,14 +170,16 @@ class EpilogueEmitter:
         return True
 
     def round_for_store(self, s: Step) -> None:
-        """The cast s of a tile to T, and that tile in T as its store takes it (`<out>_as_t`): one conversion."""
+        """The cast s of a tile to T, and that tile in T as its store takes it (`_<out>_as_t`): one conversion."""
         x, out, to = s.args["x"], s.out, self.t_dtype()
+        as_t = f"{self.own}{out}_as_t"
         if self.is_pair(x):
             even, odd = self.halves(x)
-            self.lines.append(f"{out}_even, {out}_odd, {out}_as_t = tile.round_pairs_for_store({even}, {odd}, {to})")
+            self.lines.append(f"{self.half(out, 'even')}, {self.half(out, 'odd')}, {as_t} = "
+                              f"tile.round_pairs_for_store({even}, {odd}, {to})")
         else:
-            self.lines.append(f"{out}, {out}_as_t = tile.round_for_store({self.ref(x)}, {to})")
-        self.stored_form[out] = self.stored_form.setdefault(x, f"{out}_as_t")
+            self.lines.append(f"{out}, {as_t} = tile.round_for_store({self.ref(x)}, {to})")
+        self.stored_form[out] = self.stored_form.setdefault(x, as_t)
 
     def stored_tile(self, x: str) -> str | None:
         """A tile stored to an output of type T, in T, where a cast to T shares its rounding (emitted here if
@@ -187,21 +193,45 @@ class EpilogueEmitter:
         """(source, column indices) of each part of a value: its halves for a pair, else the value itself."""
         if self.is_pair(x):
             self.need_pair_columns()
-            return list(zip(self.halves(x), (f"cols_{half}" for half in HALVES)))
-        return [(self.ref(x), COLS[w])]
+            return list(zip(self.halves(x), self.pair_cols))
+        return [(self.ref(x), self.cols_of(w))]
 
     def t_dtype(self) -> str:
         """T, the type of the kernel's matrix inputs at the launch, as generated code names it."""
-        return f"{self.kernel.t_input}_ptr.dtype.element_ty"
+        return f"{self.ptr(self.kernel.t_input)}.dtype.element_ty"
 
-    @staticmethod
-    def col_mask(w: Width) -> str:
+    # -- names ----------------------------------------------------------------------------------------------
+    def ptr(self, name: str) -> str:
+        """The pointer parameter of a tensor."""
+        return f"{self.own}{name}_ptr"
+
+    def stride(self, name: str, axis: str) -> str:
+        """The stride parameter of a tensor along an axis (m, n, t: emit/kernel.AXIS)."""
+        return f"{self.own}stride_{name}_{axis}"
+
+    def half(self, name: str, half: str) -> str:
+        """The even or odd half of a value of pairs."""
+        return f"{self.own}{name}_{half}"
+
+    def cols_of(self, w: Width) -> str:
+        """The column indices of a width, N/2 or N."""
+        return f"{self.own}cols_half" if w is Width.HALF else self.cols
+
+    def col_mask(self, w: Width) -> str:
         """The mask of a width's columns; pairs (2*N) are masked by their index in N."""
-        return "col_mask_half" if w is Width.HALF else "col_mask"
+        return f"{self.own}col_mask_half" if w is Width.HALF else f"{self.own}col_mask"
 
-    @staticmethod
-    def tile_mask(w: Width) -> str:
-        return "tile_mask_half" if w is Width.HALF else "tile_mask"
+    def tile_mask(self, w: Width) -> str:
+        return f"{self.own}tile_mask_half" if w is Width.HALF else f"{self.own}tile_mask"
+
+    def tile_ptr(self, name: str, cols: str) -> str:
+        """Pointers to a tile of a tensor, at the given column indices."""
+        return (f"{self.ptr(name)} + {self.rows}[:, None] * {self.stride(name, 'm')} + {cols}[None, :] * "
+                f"{self.stride(name, 'n')}")
+
+    def row_ptr(self, name: str) -> str:
+        """Pointers to a row vector (or a column of partials: add the tile's offset) at the tile's rows."""
+        return f"{self.ptr(name)} + {self.rows} * {self.stride(name, 'm')}"
 
     @staticmethod
     def size(w: Width) -> str:
@@ -215,34 +245,34 @@ class EpilogueEmitter:
         bool, which Triton's interpreter (3.9) turns into an int32 mask."""
         if half:
             self.need_pair_columns()
-        cols = f"cols_{half}" if half else COLS.get(t.width)
+        cols = self.pair_cols[HALVES.index(half)] if half else None
         if t.kind is Kind.TILE:
             self.need_width(t.width, tile=True)
-            return (f"{name}_ptr + rows[:, None] * stride_{name}_m + {cols}[None, :] * stride_{name}_n",
-                    self.tile_mask(t.width), None)
+            return self.tile_ptr(name, cols or self.cols_of(t.width)), self.tile_mask(t.width), None
         if t.kind is Kind.ROW:  # one copy per row: the first N-tile writes it
-            return f"{name}_ptr + rows * stride_{name}_m", "row_mask", "pid_n == 0"
+            return self.row_ptr(name), self.row_mask, f"{self.pid_n} == 0"
         if t.kind is Kind.GROUP:  # the groups of the tile's columns
             self.need_groups()
-            return (f"{name}_ptr + rows[:, None] * stride_{name}_m + cols_group[None, :] * stride_{name}_n",
-                    "group_mask", None)
+            return self.tile_ptr(name, f"{self.own}cols_group"), f"{self.own}group_mask", None
         self.need_width(t.width)  # one copy per column: the first M-tile writes it
-        return f"{name}_ptr + {cols} * stride_{name}_n", self.col_mask(t.width), "pid_m == 0"
+        return (f"{self.ptr(name)} + {cols or self.cols_of(t.width)} * {self.stride(name, 'n')}",
+                self.col_mask(t.width), f"{self.pid_m} == 0")
 
     def need_pair_columns(self) -> None:
         """The column indices of the even and odd halves of pairs, in 2*N."""
         if Width.DOUBLE not in self.widths:
             self.widths.add(Width.DOUBLE)
-            self.lines += ["cols_even = 2 * cols", "cols_odd = cols_even + 1"]
+            even, odd = self.pair_cols
+            self.lines += [f"{even} = 2 * {self.cols}", f"{odd} = {even} + 1"]
 
     def pair_tile_ptr_mask(self, name: str) -> tuple[str, str]:
         """Pointers and mask of a tile of pairs: its 2*BLOCK_N contiguous columns of each row."""
         if not self.pair_tile_mask:
             self.pair_tile_mask = True
-            self.lines += ["cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)",
-                           "tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]"]
-        return (f"{name}_ptr + rows[:, None] * stride_{name}_m + cols_double[None, :] * stride_{name}_n",
-                "tile_mask_double")
+            o = self.own
+            self.lines += [f"{o}cols_double = {self.pid_n} * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)",
+                           f"{o}tile_mask_double = {self.row_mask}[:, None] & ({o}cols_double < 2 * N)[None, :]"]
+        return self.tile_ptr(name, f"{self.own}cols_double"), f"{self.own}tile_mask_double"
 
     def guarded(self, guard: str | None, line: str) -> None:
         if guard is None:
@@ -320,7 +350,7 @@ def _broadcast(text: str, t: ValueType, into: ValueType | None, group: int | Non
 def emit_epilogue(kernel: Kernel, types: dict[str, ValueType], width: int = 116) -> list[str]:
     """The epilogue's lines, each at most `width` columns (the kernel template indents them by 4)."""
     e = EpilogueEmitter(kernel, types)
-    e.lines.append("row_mask = rows < M")
+    e.lines.append(f"{e.row_mask} = {e.rows} < M")
     e.need_width(Width.FULL)
     for step in kernel.steps:
         e.emit(step)

@@ -110,10 +110,36 @@ SLICE_COLUMN = {Width.HALF: "slice_n * (SLICE_N // 2)", Width.FULL: "slice_n * S
                 Width.DOUBLE: "slice_n * (2 * SLICE_N)"}
 
 
+# The names the Hopper modules use for themselves, unprefixed (unlike the tl kernel's, which start with '_'),
+# and the forms of the names they make from a spec name x (x_ptr, x_desc, stride_x_m, ...): a kernel whose
+# spec names meet them keeps the tl kernel (`unlowered`)
+HOPPER_NAMES = frozenset("""
+    tl triton torch runtime tile gluon gl hopper mbarrier fence_async_shared tma acc pid_m pid_n rows cols
+    cols_half cols_even cols_odd cols_double row_mask col_mask col_mask_half tile_mask tile_mask_half
+    tile_mask_double cols_group col_mask_group group_mask config device out tensors key plan values sizes
+    t_dtype a_ring b_ring ready empty turn buffers epilogue_buffers inputs_ready slice_n acc_slice first_buffer
+    slot k_steps step tile_count tile_id i step_start in_step early_part part first_row num_pid_m num_pid_n
+    launch check_launch
+""".split())
+HOPPER_SUFFIXES = ("_ptr", "_ptrs", "_desc", "_even", "_odd", "_of_columns", "_as_t")
+HOPPER_PREFIXES = ("stride_", "offs_")
+
+
+def _hopper_name_clashes(k: Kernel) -> list[str]:
+    """The spec names of a kernel that the Hopper module would use for something else."""
+    names = [*(i.name for i in k.inputs), *(o.name for o in k.outputs), *(s.out for s in k.steps if s.out)]
+    return sorted({n for n in names if n in HOPPER_NAMES or n.endswith(HOPPER_SUFFIXES)
+                   or n.startswith(HOPPER_PREFIXES)})
+
+
 def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
     """Why the Hopper backend cannot lower this kernel yet: every step it cannot, or the kernel itself."""
     if k.gemm is None:
         return [Fallback(k, None, "no GEMM; the Hopper backend schedules GEMM mainloops only")]
+    clashes = _hopper_name_clashes(k)
+    if clashes:
+        return [Fallback(k, None, f"the Hopper module uses {', '.join(repr(n) for n in clashes)} for names of its "
+                                  "own (x_ptr, x_desc, stride_x_m, ... of a tensor x among them); rename to lower it")]
     if k.whole_rows:
         return [Fallback(k, None, "column_group N (a tile as wide as the row); the Hopper kernels' tiles are "
                                   "128 columns wide")]
@@ -151,6 +177,10 @@ class GluonEpilogueEmitter(EpilogueEmitter):
     rest (see the module's docstring)."""
 
     backend = "gluon"
+    # the Hopper module's names, unprefixed: a kernel whose spec names meet them keeps the tl kernel (unlowered)
+    own = ""
+    rows, cols, pid_m, pid_n, row_mask = "rows", "cols", "pid_m", "pid_n", "row_mask"
+    pair_cols = ("cols_even", "cols_odd")
 
     def __init__(self, kernel: Kernel, types: dict[str, ValueType], buffers: int):
         super().__init__(kernel, types)

@@ -56,12 +56,12 @@ def _size_expr(d: Dim, group: int | None) -> str:
 
 def _tensor(decl: Input | Output, output: bool, group: int | None, in_place_of: tuple[str, ...] = ()) -> Tensor:
     shape = ", ".join(_size_expr(d, group) for d in decl.dims)
-    dtype = "t_dtype" if decl.dtype is DType.T else TORCH_DTYPES.get(decl.dtype, "")
+    dtype = "_t_dtype" if decl.dtype is DType.T else TORCH_DTYPES.get(decl.dtype, "")
     return Tensor(
         name=decl.name,
         dims=tuple(d.value for d in decl.dims),
         dtype=decl.dtype.value,
-        strides=tuple(f"stride_{decl.name}_{AXIS[d]}" for d in decl.dims),
+        strides=tuple(f"_stride_{decl.name}_{AXIS[d]}" for d in decl.dims),
         output=output,
         inplace=output and decl.inplace,
         in_place_of=in_place_of,
@@ -86,12 +86,12 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
     b = k.input(k.gemm.b) if k.gemm else None
     names = [t.name for t in tensors]
     epilogue_tensors = [t for t in tensors if not k.gemm or t.name not in (k.gemm.a, k.gemm.b)]
-    epilogue_pointers = [f"{t.name}_ptr" for t in epilogue_tensors]
+    epilogue_pointers = [f"_{t.name}_ptr" for t in epilogue_tensors]
     if k.gemm and any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps):
-        epilogue_pointers.insert(0, f"{k.gemm.a}_ptr")  # only its element type: what `cast` to T rounds to
+        epilogue_pointers.insert(0, f"_{k.gemm.a}_ptr")  # only its element type: what `cast` to T rounds to
     return render(
         "kernel.py.j2",
-        pointer_params=wrap([f"{n}_ptr" for n in names], 4),
+        pointer_params=wrap([f"_{n}_ptr" for n in names], 4),
         pointer_args=wrap(names, 12),
         epilogue_tensors=epilogue_tensors,
         epilogue_pointer_params=wrap(epilogue_pointers, 4),
@@ -105,6 +105,10 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         allocated=[t for t in tensors if t.output and not t.inplace],
         scalars=scalars,
         host=_host_code(k, tensors, scalars),
+        **({"a_ptrs": _sum("_a_ptrs", [f"_{a.name}_ptr", f"(_rows % M)[:, None] * _stride_{a.name}_m",
+                                        f"_offs_k[None, :] * _stride_{a.name}_k"], 12),
+            "b_ptrs": _sum("_b_ptrs", [f"_{b.name}_ptr", f"_offs_k[:, None] * _stride_{b.name}_k",
+                                        f"(_cols % N)[None, :] * _stride_{b.name}_n"], 12)} if k.gemm else {}),
         hopper=hopper,
         epilogue=emit_epilogue(k, types),
         has_k=k.gemm is not None,
@@ -139,7 +143,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
         "module_doc": _doc(f"{k.name}: {k.doc}", 0),
         "module_about": "\n".join(textwrap.wrap(_about(k), WIDTH)),
         "launch_def": _fitted(f"def launch({', '.join(launch_params)}) -> None:", 0),
-        "tensors": _fitted(f"tensors = ({', '.join(names)}{',' if len(names) == 1 else ''})", 4),
+        "tensors": _fitted(f"_tensors = ({', '.join(names)}{',' if len(names) == 1 else ''})", 4),
         **({"a_desc": _fitted(_descriptor(k.gemm.a, "block_m", "block_k"), 4),
             "b_desc": _fitted(_descriptor(k.gemm.b, *(("block_n", "block_k") if k.gemm.b_layout is BLayout.NK
                                                       else ("block_k", "block_n"))), 4)} if k.gemm else {}),
@@ -147,15 +151,15 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
                                f"tensors, runtime.Aliasing(NAME, DECLS, tensors){gemm})", 4),
         "hopper_launch": _fitted("runtime.configs.launch_hopper(__package__, NAME, "
                                  + "".join(f"{n}={n}, " for n in [*(i.name for i in k.inputs), *returned])
-                                 + "config=plan.config)", 8),
+                                 + "config=_plan.config)", 8),
         "allocate_def": _fitted(f"def _allocate({', '.join(op_args + given_params)}):", 0),
         "allocate_doc": _doc("Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)"
                              + (", but for those given." if given else "."), 4, close=True),
-        "allocate_values": _fitted("values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
+        "allocate_values": _fitted("_values = dict(" + ", ".join(f"{t.name}={t.name}" for t in tensors
                                                              if not t.output) + ")", 4),
         "empties": ("\n" + " " * 8).join(
             _fitted((f"{t.name} if {t.name} is not None else " if t.name in given else "")
-                    + f"torch.empty({t.alloc_shape}, dtype={t.alloc_dtype}, device=device),", 8) for t in allocated),
+                    + f"torch.empty({t.alloc_shape}, dtype={t.alloc_dtype}, device=_device),", 8) for t in allocated),
         "run_def": _fitted(f"def _run({', '.join(op_args + given_params)}):", 0),
         "run_launch": _fitted(f"launch({', '.join(op_args + [f'{n}={n}' for n in returned])})", 4),
         "run_return": _fitted(f"return _run({args})", 4),
@@ -190,6 +194,16 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
     return code
 
 
+def _sum(target: str, terms: list[str], indent: int) -> str:
+    """`target = ` the sum of the terms, within WIDTH columns at `indent`: in parentheses, a term a line, when
+    it does not fit on one."""
+    one = f"{target} = {' + '.join(terms)}"
+    if indent + len(one) <= WIDTH:
+        return one
+    inner = "\n" + " " * (indent + len(target) + 4) + "+ "
+    return f"{target} = ({terms[0]}" + "".join(inner + t for t in terms[1:]) + ")"
+
+
 def _about(k: Kernel) -> str:
     """What the kernel computes, for the module docstring."""
     if not k.gemm:
@@ -201,7 +215,7 @@ def _about(k: Kernel) -> str:
 
 def _descriptor(name: str, rows: str, cols: str) -> str:
     """The TMA descriptor of a GEMM operand, with its block shape from the launch's config."""
-    return f"{name}_desc = runtime.descriptor({name}, plan.config.{rows}, plan.config.{cols}) if tma else None"
+    return f"_{name}_desc = runtime.descriptor({name}, _plan.config.{rows}, _plan.config.{cols}) if _tma else None"
 
 
 def _fitted(statement: str, indent: int) -> str:

@@ -54,14 +54,15 @@ def render_schema(text: str) -> str:
     codagen/names.py's."""
     schema = json.loads(text)
     schema["$defs"]["step"] = step_schema()
-    schema["$defs"]["reserved_generated"]["enum"] = sorted(names.INTERNAL)
-    affixes = [f"{re.escape(s)}$" for s in names.RESERVED_SUFFIXES] + [f"^{p}" for p in names.RESERVED_PREFIXES]
+    schema["$defs"]["reserved_generated"]["enum"] = sorted(names.RESERVED)
+    schema["$defs"]["reserved_generated"]["description"] = (
+        "Names in scope wherever a spec name is in generated code (codagen/names.py RESERVED); the generated "
+        "code's other names start with '_'.")
     name = schema["$defs"]["name"]
-    name["not"]["anyOf"][2]["pattern"] = "|".join(affixes)
-    shown = ", ".join([*(f"*{s}" for s in names.RESERVED_SUFFIXES), *(f"{p}*" for p in names.RESERVED_PREFIXES)])
+    name["not"]["anyOf"] = name["not"]["anyOf"][:2]
+    shown = ", ".join(sorted(names.RESERVED))
     name["description"] = ("A name: lowercase ASCII letters, digits and '_', starting with a letter, at most 48 "
-                           "characters; not a Python keyword or builtin, not a name the generated code uses (acc, "
-                           f"tl, part, ... ; {shown}).")
+                           f"characters; not a Python keyword or builtin, nor one of {shown}.")
     return _json(schema, 0, 0) + "\n"
 
 
@@ -122,15 +123,13 @@ def reserved_names() -> str:
     """The names of codagen/names.py, as a list."""
     def item(text: str) -> str:
         return textwrap.fill(text, 110, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
-    internal = " ".join(f"`{n}`" for n in sorted(names.INTERNAL))
-    suffixes = ", ".join(f"`{s}`" for s in names.RESERVED_SUFFIXES)
-    prefixes = " or ".join(f"`{p}`" for p in names.RESERVED_PREFIXES)
+    modules = ", ".join(f"`{n}`" for n in sorted(names.MODULES))
     functions = ", ".join(f"`<kernel>_{f}`" for f in names.KERNEL_FUNCTIONS)
     taken = ", ".join(f"`{n}`" for n in sorted(names.TAKEN_KERNEL_NAMES))
     return "\n".join([
-        item(f"names the generated code uses (`codagen/names.py` holds the list): {internal};"),
-        item(f"names ending in {suffixes} (pointers, TMA descriptors, the halves of a `2*N`-wide value), or "
-             f"starting with {prefixes};"),
+        item(f"`{names.CONFIG}`, the keyword argument of every generated `launch()`, and `acc`, the GEMM "
+             "accumulator;"),
+        item(f"{modules}: the modules a generated kernel module imports, and its `launch`;"),
         item(f"in a kernel, {functions}: the functions of its generated module;"),
         item(f"as a kernel's name, {taken}: an attribute of torch's op namespace `torch.ops.codagen`."),
     ])

@@ -34,9 +34,9 @@ def _emit_select(e, s):
     e.load(index)
     for i, (value, cols) in enumerate(parts):
         # the first tile of a row stores its ignored indices' zeros, once
-        first = "pid_n == 0" if i == 0 else "False"
-        e.line(f"tile.store_selected({to}_ptr + rows * stride_{to}_m, {value}, {cols}, {index}, {e.size(w)}, "
-               f"row_mask, {first}, STEP={len(parts)})")
+        first = f"{e.pid_n} == 0" if i == 0 else "False"
+        e.line(f"tile.store_selected({e.row_ptr(to)}, {value}, {cols}, {index}, {e.size(w)}, "
+               f"{e.row_mask}, {first}, STEP={len(parts)})")
 
 
 def _select_reference(r, s):
@@ -60,7 +60,7 @@ def _check_one_hot(c) -> ValueType | None:
 def _emit_one_hot(e, s):
     index = s.args["index"]
     e.load(index)
-    e.assign(s, f"tile.one_hot(cols, pid_n * BLOCK_N, {index}, N)")
+    e.assign(s, f"tile.one_hot({e.cols}, {e.pid_n} * BLOCK_N, {index}, N)")
 
 
 def _one_hot_reference(r, s):

@@ -18,7 +18,7 @@ def _check(inplace: bool):
 
 
 def _emit_store(e, s):
-    e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({s.target}_ptr.dtype.element_ty), mask={{mask}})",
+    e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({e.ptr(s.target)}.dtype.element_ty), mask={{mask}})",
             rounded=f"{e.lang}.store({{ptr}}, {{x}}, mask={{mask}})")
 
 

@@ -58,17 +58,17 @@ def _emit(e, s):
         # split for its epilogue can have, has no slot in tiles(N) and stores nothing. Only the columns are
         # masked: a row past M stores nothing either
         mask = f"{e.col_mask(t.width)}[None, :]"
-        ptr = f"{to}_ptr + rows * stride_{to}_m + pid_n * stride_{to}_t"
+        ptr = f"{e.row_ptr(to)} + {e.pid_n} * {e.stride(to, 't')}"
         if e.is_pair(x):
             partial = f"tile.partial_reduce_pairs({', '.join(e.halves(x))}, {mask}, OP={op})"
         else:
             partial = f"tile.partial_reduce({e.ref(x)}, {mask}, OP={op}, AXIS=1)"
-        e.guarded("pid_n * BLOCK_N < N", f"{e.lang}.store({ptr}, {partial}, mask=row_mask)")
+        e.guarded(f"{e.pid_n} * BLOCK_N < N", f"{e.lang}.store({ptr}, {partial}, mask={e.row_mask})")
         return
     # one partial per column and M-tile; only the rows are masked: a column past N stores nothing
-    mask = "row_mask[:, None]"
+    mask = f"{e.row_mask}[:, None]"
     for value, cols in e.columns(x, t.width):
-        e.line(f"{e.lang}.store({to}_ptr + {cols} * stride_{to}_n + pid_m * stride_{to}_t, "
+        e.line(f"{e.lang}.store({e.ptr(to)} + {cols} * {e.stride(to, 'n')} + {e.pid_m} * {e.stride(to, 't')}, "
                f"tile.partial_reduce({value}, {mask}, OP={op}, AXIS=0), mask={e.col_mask(t.width)})")
 
 

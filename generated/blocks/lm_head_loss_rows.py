@@ -43,10 +43,10 @@ class LmHeadLossRowsFunction(torch.autograd.Function):
         grad_x_chunks = []
         grad_wn_sum = runtime.ChunkSum()
         grad_w_vocab_sum = runtime.ChunkSum()
-        for rows in runtime.row_chunks(x.shape[0], chunk_rows):
-            x_rows = x[rows]
-            target_rows = target[rows]
-            grad_loss_rows = grad_loss[rows]
+        for _rows in runtime.row_chunks(x.shape[0], chunk_rows):
+            x_rows = x[_rows]
+            target_rows = target[_rows]
+            grad_loss_rows = grad_loss[_rows]
             valid = finish.row_weights(target=target_rows, ignore_index=ignore_index, reduction='none')
             weights = finish.mul(x=valid, y=grad_loss_rows)
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)

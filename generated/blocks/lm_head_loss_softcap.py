@@ -39,10 +39,10 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
         grad_x_chunks = []
         grad_wn_sum = runtime.ChunkSum(grad_sum)
         grad_w_vocab_sum = runtime.ChunkSum(grad_sum)
-        for rows in runtime.row_chunks(x.shape[0], chunk_rows):
-            x_rows = x[rows]
-            target_rows = target[rows]
-            weights_rows = weights[rows]
+        for _rows in runtime.row_chunks(x.shape[0], chunk_rows):
+            x_rows = x[_rows]
+            target_rows = target[_rows]
+            weights_rows = weights[_rows]
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
             logits, lse_part, target_logit = kernels.lm_head_logits_softcap.lm_head_logits_softcap(
@@ -83,10 +83,10 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_wn, grad_w_vocab, scale = ctx.saved_tensors
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
-        grad_factor = grad_loss / scale
+        _factor = grad_loss / scale
         return (
-            finish.scale_(x=grad_x, factor=grad_factor), None, finish.scale_(x=grad_wn, factor=grad_factor),
-            finish.scale_(x=grad_w_vocab, factor=grad_factor), None, None, None, None, None, None, None, None, None,
+            finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
+            finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None,
         )
 
 

@@ -33,39 +33,41 @@ DECLS = (
 
 @triton.jit
 def gemma_post_norm_dgrad_epilogue(
-    pid_m, pid_n, rows,
-    g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_ptr, dout_ptr,
+    _pid_m, _pid_n, _rows,
+    _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_ptr, _dout_ptr,
     M, N,
-    stride_g_m, stride_g_n,
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_dot_m,
-    stride_dout_m, stride_dout_n,
+    _stride_g_m, _stride_g_n,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_dot_m,
+    _stride_dout_m, _stride_dout_n,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # add: {x: wn, y: 1.0, out: norm_scale}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     norm_scale = wn + 1.0
 
     # scale: {x: g, by: norm_scale, out: g_scaled}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    g = tile.widen(tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask, other=0.0))
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    g = tile.widen(
+        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0))
     g_scaled = g * norm_scale[None, :]
 
     # scale: {x: o, by: rstd, out: o_n}
-    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    o = tile.widen(
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+    rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
     # scale: {x: o_n, by: dot, out: on_dot}
-    dot = tl.load(dot_ptr + rows * stride_dot_m, mask=row_mask, other=0.0).to(tl.float32)
+    dot = tl.load(_dot_ptr + _rows * _stride_dot_m, mask=_row_mask, other=0.0).to(tl.float32)
     on_dot = o_n * dot[:, None]
 
     # sub: {x: g_scaled, y: on_dot, out: centered}
@@ -75,51 +77,51 @@ def gemma_post_norm_dgrad_epilogue(
     doutv = centered * rstd[:, None]
 
     # store: {x: doutv, to: dout}
-    tl.store(dout_ptr + rows[:, None] * stride_dout_m + cols[None, :] * stride_dout_n,
-             doutv.to(dout_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(_dout_ptr + _rows[:, None] * _stride_dout_m + _cols[None, :] * _stride_dout_n,
+             doutv.to(_dout_ptr.dtype.element_ty), mask=_tile_mask)
 
 
 @triton.jit
 def gemma_post_norm_dgrad_kernel(
     # pointers
-    g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_ptr, dout_ptr,
+    _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_ptr, _dout_ptr,
     # sizes
     M, N,
     # strides
-    stride_g_m, stride_g_n,
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_dot_m,
-    stride_dout_m, stride_dout_n,
+    _stride_g_m, _stride_g_n,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_dot_m,
+    _stride_dout_m, _stride_dout_n,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             gemma_post_norm_dgrad_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_ptr, dout_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_ptr, _dout_ptr,
                 M, N,
-                stride_g_m, stride_g_n,
-                stride_o_m, stride_o_n,
-                stride_rstd_m,
-                stride_wn_n,
-                stride_dot_m,
-                stride_dout_m, stride_dout_n,
+                _stride_g_m, _stride_g_n,
+                _stride_o_m, _stride_o_n,
+                _stride_rstd_m,
+                _stride_wn_n,
+                _stride_dot_m,
+                _stride_dout_m, _stride_dout_n,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -133,29 +135,29 @@ def launch(g, o, rstd, wn, dot, *, dout, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (g, o, rstd, wn, dot, dout)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (g, o, rstd, wn, dot, dout)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             g, o, rstd, wn, dot, dout,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             g.stride(0), g.stride(1),
             o.stride(0), o.stride(1),
             rstd.stride(0),
             wn.stride(0),
             dot.stride(0),
             dout.stride(0), dout.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -169,11 +171,11 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(g, o, rstd, wn, dot, *, dout=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(g=g, o=o, rstd=rstd, wn=wn, dot=dot)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
-    M, N = sizes["M"], sizes["N"]
+    _values = dict(g=g, o=o, rstd=rstd, wn=wn, dot=dot)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:5], _values)
+    M, N = _sizes["M"], _sizes["N"]
     return (
-        dout if dout is not None else torch.empty((M, N), dtype=t_dtype, device=device),
+        dout if dout is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
     )
 
 

@@ -36,113 +36,116 @@ DECLS = (
 
 @triton.jit
 def gemma_post_norm_residual_epilogue(
-    pid_m, pid_n, rows,
-    o_ptr, rstd_ptr, wn_ptr, x_ptr, wn_next_ptr, x_out_ptr, h_ptr, ss_ptr,
+    _pid_m, _pid_n, _rows,
+    _o_ptr, _rstd_ptr, _wn_ptr, _x_ptr, _wn_next_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
     M, N,
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_x_m, stride_x_n,
-    stride_wn_next_n,
-    stride_x_out_m, stride_x_out_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_next_n,
+    _stride_x_out_m, _stride_x_out_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # scale: {x: o, by: rstd, out: o_n}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    o = tile.widen(
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+    rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
     # add: {x: wn, y: 1.0, out: post_scale}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     post_scale = wn + 1.0
 
     # scale: {x: o_n, by: post_scale, out: normed}
     normed = o_n * post_scale[None, :]
 
     # cast: {x: normed, dtype: T, out: normed_t}
-    normed_t = tile.round_to(normed, o_ptr.dtype.element_ty)
+    normed_t = tile.round_to(normed, _o_ptr.dtype.element_ty)
 
     # add: {x: x, y: normed_t, out: x_new}
-    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
+    x = tile.widen(
+        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0))
     x_new = x + normed_t
 
     # cast: {x: x_new, dtype: T, out: x_new_t}
-    x_new_t, x_new_t_as_t = tile.round_for_store(x_new, o_ptr.dtype.element_ty)
+    x_new_t, _x_new_t_as_t = tile.round_for_store(x_new, _o_ptr.dtype.element_ty)
 
     # store: {x: x_new_t, to: x_out}
-    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n, x_new_t_as_t, mask=tile_mask)
+    tl.store(_x_out_ptr + _rows[:, None] * _stride_x_out_m + _cols[None, :] * _stride_x_out_n, _x_new_t_as_t,
+             mask=_tile_mask)
 
     # reduce: {op: sumsq, x: x_new_t, axis: cols, to: ss}
-    if pid_n * BLOCK_N < N:
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x_new_t, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_ss_ptr + _rows * _stride_ss_m + _pid_n * _stride_ss_t,
+                 tile.partial_reduce(x_new_t, _col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=_row_mask)
 
     # add: {x: wn_next, y: 1.0, out: next_scale}
-    wn_next = tl.load(wn_next_ptr + cols * stride_wn_next_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn_next = tl.load(_wn_next_ptr + _cols * _stride_wn_next_n, mask=_col_mask, other=0.0).to(tl.float32)
     next_scale = wn_next + 1.0
 
     # scale: {x: x_new_t, by: next_scale, out: hv}
     hv = x_new_t * next_scale[None, :]
 
     # store: {x: hv, to: h}
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(_h_ptr + _rows[:, None] * _stride_h_m + _cols[None, :] * _stride_h_n, hv.to(_h_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
 
 @triton.jit
 def gemma_post_norm_residual_kernel(
     # pointers
-    o_ptr, rstd_ptr, wn_ptr, x_ptr, wn_next_ptr, x_out_ptr, h_ptr, ss_ptr,
+    _o_ptr, _rstd_ptr, _wn_ptr, _x_ptr, _wn_next_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
     # sizes
     M, N,
     # strides
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_x_m, stride_x_n,
-    stride_wn_next_n,
-    stride_x_out_m, stride_x_out_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_next_n,
+    _stride_x_out_m, _stride_x_out_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             gemma_post_norm_residual_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                o_ptr, rstd_ptr, wn_ptr, x_ptr, wn_next_ptr, x_out_ptr, h_ptr, ss_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _o_ptr, _rstd_ptr, _wn_ptr, _x_ptr, _wn_next_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
                 M, N,
-                stride_o_m, stride_o_n,
-                stride_rstd_m,
-                stride_wn_n,
-                stride_x_m, stride_x_n,
-                stride_wn_next_n,
-                stride_x_out_m, stride_x_out_n,
-                stride_h_m, stride_h_n,
-                stride_ss_m, stride_ss_t,
+                _stride_o_m, _stride_o_n,
+                _stride_rstd_m,
+                _stride_wn_n,
+                _stride_x_m, _stride_x_n,
+                _stride_wn_next_n,
+                _stride_x_out_m, _stride_x_out_n,
+                _stride_h_m, _stride_h_n,
+                _stride_ss_m, _stride_ss_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -156,16 +159,16 @@ def launch(o, rstd, wn, x, wn_next, *, x_out, h, ss, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (o, rstd, wn, x, wn_next, x_out, h, ss)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (o, rstd, wn, x, wn_next, x_out, h, ss)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             o, rstd, wn, x, wn_next, x_out, h, ss,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             o.stride(0), o.stride(1),
             rstd.stride(0),
             wn.stride(0),
@@ -174,13 +177,13 @@ def launch(o, rstd, wn, x, wn_next, *, x_out, h, ss, config=None) -> None:
             x_out.stride(0), x_out.stride(1),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -195,14 +198,14 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(o=o, rstd=rstd, wn=wn, x=x, wn_next=wn_next)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(o=o, rstd=rstd, wn=wn, x=x, wn_next=wn_next)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:5], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        x_out if x_out is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        h if h is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 

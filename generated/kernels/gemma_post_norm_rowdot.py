@@ -34,91 +34,93 @@ DECLS = (
 
 @triton.jit
 def gemma_post_norm_rowdot_epilogue(
-    pid_m, pid_n, rows,
-    g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_part_ptr, dwn_part_ptr,
+    _pid_m, _pid_n, _rows,
+    _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_part_ptr, _dwn_part_ptr,
     M, N,
-    stride_g_m, stride_g_n,
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_dot_part_m, stride_dot_part_t,
-    stride_dwn_part_n, stride_dwn_part_t,
+    _stride_g_m, _stride_g_n,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_dot_part_m, _stride_dot_part_t,
+    _stride_dwn_part_n, _stride_dwn_part_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # scale: {x: o, by: rstd, out: o_n}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    o = tile.widen(tl.load(o_ptr + rows[:, None] * stride_o_m + cols[None, :] * stride_o_n, mask=tile_mask, other=0.0))
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    o = tile.widen(
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+    rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
     # mul: {x: g, y: o_n, out: g_on}
-    g = tile.widen(tl.load(g_ptr + rows[:, None] * stride_g_m + cols[None, :] * stride_g_n, mask=tile_mask, other=0.0))
+    g = tile.widen(
+        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0))
     g_on = g * o_n
 
     # reduce: {op: sum, x: g_on, axis: rows, to: dwn_part}
-    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(g_on, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
+    tl.store(_dwn_part_ptr + _cols * _stride_dwn_part_n + _pid_m * _stride_dwn_part_t,
+             tile.partial_reduce(g_on, _row_mask[:, None], OP=tile.SUM, AXIS=0), mask=_col_mask)
 
     # add: {x: wn, y: 1.0, out: norm_scale}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     norm_scale = wn + 1.0
 
     # scale: {x: g_on, by: norm_scale, out: dot}
     dot = g_on * norm_scale[None, :]
 
     # reduce: {op: sum, x: dot, axis: cols, to: dot_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(dot_part_ptr + rows * stride_dot_part_m + pid_n * stride_dot_part_t,
-                 tile.partial_reduce(dot, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_dot_part_ptr + _rows * _stride_dot_part_m + _pid_n * _stride_dot_part_t,
+                 tile.partial_reduce(dot, _col_mask[None, :], OP=tile.SUM, AXIS=1), mask=_row_mask)
 
 
 @triton.jit
 def gemma_post_norm_rowdot_kernel(
     # pointers
-    g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_part_ptr, dwn_part_ptr,
+    _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_part_ptr, _dwn_part_ptr,
     # sizes
     M, N,
     # strides
-    stride_g_m, stride_g_n,
-    stride_o_m, stride_o_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_dot_part_m, stride_dot_part_t,
-    stride_dwn_part_n, stride_dwn_part_t,
+    _stride_g_m, _stride_g_n,
+    _stride_o_m, _stride_o_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_dot_part_m, _stride_dot_part_t,
+    _stride_dwn_part_n, _stride_dwn_part_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             gemma_post_norm_rowdot_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                g_ptr, o_ptr, rstd_ptr, wn_ptr, dot_part_ptr, dwn_part_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _g_ptr, _o_ptr, _rstd_ptr, _wn_ptr, _dot_part_ptr, _dwn_part_ptr,
                 M, N,
-                stride_g_m, stride_g_n,
-                stride_o_m, stride_o_n,
-                stride_rstd_m,
-                stride_wn_n,
-                stride_dot_part_m, stride_dot_part_t,
-                stride_dwn_part_n, stride_dwn_part_t,
+                _stride_g_m, _stride_g_n,
+                _stride_o_m, _stride_o_n,
+                _stride_rstd_m,
+                _stride_wn_n,
+                _stride_dot_part_m, _stride_dot_part_t,
+                _stride_dwn_part_n, _stride_dwn_part_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -132,29 +134,29 @@ def launch(g, o, rstd, wn, *, dot_part, dwn_part, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (g, o, rstd, wn, dot_part, dwn_part)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (g, o, rstd, wn, dot_part, dwn_part)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             g, o, rstd, wn, dot_part, dwn_part,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             g.stride(0), g.stride(1),
             o.stride(0), o.stride(1),
             rstd.stride(0),
             wn.stride(0),
             dot_part.stride(0), dot_part.stride(1),
             dwn_part.stride(0), dwn_part.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -169,13 +171,13 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(g, o, rstd, wn):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = dict(g=g, o=o, rstd=rstd, wn=wn)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(g=g, o=o, rstd=rstd, wn=wn)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:4], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
-        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
+        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=_device),
     )
 
 

@@ -34,28 +34,28 @@ DECLS = (
 
 @triton.jit
 def lm_head_ce_dz_softcap_epilogue(
-    pid_m, pid_n, rows,
-    logits_ptr, lse_ptr, target_ptr, weights_ptr, dz_ptr, zdz_part_ptr,
+    _pid_m, _pid_n, _rows,
+    _logits_ptr, _lse_ptr, _target_ptr, _weights_ptr, _dz_ptr, _zdz_part_ptr,
     softcap,
     M, N,
-    stride_logits_m, stride_logits_n,
-    stride_lse_m,
-    stride_target_m,
-    stride_weights_m,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_logits_m, _stride_logits_n,
+    _stride_lse_m,
+    _stride_target_m,
+    _stride_weights_m,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # div: {x: logits, y: softcap, out: scaled}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     logits = tile.widen(
-        tl.load(logits_ptr + rows[:, None] * stride_logits_m + cols[None, :] * stride_logits_n, mask=tile_mask,
+        tl.load(_logits_ptr + _rows[:, None] * _stride_logits_m + _cols[None, :] * _stride_logits_n, mask=_tile_mask,
                 other=0.0))
     scaled = logits / softcap
 
@@ -66,21 +66,21 @@ def lm_head_ce_dz_softcap_epilogue(
     capped = th * softcap
 
     # sub: {x: capped, y: lse, out: shifted}
-    lse = tl.load(lse_ptr + rows * stride_lse_m, mask=row_mask, other=0.0).to(tl.float32)
+    lse = tl.load(_lse_ptr + _rows * _stride_lse_m, mask=_row_mask, other=0.0).to(tl.float32)
     shifted = capped - lse[:, None]
 
     # exp: {x: shifted, out: probs}
     probs = tile.exp_flushed(shifted)
 
     # one_hot: {index: target, out: is_target}
-    target = tl.load(target_ptr + rows * stride_target_m, mask=row_mask, other=0)
-    is_target = tile.one_hot(cols, pid_n * BLOCK_N, target, N)
+    target = tl.load(_target_ptr + _rows * _stride_target_m, mask=_row_mask, other=0)
+    is_target = tile.one_hot(_cols, _pid_n * BLOCK_N, target, N)
 
     # sub: {x: probs, y: is_target, out: dcapped}
     dcapped = probs - is_target
 
     # scale: {x: dcapped, by: weights, out: dc}
-    weights = tl.load(weights_ptr + rows * stride_weights_m, mask=row_mask, other=0.0).to(tl.float32)
+    weights = tl.load(_weights_ptr + _rows * _stride_weights_m, mask=_row_mask, other=0.0).to(tl.float32)
     dc = dcapped * weights[:, None]
 
     # square: {x: th, out: th2}
@@ -93,8 +93,8 @@ def lm_head_ce_dz_softcap_epilogue(
     dzv = dc * slope
 
     # store: {x: dzv, to: dz}
-    dz_stored, dz_stored_as_t = tile.round_for_store(dzv, logits_ptr.dtype.element_ty)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dz_stored_as_t, mask=tile_mask)
+    dz_stored, _dz_stored_as_t = tile.round_for_store(dzv, _logits_ptr.dtype.element_ty)
+    tl.store(_dz_ptr + _rows[:, None] * _stride_dz_m + _cols[None, :] * _stride_dz_n, _dz_stored_as_t, mask=_tile_mask)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
@@ -102,55 +102,55 @@ def lm_head_ce_dz_softcap_epilogue(
     dot = logits * dz_stored
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce(dot, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_zdz_part_ptr + _rows * _stride_zdz_part_m + _pid_n * _stride_zdz_part_t,
+                 tile.partial_reduce(dot, _col_mask[None, :], OP=tile.SUM, AXIS=1), mask=_row_mask)
 
 
 @triton.jit
 def lm_head_ce_dz_softcap_kernel(
     # pointers
-    logits_ptr, lse_ptr, target_ptr, weights_ptr, dz_ptr, zdz_part_ptr,
+    _logits_ptr, _lse_ptr, _target_ptr, _weights_ptr, _dz_ptr, _zdz_part_ptr,
     # host scalars
     softcap,
     # sizes
     M, N,
     # strides
-    stride_logits_m, stride_logits_n,
-    stride_lse_m,
-    stride_target_m,
-    stride_weights_m,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_logits_m, _stride_logits_n,
+    _stride_lse_m,
+    _stride_target_m,
+    _stride_weights_m,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             lm_head_ce_dz_softcap_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                logits_ptr, lse_ptr, target_ptr, weights_ptr, dz_ptr, zdz_part_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _logits_ptr, _lse_ptr, _target_ptr, _weights_ptr, _dz_ptr, _zdz_part_ptr,
                 softcap,
                 M, N,
-                stride_logits_m, stride_logits_n,
-                stride_lse_m,
-                stride_target_m,
-                stride_weights_m,
-                stride_dz_m, stride_dz_n,
-                stride_zdz_part_m, stride_zdz_part_t,
+                _stride_logits_m, _stride_logits_n,
+                _stride_lse_m,
+                _stride_target_m,
+                _stride_weights_m,
+                _stride_dz_m, _stride_dz_n,
+                _stride_zdz_part_m, _stride_zdz_part_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -165,30 +165,30 @@ def launch(logits, lse, target, weights, softcap, *, dz, zdz_part, config=None) 
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
     softcap = runtime.host_scalar(NAME, "softcap", softcap)
-    tensors = (logits, lse, target, weights, dz, zdz_part)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (logits, lse, target, weights, dz, zdz_part)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             logits, lse, target, weights, dz, zdz_part,
             softcap,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             logits.stride(0), logits.stride(1),
             lse.stride(0),
             target.stride(0),
             weights.stride(0),
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -201,13 +201,13 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(logits, lse, target, weights, softcap, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(logits=logits, lse=lse, target=target, weights=weights)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(logits=logits, lse=lse, target=target, weights=weights)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:4], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 

@@ -36,37 +36,37 @@ DECLS = (
 
 @triton.jit
 def norm_dgrad_epilogue(
-    acc, pid_m, pid_n, rows,
-    x_ptr, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+    acc, _pid_m, _pid_n, _rows,
+    _x_ptr, _rstd_ptr, _wn_ptr, _zdz_ptr, _dx_ptr, _dwn_part_ptr, _normed_ptr,
     M, N,
-    stride_x_m, stride_x_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_zdz_m,
-    stride_dx_m, stride_dx_n,
-    stride_dwn_part_n, stride_dwn_part_t,
-    stride_normed_m, stride_normed_n,
+    _stride_x_m, _stride_x_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_zdz_m,
+    _stride_dx_m, _stride_dx_n,
+    _stride_dwn_part_n, _stride_dwn_part_t,
+    _stride_normed_m, _stride_normed_n,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # scale: {x: x, by: rstd, out: xn}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    x = tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask,
                 other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     xn = x * rstd[:, None]
 
     # scale: {x: acc, by: wn, out: acc_wn}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     acc_wn = acc * wn[None, :]
 
     # scale: {x: xn, by: zdz, out: xn_zdz}
-    zdz = tl.load(zdz_ptr + rows * stride_zdz_m, mask=row_mask, other=0.0).to(tl.float32)
+    zdz = tl.load(_zdz_ptr + _rows * _stride_zdz_m, mask=_row_mask, other=0.0).to(tl.float32)
     xn_zdz = xn * zdz[:, None]
 
     # sub: {x: acc_wn, y: xn_zdz, out: centered}
@@ -76,44 +76,44 @@ def norm_dgrad_epilogue(
     dxv = centered * rstd[:, None]
 
     # store: {x: dxv, to: dx}
-    tl.store(dx_ptr + rows[:, None] * stride_dx_m + cols[None, :] * stride_dx_n, dxv.to(dx_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(_dx_ptr + _rows[:, None] * _stride_dx_m + _cols[None, :] * _stride_dx_n, dxv.to(_dx_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
     # mul: {x: acc, y: xn, out: wn_terms}
     wn_terms = acc * xn
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_part}
-    tl.store(dwn_part_ptr + cols * stride_dwn_part_n + pid_m * stride_dwn_part_t,
-             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
+    tl.store(_dwn_part_ptr + _cols * _stride_dwn_part_n + _pid_m * _stride_dwn_part_t,
+             tile.partial_reduce(wn_terms, _row_mask[:, None], OP=tile.SUM, AXIS=0), mask=_col_mask)
 
     # scale: {x: xn, by: wn, out: nv}
     nv = xn * wn[None, :]
 
     # store: {x: nv, to: normed}
-    tl.store(normed_ptr + rows[:, None] * stride_normed_m + cols[None, :] * stride_normed_n,
-             nv.to(normed_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(_normed_ptr + _rows[:, None] * _stride_normed_m + _cols[None, :] * _stride_normed_n,
+             nv.to(_normed_ptr.dtype.element_ty), mask=_tile_mask)
 
 
 @triton.jit
 def norm_dgrad_kernel(
     # pointers
-    dz_ptr, w_ptr, x_ptr, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+    _dz_ptr, _w_ptr, _x_ptr, _rstd_ptr, _wn_ptr, _zdz_ptr, _dx_ptr, _dwn_part_ptr, _normed_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
-    dz_desc, w_desc,
+    _dz_desc, _w_desc,
     # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
-    acc_ptr, stride_acc_m, stride_acc_n,
+    _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
     # strides
-    stride_dz_m, stride_dz_k,
-    stride_w_k, stride_w_n,
-    stride_x_m, stride_x_n,
-    stride_rstd_m,
-    stride_wn_n,
-    stride_zdz_m,
-    stride_dx_m, stride_dx_n,
-    stride_dwn_part_n, stride_dwn_part_t,
-    stride_normed_m, stride_normed_n,
+    _stride_dz_m, _stride_dz_k,
+    _stride_w_k, _stride_w_n,
+    _stride_x_m, _stride_x_n,
+    _stride_rstd_m,
+    _stride_wn_n,
+    _stride_zdz_m,
+    _stride_dx_m, _stride_dx_n,
+    _stride_dwn_part_n, _stride_dwn_part_t,
+    _stride_normed_m, _stride_normed_n,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
@@ -122,68 +122,68 @@ def norm_dgrad_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
     ACC_IN: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    _num_pid_in_group = GROUP_M * _num_pid_n
     # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads;
     # WARP_SPECIALIZE: the loads in producer warps of their own, the MMAs and the epilogue in the others
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
         # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        _group_id = _tile_id // _num_pid_in_group
+        _first_pid_m = _group_id * GROUP_M
+        _group_size_m = min(_num_pid_m - _first_pid_m, GROUP_M)
+        _pid_m = _first_pid_m + ((_tile_id % _num_pid_in_group) % _group_size_m)
+        _pid_n = (_tile_id % _num_pid_in_group) // _group_size_m
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
         if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
-            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+            acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = dz @ w, accumulated in fp32. Through TMA, edges read zeros;
             # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-            offs_k = tl.arange(0, BLOCK_K)
+            _offs_k = tl.arange(0, BLOCK_K)
             if INT64:
-                offs_k = offs_k.to(tl.int64)
-            a_ptrs = dz_ptr + (rows % M)[:, None] * stride_dz_m + offs_k[None, :] * stride_dz_k
-            b_ptrs = w_ptr + offs_k[:, None] * stride_w_k + (cols % N)[None, :] * stride_w_n
+                _offs_k = _offs_k.to(tl.int64)
+            _a_ptrs = _dz_ptr + (_rows % M)[:, None] * _stride_dz_m + _offs_k[None, :] * _stride_dz_k
+            _b_ptrs = _w_ptr + _offs_k[:, None] * _stride_w_k + (_cols % N)[None, :] * _stride_w_n
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-            for k0 in range(0, K, BLOCK_K):
+            _first_row, _first_col = (_pid_m * BLOCK_M).to(tl.int32), (_pid_n * BLOCK_N).to(tl.int32)
+            for _k0 in range(0, K, BLOCK_K):
                 if TMA:
-                    a_tile = dz_desc.load([first_row, k0])
-                    b_tile = w_desc.load([k0, first_col])
+                    _a_tile = _dz_desc.load([_first_row, _k0])
+                    _b_tile = _w_desc.load([_k0, _first_col])
                 elif EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                    b_tile = tl.load(b_ptrs)
+                    _a_tile = tl.load(_a_ptrs)
+                    _b_tile = tl.load(_b_ptrs)
                 else:
-                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                    _a_tile = tl.load(_a_ptrs, mask=_offs_k[None, :] < K - _k0, other=0.0)
+                    _b_tile = tl.load(_b_ptrs, mask=_offs_k[:, None] < K - _k0, other=0.0)
                 if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                    a_tile = a_tile.to(tl.float32)
-                    b_tile = b_tile.to(tl.float32)
-                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K * stride_dz_k
-                b_ptrs += BLOCK_K * stride_w_k
+                    _a_tile = _a_tile.to(tl.float32)
+                    _b_tile = _b_tile.to(tl.float32)
+                acc = tl.dot(_a_tile, _b_tile, acc, input_precision=DOT_PRECISION)
+                _a_ptrs += BLOCK_K * _stride_dz_k
+                _b_ptrs += BLOCK_K * _stride_w_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             norm_dgrad_epilogue(
-                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                x_ptr, rstd_ptr, wn_ptr, zdz_ptr, dx_ptr, dwn_part_ptr, normed_ptr,
+                tile.column_slice(acc, _part, EPILOGUE_SPLIT), _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _x_ptr, _rstd_ptr, _wn_ptr, _zdz_ptr, _dx_ptr, _dwn_part_ptr, _normed_ptr,
                 M, N,
-                stride_x_m, stride_x_n,
-                stride_rstd_m,
-                stride_wn_n,
-                stride_zdz_m,
-                stride_dx_m, stride_dx_n,
-                stride_dwn_part_n, stride_dwn_part_t,
-                stride_normed_m, stride_normed_n,
+                _stride_x_m, _stride_x_n,
+                _stride_rstd_m,
+                _stride_wn_n,
+                _stride_zdz_m,
+                _stride_dx_m, _stride_dx_n,
+                _stride_dwn_part_n, _stride_dwn_part_t,
+                _stride_normed_m, _stride_normed_n,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -197,26 +197,26 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (dz, w, x, rstd, wn, zdz, dx, dwn_part, normed)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (dz, w, x, rstd, wn, zdz, dx, dwn_part, normed)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/norm_dgrad.py
+    _plan.aliasing.check(_tensors)
+    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/norm_dgrad.py
         runtime.configs.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, dx=dx,
-                                      dwn_part=dwn_part, normed=normed, config=plan.config)
+                                      dwn_part=dwn_part, normed=normed, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(dz, w) if plan.config.backend == "mm" else None
-    tma = plan.tma and runtime.aligned(dz, w)
-    dz_desc = runtime.descriptor(dz, plan.config.block_m, plan.config.block_k) if tma else None
-    w_desc = runtime.descriptor(w, plan.config.block_k, plan.config.block_n) if tma else None
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    acc = runtime.configs.mm_product(dz, w) if _plan.config.backend == "mm" else None
+    _tma = _plan.tma and runtime.aligned(dz, w)
+    _dz_desc = runtime.descriptor(dz, _plan.config.block_m, _plan.config.block_k) if _tma else None
+    _w_desc = runtime.descriptor(w, _plan.config.block_k, _plan.config.block_n) if _tma else None
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             dz, w, x, rstd, wn, zdz, dx, dwn_part, normed,
-            dz_desc, w_desc,
+            _dz_desc, _w_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),
-            plan.m, plan.n, plan.k,
+            _plan.m, _plan.n, _plan.k,
             dz.stride(0), dz.stride(1),
             w.stride(0), w.stride(1),
             x.stride(0), x.stride(1),
@@ -226,19 +226,19 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
             dx.stride(0), dx.stride(1),
             dwn_part.stride(0), dwn_part.stride(1),
             normed.stride(0), normed.stride(1),
-            plan.programs,
-            EVEN_K=plan.even_k,
-            TMA=tma,
-            WARP_SPECIALIZE=tma and plan.config.warp_specialize,
-            UPCAST_DOT=plan.upcast_dot,
-            DOT_PRECISION=plan.dot_precision,
+            _plan.programs,
+            EVEN_K=_plan.even_k,
+            TMA=_tma,
+            WARP_SPECIALIZE=_tma and _plan.config.warp_specialize,
+            UPCAST_DOT=_plan.upcast_dot,
+            DOT_PRECISION=_plan.dot_precision,
             ACC_IN=acc is not None,
-            INT64=plan.int64,
-            **plan.meta,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -257,14 +257,14 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:6], values)
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
+    _values = dict(dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:6], _values)
+    M, N, K = _sizes["M"], _sizes["N"], _sizes["K"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, _device, split=DEFAULT_SPLIT)
     return (
-        dx if dx is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
-        normed if normed is not None else torch.empty((M, N), dtype=t_dtype, device=device),
+        dx if dx is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=_device),
+        normed if normed is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
     )
 
 

@@ -35,64 +35,64 @@ DECLS = (
 
 @triton.jit
 def out_proj_residual_norm_epilogue(
-    acc, pid_m, pid_n, rows,
-    x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+    acc, _pid_m, _pid_n, _rows,
+    _x_ptr, _wn_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
     M, N,
-    stride_x_m, stride_x_n,
-    stride_wn_n,
-    stride_x_out_m, stride_x_out_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_n,
+    _stride_x_out_m, _stride_x_out_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # add: {x: acc, y: x, out: x_new}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask,
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    x = tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask,
                 other=0.0).to(tl.float32)
     x_new = acc + x
 
     # store: {x: x_new, to: x_out}
-    tl.store(x_out_ptr + rows[:, None] * stride_x_out_m + cols[None, :] * stride_x_out_n,
-             x_new.to(x_out_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(_x_out_ptr + _rows[:, None] * _stride_x_out_m + _cols[None, :] * _stride_x_out_n,
+             x_new.to(_x_out_ptr.dtype.element_ty), mask=_tile_mask)
 
     # reduce: {op: sumsq, x: x_new, axis: cols, to: ss}
-    if pid_n * BLOCK_N < N:
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x_new, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_ss_ptr + _rows * _stride_ss_m + _pid_n * _stride_ss_t,
+                 tile.partial_reduce(x_new, _col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=_row_mask)
 
     # scale: {x: x_new, by: wn, out: hv}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     hv = x_new * wn[None, :]
 
     # store: {x: hv, to: h}
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(_h_ptr + _rows[:, None] * _stride_h_m + _cols[None, :] * _stride_h_n, hv.to(_h_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
 
 @triton.jit
 def out_proj_residual_norm_kernel(
     # pointers
-    y_ptr, w_o_ptr, x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+    _y_ptr, _w_o_ptr, _x_ptr, _wn_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
-    y_desc, w_o_desc,
+    _y_desc, _w_o_desc,
     # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
-    acc_ptr, stride_acc_m, stride_acc_n,
+    _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
     # strides
-    stride_y_m, stride_y_k,
-    stride_w_o_n, stride_w_o_k,
-    stride_x_m, stride_x_n,
-    stride_wn_n,
-    stride_x_out_m, stride_x_out_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_y_m, _stride_y_k,
+    _stride_w_o_n, _stride_w_o_k,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_n,
+    _stride_x_out_m, _stride_x_out_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
@@ -101,66 +101,66 @@ def out_proj_residual_norm_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
     ACC_IN: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    _num_pid_in_group = GROUP_M * _num_pid_n
     # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads;
     # WARP_SPECIALIZE: the loads in producer warps of their own, the MMAs and the epilogue in the others
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
         # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        _group_id = _tile_id // _num_pid_in_group
+        _first_pid_m = _group_id * GROUP_M
+        _group_size_m = min(_num_pid_m - _first_pid_m, GROUP_M)
+        _pid_m = _first_pid_m + ((_tile_id % _num_pid_in_group) % _group_size_m)
+        _pid_n = (_tile_id % _num_pid_in_group) // _group_size_m
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
         if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
-            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+            acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = y @ w_o^T, accumulated in fp32. Through TMA, edges read zeros;
             # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-            offs_k = tl.arange(0, BLOCK_K)
+            _offs_k = tl.arange(0, BLOCK_K)
             if INT64:
-                offs_k = offs_k.to(tl.int64)
-            a_ptrs = y_ptr + (rows % M)[:, None] * stride_y_m + offs_k[None, :] * stride_y_k
-            b_ptrs = w_o_ptr + offs_k[:, None] * stride_w_o_k + (cols % N)[None, :] * stride_w_o_n
+                _offs_k = _offs_k.to(tl.int64)
+            _a_ptrs = _y_ptr + (_rows % M)[:, None] * _stride_y_m + _offs_k[None, :] * _stride_y_k
+            _b_ptrs = _w_o_ptr + _offs_k[:, None] * _stride_w_o_k + (_cols % N)[None, :] * _stride_w_o_n
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-            for k0 in range(0, K, BLOCK_K):
+            _first_row, _first_col = (_pid_m * BLOCK_M).to(tl.int32), (_pid_n * BLOCK_N).to(tl.int32)
+            for _k0 in range(0, K, BLOCK_K):
                 if TMA:
-                    a_tile = y_desc.load([first_row, k0])
-                    b_tile = w_o_desc.load([first_col, k0]).T
+                    _a_tile = _y_desc.load([_first_row, _k0])
+                    _b_tile = _w_o_desc.load([_first_col, _k0]).T
                 elif EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                    b_tile = tl.load(b_ptrs)
+                    _a_tile = tl.load(_a_ptrs)
+                    _b_tile = tl.load(_b_ptrs)
                 else:
-                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                    _a_tile = tl.load(_a_ptrs, mask=_offs_k[None, :] < K - _k0, other=0.0)
+                    _b_tile = tl.load(_b_ptrs, mask=_offs_k[:, None] < K - _k0, other=0.0)
                 if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                    a_tile = a_tile.to(tl.float32)
-                    b_tile = b_tile.to(tl.float32)
-                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K * stride_y_k
-                b_ptrs += BLOCK_K * stride_w_o_k
+                    _a_tile = _a_tile.to(tl.float32)
+                    _b_tile = _b_tile.to(tl.float32)
+                acc = tl.dot(_a_tile, _b_tile, acc, input_precision=DOT_PRECISION)
+                _a_ptrs += BLOCK_K * _stride_y_k
+                _b_ptrs += BLOCK_K * _stride_w_o_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             out_proj_residual_norm_epilogue(
-                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                x_ptr, wn_ptr, x_out_ptr, h_ptr, ss_ptr,
+                tile.column_slice(acc, _part, EPILOGUE_SPLIT), _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _x_ptr, _wn_ptr, _x_out_ptr, _h_ptr, _ss_ptr,
                 M, N,
-                stride_x_m, stride_x_n,
-                stride_wn_n,
-                stride_x_out_m, stride_x_out_n,
-                stride_h_m, stride_h_n,
-                stride_ss_m, stride_ss_t,
+                _stride_x_m, _stride_x_n,
+                _stride_wn_n,
+                _stride_x_out_m, _stride_x_out_n,
+                _stride_h_m, _stride_h_n,
+                _stride_ss_m, _stride_ss_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -174,26 +174,26 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (y, w_o, x, wn, x_out, h, ss)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (y, w_o, x, wn, x_out, h, ss)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/out_proj_residual_norm.py
+    _plan.aliasing.check(_tensors)
+    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/out_proj_residual_norm.py
         runtime.configs.launch_hopper(__package__, NAME, y=y, w_o=w_o, x=x, wn=wn, x_out=x_out, h=h, ss=ss,
-                                      config=plan.config)
+                                      config=_plan.config)
         return
-    acc = runtime.configs.mm_product(y, w_o.T) if plan.config.backend == "mm" else None
-    tma = plan.tma and runtime.aligned(y, w_o)
-    y_desc = runtime.descriptor(y, plan.config.block_m, plan.config.block_k) if tma else None
-    w_o_desc = runtime.descriptor(w_o, plan.config.block_n, plan.config.block_k) if tma else None
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    acc = runtime.configs.mm_product(y, w_o.T) if _plan.config.backend == "mm" else None
+    _tma = _plan.tma and runtime.aligned(y, w_o)
+    _y_desc = runtime.descriptor(y, _plan.config.block_m, _plan.config.block_k) if _tma else None
+    _w_o_desc = runtime.descriptor(w_o, _plan.config.block_n, _plan.config.block_k) if _tma else None
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             y, w_o, x, wn, x_out, h, ss,
-            y_desc, w_o_desc,
+            _y_desc, _w_o_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),
-            plan.m, plan.n, plan.k,
+            _plan.m, _plan.n, _plan.k,
             y.stride(0), y.stride(1),
             w_o.stride(0), w_o.stride(1),
             x.stride(0), x.stride(1),
@@ -201,19 +201,19 @@ def launch(y, w_o, x, wn, *, x_out, h, ss, config=None) -> None:
             x_out.stride(0), x_out.stride(1),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
-            plan.programs,
-            EVEN_K=plan.even_k,
-            TMA=tma,
-            WARP_SPECIALIZE=tma and plan.config.warp_specialize,
-            UPCAST_DOT=plan.upcast_dot,
-            DOT_PRECISION=plan.dot_precision,
+            _plan.programs,
+            EVEN_K=_plan.even_k,
+            TMA=_tma,
+            WARP_SPECIALIZE=_tma and _plan.config.warp_specialize,
+            UPCAST_DOT=_plan.upcast_dot,
+            DOT_PRECISION=_plan.dot_precision,
             ACC_IN=acc is not None,
-            INT64=plan.int64,
-            **plan.meta,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -232,14 +232,14 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(y, w_o, x, wn, *, x_out=None, h=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(y=y, w_o=w_o, x=x, wn=wn)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
+    _values = dict(y=y, w_o=w_o, x=x, wn=wn)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:4], _values)
+    M, N, K = _sizes["M"], _sizes["N"], _sizes["K"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, _device, split=DEFAULT_SPLIT)
     return (
-        x_out if x_out is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        x_out if x_out is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        h if h is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 

@@ -39,58 +39,59 @@ DECLS = (
 
 @triton.jit
 def qk_norm_rope_bwd_epilogue(
-    pid_m, pid_n, rows,
-    z_ptr, grad_qkv_ptr, head_rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, dz_ptr, zdz_part_ptr,
-    dwn_qk_part_ptr,
+    _pid_m, _pid_n, _rows,
+    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr,
+    _zdz_part_ptr, _dwn_qk_part_ptr,
     M, N,
-    stride_z_m, stride_z_n,
-    stride_grad_qkv_m, stride_grad_qkv_n,
-    stride_head_rstd_m, stride_head_rstd_n,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_wn_qk_n,
-    stride_v_pass_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
-    stride_dwn_qk_part_n, stride_dwn_qk_part_t,
+    _stride_z_m, _stride_z_n,
+    _stride_grad_qkv_m, _stride_grad_qkv_n,
+    _stride_head_rstd_m, _stride_head_rstd_n,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_wn_qk_n,
+    _stride_v_pass_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
+    _stride_dwn_qk_part_n, _stride_dwn_qk_part_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # rope_bwd: {x: grad_qkv, positions: positions, freqs: freqs, out: du}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_qkv = tile.widen(
-        tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
-                other=0.0))
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_mask_half = cols_half < N // 2
-    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+        tl.load(_grad_qkv_ptr + _rows[:, None] * _stride_grad_qkv_m + _cols[None, :] * _stride_grad_qkv_n,
+                mask=_tile_mask, other=0.0))
+    positions = tl.load(_positions_ptr + _rows * _stride_positions_m, mask=_row_mask, other=0)
+    _cols_half = _pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    _col_mask_half = _cols_half < N // 2
+    freqs = tl.load(_freqs_ptr + _cols_half * _stride_freqs_n, mask=_col_mask_half, other=0.0).to(tl.float32)
     du = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
 
     # scale: {x: z, by: head_rstd, out: zn}
-    z = tile.widen(tl.load(z_ptr + rows[:, None] * stride_z_m + cols[None, :] * stride_z_n, mask=tile_mask, other=0.0))
-    cols_group = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-    col_mask_group = cols_group < N // 128
-    group_mask = row_mask[:, None] & col_mask_group[None, :]
+    z = tile.widen(
+        tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols[None, :] * _stride_z_n, mask=_tile_mask, other=0.0))
+    _cols_group = _pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+    _col_mask_group = _cols_group < N // 128
+    _group_mask = _row_mask[:, None] & _col_mask_group[None, :]
     head_rstd = tl.load(
-        head_rstd_ptr + rows[:, None] * stride_head_rstd_m + cols_group[None, :] * stride_head_rstd_n, mask=group_mask,
-        other=0.0).to(tl.float32)
+        _head_rstd_ptr + _rows[:, None] * _stride_head_rstd_m + _cols_group[None, :] * _stride_head_rstd_n,
+        mask=_group_mask, other=0.0).to(tl.float32)
     zn = z * tile.expand_groups(head_rstd, GROUP=128)
 
     # mul: {x: du, y: wn_qk, out: du_w}
-    wn_qk = tl.load(wn_qk_ptr + cols * stride_wn_qk_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn_qk = tl.load(_wn_qk_ptr + _cols * _stride_wn_qk_n, mask=_col_mask, other=0.0).to(tl.float32)
     du_w = du * wn_qk[None, :]
 
     # mul: {x: du_w, y: zn, out: dot}
     dot = du_w * zn
 
     # group_reduce: {op: sum, x: dot, out: dot_head}
-    dot_head = tile.group_reduce(dot, tile_mask, GROUP=128, OP=tile.SUM)
+    dot_head = tile.group_reduce(dot, _tile_mask, GROUP=128, OP=tile.SUM)
 
     # mul: {x: dot_head, y: 0.0078125, out: dot_mean}
     dot_mean = dot_head * 0.0078125
@@ -105,12 +106,12 @@ def qk_norm_rope_bwd_epilogue(
     dqk = centered * tile.expand_groups(head_rstd, GROUP=128)
 
     # where: {cond: v_pass, x: du, y: dqk, out: dzv}
-    v_pass = tl.load(v_pass_ptr + cols * stride_v_pass_n, mask=col_mask, other=0.0).to(tl.float32)
+    v_pass = tl.load(_v_pass_ptr + _cols * _stride_v_pass_n, mask=_col_mask, other=0.0).to(tl.float32)
     dzv = tl.where(v_pass[None, :] != 0, du, dqk)
 
     # store: {x: dzv, to: dz}
-    dz_stored, dz_stored_as_t = tile.round_for_store(dzv, z_ptr.dtype.element_ty)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dz_stored_as_t, mask=tile_mask)
+    dz_stored, _dz_stored_as_t = tile.round_for_store(dzv, _z_ptr.dtype.element_ty)
+    tl.store(_dz_ptr + _rows[:, None] * _stride_dz_m + _cols[None, :] * _stride_dz_n, _dz_stored_as_t, mask=_tile_mask)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
@@ -118,9 +119,9 @@ def qk_norm_rope_bwd_epilogue(
     zdz_terms = z * dz_stored
 
     # reduce: {op: sum, x: zdz_terms, axis: cols, to: zdz_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce(zdz_terms, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_zdz_part_ptr + _rows * _stride_zdz_part_m + _pid_n * _stride_zdz_part_t,
+                 tile.partial_reduce(zdz_terms, _col_mask[None, :], OP=tile.SUM, AXIS=1), mask=_row_mask)
 
     # mul: {x: du, y: zn, out: wn_qk_terms}
     wn_qk_terms = du * zn
@@ -129,61 +130,61 @@ def qk_norm_rope_bwd_epilogue(
     wn_terms = tl.where(v_pass[None, :] != 0, 0.0, wn_qk_terms)
 
     # reduce: {op: sum, x: wn_terms, axis: rows, to: dwn_qk_part}
-    tl.store(dwn_qk_part_ptr + cols * stride_dwn_qk_part_n + pid_m * stride_dwn_qk_part_t,
-             tile.partial_reduce(wn_terms, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
+    tl.store(_dwn_qk_part_ptr + _cols * _stride_dwn_qk_part_n + _pid_m * _stride_dwn_qk_part_t,
+             tile.partial_reduce(wn_terms, _row_mask[:, None], OP=tile.SUM, AXIS=0), mask=_col_mask)
 
 
 @triton.jit
 def qk_norm_rope_bwd_kernel(
     # pointers
-    z_ptr, grad_qkv_ptr, head_rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, dz_ptr, zdz_part_ptr,
-    dwn_qk_part_ptr,
+    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr,
+    _zdz_part_ptr, _dwn_qk_part_ptr,
     # sizes
     M, N,
     # strides
-    stride_z_m, stride_z_n,
-    stride_grad_qkv_m, stride_grad_qkv_n,
-    stride_head_rstd_m, stride_head_rstd_n,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_wn_qk_n,
-    stride_v_pass_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
-    stride_dwn_qk_part_n, stride_dwn_qk_part_t,
+    _stride_z_m, _stride_z_n,
+    _stride_grad_qkv_m, _stride_grad_qkv_n,
+    _stride_head_rstd_m, _stride_head_rstd_n,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_wn_qk_n,
+    _stride_v_pass_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
+    _stride_dwn_qk_part_n, _stride_dwn_qk_part_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             qk_norm_rope_bwd_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                z_ptr, grad_qkv_ptr, head_rstd_ptr, positions_ptr, freqs_ptr, wn_qk_ptr, v_pass_ptr, dz_ptr,
-                zdz_part_ptr, dwn_qk_part_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr,
+                _zdz_part_ptr, _dwn_qk_part_ptr,
                 M, N,
-                stride_z_m, stride_z_n,
-                stride_grad_qkv_m, stride_grad_qkv_n,
-                stride_head_rstd_m, stride_head_rstd_n,
-                stride_positions_m,
-                stride_freqs_n,
-                stride_wn_qk_n,
-                stride_v_pass_n,
-                stride_dz_m, stride_dz_n,
-                stride_zdz_part_m, stride_zdz_part_t,
-                stride_dwn_qk_part_n, stride_dwn_qk_part_t,
+                _stride_z_m, _stride_z_n,
+                _stride_grad_qkv_m, _stride_grad_qkv_n,
+                _stride_head_rstd_m, _stride_head_rstd_n,
+                _stride_positions_m,
+                _stride_freqs_n,
+                _stride_wn_qk_n,
+                _stride_v_pass_n,
+                _stride_dz_m, _stride_dz_n,
+                _stride_zdz_part_m, _stride_zdz_part_t,
+                _stride_dwn_qk_part_n, _stride_dwn_qk_part_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -197,16 +198,16 @@ def launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz, zdz_p
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz, zdz_part, dwn_qk_part)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz, zdz_part, dwn_qk_part)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz, zdz_part, dwn_qk_part,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             z.stride(0), z.stride(1),
             grad_qkv.stride(0), grad_qkv.stride(1),
             head_rstd.stride(0), head_rstd.stride(1),
@@ -217,13 +218,13 @@ def launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz, zdz_p
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
             dwn_qk_part.stride(0), dwn_qk_part.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=128)
     runtime.check_storage(NAME, values)
@@ -239,15 +240,15 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(z=z, grad_qkv=grad_qkv, head_rstd=head_rstd, positions=positions, freqs=freqs, wn_qk=wn_qk,
-                  v_pass=v_pass)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:7], values, group=128)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128, split=DEFAULT_SPLIT)
+    _values = dict(z=z, grad_qkv=grad_qkv, head_rstd=head_rstd, positions=positions, freqs=freqs, wn_qk=wn_qk,
+                   v_pass=v_pass)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:7], _values, group=128)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, group=128, split=DEFAULT_SPLIT)
     return (
-        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
-        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
+        torch.empty((N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=_device),
     )
 
 

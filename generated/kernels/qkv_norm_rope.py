@@ -33,55 +33,55 @@ DECLS = (
 
 @triton.jit
 def qkv_norm_rope_epilogue(
-    acc, pid_m, pid_n, rows,
-    rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+    acc, _pid_m, _pid_n, _rows,
+    _rstd_ptr, _positions_ptr, _freqs_ptr, _qkv_ptr,
     M, N,
-    stride_rstd_m,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_qkv_m, stride_qkv_n,
+    _stride_rstd_m,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_qkv_m, _stride_qkv_n,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # scale: {x: acc, by: rstd, out: z}
-    rstd = tl.load(rstd_ptr + rows * stride_rstd_m, mask=row_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     z = acc * rstd[:, None]
 
     # rope: {x: z, positions: positions, freqs: freqs, out: rotated}
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_mask_half = cols_half < N // 2
-    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+    positions = tl.load(_positions_ptr + _rows * _stride_positions_m, mask=_row_mask, other=0)
+    _cols_half = _pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    _col_mask_half = _cols_half < N // 2
+    freqs = tl.load(_freqs_ptr + _cols_half * _stride_freqs_n, mask=_col_mask_half, other=0.0).to(tl.float32)
     rotated = tile.rope(z, positions.to(tl.float32), freqs, INVERSE=False)
 
     # store: {x: rotated, to: qkv}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n,
-             rotated.to(qkv_ptr.dtype.element_ty), mask=tile_mask)
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    tl.store(_qkv_ptr + _rows[:, None] * _stride_qkv_m + _cols[None, :] * _stride_qkv_n,
+             rotated.to(_qkv_ptr.dtype.element_ty), mask=_tile_mask)
 
 
 @triton.jit
 def qkv_norm_rope_kernel(
     # pointers
-    h_ptr, w_qkv_ptr, rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+    _h_ptr, _w_qkv_ptr, _rstd_ptr, _positions_ptr, _freqs_ptr, _qkv_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
-    h_desc, w_qkv_desc,
+    _h_desc, _w_qkv_desc,
     # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
-    acc_ptr, stride_acc_m, stride_acc_n,
+    _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
     # strides
-    stride_h_m, stride_h_k,
-    stride_w_qkv_n, stride_w_qkv_k,
-    stride_rstd_m,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_qkv_m, stride_qkv_n,
+    _stride_h_m, _stride_h_k,
+    _stride_w_qkv_n, _stride_w_qkv_k,
+    _stride_rstd_m,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_qkv_m, _stride_qkv_n,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
@@ -90,65 +90,65 @@ def qkv_norm_rope_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
     ACC_IN: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    _num_pid_in_group = GROUP_M * _num_pid_n
     # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads;
     # WARP_SPECIALIZE: the loads in producer warps of their own, the MMAs and the epilogue in the others
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
         # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        _group_id = _tile_id // _num_pid_in_group
+        _first_pid_m = _group_id * GROUP_M
+        _group_size_m = min(_num_pid_m - _first_pid_m, GROUP_M)
+        _pid_m = _first_pid_m + ((_tile_id % _num_pid_in_group) % _group_size_m)
+        _pid_n = (_tile_id % _num_pid_in_group) // _group_size_m
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
         if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
-            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+            acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = h @ w_qkv^T, accumulated in fp32. Through TMA, edges read zeros;
             # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-            offs_k = tl.arange(0, BLOCK_K)
+            _offs_k = tl.arange(0, BLOCK_K)
             if INT64:
-                offs_k = offs_k.to(tl.int64)
-            a_ptrs = h_ptr + (rows % M)[:, None] * stride_h_m + offs_k[None, :] * stride_h_k
-            b_ptrs = w_qkv_ptr + offs_k[:, None] * stride_w_qkv_k + (cols % N)[None, :] * stride_w_qkv_n
+                _offs_k = _offs_k.to(tl.int64)
+            _a_ptrs = _h_ptr + (_rows % M)[:, None] * _stride_h_m + _offs_k[None, :] * _stride_h_k
+            _b_ptrs = _w_qkv_ptr + _offs_k[:, None] * _stride_w_qkv_k + (_cols % N)[None, :] * _stride_w_qkv_n
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-            for k0 in range(0, K, BLOCK_K):
+            _first_row, _first_col = (_pid_m * BLOCK_M).to(tl.int32), (_pid_n * BLOCK_N).to(tl.int32)
+            for _k0 in range(0, K, BLOCK_K):
                 if TMA:
-                    a_tile = h_desc.load([first_row, k0])
-                    b_tile = w_qkv_desc.load([first_col, k0]).T
+                    _a_tile = _h_desc.load([_first_row, _k0])
+                    _b_tile = _w_qkv_desc.load([_first_col, _k0]).T
                 elif EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                    b_tile = tl.load(b_ptrs)
+                    _a_tile = tl.load(_a_ptrs)
+                    _b_tile = tl.load(_b_ptrs)
                 else:
-                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                    _a_tile = tl.load(_a_ptrs, mask=_offs_k[None, :] < K - _k0, other=0.0)
+                    _b_tile = tl.load(_b_ptrs, mask=_offs_k[:, None] < K - _k0, other=0.0)
                 if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                    a_tile = a_tile.to(tl.float32)
-                    b_tile = b_tile.to(tl.float32)
-                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K * stride_h_k
-                b_ptrs += BLOCK_K * stride_w_qkv_k
+                    _a_tile = _a_tile.to(tl.float32)
+                    _b_tile = _b_tile.to(tl.float32)
+                acc = tl.dot(_a_tile, _b_tile, acc, input_precision=DOT_PRECISION)
+                _a_ptrs += BLOCK_K * _stride_h_k
+                _b_ptrs += BLOCK_K * _stride_w_qkv_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             qkv_norm_rope_epilogue(
-                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                rstd_ptr, positions_ptr, freqs_ptr, qkv_ptr,
+                tile.column_slice(acc, _part, EPILOGUE_SPLIT), _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _rstd_ptr, _positions_ptr, _freqs_ptr, _qkv_ptr,
                 M, N,
-                stride_rstd_m,
-                stride_positions_m,
-                stride_freqs_n,
-                stride_qkv_m, stride_qkv_n,
+                _stride_rstd_m,
+                _stride_positions_m,
+                _stride_freqs_n,
+                _stride_qkv_m, _stride_qkv_n,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -162,45 +162,45 @@ def launch(h, w_qkv, rstd, positions, freqs, *, qkv, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (h, w_qkv, rstd, positions, freqs, qkv)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (h, w_qkv, rstd, positions, freqs, qkv)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/qkv_norm_rope.py
+    _plan.aliasing.check(_tensors)
+    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/qkv_norm_rope.py
         runtime.configs.launch_hopper(__package__, NAME, h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs,
-                                      qkv=qkv, config=plan.config)
+                                      qkv=qkv, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(h, w_qkv.T) if plan.config.backend == "mm" else None
-    tma = plan.tma and runtime.aligned(h, w_qkv)
-    h_desc = runtime.descriptor(h, plan.config.block_m, plan.config.block_k) if tma else None
-    w_qkv_desc = runtime.descriptor(w_qkv, plan.config.block_n, plan.config.block_k) if tma else None
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    acc = runtime.configs.mm_product(h, w_qkv.T) if _plan.config.backend == "mm" else None
+    _tma = _plan.tma and runtime.aligned(h, w_qkv)
+    _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
+    _w_qkv_desc = runtime.descriptor(w_qkv, _plan.config.block_n, _plan.config.block_k) if _tma else None
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             h, w_qkv, rstd, positions, freqs, qkv,
-            h_desc, w_qkv_desc,
+            _h_desc, _w_qkv_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),
-            plan.m, plan.n, plan.k,
+            _plan.m, _plan.n, _plan.k,
             h.stride(0), h.stride(1),
             w_qkv.stride(0), w_qkv.stride(1),
             rstd.stride(0),
             positions.stride(0),
             freqs.stride(0),
             qkv.stride(0), qkv.stride(1),
-            plan.programs,
-            EVEN_K=plan.even_k,
-            TMA=tma,
-            WARP_SPECIALIZE=tma and plan.config.warp_specialize,
-            UPCAST_DOT=plan.upcast_dot,
-            DOT_PRECISION=plan.dot_precision,
+            _plan.programs,
+            EVEN_K=_plan.even_k,
+            TMA=_tma,
+            WARP_SPECIALIZE=_tma and _plan.config.warp_specialize,
+            UPCAST_DOT=_plan.upcast_dot,
+            DOT_PRECISION=_plan.dot_precision,
             ACC_IN=acc is not None,
-            INT64=plan.int64,
-            **plan.meta,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
@@ -218,11 +218,11 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(h, w_qkv, rstd, positions, freqs):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
-    values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:5], values)
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    _values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:5], _values)
+    M, N, K = _sizes["M"], _sizes["N"], _sizes["K"]
     return (
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        torch.empty((M, N), dtype=_t_dtype, device=_device),
     )
 
 

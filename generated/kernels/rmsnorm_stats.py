@@ -31,74 +31,75 @@ DECLS = (
 
 @triton.jit
 def rmsnorm_stats_epilogue(
-    pid_m, pid_n, rows,
-    x_ptr, wn_ptr, h_ptr, ss_ptr,
+    _pid_m, _pid_n, _rows,
+    _x_ptr, _wn_ptr, _h_ptr, _ss_ptr,
     M, N,
-    stride_x_m, stride_x_n,
-    stride_wn_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # reduce: {op: sumsq, x: x, axis: cols, to: ss}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    x = tile.widen(tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :] * stride_x_n, mask=tile_mask, other=0.0))
-    if pid_n * BLOCK_N < N:
-        tl.store(ss_ptr + rows * stride_ss_m + pid_n * stride_ss_t,
-                 tile.partial_reduce(x, col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=row_mask)
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    x = tile.widen(
+        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0))
+    if _pid_n * BLOCK_N < N:
+        tl.store(_ss_ptr + _rows * _stride_ss_m + _pid_n * _stride_ss_t,
+                 tile.partial_reduce(x, _col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=_row_mask)
 
     # scale: {x: x, by: wn, out: hv}
-    wn = tl.load(wn_ptr + cols * stride_wn_n, mask=col_mask, other=0.0).to(tl.float32)
+    wn = tl.load(_wn_ptr + _cols * _stride_wn_n, mask=_col_mask, other=0.0).to(tl.float32)
     hv = x * wn[None, :]
 
     # store: {x: hv, to: h}
-    tl.store(h_ptr + rows[:, None] * stride_h_m + cols[None, :] * stride_h_n, hv.to(h_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(_h_ptr + _rows[:, None] * _stride_h_m + _cols[None, :] * _stride_h_n, hv.to(_h_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
 
 @triton.jit
 def rmsnorm_stats_kernel(
     # pointers
-    x_ptr, wn_ptr, h_ptr, ss_ptr,
+    _x_ptr, _wn_ptr, _h_ptr, _ss_ptr,
     # sizes
     M, N,
     # strides
-    stride_x_m, stride_x_n,
-    stride_wn_n,
-    stride_h_m, stride_h_n,
-    stride_ss_m, stride_ss_t,
+    _stride_x_m, _stride_x_n,
+    _stride_wn_n,
+    _stride_h_m, _stride_h_n,
+    _stride_ss_m, _stride_ss_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             rmsnorm_stats_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                x_ptr, wn_ptr, h_ptr, ss_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _x_ptr, _wn_ptr, _h_ptr, _ss_ptr,
                 M, N,
-                stride_x_m, stride_x_n,
-                stride_wn_n,
-                stride_h_m, stride_h_n,
-                stride_ss_m, stride_ss_t,
+                _stride_x_m, _stride_x_n,
+                _stride_wn_n,
+                _stride_h_m, _stride_h_n,
+                _stride_ss_m, _stride_ss_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -112,27 +113,27 @@ def launch(x, wn, *, h, ss, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (x, wn, h, ss)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (x, wn, h, ss)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             x, wn, h, ss,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             x.stride(0), x.stride(1),
             wn.stride(0),
             h.stride(0), h.stride(1),
             ss.stride(0), ss.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -147,13 +148,13 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(x, wn, *, h=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(x=x, wn=wn)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:2], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(x=x, wn=wn)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:2], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        h if h is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        h if h is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 

@@ -34,90 +34,90 @@ DECLS = (
 
 @triton.jit
 def rope_bwd_rowdot_epilogue(
-    pid_m, pid_n, rows,
-    qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
+    _pid_m, _pid_n, _rows,
+    _qkv_ptr, _grad_qkv_ptr, _positions_ptr, _freqs_ptr, _dz_ptr, _zdz_part_ptr,
     M, N,
-    stride_qkv_m, stride_qkv_n,
-    stride_grad_qkv_m, stride_grad_qkv_n,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_qkv_m, _stride_qkv_n,
+    _stride_grad_qkv_m, _stride_grad_qkv_n,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # rope_bwd: {x: grad_qkv, positions: positions, freqs: freqs, out: dzv}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_qkv = tile.widen(
-        tl.load(grad_qkv_ptr + rows[:, None] * stride_grad_qkv_m + cols[None, :] * stride_grad_qkv_n, mask=tile_mask,
-                other=0.0))
-    positions = tl.load(positions_ptr + rows * stride_positions_m, mask=row_mask, other=0)
-    cols_half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    col_mask_half = cols_half < N // 2
-    freqs = tl.load(freqs_ptr + cols_half * stride_freqs_n, mask=col_mask_half, other=0.0).to(tl.float32)
+        tl.load(_grad_qkv_ptr + _rows[:, None] * _stride_grad_qkv_m + _cols[None, :] * _stride_grad_qkv_n,
+                mask=_tile_mask, other=0.0))
+    positions = tl.load(_positions_ptr + _rows * _stride_positions_m, mask=_row_mask, other=0)
+    _cols_half = _pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    _col_mask_half = _cols_half < N // 2
+    freqs = tl.load(_freqs_ptr + _cols_half * _stride_freqs_n, mask=_col_mask_half, other=0.0).to(tl.float32)
     dzv = tile.rope(grad_qkv, positions.to(tl.float32), freqs, INVERSE=True)
 
     # store: {x: dzv, to: dz}
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols[None, :] * stride_dz_n, dzv.to(dz_ptr.dtype.element_ty),
-             mask=tile_mask)
+    tl.store(_dz_ptr + _rows[:, None] * _stride_dz_m + _cols[None, :] * _stride_dz_n, dzv.to(_dz_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
     # mul: {x: qkv, y: grad_qkv, out: dot}
     qkv = tile.widen(
-        tl.load(qkv_ptr + rows[:, None] * stride_qkv_m + cols[None, :] * stride_qkv_n, mask=tile_mask, other=0.0))
+        tl.load(_qkv_ptr + _rows[:, None] * _stride_qkv_m + _cols[None, :] * _stride_qkv_n, mask=_tile_mask, other=0.0))
     dot = qkv * grad_qkv
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce(dot, col_mask[None, :], OP=tile.SUM, AXIS=1), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_zdz_part_ptr + _rows * _stride_zdz_part_m + _pid_n * _stride_zdz_part_t,
+                 tile.partial_reduce(dot, _col_mask[None, :], OP=tile.SUM, AXIS=1), mask=_row_mask)
 
 
 @triton.jit
 def rope_bwd_rowdot_kernel(
     # pointers
-    qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
+    _qkv_ptr, _grad_qkv_ptr, _positions_ptr, _freqs_ptr, _dz_ptr, _zdz_part_ptr,
     # sizes
     M, N,
     # strides
-    stride_qkv_m, stride_qkv_n,
-    stride_grad_qkv_m, stride_grad_qkv_n,
-    stride_positions_m,
-    stride_freqs_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_qkv_m, _stride_qkv_n,
+    _stride_grad_qkv_m, _stride_grad_qkv_n,
+    _stride_positions_m,
+    _stride_freqs_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             rope_bwd_rowdot_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                qkv_ptr, grad_qkv_ptr, positions_ptr, freqs_ptr, dz_ptr, zdz_part_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _qkv_ptr, _grad_qkv_ptr, _positions_ptr, _freqs_ptr, _dz_ptr, _zdz_part_ptr,
                 M, N,
-                stride_qkv_m, stride_qkv_n,
-                stride_grad_qkv_m, stride_grad_qkv_n,
-                stride_positions_m,
-                stride_freqs_n,
-                stride_dz_m, stride_dz_n,
-                stride_zdz_part_m, stride_zdz_part_t,
+                _stride_qkv_m, _stride_qkv_n,
+                _stride_grad_qkv_m, _stride_grad_qkv_n,
+                _stride_positions_m,
+                _stride_freqs_n,
+                _stride_dz_m, _stride_dz_n,
+                _stride_zdz_part_m, _stride_zdz_part_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -131,29 +131,29 @@ def launch(qkv, grad_qkv, positions, freqs, *, dz, zdz_part, config=None) -> Non
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (qkv, grad_qkv, positions, freqs, dz, zdz_part)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (qkv, grad_qkv, positions, freqs, dz, zdz_part)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             qkv, grad_qkv, positions, freqs, dz, zdz_part,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             qkv.stride(0), qkv.stride(1),
             grad_qkv.stride(0), grad_qkv.stride(1),
             positions.stride(0),
             freqs.stride(0),
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True)
     runtime.check_storage(NAME, values)
@@ -168,13 +168,13 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(qkv, grad_qkv, positions, freqs, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:4], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        dz if dz is not None else torch.empty((M, N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        dz if dz is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 

@@ -36,90 +36,91 @@ DECLS = (
 
 @triton.jit
 def swiglu_bias_dgrad_epilogue(
-    acc, pid_m, pid_n, rows,
-    grad_y_ptr, z_ptr, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
+    acc, _pid_m, _pid_n, _rows,
+    _grad_y_ptr, _z_ptr, _b_gate_up_ptr, _dz_ptr, _zdz_part_ptr, _db_part_ptr, _y_ptr,
     M, N,
-    stride_z_m, stride_z_n,
-    stride_b_gate_up_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
-    stride_db_part_n, stride_db_part_t,
-    stride_y_m, stride_y_n,
+    _stride_z_m, _stride_z_n,
+    _stride_b_gate_up_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
+    _stride_db_part_n, _stride_db_part_t,
+    _stride_y_m, _stride_y_n,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # swiglu_bwd: {dy: acc, x: z, out: dzv}
-    cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-    tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]
-    z_even, z_odd = tile.split_pairs(
-        tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
+    _cols_double = _pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+    _tile_mask_double = _row_mask[:, None] & (_cols_double < 2 * N)[None, :]
+    _z_even, _z_odd = tile.split_pairs(
+        tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols_double[None, :] * _stride_z_n, mask=_tile_mask_double,
                 other=0.0).to(tl.float32))
-    dzv_even, dzv_odd = tile.swiglu_bwd_pairs(acc, z_even, z_odd)
+    _dzv_even, _dzv_odd = tile.swiglu_bwd_pairs(acc, _z_even, _z_odd)
 
     # store: {x: dzv, to: dz}
-    dz_stored_even, dz_stored_odd, dz_stored_as_t = tile.round_pairs_for_store(dzv_even, dzv_odd,
-                                                                               grad_y_ptr.dtype.element_ty)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dz_stored_as_t,
-             mask=tile_mask_double)
+    _dz_stored_even, _dz_stored_odd, _dz_stored_as_t = tile.round_pairs_for_store(_dzv_even, _dzv_odd,
+                                                                                  _grad_y_ptr.dtype.element_ty)
+    tl.store(_dz_ptr + _rows[:, None] * _stride_dz_m + _cols_double[None, :] * _stride_dz_n, _dz_stored_as_t,
+             mask=_tile_mask_double)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # sub: {x: z, y: b_gate_up, out: z_unbiased}
-    cols_even = 2 * cols
-    cols_odd = cols_even + 1
-    b_gate_up_even = tl.load(b_gate_up_ptr + cols_even * stride_b_gate_up_n, mask=col_mask, other=0.0).to(tl.float32)
-    b_gate_up_odd = tl.load(b_gate_up_ptr + cols_odd * stride_b_gate_up_n, mask=col_mask, other=0.0).to(tl.float32)
-    z_unbiased_even = z_even - b_gate_up_even[None, :]
-    z_unbiased_odd = z_odd - b_gate_up_odd[None, :]
+    _even_cols = 2 * _cols
+    _odd_cols = _even_cols + 1
+    _b_gate_up_even = tl.load(_b_gate_up_ptr + _even_cols * _stride_b_gate_up_n, mask=_col_mask,
+                              other=0.0).to(tl.float32)
+    _b_gate_up_odd = tl.load(_b_gate_up_ptr + _odd_cols * _stride_b_gate_up_n, mask=_col_mask, other=0.0).to(tl.float32)
+    _z_unbiased_even = _z_even - _b_gate_up_even[None, :]
+    _z_unbiased_odd = _z_odd - _b_gate_up_odd[None, :]
 
     # mul: {x: z_unbiased, y: dz_stored, out: dot}
-    dot_even = z_unbiased_even * dz_stored_even
-    dot_odd = z_unbiased_odd * dz_stored_odd
+    _dot_even = _z_unbiased_even * _dz_stored_even
+    _dot_odd = _z_unbiased_odd * _dz_stored_odd
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce_pairs(dot_even, dot_odd, col_mask[None, :], OP=tile.SUM), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_zdz_part_ptr + _rows * _stride_zdz_part_m + _pid_n * _stride_zdz_part_t,
+                 tile.partial_reduce_pairs(_dot_even, _dot_odd, _col_mask[None, :], OP=tile.SUM), mask=_row_mask)
 
     # reduce: {op: sum, x: dzv, axis: rows, to: db_part}
-    tl.store(db_part_ptr + cols_even * stride_db_part_n + pid_m * stride_db_part_t,
-             tile.partial_reduce(dzv_even, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
-    tl.store(db_part_ptr + cols_odd * stride_db_part_n + pid_m * stride_db_part_t,
-             tile.partial_reduce(dzv_odd, row_mask[:, None], OP=tile.SUM, AXIS=0), mask=col_mask)
+    tl.store(_db_part_ptr + _even_cols * _stride_db_part_n + _pid_m * _stride_db_part_t,
+             tile.partial_reduce(_dzv_even, _row_mask[:, None], OP=tile.SUM, AXIS=0), mask=_col_mask)
+    tl.store(_db_part_ptr + _odd_cols * _stride_db_part_n + _pid_m * _stride_db_part_t,
+             tile.partial_reduce(_dzv_odd, _row_mask[:, None], OP=tile.SUM, AXIS=0), mask=_col_mask)
 
     # swiglu: {x: z, out: yv}
-    yv = tile.swiglu_pairs(z_even, z_odd)
+    yv = tile.swiglu_pairs(_z_even, _z_odd)
 
     # store: {x: yv, to: y}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y_m + cols[None, :] * stride_y_n, yv.to(y_ptr.dtype.element_ty),
-             mask=tile_mask)
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
+    tl.store(_y_ptr + _rows[:, None] * _stride_y_m + _cols[None, :] * _stride_y_n, yv.to(_y_ptr.dtype.element_ty),
+             mask=_tile_mask)
 
 
 @triton.jit
 def swiglu_bias_dgrad_kernel(
     # pointers
-    grad_y_ptr, w_down_ptr, z_ptr, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
+    _grad_y_ptr, _w_down_ptr, _z_ptr, _b_gate_up_ptr, _dz_ptr, _zdz_part_ptr, _db_part_ptr, _y_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
-    grad_y_desc, w_down_desc,
+    _grad_y_desc, _w_down_desc,
     # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
-    acc_ptr, stride_acc_m, stride_acc_n,
+    _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
     # strides
-    stride_grad_y_m, stride_grad_y_k,
-    stride_w_down_k, stride_w_down_n,
-    stride_z_m, stride_z_n,
-    stride_b_gate_up_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
-    stride_db_part_n, stride_db_part_t,
-    stride_y_m, stride_y_n,
+    _stride_grad_y_m, _stride_grad_y_k,
+    _stride_w_down_k, _stride_w_down_n,
+    _stride_z_m, _stride_z_n,
+    _stride_b_gate_up_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
+    _stride_db_part_n, _stride_db_part_t,
+    _stride_y_m, _stride_y_n,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
@@ -128,67 +129,67 @@ def swiglu_bias_dgrad_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
     ACC_IN: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    _num_pid_in_group = GROUP_M * _num_pid_n
     # FLATTEN: one software pipeline over tiles and K steps, so that a tile's epilogue overlaps the next loads;
     # WARP_SPECIALIZE: the loads in producer warps of their own, the MMAs and the epilogue in the others
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
         # tile id -> tile, in grouped order: GROUP_M row-tiles share each column of B while it is in L2
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        _group_id = _tile_id // _num_pid_in_group
+        _first_pid_m = _group_id * GROUP_M
+        _group_size_m = min(_num_pid_m - _first_pid_m, GROUP_M)
+        _pid_m = _first_pid_m + ((_tile_id % _num_pid_in_group) % _group_size_m)
+        _pid_n = (_tile_id % _num_pid_in_group) // _group_size_m
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
         if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
-            acc = tl.load(acc_ptr + (rows % M)[:, None] * stride_acc_m + (cols % N)[None, :] * stride_acc_n)
+            acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = grad_y @ w_down, accumulated in fp32. Through TMA, edges read zeros;
             # through pointers, rows and columns past the edge wrap around (their results are masked off later).
-            offs_k = tl.arange(0, BLOCK_K)
+            _offs_k = tl.arange(0, BLOCK_K)
             if INT64:
-                offs_k = offs_k.to(tl.int64)
-            a_ptrs = grad_y_ptr + (rows % M)[:, None] * stride_grad_y_m + offs_k[None, :] * stride_grad_y_k
-            b_ptrs = w_down_ptr + offs_k[:, None] * stride_w_down_k + (cols % N)[None, :] * stride_w_down_n
+                _offs_k = _offs_k.to(tl.int64)
+            _a_ptrs = _grad_y_ptr + (_rows % M)[:, None] * _stride_grad_y_m + _offs_k[None, :] * _stride_grad_y_k
+            _b_ptrs = _w_down_ptr + _offs_k[:, None] * _stride_w_down_k + (_cols % N)[None, :] * _stride_w_down_n
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
-            first_row, first_col = (pid_m * BLOCK_M).to(tl.int32), (pid_n * BLOCK_N).to(tl.int32)
-            for k0 in range(0, K, BLOCK_K):
+            _first_row, _first_col = (_pid_m * BLOCK_M).to(tl.int32), (_pid_n * BLOCK_N).to(tl.int32)
+            for _k0 in range(0, K, BLOCK_K):
                 if TMA:
-                    a_tile = grad_y_desc.load([first_row, k0])
-                    b_tile = w_down_desc.load([k0, first_col])
+                    _a_tile = _grad_y_desc.load([_first_row, _k0])
+                    _b_tile = _w_down_desc.load([_k0, _first_col])
                 elif EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                    b_tile = tl.load(b_ptrs)
+                    _a_tile = tl.load(_a_ptrs)
+                    _b_tile = tl.load(_b_ptrs)
                 else:
-                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
+                    _a_tile = tl.load(_a_ptrs, mask=_offs_k[None, :] < K - _k0, other=0.0)
+                    _b_tile = tl.load(_b_ptrs, mask=_offs_k[:, None] < K - _k0, other=0.0)
                 if UPCAST_DOT:  # Triton's CPU interpreter gets bf16 dots wrong; fp32 operands are exact there
-                    a_tile = a_tile.to(tl.float32)
-                    b_tile = b_tile.to(tl.float32)
-                acc = tl.dot(a_tile, b_tile, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K * stride_grad_y_k
-                b_ptrs += BLOCK_K * stride_w_down_k
+                    _a_tile = _a_tile.to(tl.float32)
+                    _b_tile = _b_tile.to(tl.float32)
+                acc = tl.dot(_a_tile, _b_tile, acc, input_precision=DOT_PRECISION)
+                _a_ptrs += BLOCK_K * _stride_grad_y_k
+                _b_ptrs += BLOCK_K * _stride_w_down_k
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             swiglu_bias_dgrad_epilogue(
-                tile.column_slice(acc, part, EPILOGUE_SPLIT), pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                grad_y_ptr, z_ptr, b_gate_up_ptr, dz_ptr, zdz_part_ptr, db_part_ptr, y_ptr,
+                tile.column_slice(acc, _part, EPILOGUE_SPLIT), _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _grad_y_ptr, _z_ptr, _b_gate_up_ptr, _dz_ptr, _zdz_part_ptr, _db_part_ptr, _y_ptr,
                 M, N,
-                stride_z_m, stride_z_n,
-                stride_b_gate_up_n,
-                stride_dz_m, stride_dz_n,
-                stride_zdz_part_m, stride_zdz_part_t,
-                stride_db_part_n, stride_db_part_t,
-                stride_y_m, stride_y_n,
+                _stride_z_m, _stride_z_n,
+                _stride_b_gate_up_n,
+                _stride_dz_m, _stride_dz_n,
+                _stride_zdz_part_m, _stride_zdz_part_t,
+                _stride_db_part_n, _stride_db_part_t,
+                _stride_y_m, _stride_y_n,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -202,26 +203,26 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (grad_y, w_down, z, b_gate_up, dz, zdz_part, db_part, y)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (grad_y, w_down, z, b_gate_up, dz, zdz_part, db_part, y)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    if plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/swiglu_bias_dgrad.py
+    _plan.aliasing.check(_tensors)
+    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/swiglu_bias_dgrad.py
         runtime.configs.launch_hopper(__package__, NAME, grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up, dz=dz,
-                                      zdz_part=zdz_part, db_part=db_part, y=y, config=plan.config)
+                                      zdz_part=zdz_part, db_part=db_part, y=y, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(grad_y, w_down) if plan.config.backend == "mm" else None
-    tma = plan.tma and runtime.aligned(grad_y, w_down)
-    grad_y_desc = runtime.descriptor(grad_y, plan.config.block_m, plan.config.block_k) if tma else None
-    w_down_desc = runtime.descriptor(w_down, plan.config.block_k, plan.config.block_n) if tma else None
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    acc = runtime.configs.mm_product(grad_y, w_down) if _plan.config.backend == "mm" else None
+    _tma = _plan.tma and runtime.aligned(grad_y, w_down)
+    _grad_y_desc = runtime.descriptor(grad_y, _plan.config.block_m, _plan.config.block_k) if _tma else None
+    _w_down_desc = runtime.descriptor(w_down, _plan.config.block_k, _plan.config.block_n) if _tma else None
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             grad_y, w_down, z, b_gate_up, dz, zdz_part, db_part, y,
-            grad_y_desc, w_down_desc,
+            _grad_y_desc, _w_down_desc,
             acc, *(acc.stride() if acc is not None else (0, 0)),
-            plan.m, plan.n, plan.k,
+            _plan.m, _plan.n, _plan.k,
             grad_y.stride(0), grad_y.stride(1),
             w_down.stride(0), w_down.stride(1),
             z.stride(0), z.stride(1),
@@ -230,19 +231,19 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
             zdz_part.stride(0), zdz_part.stride(1),
             db_part.stride(0), db_part.stride(1),
             y.stride(0), y.stride(1),
-            plan.programs,
-            EVEN_K=plan.even_k,
-            TMA=tma,
-            WARP_SPECIALIZE=tma and plan.config.warp_specialize,
-            UPCAST_DOT=plan.upcast_dot,
-            DOT_PRECISION=plan.dot_precision,
+            _plan.programs,
+            EVEN_K=_plan.even_k,
+            TMA=_tma,
+            WARP_SPECIALIZE=_tma and _plan.config.warp_specialize,
+            UPCAST_DOT=_plan.upcast_dot,
+            DOT_PRECISION=_plan.dot_precision,
             ACC_IN=acc is not None,
-            INT64=plan.int64,
-            **plan.meta,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -261,15 +262,15 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:4], values)
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT)
+    _values = dict(grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:4], _values)
+    M, N, K = _sizes["M"], _sizes["N"], _sizes["K"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, _device, split=DEFAULT_SPLIT)
     return (
-        dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
-        torch.empty((2 * N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=device),
-        torch.empty((M, N), dtype=t_dtype, device=device),
+        dz if dz is not None else torch.empty((M, 2 * N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
+        torch.empty((2 * N, triton.cdiv(M, config.block_m)), dtype=torch.float32, device=_device),
+        torch.empty((M, N), dtype=_t_dtype, device=_device),
     )
 
 

@@ -31,89 +31,89 @@ DECLS = (
 
 @triton.jit
 def swiglu_bwd_rowdot_epilogue(
-    pid_m, pid_n, rows,
-    grad_y_ptr, z_ptr, dz_ptr, zdz_part_ptr,
+    _pid_m, _pid_n, _rows,
+    _grad_y_ptr, _z_ptr, _dz_ptr, _zdz_part_ptr,
     M, N,
-    stride_grad_y_m, stride_grad_y_n,
-    stride_z_m, stride_z_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_grad_y_m, _stride_grad_y_n,
+    _stride_z_m, _stride_z_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     BLOCK_N: tl.constexpr,
 ):
-    """The spec's epilogue on one tile in fp32, or on a column slice of one: then pid_n and BLOCK_N are the
+    """The spec's epilogue on one tile in fp32, or on a column slice of one: then _pid_n and BLOCK_N are the
     slice's. Stores cast to each output's dtype."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
+    _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _row_mask = _rows < M
+    _col_mask = _cols < N
 
     # swiglu_bwd: {dy: grad_y, x: z, out: dzv}
-    tile_mask = row_mask[:, None] & col_mask[None, :]
+    _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_y = tile.widen(
-        tl.load(grad_y_ptr + rows[:, None] * stride_grad_y_m + cols[None, :] * stride_grad_y_n, mask=tile_mask,
+        tl.load(_grad_y_ptr + _rows[:, None] * _stride_grad_y_m + _cols[None, :] * _stride_grad_y_n, mask=_tile_mask,
                 other=0.0))
-    cols_double = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-    tile_mask_double = row_mask[:, None] & (cols_double < 2 * N)[None, :]
-    z_even, z_odd = tile.split_pairs(
+    _cols_double = _pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+    _tile_mask_double = _row_mask[:, None] & (_cols_double < 2 * N)[None, :]
+    _z_even, _z_odd = tile.split_pairs(
         tile.widen(
-            tl.load(z_ptr + rows[:, None] * stride_z_m + cols_double[None, :] * stride_z_n, mask=tile_mask_double,
+            tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols_double[None, :] * _stride_z_n, mask=_tile_mask_double,
                     other=0.0)))
-    dzv_even, dzv_odd = tile.swiglu_bwd_pairs(grad_y, z_even, z_odd)
+    _dzv_even, _dzv_odd = tile.swiglu_bwd_pairs(grad_y, _z_even, _z_odd)
 
     # store: {x: dzv, to: dz}
-    dz_stored_even, dz_stored_odd, dz_stored_as_t = tile.round_pairs_for_store(dzv_even, dzv_odd,
-                                                                               grad_y_ptr.dtype.element_ty)
-    tl.store(dz_ptr + rows[:, None] * stride_dz_m + cols_double[None, :] * stride_dz_n, dz_stored_as_t,
-             mask=tile_mask_double)
+    _dz_stored_even, _dz_stored_odd, _dz_stored_as_t = tile.round_pairs_for_store(_dzv_even, _dzv_odd,
+                                                                                  _grad_y_ptr.dtype.element_ty)
+    tl.store(_dz_ptr + _rows[:, None] * _stride_dz_m + _cols_double[None, :] * _stride_dz_n, _dz_stored_as_t,
+             mask=_tile_mask_double)
 
     # cast: {x: dzv, dtype: T, out: dz_stored}  (rounded with the store above)
 
     # mul: {x: z, y: dz_stored, out: dot}
-    dot_even = z_even * dz_stored_even
-    dot_odd = z_odd * dz_stored_odd
+    _dot_even = _z_even * _dz_stored_even
+    _dot_odd = _z_odd * _dz_stored_odd
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
-    if pid_n * BLOCK_N < N:
-        tl.store(zdz_part_ptr + rows * stride_zdz_part_m + pid_n * stride_zdz_part_t,
-                 tile.partial_reduce_pairs(dot_even, dot_odd, col_mask[None, :], OP=tile.SUM), mask=row_mask)
+    if _pid_n * BLOCK_N < N:
+        tl.store(_zdz_part_ptr + _rows * _stride_zdz_part_m + _pid_n * _stride_zdz_part_t,
+                 tile.partial_reduce_pairs(_dot_even, _dot_odd, _col_mask[None, :], OP=tile.SUM), mask=_row_mask)
 
 
 @triton.jit
 def swiglu_bwd_rowdot_kernel(
     # pointers
-    grad_y_ptr, z_ptr, dz_ptr, zdz_part_ptr,
+    _grad_y_ptr, _z_ptr, _dz_ptr, _zdz_part_ptr,
     # sizes
     M, N,
     # strides
-    stride_grad_y_m, stride_grad_y_n,
-    stride_z_m, stride_z_n,
-    stride_dz_m, stride_dz_n,
-    stride_zdz_part_m, stride_zdz_part_t,
+    _stride_grad_y_m, _stride_grad_y_n,
+    _stride_z_m, _stride_z_n,
+    _stride_dz_m, _stride_dz_n,
+    _stride_zdz_part_m, _stride_zdz_part_t,
     # programs in the grid: fewer than tiles makes the grid persistent
     NUM_PROGRAMS,
     # settings
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, INT64: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    _num_pid_m = tl.cdiv(M, BLOCK_M)
+    _num_pid_n = tl.cdiv(N, BLOCK_N)
+    for _tile_id in tl.range(tl.program_id(0), _num_pid_m * _num_pid_n, NUM_PROGRAMS):
         # tile id -> tile, row by row: with no operand to share, grouped order would only cost a division
-        pid_m = tile_id // num_pid_n
-        pid_n = tile_id % num_pid_n
+        _pid_m = _tile_id // _num_pid_n
+        _pid_n = _tile_id % _num_pid_n
         if INT64:  # a tensor spans 2**31 elements or more: all index arithmetic in 64 bits
-            pid_m = pid_m.to(tl.int64)
-            pid_n = pid_n.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _pid_m = _pid_m.to(tl.int64)
+            _pid_n = _pid_n.to(tl.int64)
+        _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
         # the epilogue on the tile, or on its EPILOGUE_SPLIT column slices in turn (fewer registers at a time)
-        for part in tl.static_range(EPILOGUE_SPLIT):
+        for _part in tl.static_range(EPILOGUE_SPLIT):
             swiglu_bwd_rowdot_epilogue(
-                pid_m, pid_n * EPILOGUE_SPLIT + part, rows,
-                grad_y_ptr, z_ptr, dz_ptr, zdz_part_ptr,
+                _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
+                _grad_y_ptr, _z_ptr, _dz_ptr, _zdz_part_ptr,
                 M, N,
-                stride_grad_y_m, stride_grad_y_n,
-                stride_z_m, stride_z_n,
-                stride_dz_m, stride_dz_n,
-                stride_zdz_part_m, stride_zdz_part_t,
+                _stride_grad_y_m, _stride_grad_y_n,
+                _stride_z_m, _stride_z_n,
+                _stride_dz_m, _stride_dz_n,
+                _stride_zdz_part_m, _stride_zdz_part_t,
                 BLOCK_N // EPILOGUE_SPLIT,
             )
 
@@ -127,27 +127,27 @@ def launch(grad_y, z, *, dz, zdz_part, config=None) -> None:
     """Run the kernel, writing into the given outputs. Raises ValueError on a shape, dtype or device mismatch,
     and where an output shares memory with another argument (but for an input of its DECLS entry's in_place_of,
     passed as the output itself)."""
-    tensors = (grad_y, z, dz, zdz_part)
-    key = runtime.signature(tensors, config)
-    plan = _PLANS.get(key) or _PLANS.setdefault(key, _plan(tensors, config))
-    if plan.empty:
+    _tensors = (grad_y, z, dz, zdz_part)
+    _key = runtime.signature(_tensors, config)
+    _plan = _PLANS.get(_key) or _PLANS.setdefault(_key, _make_plan(_tensors, config))
+    if _plan.empty:
         return
-    plan.aliasing.check(tensors)
-    with runtime.on_device(plan.device):
-        _LAUNCH[(plan.programs,)](
+    _plan.aliasing.check(_tensors)
+    with runtime.on_device(_plan.device):
+        _LAUNCH[(_plan.programs,)](
             grad_y, z, dz, zdz_part,
-            plan.m, plan.n,
+            _plan.m, _plan.n,
             grad_y.stride(0), grad_y.stride(1),
             z.stride(0), z.stride(1),
             dz.stride(0), dz.stride(1),
             zdz_part.stride(0), zdz_part.stride(1),
-            plan.programs,
-            INT64=plan.int64,
-            **plan.meta,
+            _plan.programs,
+            INT64=_plan.int64,
+            **_plan.meta,
         )
 
 
-def _plan(tensors, config) -> runtime.LaunchPlan:
+def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
@@ -162,13 +162,13 @@ def _plan(tensors, config) -> runtime.LaunchPlan:
 
 def _allocate(grad_y, z, *, dz=None):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
-    values = dict(grad_y=grad_y, z=z)
-    sizes, t_dtype, device = runtime.bind_once(_BOUND, NAME, DECLS[:2], values)
-    M, N = sizes["M"], sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT)
+    _values = dict(grad_y=grad_y, z=z)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:2], _values)
+    M, N = _sizes["M"], _sizes["N"]
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, split=DEFAULT_SPLIT)
     return (
-        dz if dz is not None else torch.empty((M, 2 * N), dtype=t_dtype, device=device),
-        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=device),
+        dz if dz is not None else torch.empty((M, 2 * N), dtype=_t_dtype, device=_device),
+        torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
     )
 
 
