@@ -171,6 +171,25 @@ def hopper_fallbacks(paths: list[str | Path]) -> list[str]:
     return [str(f) for c in load(paths) if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
 
 
+def hopper_notes(paths: list[str | Path], gpu: bool = True) -> list[str]:
+    """What `codagen build` notes of the Hopper backend: each step it cannot lower yet (file:line:col), and in one
+    line per reason the kernels it cannot take as a whole (no GEMM, ...), which keep the tl kernel only; that line
+    only where the machine has a GPU (`gpu`), since it only says where the Hopper kernels will not run."""
+    notes: list[str] = []
+    whole: dict[str, list[str]] = {}
+    for c in load(paths):
+        if isinstance(c, Checked):
+            for f in unlowered(c.kernel, c.types):
+                if f.step is None:
+                    whole.setdefault(f.reason, []).append(c.kernel.name)
+                else:
+                    notes.append(str(f))
+    if gpu:
+        notes += [f"{len(names)} kernel(s) keep the tl kernel only ({reason}): {', '.join(sorted(names))}"
+                  for reason, names in whole.items()]
+    return notes
+
+
 def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
     """The tuning tables under `out`/tuning/ that no kernel of the specs can use, each as a message that says
     why and what to do: a file that is no tuning table, or entries of a table that no launch of its kernel can use,

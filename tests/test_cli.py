@@ -167,3 +167,49 @@ def test_usage_errors_exit_2(ws, args):
     assert result.returncode == 2
     assert "Usage:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_build_notes_the_tl_only_kernels_in_one_line_and_only_on_a_gpu(tmp_path, monkeypatch, gpu):
+    """The kernels that the Hopper backend cannot take as a whole (no GEMM) are one note line, listing them, on a
+    machine with a GPU; none without one (it only says where Hopper kernels will not run)."""
+    from click.testing import CliRunner
+
+    from codagen import cli
+    monkeypatch.setattr(cli, "_gpu_present", lambda: gpu)
+    monkeypatch.chdir(REPO)
+    result = CliRunner().invoke(cli.main, ["build", "specs/", "--out", str(tmp_path / "gen")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    no_gemm = [line for line in notes if "no GEMM" in line]
+    if gpu:
+        assert len(no_gemm) == 1, notes
+        assert "kernel(s) keep the tl kernel only (no GEMM; " in no_gemm[0]
+        assert "rmsnorm_stats, rope_bwd_rowdot" in no_gemm[0]
+    else:
+        assert no_gemm == [], notes
+
+
+@pytest.mark.parametrize("command", [[], ["validate"], ["build"], ["tune"]])
+def test_help_of_every_command_shows_an_example_that_parses(command, monkeypatch):
+    """Each command's --help ends its text with examples, and each example is a command line that the command
+    accepts (parsed, not run)."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from codagen import cli
+    monkeypatch.chdir(REPO)  # the examples' paths are the repository's
+    result = CliRunner().invoke(cli.main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example:" in result.output
+    examples = [line.split("#")[0].strip() for line in result.output.splitlines()
+                if line.strip().startswith("codagen ")]
+    assert examples, result.output
+    for line in examples:
+        words = shlex.split(line)[1:]
+        if command:
+            assert words[0] == command[0], line
+        with cli.main.make_context("codagen", list(words)) as ctx:
+            sub = cli.main.get_command(ctx, words[0])
+            sub.make_context(words[0], words[1:], parent=ctx)  # raises on an option the command lacks
