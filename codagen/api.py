@@ -15,10 +15,10 @@ from .emit.kernel import render_kernel
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
 from .quoting import quoted, showable
-from .loader import parse_kernel, read_spec
+from .loader import parse_kernel_partly, read_spec
 from .model import Kernel, Location, ValueType
 from .tune.tables import check_tables
-from .validate import check_kernel
+from .validate import check_kernel, check_partial_kernel
 from .writer import Diff, OutputFiles, diff, write
 
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
@@ -85,7 +85,10 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
             if isinstance(root.value, dict) and "block" in root.value:
                 blocks.append(parse_block(root, shown, sha))
                 continue
-            kernel = parse_kernel(root, shown, sha)
+            kernel, structural = parse_kernel_partly(root, shown, sha)
+            if structural:  # and, in the same run, the type errors that do not follow from those
+                errors += structural + (check_partial_kernel(kernel) if kernel is not None else [])
+                continue
             checked.append(Checked(kernel, check_kernel(kernel)))
         except ValidationFailed as e:
             errors += e.errors

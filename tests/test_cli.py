@@ -213,3 +213,33 @@ def test_help_of_every_command_shows_an_example_that_parses(command, monkeypatch
         with cli.main.make_context("codagen", list(words)) as ctx:
             sub = cli.main.get_command(ctx, words[0])
             sub.make_context(words[0], words[1:], parent=ctx)  # raises on an option the command lacks
+
+
+MIXED_ERRORS = """\
+kernel: mixed
+doc: A structural mistake and a type mistake.
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], wn: [N]}
+outputs: {o: [M, N], s: [M], h_out: [M, N]}
+epilogue:
+  - scale: {x: acc, by: wn, out: h, colour: red}
+  - store: {x: acc, to: o}
+  - store: {x: acc, to: s}
+  - mul: {x: h, out: h2}
+  - store: {x: h, to: h_out}
+"""  # 7:37 unknown key (structure), 10:10 mul missing y (structure), 9:25 [M] written with [M, N] (types)
+
+
+def test_validate_reports_structural_and_type_errors_in_one_run(ws):
+    """A spec with mistakes of structure (an unknown key, a missing argument) and of types: one run reports both
+    kinds, and nothing that only follows from a step left out for its structural error ('h' then undefined or
+    never used)."""
+    (ws / "specs" / "mixed.yaml").write_text(MIXED_ERRORS)
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 1
+    found = [(m["file"], int(m["line"]), int(m["col"])) for m in error_lines(result.stderr)]
+    assert found == [("specs/mixed.yaml", 7, 37), ("specs/mixed.yaml", 9, 25), ("specs/mixed.yaml", 10, 10)], \
+        result.stderr
+    assert "unknown key 'colour'" in result.stderr
+    assert "output 's' has shape [M], but this step writes [M, N]" in result.stderr
+    assert result.stderr.splitlines()[-1] == "3 error(s) in 1 file(s); nothing was written"
