@@ -457,3 +457,15 @@ def test_forward_and_backward_raise_no_future_warning():
         model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss.backward()
         model.model.gradient_checkpointing = True
         model(input_ids=ids, labels=labels).loss.backward()
+
+
+def test_convergence_example_says_when_it_draws_no_plot(tmp_path, monkeypatch, capsys):
+    """Without matplotlib, examples/convergence.py says on stderr, in one line, that it skips its PNG."""
+    import sys
+
+    from examples.convergence import plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot({"hf": [1.0, 0.5]}, tmp_path / "convergence.png", "t") is False
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err and "convergence.png" in err
+    assert not (tmp_path / "convergence.png").exists()
