@@ -18,8 +18,9 @@ demo: $(BIN)/codagen
 	$(BIN)/codagen build specs/
 	$(BIN)/python -m examples.demo
 
+# on every core (pytest-xdist); about 8 minutes on a 2-core machine without a GPU
 test: $(BIN)/codagen
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 # The spec and tuning-table fuzzers at length: random examples (a new seed each run), 20 times the bounded run's number
 fuzz: $(BIN)/codagen

@@ -15,10 +15,10 @@ from .emit.kernel import render_kernel
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
 from .quoting import quoted, showable
-from .loader import parse_kernel, read_spec
+from .loader import parse_kernel_partly, read_spec
 from .model import Kernel, Location, ValueType
 from .tune.tables import check_tables
-from .validate import check_kernel
+from .validate import check_kernel, check_partial_kernel
 from .writer import Diff, OutputFiles, diff, write
 
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
@@ -44,8 +44,8 @@ class Checked:
     types: dict[str, ValueType]
 
 
-def find_specs(paths: list[str | Path]) -> list[tuple[Path, str]]:
-    """Spec files under the given files and folders, with the path each is shown by, sorted."""
+def find_specs(paths: list[str | Path], base: Path | None = None) -> list[tuple[Path, str]]:
+    """Spec files under the given files and folders, with the path each is shown by (`display_path`), sorted."""
     found: dict[str, Path] = {}
     for given in paths:
         p = Path(given)
@@ -56,26 +56,35 @@ def find_specs(paths: list[str | Path]) -> list[tuple[Path, str]]:
         else:
             raise FileNotFoundError(f"{ascii(str(given))}: no such file or folder")
         for f in files:
-            found.setdefault(display_path(f), f)
+            found.setdefault(display_path(f, base), f)
     return sorted((f, shown) for shown, f in found.items())
 
 
-def display_path(p: Path) -> str:
-    """Relative to the working directory when inside it, so that generated headers are the same on every
-    machine; otherwise the path as given."""
+def display_path(p: Path, base: Path | None = None) -> str:
+    """Relative to `base` (default: the working directory) when inside it, so that generated headers are the
+    same on every machine; otherwise the path as given."""
     try:
-        return p.resolve().relative_to(Path.cwd().resolve()).as_posix()
+        return p.resolve().relative_to((base or Path.cwd()).resolve()).as_posix()
     except ValueError:
         return p.as_posix()
 
 
-def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
+def shown_from(paths: list[str | Path], out: str | Path) -> Path:
+    """Where the paths of a build are shown from, in generated headers and the command to regenerate: the folder
+    that holds `out` where it holds the specs too (the project's top, whichever the working directory: a build
+    from outside the project writes what a build from its top writes); else the working directory (and paths
+    outside it are shown as given)."""
+    top = Path(out).resolve().parent
+    return top if all(Path(p).resolve().is_relative_to(top) for p in paths) else Path.cwd()
+
+
+def load(paths: list[str | Path], base: Path | None = None) -> list[Checked | CheckedBlock]:
     """Load and validate every spec, kernels first, then blocks against them; raises ValidationFailed with
-    all the errors of all the files."""
+    all the errors of all the files. `base`: where the specs' paths are shown from (`display_path`)."""
     errors: list[SpecError] = []
     checked: list[Checked] = []
     blocks: list[Block] = []
-    for path, shown in find_specs(paths):
+    for path, shown in find_specs(paths, base):
         if not _SAFE_PATH.fullmatch(shown):
             errors.append(SpecError(Location(shown.encode("unicode_escape").decode(), 1, 1),
                                     "spec paths may hold only letters, digits and '_./-'; rename the file"))
@@ -85,7 +94,10 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
             if isinstance(root.value, dict) and "block" in root.value:
                 blocks.append(parse_block(root, shown, sha))
                 continue
-            kernel = parse_kernel(root, shown, sha)
+            kernel, structural = parse_kernel_partly(root, shown, sha)
+            if structural:  # and, in the same run, the type errors that do not follow from those
+                errors += structural + (check_partial_kernel(kernel) if kernel is not None else [])
+                continue
             checked.append(Checked(kernel, check_kernel(kernel)))
         except ValidationFailed as e:
             errors += e.errors
@@ -122,8 +134,9 @@ def load(paths: list[str | Path]) -> list[Checked | CheckedBlock]:
 
 def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFiles:
     """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show)."""
-    checked = load(paths)
-    regenerate = f"codagen build {command_args(paths, out)}"
+    base = shown_from(paths, out)
+    checked = load(paths, base)
+    regenerate = f"codagen build {command_args(paths, out, base)}"
     result = OutputFiles()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
@@ -171,6 +184,25 @@ def hopper_fallbacks(paths: list[str | Path]) -> list[str]:
     return [str(f) for c in load(paths) if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
 
 
+def hopper_notes(paths: list[str | Path], gpu: bool = True) -> list[str]:
+    """What `codagen build` notes of the Hopper backend: each step it cannot lower yet (file:line:col), and in one
+    line per reason the kernels it cannot take as a whole (no GEMM, ...), which keep the tl kernel only; that line
+    only where the machine has a GPU (`gpu`), since it only says where the Hopper kernels will not run."""
+    notes: list[str] = []
+    whole: dict[str, list[str]] = {}
+    for c in load(paths):
+        if isinstance(c, Checked):
+            for f in unlowered(c.kernel, c.types):
+                if f.step is None:
+                    whole.setdefault(f.reason, []).append(c.kernel.name)
+                else:
+                    notes.append(str(f))
+    if gpu:
+        notes += [f"{len(names)} kernel(s) keep the tl kernel only ({reason}): {', '.join(sorted(names))}"
+                  for reason, names in whole.items()]
+    return notes
+
+
 def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
     """The tuning tables under `out`/tuning/ that no kernel of the specs can use, each as a message that says
     why and what to do: a file that is no tuning table, or entries of a table that no launch of its kernel can use,
@@ -190,10 +222,11 @@ def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") 
     return messages
 
 
-def command_args(paths: list[str | Path], out: str | Path) -> str:
+def command_args(paths: list[str | Path], out: str | Path, base: Path | None = None) -> str:
     """The paths and --out of a codagen command, as a reader would type them into a shell: 'specs/ --out gen'.
-    Raises PathError for a path that cannot be shown as it is (see `quote_path`)."""
-    args = " ".join(sorted(quote_path(display_path(Path(p)) + ("/" if Path(p).is_dir() else ""), "spec path")
+    Paths are shown from `base` (`display_path`; default: the working directory). Raises PathError for a path
+    that cannot be shown as it is (see `quote_path`)."""
+    args = " ".join(sorted(quote_path(display_path(Path(p), base) + ("/" if Path(p).is_dir() else ""), "spec path")
                            for p in paths))
-    out_arg = quote_path(display_path(Path(out)), "--out")
+    out_arg = quote_path(display_path(Path(out), base), "--out")
     return args + ("" if out_arg == "generated" else f" --out {out_arg}")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import click
 
@@ -21,13 +23,26 @@ def _report(e: ValidationFailed) -> None:
 @click.group()
 @click.version_option(package_name="codagen")
 def main() -> None:
-    """GEMM-epilogue programs in YAML -> Triton kernels and PyTorch ops."""
+    """GEMM-epilogue programs in YAML -> Triton kernels and PyTorch ops.
+
+    \b
+    Example:
+      codagen validate specs/          # every error as file:line:col
+      codagen build specs/             # generate generated/
+      codagen build specs/ --check     # fail if generated/ is out of date
+    """
 
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 def validate(paths: tuple[str, ...]) -> None:
-    """Check specs and report every error as file:line:col."""
+    """Check specs and report every error as file:line:col; nothing is written.
+
+    \b
+    Example:
+      codagen validate specs/
+      codagen validate specs/rmsnorm_stats.yaml specs/blocks/
+    """
     try:
         checked = api.load(list(paths))
     except ValidationFailed as e:
@@ -42,7 +57,14 @@ def validate(paths: tuple[str, ...]) -> None:
               help="Folder of the generated package.")
 @click.option("--check", "check_only", is_flag=True, help="Write nothing; fail if the folder is not up to date.")
 def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
-    """Validate specs and generate kernels into OUT."""
+    """Validate specs and generate kernels into OUT.
+
+    \b
+    Example:
+      codagen build specs/                    # writes generated/kernels/*.py, generated/blocks/*.py
+      codagen build specs/ --out my_kernels   # into my_kernels/ instead
+      codagen build specs/ --check            # in CI: fail if generated/ is out of date
+    """
     try:
         if check_only:
             d = api.check(list(paths), out)
@@ -75,8 +97,21 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     for rel in removed:
         click.echo(f"removed {out}/{rel}")
     click.echo(f"{out}/: {len(written)} file(s) written, {len(removed)} removed")
-    for note in api.hopper_fallbacks(list(paths)):
+    for note in api.hopper_notes(list(paths), gpu=_gpu_present()):
         click.echo(f"note: {note}", err=True)
+
+
+def _gpu_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU, without importing torch (build and validate never load it):
+    torch's answer where torch is loaded already, else the driver's device files (Linux), else nvidia-smi."""
+    if "torch" in sys.modules:
+        return bool(sys.modules["torch"].cuda.is_available())
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir():
+        return any(gpus.iterdir())
+    return shutil.which("nvidia-smi") is not None
 
 
 @main.command()
@@ -107,7 +142,13 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
                    "or 1: as the run launches them.")
 def tune(paths: tuple[str, ...], shapes: str, out: str, budget: float | None, kernels: str | None, tokens: str,
          attrs: str | None, missing_only: bool, only: str | None, compile_jobs: int) -> None:
-    """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables."""
+    """Time tile configurations of the kernels of PATHS on this GPU and write the tuning tables.
+
+    \b
+    Example:
+      codagen tune specs/ --shapes llama3-1b --tokens 8192 --budget 600
+      codagen tune specs/ --shapes 8192x2048x2048 --kernels matmul
+    """
     from .tune import TuneError, command  # torch and triton load only for this command
 
     try:

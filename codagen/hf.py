@@ -49,6 +49,19 @@ class CodagenConfigError(ValueError):
     """A model configuration that codagen's Llama blocks do not compute exactly; the message names the field."""
 
 
+def _transformers():
+    """transformers, or an ImportError that says how to install it (codagen's `hf` extra)."""
+    try:
+        import transformers
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "transformers":
+            raise
+        raise ImportError("codagen.hf needs transformers (>= 5), which is not installed: install codagen with its "
+                          "hf extra (pip install -e \".[hf]\" in a checkout) or pip install \"transformers>=5\"",
+                          name="transformers") from e
+    return transformers
+
+
 # ---- the committed generated package ----
 
 def _generated():
@@ -81,6 +94,7 @@ def _api() -> types.SimpleNamespace:
     """What the patched forward calls, resolved once (at apply time): the generated blocks and transformers' own
     functions and output classes. Nothing on the forward path imports, inspects a signature or looks a module up,
     which would cost host time on every step and break torch.compile's graph."""
+    _transformers()
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -531,7 +545,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     at once (chunk_rows x vocab). Raises CodagenConfigError, naming the field, for a configuration it does not
     compute exactly.
     """
-    from transformers import LlamaForCausalLM
+    LlamaForCausalLM = _transformers().LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"apply_codagen: expected a transformers LlamaForCausalLM, got {type(model).__name__}")
@@ -555,7 +569,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, **kwargs):
     """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
-    from transformers import LlamaForCausalLM
+    LlamaForCausalLM = _transformers().LlamaForCausalLM
 
     return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows)
 

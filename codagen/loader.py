@@ -107,7 +107,25 @@ def _ref(node: Node, what: str, sink: ErrorSink, number: bool) -> str | Literal 
 
 
 def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
+    kernel, errors = parse_kernel_partly(root, path, sha256)
+    if errors:
+        raise ValidationFailed(errors)
+    return kernel
+
+
+def parse_kernel_partly(root: Node, path: str, sha256: str) -> tuple[Kernel | None, list[SpecError]]:
+    """The kernel and the spec's structural errors; with errors, the kernel holds what could be read (the parts
+    with errors left out), so that the type checks can report in the same pass what does not follow from those
+    (validate.check_partial_kernel), or None where too little could be read (no mapping, a GEMM with errors)."""
     sink = ErrorSink()
+    try:
+        kernel = _parse_kernel(root, path, sha256, sink)
+    except ValidationFailed as e:
+        return None, e.errors
+    return kernel, sink.errors
+
+
+def _parse_kernel(root: Node, path: str, sha256: str, sink: ErrorSink) -> Kernel | None:
     if not isinstance(root.value, dict):
         # text is not echoed: a file that is not a spec at all (a link to another file) shows nothing of itself
         got = "text" if isinstance(root.value, str) else root.type_name
@@ -130,13 +148,16 @@ def parse_kernel(root: Node, path: str, sha256: str) -> Kernel:
     steps_node = top.take("epilogue")
     top.finish(keys)
 
+    before = len(sink.errors)
     gemm = _gemm(gemm_node, sink) if gemm_node else None
+    group = _column_group(group_node, sink) if group_node else None
+    whole = len(sink.errors) == before  # the GEMM and the column groups, which every check of the rest reads
     inputs = _inputs(inputs_node, gemm, sink) if inputs_node else ()
     outputs = _outputs(outputs_node, sink) if outputs_node else ()
     steps = _steps(steps_node, sink) if steps_node else ()
-    group = _column_group(group_node, sink) if group_node else None
-    sink.raise_if_any()
-    return Kernel(name, doc, gemm, inputs, outputs, steps, path, sha256, root.loc, group,
+    if not whole:
+        return None  # without them, the type checks of the rest would report what follows from their errors
+    return Kernel(name or "kernel", doc, gemm, inputs, outputs, steps, path, sha256, root.loc, group,
                   group_node.loc if group_node else None)
 
 
@@ -250,6 +271,7 @@ def _inputs(node: Node, gemm: Gemm | None, sink: ErrorSink) -> tuple[Input, ...]
     out = []
     for key, value in node.value.items():
         loc = node.key_locs[key]
+        before = len(sink.errors)
         name = _name(Node(key, loc), "input name", sink)
         if name is None:
             continue
@@ -257,7 +279,7 @@ def _inputs(node: Node, gemm: Gemm | None, sink: ErrorSink) -> tuple[Input, ...]
             out.append(Input(name, (), DType.FLOAT32, InputRole.HOST_SCALAR, loc))
             continue
         dims, dtype, _ = _tensor_decl(value, f"input '{name}'", sink, allow_tiles=False)
-        if dims is None:
+        if dims is None or len(sink.errors) > before:  # a declaration with an error is left out whole
             continue
         role = InputRole.TENSOR
         if Dim.K in dims:
@@ -272,6 +294,7 @@ def _outputs(node: Node, sink: ErrorSink) -> tuple[Output, ...]:
     out = []
     for key, value in node.value.items():
         loc = node.key_locs[key]
+        before = len(sink.errors)
         name = _name(Node(key, loc), "output name", sink)
         if name is None:
             continue
@@ -285,6 +308,8 @@ def _outputs(node: Node, sink: ErrorSink) -> tuple[Output, ...]:
             else:
                 sink.add(extras["inplace"].loc, f"output '{name}' inplace must be true or false, "
                                                 f"got {extras['inplace'].type_name}")
+        if len(sink.errors) > before:  # a declaration with an error is left out whole
+            continue
         if dtype is None:
             dtype = DType.FLOAT32 if (Dim.TILES_M in dims or Dim.TILES_N in dims) else DType.T
         out.append(Output(name, dims, dtype, inplace, loc))
@@ -313,8 +338,9 @@ def _steps(node: Node, sink: ErrorSink) -> tuple[Step, ...]:
             sink.add(item.key_locs[op], f"unknown primitive '{_short(op)}';{_did_you_mean(op, PRIMITIVES)} "
                                         f"expected one of: {', '.join(sorted(PRIMITIVES))}")
             continue
+        before = len(sink.errors)
         step = _step(op, body, item.key_locs[op], sink)
-        if step:
+        if step and len(sink.errors) == before:  # a step with an error is left out whole
             steps.append(step)
     return tuple(steps)
 

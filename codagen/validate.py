@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-from .errors import ErrorSink
+from .errors import ErrorSink, SpecError, ValidationFailed
 from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output, Step,
                     ValueType, Width, dims_type)
 from .names import kernel_functions
@@ -44,6 +44,24 @@ def check_kernel(k: Kernel) -> dict[str, ValueType]:
             sink.add(o.loc, f"output '{o.name}' is never written; add a step such as '{how}'")
     sink.raise_if_any()
     return {name: t for name, t in types.items() if t is not None}
+
+
+# What a type check may say of a kernel whose spec lost parts to structural errors only because they are lost: a
+# name that a dropped declaration or step would have defined, used or written
+_FOLLOW_ON = ("is never used", "is never written", "is not defined", "is used before it is defined",
+              "is not among the", "without a gemm")
+
+
+def check_partial_kernel(k: Kernel) -> list[SpecError]:
+    """The type errors of a kernel read from a spec with structural errors (the parts with errors left out), less
+    those that could follow from a part left out, so that one run reports both kinds (loader.parse_kernel_partly)."""
+    try:
+        check_kernel(k)
+    except ValidationFailed as e:
+        return [err for err in e.errors if not any(words in err.message for words in _FOLLOW_ON)]
+    except Exception:  # noqa: BLE001 - a model no intact spec gives; its structural errors say what to fix
+        return []
+    return []
 
 
 def _check_declarations(k, sink, types, defined_at):

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -119,6 +120,8 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"note: matplotlib is not installed, so {path} is not drawn (pip install matplotlib); the losses are "
+              "in losses.json and report.md", file=sys.stderr)
         return False
     figure, axis = plt.subplots(figsize=(7, 4))
     for label, losses in curves.items():

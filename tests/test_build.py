@@ -142,6 +142,21 @@ def test_build_is_byte_identical_across_hash_seeds_and_layouts(tmp_path, source)
         assert not rel.endswith(".tmp")
 
 
+def test_a_build_from_outside_the_project_writes_what_a_build_from_its_top_writes(built, tmp_path):
+    """Specs and --out given as absolute paths from another folder: the headers name the specs relative to the
+    folder that holds the output (no machine path), so the files are those of `codagen build specs/` at the
+    project's top, and `--check` there finds them up to date."""
+    expected = snapshot(built / "generated")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ok(codagen("build", str(built / "specs"), "--out", str(built / "generated2"), cwd=elsewhere))
+    ok(codagen("build", str(built / "specs"), "--out", str(built / "generated"), cwd=elsewhere))
+    assert snapshot(built / "generated") == expected
+    for rel, content in snapshot(built / "generated2").items():
+        assert str(tmp_path).encode() not in content, f"{rel} holds a machine path"
+    assert ok(codagen("build", "specs/", "--check", cwd=built)).stdout == "generated/ is up to date\n"
+
+
 def test_headers_name_the_spec_and_its_hash(built):
     files = snapshot(built / "generated")
     for rel, name in (("residual_norm.yaml", "residual_norm"), ("swiglu.yaml", "gate_up"),

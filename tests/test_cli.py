@@ -167,3 +167,79 @@ def test_usage_errors_exit_2(ws, args):
     assert result.returncode == 2
     assert "Usage:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_build_notes_the_tl_only_kernels_in_one_line_and_only_on_a_gpu(tmp_path, monkeypatch, gpu):
+    """The kernels that the Hopper backend cannot take as a whole (no GEMM) are one note line, listing them, on a
+    machine with a GPU; none without one (it only says where Hopper kernels will not run)."""
+    from click.testing import CliRunner
+
+    from codagen import cli
+    monkeypatch.setattr(cli, "_gpu_present", lambda: gpu)
+    monkeypatch.chdir(REPO)
+    result = CliRunner().invoke(cli.main, ["build", "specs/", "--out", str(tmp_path / "gen")])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    no_gemm = [line for line in notes if "no GEMM" in line]
+    if gpu:
+        assert len(no_gemm) == 1, notes
+        assert "kernel(s) keep the tl kernel only (no GEMM; " in no_gemm[0]
+        assert "rmsnorm_stats, rope_bwd_rowdot" in no_gemm[0]
+    else:
+        assert no_gemm == [], notes
+
+
+@pytest.mark.parametrize("command", [[], ["validate"], ["build"], ["tune"]])
+def test_help_of_every_command_shows_an_example_that_parses(command, monkeypatch):
+    """Each command's --help ends its text with examples, and each example is a command line that the command
+    accepts (parsed, not run)."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from codagen import cli
+    monkeypatch.chdir(REPO)  # the examples' paths are the repository's
+    result = CliRunner().invoke(cli.main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example:" in result.output
+    examples = [line.split("#")[0].strip() for line in result.output.splitlines()
+                if line.strip().startswith("codagen ")]
+    assert examples, result.output
+    for line in examples:
+        words = shlex.split(line)[1:]
+        if command:
+            assert words[0] == command[0], line
+        with cli.main.make_context("codagen", list(words)) as ctx:
+            sub = cli.main.get_command(ctx, words[0])
+            sub.make_context(words[0], words[1:], parent=ctx)  # raises on an option the command lacks
+
+
+MIXED_ERRORS = """\
+kernel: mixed
+doc: A structural mistake and a type mistake.
+gemm: {a: a, b: b}
+inputs: {a: [M, K], b: [N, K], wn: [N]}
+outputs: {o: [M, N], s: [M], h_out: [M, N]}
+epilogue:
+  - scale: {x: acc, by: wn, out: h, colour: red}
+  - store: {x: acc, to: o}
+  - store: {x: acc, to: s}
+  - mul: {x: h, out: h2}
+  - store: {x: h, to: h_out}
+"""  # 7:37 unknown key (structure), 10:10 mul missing y (structure), 9:25 [M] written with [M, N] (types)
+
+
+def test_validate_reports_structural_and_type_errors_in_one_run(ws):
+    """A spec with mistakes of structure (an unknown key, a missing argument) and of types: one run reports both
+    kinds, and nothing that only follows from a step left out for its structural error ('h' then undefined or
+    never used)."""
+    (ws / "specs" / "mixed.yaml").write_text(MIXED_ERRORS)
+    result = run("validate", "specs", cwd=ws)
+    assert result.returncode == 1
+    found = [(m["file"], int(m["line"]), int(m["col"])) for m in error_lines(result.stderr)]
+    assert found == [("specs/mixed.yaml", 7, 37), ("specs/mixed.yaml", 9, 25), ("specs/mixed.yaml", 10, 10)], \
+        result.stderr
+    assert "unknown key 'colour'" in result.stderr
+    assert "output 's' has shape [M], but this step writes [M, N]" in result.stderr
+    assert result.stderr.splitlines()[-1] == "3 error(s) in 1 file(s); nothing was written"

@@ -423,3 +423,49 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
     ids, labels = tokens_and_labels()
     with pytest.raises(NotImplementedError, match="weights are on the meta device, where no kernel runs"):
         model(input_ids=ids, labels=labels)
+
+
+def test_without_transformers_the_error_names_the_hf_extra(monkeypatch):
+    """apply_codagen and from_pretrained on a machine without transformers: an ImportError that says to install the
+    hf extra, not a bare ModuleNotFoundError from inside codagen.hf."""
+    import sys
+
+    from codagen import hf
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as where it is missing
+    for call in (lambda: hf.apply_codagen(object()), lambda: hf.from_pretrained("some/model")):
+        with pytest.raises(ImportError) as raised:
+            call()
+        assert type(raised.value) is ImportError and raised.value.name == "transformers"
+        assert '.[hf]' in str(raised.value) and "transformers>=5" in str(raised.value)
+
+
+def test_forward_and_backward_raise_no_future_warning():
+    """A training step of the patched model (padding mask, given positions, checkpointed layers too) with
+    transformers' FutureWarnings (deprecations) as errors."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = apply_codagen(tiny_llama())
+    model.train()
+    ids, labels = tokens_and_labels()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    positions = torch.arange(SEQ, device=DEVICE).repeat(BATCH, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model(input_ids=ids, labels=labels).loss.backward()
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss.backward()
+        model.model.gradient_checkpointing = True
+        model(input_ids=ids, labels=labels).loss.backward()
+
+
+def test_convergence_example_says_when_it_draws_no_plot(tmp_path, monkeypatch, capsys):
+    """Without matplotlib, examples/convergence.py says on stderr, in one line, that it skips its PNG."""
+    import sys
+
+    from examples.convergence import plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot({"hf": [1.0, 0.5]}, tmp_path / "convergence.png", "t") is False
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err and "convergence.png" in err
+    assert not (tmp_path / "convergence.png").exists()

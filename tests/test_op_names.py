@@ -39,7 +39,7 @@ def build(tmp_path, monkeypatch, package: str, text: str) -> str:
     api.build([path], out=tmp_path / package)
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    return str(path)
+    return path.relative_to(tmp_path).as_posix()  # from the folder that holds the package (api.shown_from)
 
 
 def arguments():

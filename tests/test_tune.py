@@ -799,6 +799,15 @@ def test_cli_needs_a_gpu():
     assert result.exit_code == 1 and "CUDA GPU" in result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the order of the messages on a machine without CUDA")
+@pytest.mark.parametrize("args, words", [(["--shapes", "big"], "neither a preset"),
+                                         (["--shapes", "llama3-1b", "--kernels", "nope"], "no spec defines nope"),
+                                         (["--shapes", "llama3-1b", "--tokens", "x"], "expected positive integers")])
+def test_cli_checks_its_arguments_before_looking_for_a_gpu(args, words):
+    result = CliRunner().invoke(main, ["tune", str(SPECS), *args])
+    assert result.exit_code == 1 and words in result.output and "CUDA GPU" not in result.output, result.output
+
+
 @pytest.fixture
 def tune_on_cpu(monkeypatch, tmp_path):
     """The command's command.run, on the CPU with a fake timer, writing under tmp_path."""

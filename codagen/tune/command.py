@@ -103,6 +103,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     deadline = start + budget if budget is not None else None
     if device is None:
         if not torch.cuda.is_available():
+            jobs(paths, shapes, out, kernels, tokens, tuning_dir, "gpu", attrs)  # a mistaken argument is named first
             raise TuneError("codagen tune times kernels on a CUDA GPU, and this machine has none")
         device = torch.device("cuda", torch.cuda.current_device())
     gpu = gpu or configs.gpu_key(device)
