@@ -73,7 +73,8 @@ def main() -> None:
         hopper = configs.hopper_default("generated.kernels", "gate_up_swiglu")
         cases["gate_up_swiglu launch, the Hopper kernel"] = lambda: g.launch(h, w, rstd, z=z, y=y, config=hopper)
     lines = [f"# Host time per launch, {torch.cuda.get_device_name()}", "",
-             f"torch {torch.__version__}, triton {triton.__version__}; {args.calls} calls back to back, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
+             f"triton {triton.__version__}; {args.calls} calls back to back, "
              f"M x N x K = {m} x {n} x {k} bf16", "", "| call | host µs/call | GPU µs/call |", "|---|---:|---:|"]
     for name, call in cases.items():
         host, gpu = per_call_us(call, args.calls)
