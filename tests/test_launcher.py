@@ -59,7 +59,8 @@ def test_a_kind_of_call_goes_through_triton_once_then_launches_directly(compiled
     assert first.runs == [(4, 1, 1, 1234, "function", "metadata", None, None, None, x, y, 64, 32, True)]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "int value", "keyword", "option", "grid", "float"])
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int value", "bool for int", "keyword", "option", "grid",
+                                    "float"])
 def test_a_call_that_specializes_otherwise_goes_through_triton(compiled_mode, change):
     kernel = FakeKernel(["x", "y", "n", "scale", "BLOCK"])
     launch = L.Launcher(kernel)
@@ -72,6 +73,9 @@ def test_a_call_that_specializes_otherwise_goes_through_triton(compiled_mode, ch
         call["args"] = (x[:64].double(), y, 64, 0.5)
     elif change == "int value":
         call["args"] = (x[:64], y, 1, 0.5)
+    elif change == "bool for int":  # True == 1 in Python, yet Triton makes an i1 of one and a constant of the other
+        base["args"] = (x[:64], y, 1, 0.5)
+        call["args"] = (x[:64], y, True, 0.5)
     elif change == "keyword":
         call["keywords"]["BLOCK"] = 64
     elif change == "option":

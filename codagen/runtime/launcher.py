@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 from . import INTERPRETED
 
@@ -21,20 +23,14 @@ _CACHED_KINDS = 64  # kinds of call kept per kernel; beyond, calls of new kinds 
 
 def _hooked() -> bool:
     """Whether a profiler (Proton) hooks Triton's launches: they must go through Triton then."""
-    from triton import knobs
-
     return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
 
 
 def _device() -> int:
-    from triton.runtime import driver
-
     return driver.active.get_current_device()
 
 
 def _stream(device: int) -> int:
-    from triton.runtime import driver
-
     return driver.active.get_current_stream(device)
 
 
@@ -48,7 +44,7 @@ def _argument_key(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, _PLAIN):
-        return a
+        return type(a), a  # the type too: True and 1 are equal keys, yet Triton specializes them apart
     if isinstance(a, float):
         return float
     if hasattr(a, "block_shape") and hasattr(a, "base"):  # a TMA descriptor, Triton's or Gluon's
