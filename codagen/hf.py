@@ -298,15 +298,21 @@ class CodagenPatch:
     def check(self, llama: nn.Module, causal_lm: nn.Module | None = None) -> None:
         """Check the decoder's modules (and the LM head of causal_lm, when given) if they may have changed, and
         watch them from then on."""
+        # while torch.compile traces, each trace checks and nothing is watched: a traced change of the watch list,
+        # a process-wide dict, would make Dynamo guard on its length and compile again whenever any other patched
+        # model is made or freed (Dynamo guards on the modules themselves)
+        watch = not torch.compiler.is_compiling()
         if not self.decoder_checked:
             check_modules(llama, patched=True)
-            _watch(self, [llama, llama.layers, *(m for layer in llama.layers
-                                                 for m in (layer, layer.self_attn, layer.mlp))])
-            self.decoder_checked = True
+            if watch:
+                _watch(self, [llama, llama.layers, *(m for layer in llama.layers
+                                                     for m in (layer, layer.self_attn, layer.mlp))])
+                self.decoder_checked = True
         if causal_lm is not None and not self.head_checked:
             _check_lm_head(causal_lm.lm_head)
-            _watch(self, [causal_lm, causal_lm.lm_head])
-            self.head_checked = True
+            if watch:
+                _watch(self, [causal_lm, causal_lm.lm_head])
+                self.head_checked = True
 
     def rope_freqs(self, llama: nn.Module) -> torch.Tensor:
         inv = llama.rotary_emb.inv_freq

@@ -2,6 +2,7 @@
 unpatched, fp32, loss and every parameter gradient within 1e-4 relative; save/load in Hugging Face's layout; the
 configurations that are refused, each with its message."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -386,8 +387,10 @@ def test_deep_copy_of_a_patched_model_is_checked_on_its_own():
 
 def test_compiled_model_is_one_graph_without_recompiles():
     """torch.compile over the patched model: the whole forward (decoder stack, loss) in one graph, fullgraph=True,
-    no recompile in later steps, and the gradients of the uncompiled model. On the CPU the backend is aot_eager
-    (forward and backward traced by AOTAutograd, as Inductor gets them on a GPU)."""
+    no recompile in later steps, also when other patched models are made and freed between them (each model's
+    modules are watched for changes in one process-wide list, which a trace must not guard on), and the gradients
+    of the uncompiled model. On the CPU the backend is aot_eager (forward and backward traced by AOTAutograd, as
+    Inductor gets them on a GPU)."""
     torch._dynamo.reset()
     base = tiny_llama()
     eager, compiled = apply_codagen(copy.deepcopy(base)), apply_codagen(copy.deepcopy(base))
@@ -395,12 +398,18 @@ def test_compiled_model_is_one_graph_without_recompiles():
     explained = torch._dynamo.explain(compiled)(input_ids=ids, labels=labels)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
     torch._dynamo.reset()
+    mlp = compiled.model.layers[0].mlp
+    mlp.down_proj = mlp.down_proj  # a registration, as of a new module: the first compiled call checks again
     step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
     for i in range(3):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             for model in (eager, step):
                 model.zero_grad(set_to_none=True)
                 model(input_ids=ids, labels=labels).loss.backward()
+        other = apply_codagen(tiny_llama())
+        other(input_ids=ids)
+        del other
+        gc.collect()
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             assert torch.equal(p.grad, q.grad), name
     torch._dynamo.reset()

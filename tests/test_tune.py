@@ -500,7 +500,7 @@ def test_a_comment_edit_keeps_the_table_in_use_and_a_semantic_edit_makes_it_stal
     configs.clear_caches()
     assert configs.pick_config("out_proj_residual_norm", key_after, tuning, 45, 40, 24, CPU) == POOL[1]
 
-    spec.write_text(edited.replace("op: sumsq", "op: max"))
+    spec.write_text(edited.replace("add: {y: x, x: acc, out: x_new}", "sub: {y: x, x: acc, out: x_new}"))
     semantic, key_semantic = rebuild()
     assert key_semantic != key
     result = check()
