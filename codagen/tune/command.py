@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,24 +17,10 @@ from ..runtime import configs
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
-from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, times_hopper, tune_shape
 from .precompile import precompile
 from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
-
-
-def load_module(out: Path, name: str):
-    """generated/kernels/<name>.py, imported as part of its package (importing a second copy would register
-    its torch.library op twice)."""
-    pkg = Path(out).resolve()
-    if not (pkg / "kernels" / f"{name}.py").is_file():
-        raise TuneError(f"{out}/kernels/{name}.py does not exist; run codagen build first")
-    loaded = sys.modules.get(pkg.name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg:
-        raise TuneError(f"another package named '{pkg.name}' is already imported ({loaded.__file__})")
-    if str(pkg.parent) not in sys.path:
-        sys.path.insert(0, str(pkg.parent))
-    return importlib.import_module(f"{pkg.name}.kernels.{name}")
 
 
 @dataclass

@@ -2,11 +2,14 @@
 timing of those that pass."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -17,6 +20,7 @@ from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import configs
 from ..runtime.configs import Config
+from . import TuneError
 from .candidates import candidates
 from .shapes import Shape
 
@@ -126,6 +130,20 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     scale = want.norm().item()
     return (got - want).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def load_module(out: Path, name: str):
+    """generated/kernels/<name>.py, imported as part of its package (importing a second copy would register
+    its torch.library op twice)."""
+    pkg = Path(out).resolve()
+    if not (pkg / "kernels" / f"{name}.py").is_file():
+        raise TuneError(f"{out}/kernels/{name}.py does not exist; run codagen build first")
+    loaded = sys.modules.get(pkg.name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg:
+        raise TuneError(f"another package named '{pkg.name}' is already imported ({loaded.__file__})")
+    if str(pkg.parent) not in sys.path:
+        sys.path.insert(0, str(pkg.parent))
+    return importlib.import_module(f"{pkg.name}.kernels.{name}")
 
 
 def times_hopper(module, device: torch.device) -> bool:
