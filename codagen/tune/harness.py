@@ -18,7 +18,7 @@ from .. import reference
 from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
-from ..runtime import configs
+from ..runtime import backends, configs
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
@@ -149,7 +149,7 @@ def load_module(out: Path, name: str):
 def times_hopper(module, device: torch.device) -> bool:
     """Whether the Hopper kernel is a candidate: the Hopper backend lowers this kernel (its module
     <package>.gluon.<name> exists) and this GPU runs it."""
-    return (configs.hopper_runs(device)
+    return (backends.hopper_runs(device)
             and importlib.util.find_spec(f"{module.__package__}.gluon.{module.NAME}") is not None)
 
 
@@ -243,7 +243,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.backend != "mm" or configs.mm_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.backend != "mm" or backends.mm_pays(shape.m, shape.n, shape.k)]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)
