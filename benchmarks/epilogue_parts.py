@@ -106,7 +106,7 @@ def build(found: dict[str, dict], workdir: Path) -> Path:
 def measure(args) -> list[str]:
     import torch
 
-    from codagen.runtime import configs
+    from codagen.runtime import autotune
     from codagen.tune.command import load_module
     from codagen.tune.harness import do_bench_timer, make_inputs, new_outputs, time_against_cublas
     from codagen.tune.shapes import Shape
@@ -129,8 +129,8 @@ def measure(args) -> list[str]:
                                  + "; ".join(pool))
             config = pool[args.config]
         else:
-            config = configs.pick_config(main.NAME, main.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k, device,
-                                         decls=main.DECLS, split=main.DEFAULT_SPLIT)
+            config = autotune.pick_config(main.NAME, main.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k, device,
+                                          decls=main.DECLS, split=main.DEFAULT_SPLIT)
         rows, cublas = [], None
         for name in found:
             kernel = checked[name].kernel

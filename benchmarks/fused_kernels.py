@@ -83,8 +83,8 @@ def _hopper_default(c: api.Checked, module, shape: Shape, device) -> runtime.Con
         return None
     kernel = c.kernel
     default = runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
-    found = runtime.configs.hopper_candidates(module.__package__, module.NAME, default, kernel.tile_dependent,
-                                              kernel.column_group, shape.n)
+    found = runtime.backends.hopper_candidates(module.__package__, module.NAME, default, kernel.tile_dependent,
+                                               kernel.column_group, shape.n)
     return found[0] if found else None
 
 

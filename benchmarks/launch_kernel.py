@@ -23,7 +23,7 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
     launches it once)."""
     import torch
 
-    from codagen.runtime import configs
+    from codagen.runtime import autotune
     from codagen.tune.candidates import candidates
     from codagen.tune.command import load_module
     from codagen.tune.harness import inplace_names, make_inputs, new_outputs
@@ -41,8 +41,8 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
             raise SystemExit(f"--config: no candidate labelled {config_label!r}; the candidates: " + "; ".join(pool))
         config = pool[config_label]
     else:
-        config = configs.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
-                                     torch.device(device), decls=module.DECLS, split=module.DEFAULT_SPLIT)
+        config = autotune.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
+                                      torch.device(device), decls=module.DECLS, split=module.DEFAULT_SPLIT)
     dev = torch.device(device)
     inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)

@@ -68,9 +68,9 @@ def main() -> None:
         "gate_up_swiglu launch, a tl config": lambda: g.launch(h, w, rstd, z=z, y=y, config=tl_config),
     }
     if torch.cuda.get_device_capability() == (9, 0):
-        from codagen.runtime import configs
+        from codagen.runtime import backends
 
-        hopper = configs.hopper_default("generated.kernels", "gate_up_swiglu")
+        hopper = backends.hopper_default("generated.kernels", "gate_up_swiglu")
         cases["gate_up_swiglu launch, the Hopper kernel"] = lambda: g.launch(h, w, rstd, z=z, y=y, config=hopper)
     lines = [f"# Host time per launch, {torch.cuda.get_device_name()}", "",
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "

@@ -9,9 +9,9 @@ from pathlib import Path
 from .blockcheck import check_block
 from .blockmodel import Block, CheckedBlock
 from .blockspec import parse_block
+from .emit import backends
 from .emit.block import class_name, render_block
-from .emit.gluon import render_gluon, unlowered
-from .emit.kernel import render_kernel
+from .emit.gluon import unlowered
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
 from .quoting import quoted, showable
@@ -140,17 +140,14 @@ def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFi
     result = OutputFiles()
     kernels = sorted((c for c in checked if isinstance(c, Checked)), key=lambda c: c.kernel.name)
     blocks = sorted((c for c in checked if isinstance(c, CheckedBlock)), key=lambda c: c.block.name)
-    for c in kernels:
-        hopper = not unlowered(c.kernel, c.types)
-        result.add(f"kernels/{c.kernel.name}.py", render_kernel(c.kernel, c.types, regenerate, hopper))
-    for rel, content in render_gluon([(c.kernel, c.types) for c in kernels], regenerate).items():
-        result.add(rel, content)  # the Hopper backend: generated/kernels/gluon/
+    for rel, content in backends.render_backends([(c.kernel, c.types) for c in kernels], regenerate).items():
+        result.add(rel, content)
     for c in blocks:
         result.add(f"blocks/{c.block.name}.py", render_block(c, regenerate))
     package = render_package([c.kernel for c in kernels], [c.block for c in blocks], regenerate)
     for rel, content in package.items():
         result.add(rel, content)
-    specs = {f"{folder}{c.kernel.name}.py": c.kernel.loc for c in kernels for folder in ("kernels/", "kernels/gluon/")}
+    specs = {b.path(c.kernel.name): c.kernel.loc for c in kernels for b in backends.BACKENDS}
     specs.update({f"blocks/{c.block.name}.py": c.block.loc for c in blocks})
     _check_compiles(result, specs)
     return result

@@ -1,5 +1,5 @@
 """The one reader of tuning tables (generated/tuning/<gpu>/<kernel>.json, and run-time tuning's cache files in the
-same format), shared by `codagen build --check`, `codagen tune` and the launcher (runtime.configs).
+same format), shared by `codagen build --check`, `codagen tune` and the launcher (runtime.tables).
 
 A committed table is reviewed in pull requests as a spec is, and a cache file is whatever is on the disk: neither is
 trusted. Only a regular file is read (a FIFO would block for ever, /dev/zero never ends), not through a link out of

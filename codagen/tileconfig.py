@@ -1,6 +1,6 @@
 """Tile configurations of a kernel launch (Config), and what a configuration must hold for a kernel: standard
 library only, so that `codagen build --check` checks tuning tables' entries without importing torch.
-codagen.runtime.configs, which chooses a launch's configuration, re-exports these."""
+codagen.runtime.configs re-exports these; codagen.runtime.autotune chooses a launch's configuration."""
 from __future__ import annotations
 
 import re
@@ -154,7 +154,7 @@ def fits_group(config: Config, group: int | str | None, n: int | None = None) ->
 
 
 # The most shared memory one program may use (CUDA's shared memory per block, opt-in), by GPU: the first row
-# whose pattern matches words of a tuning table's GPU name (runtime.configs.gpu_key: the CUDA device name in
+# whose pattern matches words of a tuning table's GPU name (runtime.tables.gpu_key: the CUDA device name in
 # lowercase, '-' between words, e.g. 'nvidia-h100-80gb-hbm3', 'nvidia-a100-sxm4-80gb', 'nvidia-geforce-rtx-4090').
 # The tl kernels run at least one operand stage (runtime.fitting_stages lowers the stages to what fits, down to
 # that one), so a tile whose one stage takes more fits no such GPU: every launch of it would fail there.

@@ -53,11 +53,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def fresh_caches():
     """No tuning table read nor configuration tuned or picked before the test, nor kept after it (modules that
     fake the GPU path of pick_config use it for every test)."""
-    from codagen.runtime import configs
+    from codagen.runtime import autotune
 
-    configs.clear_caches()
+    autotune.clear_caches()
     yield
-    configs.clear_caches()
+    autotune.clear_caches()
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from codagen import api, tablefile
 from codagen.quoting import showable
 from codagen.fingerprint import fingerprint
-from codagen.runtime import configs
+from codagen.runtime import autotune, configs
+from codagen.runtime import tables as runtime_tables
 from codagen.runtime.configs import Config
 from codagen.tune import tables
 from conftest import REPO, TEST_SPECS, within_seconds
@@ -126,8 +127,8 @@ def place(path: Path, content: bytes | str) -> None:
 
 @pytest.fixture
 def as_gpu(monkeypatch):
-    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: GPU)
+    monkeypatch.setattr(autotune, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(runtime_tables, "gpu_key", lambda device: GPU)
     monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
 
 
@@ -164,17 +165,17 @@ def test_corrupt_tables_give_a_named_error_or_a_skip(as_gpu, tmp_path_factory, c
     assert all(tablefile.shape_text(tablefile.shape_numbers(key)) == key for t in stale for key in t.shapes)
 
     # a launch: the table's valid entry or the default, with at most one warning
-    configs.clear_caches()
+    autotune.clear_caches()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="codagen.tune"):
         for key in SHAPES:
             m, n, k = tablefile.shape_numbers(key)
-            picked = within_seconds(lambda: configs.pick_config(name, fingerprint(kernel), tuning, m, n, k, CPU,
-                                                                group))
+            picked = within_seconds(lambda: autotune.pick_config(name, fingerprint(kernel), tuning, m, n, k, CPU,
+                                                                 group))
             assert picked in (*valid.values(), configs.gpu_default(group, n))
             assert picked == valid.get(key, picked) and configs.fits_group(picked, group, n)
     assert len(caplog.records) <= 1 and all(_one_line(r.getMessage()) for r in caplog.records)
-    configs.clear_caches()
+    autotune.clear_caches()
 
 
 def _one_line(text: str) -> bool:

@@ -167,7 +167,7 @@ def test_epilogue_stages():
     which makes room for operand stages; the tl kernel has none (a table's Hopper choice that falls back to it
     drops them)."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     pairs = hopper.Epilogue(buffers=1, columns=2, split=8)
     whole = hopper.HopperConfig(stages=3, epilogue_split=8)
@@ -186,7 +186,7 @@ def test_epilogue_stages():
     with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
         Config(epilogue_split=2, epilogue_stages=4, backend="gluon")
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", epilogue_stages=None)
 
 
@@ -195,7 +195,7 @@ def test_direct_stores():
     stay), which makes room for operand stages; the launcher passes no TMA descriptor for outputs; the tl
     kernel has none (it always stores from registers), and a table's Hopper choice that falls back drops it."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     stores_only, pairs = _module("gate_up_swiglu").EPILOGUE, _module("swiglu_dgrad").EPILOGUE
     assert (stores_only.buffers, stores_only.inputs, pairs.buffers, pairs.inputs) == (1, 0, 1, 1)
@@ -218,7 +218,7 @@ def test_direct_stores():
     with pytest.raises(ValueError, match="direct_stores must be True or False"):
         Config(direct_stores=1, backend="gluon")
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", direct_stores=False)
 
 
@@ -242,7 +242,7 @@ def test_slice_loop():
     """A Hopper config's slice loop: its meta and label, refused for the tl kernels and on a whole tile, and
     dropped where a table's Hopper choice falls back to the tl kernel."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True)
     assert chosen.label() == "128x128x64 g8 w4 s6 epilogue/8 in 2 loop gluon"
@@ -257,7 +257,7 @@ def test_slice_loop():
         Config(backend="gluon", slice_loop=True)
     a, b, out = (t.bfloat16() for t in _matmul_args())
     loop_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True)
-    assert configs.hopper_or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
+    assert backends.hopper_or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
         loop_matmul, backend="tl", slice_loop=False)
 
 
@@ -266,7 +266,7 @@ def test_slice_loop_by_steps_of_slices():
     less than it, refused without the loop, and dropped where a table's Hopper choice falls back to the tl
     kernel."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
                     slice_unroll=2)
@@ -283,7 +283,7 @@ def test_slice_loop_by_steps_of_slices():
             Config(backend="gluon", epilogue_split=split, slice_loop=loop, slice_unroll=unroll)
     a, b, out = (t.bfloat16() for t in _matmul_args())
     by_two_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2)
-    assert configs.hopper_or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
+    assert backends.hopper_or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
         by_two_matmul, backend="tl", slice_loop=False, slice_unroll=1)
 
 
@@ -292,7 +292,7 @@ def test_three_consumers():
     the register file), buffers for three, refused for the tl kernels, and dropped where a table's Hopper
     choice falls back to the tl kernel."""
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     chosen = Config(64, 128, 64, 8, 4, 7, epilogue_split=4, backend="gluon", slice_loop=True, consumers=3)
     assert chosen.label() == "64x128x64 g8 w4 s7 epilogue/4 loop c3 gluon"
@@ -311,7 +311,7 @@ def test_three_consumers():
     with pytest.raises(ValueError, match="got 3 with backend 'tl' and block_m 64"):
         Config(block_m=64, consumers=3)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert configs.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", slice_loop=False, consumers=2)
 
 
@@ -611,7 +611,7 @@ def test_launch_refused_off_hopper():
 # ---- the Hopper kernel as a tuning candidate, and the tl launcher's dispatch to it --------------------------
 
 def test_backend_recorded_in_tables(tmp_path):
-    from codagen.runtime import configs
+    from codagen.runtime import autotune, tables
     from codagen.tune.tables import write_table
 
     matmul = next(k for k, _ in _kernels(SPECS) if k.name == "matmul")
@@ -624,9 +624,9 @@ def test_backend_recorded_in_tables(tmp_path):
     del data["shapes"]["32768x2048x2048"]["config"]["backend"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
-    configs.clear_caches()
-    assert configs._table(str(path), data["fingerprint"], "3.6.0")["32768x2048x2048"] == chosen
-    assert configs._table(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
+    autotune.clear_caches()
+    assert tables.entries(str(path), data["fingerprint"], "3.6.0")["32768x2048x2048"] == chosen
+    assert tables.entries(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
     with pytest.raises(ValueError, match="backend must be one of tl, gluon"):
         Config(backend="cuda")
     assert Config(backend="gluon", epilogue_split=8).epilogue_n == 16  # the epilogue on slices of 16 columns
@@ -674,11 +674,11 @@ def _matmul_args():
 
 
 def test_tl_launcher_dispatches_on_the_configs_backend(monkeypatch):
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     tl_matmul = importlib.import_module("generated.kernels.matmul")
     calls = []
-    monkeypatch.setattr(configs, "launch_hopper", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
+    monkeypatch.setattr(backends, "launch_hopper", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
     a, b, out = _matmul_args()
     gluon = Config(64, 64, 32, 8, 4, 4, backend="gluon")
     tl_matmul.launch(a, b, out_tile=out, config=gluon)
@@ -692,14 +692,14 @@ def test_tl_launcher_dispatches_on_the_configs_backend(monkeypatch):
 
 
 def test_gluon_config_refused_off_hopper_and_where_not_lowered():
-    from codagen.runtime import configs
+    from codagen.runtime import backends
 
     a, b, out = (t.bfloat16() for t in _matmul_args())
     gluon = Config(backend="gluon")
     with pytest.raises(ValueError, match="sm_90 GPU only"):  # the Hopper module's own refusal
         importlib.import_module("generated.kernels.matmul").launch(a, b, out_tile=out, config=gluon)
     # a table's choice falls back to the tl kernel where the Hopper kernel refuses the arguments
-    assert configs.hopper_or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
+    assert backends.hopper_or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
     x = torch.randn(5, 8)
     with pytest.raises(ValueError, match="the Hopper backend does not lower this kernel"):
         importlib.import_module("generated.kernels.rmsnorm_stats").launch(

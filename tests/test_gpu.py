@@ -549,7 +549,7 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
 @pytest.mark.parametrize("name", ["gate_up_swiglu", "out_proj_residual_norm"])
 def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tmp_path):
     """A shape no tuning table holds is tuned at its first launch, and on sm_90 the Hopper kernel's default is
-    among the candidates (configs.hopper_default). Timed as the fastest here (every candidate still runs on the
+    among the candidates (backends.hopper_default). Timed as the fastest here (every candidate still runs on the
     arguments), it is what the launch runs, and the results pass the checks; out_proj_residual_norm, whose
     partial sums depend on the tile, runs it with the default's tile."""
     start = time.perf_counter()
@@ -566,8 +566,8 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
         tried.append(config)
         return 1.0 if config.backend == "gluon" else 2.0
 
-    monkeypatch.setattr(runtime.configs, "measure", measure)
-    runtime.configs.clear_caches()
+    monkeypatch.setattr(runtime.autotune, "measure", measure)
+    runtime.autotune.clear_caches()
     # gate_up_swiglu's output has N / 2 columns, whose rows TMA addresses only in multiples of 16 bytes
     m, n, k = (1037, 1040, 872) if name == "gate_up_swiglu" else RAGGED[0]
     pick = lambda: runtime.pick_config(module.NAME, module.FINGERPRINT, tmp_path, m, n, k,  # noqa: E731
@@ -577,7 +577,7 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
                      torch.bfloat16, pick, f"runtime-hopper/{name}", start)
         assert pick().backend == "gluon" and [c for c in tried if c.backend == "gluon"] == [pick()]
     finally:
-        runtime.configs.clear_caches()
+        runtime.autotune.clear_caches()
 
 
 @pytest.mark.parametrize("dtype", list(LOW))
@@ -588,7 +588,7 @@ def test_mm_backend_at_the_lm_head_s_input_gradient(dtype):
     module = importlib.import_module("generated.kernels.norm_dgrad")
     config = runtime.Config(64, 128, 64, 8, 4, 1, backend="mm")
     m, n, k = 1280 + 37, D, VOCAB
-    assert runtime.configs.mm_pays(m, n, k)
+    assert runtime.backends.mm_pays(m, n, k)
     check_launch(f"gpu mm norm_dgrad {dtype}", KERNELS["norm_dgrad"], ViaConfig(module, config),
                  {"M": m, "N": n, "K": k}, LOW[dtype], lambda: config, f"mm/norm_dgrad/{dtype}", start)
 

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 from codagen import api, tablefile, tileconfig
 from codagen.cli import main
-from codagen.runtime import configs
+from codagen.runtime import autotune, configs
+from codagen.runtime import tables as runtime_tables
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from codagen.tune import tables
 from conftest import ERROR_LINE, SCALED_SPEC, TEST_SPECS, within_seconds
@@ -223,16 +224,16 @@ def test_check_takes_the_shared_memory_of_the_tables_gpu(ws, folder, field, bad)
 def test_a_launch_on_a_gpu_skips_entries_its_shared_memory_cannot_hold(tmp_path, monkeypatch, caplog):
     """On an A100 (by its tuning folder), an entry tuned for 200 KiB of operand tiles is skipped with a warning and
     the launch takes the default; on an H100 the same entry is used."""
-    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(autotune, "_on_gpu", lambda device: True)
     monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)  # pick_config without a run: no run-time tuning
     for gpu, used in (("nvidia-a100-sxm4-80gb", False), ("nvidia-h100-80gb-hbm3", True)):
-        monkeypatch.setattr(configs, "gpu_key", lambda device, gpu=gpu: gpu)
+        monkeypatch.setattr(runtime_tables, "gpu_key", lambda device, gpu=gpu: gpu)
         path = tmp_path / gpu / "matmul.json"
         path.parent.mkdir()
         path.write_text(json.dumps({"fingerprint": "f" * 64, "triton": triton.__version__, "gpu": gpu,
                                     "shapes": {"32x40x24": entry(NEEDS_200K)}}))
         with caplog.at_level(logging.WARNING, logger="codagen.tune"):
-            config = configs.pick_config("matmul", "f" * 64, tmp_path, 32, 40, 24, CPU)
+            config = autotune.pick_config("matmul", "f" * 64, tmp_path, 32, 40, 24, CPU)
         assert (config == NEEDS_200K) is used, gpu
         assert ("166912 bytes" in caplog.text) is not used, caplog.text
         caplog.clear()
@@ -249,8 +250,8 @@ def test_check_names_tiles_that_cut_a_kernels_column_groups(ws):
 @pytest.fixture
 def as_gpu(monkeypatch):
     """pick_config as on a GPU called 'test-gpu', with no run-time tuning (launches without `run`)."""
-    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test-gpu")
+    monkeypatch.setattr(autotune, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(runtime_tables, "gpu_key", lambda device: "test-gpu")
     monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
 
 
@@ -263,7 +264,7 @@ def test_a_launch_skips_a_corrupt_table_with_one_warning(tmp_path, as_gpu, caplo
     path.write_text(json.dumps({"fingerprint": "f" * 64, "triton": triton.__version__,
                                 "shapes": {"32x40x24": entry(GOOD)}}))
     spoil(path, how)
-    pick = lambda m: configs.pick_config("matmul", "f" * 64, tmp_path, m, 40, 24, CPU)  # noqa: E731
+    pick = lambda m: autotune.pick_config("matmul", "f" * 64, tmp_path, m, 40, 24, CPU)  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="codagen.tune"):
         for m in (32, 64, 1000):  # the good entry's shape, and others that take the nearest tuned one
             assert within_seconds(lambda: pick(m)) == (GOOD if one_entry else GPU_DEFAULT)
@@ -279,7 +280,7 @@ def test_a_launch_never_takes_an_entry_that_cuts_its_column_groups(tmp_path, as_
     path.write_text(json.dumps({"fingerprint": "f" * 64, "triton": triton.__version__,
                                 "shapes": {"64x40x24": entry(SPLIT_GROUPS)}}))
     with caplog.at_level(logging.WARNING, logger="codagen.tune"):
-        config = configs.pick_config("t_group_reduce", "f" * 64, tmp_path, 64, 40, 24, CPU, 8)
+        config = autotune.pick_config("t_group_reduce", "f" * 64, tmp_path, 64, 40, 24, CPU, 8)
     assert config == configs.gpu_default(8, 40) and configs.fits_group(config, 8, 40)
     assert "cuts the kernel's column groups (8)" in caplog.text
 

@@ -26,7 +26,8 @@ from codagen.emit import kernel as kernel_emit
 from codagen.fingerprint import fingerprint
 from codagen.presets import PRESETS
 from codagen.tune import TuneError, command, harness, precompile, shapes, tables
-from codagen.runtime import configs
+from codagen.runtime import autotune, backends, configs
+from codagen.runtime import tables as runtime_tables
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, draw_args
 
@@ -42,8 +43,8 @@ POOL = (Config(16, 16, 16, 8, 4, 1), Config(32, 16, 16, 8, 4, 1, persistent=True
 def as_gpu(monkeypatch):
     """pick_config as on a GPU called 'test-gpu', with a fake run-time timer: each trial launches once
     (to prove the hook runs the kernel) and reports a time from `times` (config -> ms; default 5)."""
-    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: "test-gpu")
+    monkeypatch.setattr(autotune, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(runtime_tables, "gpu_key", lambda device: "test-gpu")
     monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
     trials: list[Config] = []
     times: dict[Config, float] = {}
@@ -53,7 +54,7 @@ def as_gpu(monkeypatch):
         trials.append(config)
         return times.get(config, 5.0)
 
-    monkeypatch.setattr(configs, "measure", measure)
+    monkeypatch.setattr(autotune, "measure", measure)
     return types.SimpleNamespace(trials=trials, times=times)
 
 
@@ -410,7 +411,7 @@ def test_mm_backend_passes_the_check_of_every_gemm_kernel():
 
 
 def test_mm_backend_is_timed_only_where_k_is_long(as_gpu, tmp_path):
-    """The tuner times backend "mm" where configs.mm_pays (K at least 8 times M and N: the LM head's input
+    """The tuner times backend "mm" where backends.mm_pays (K at least 8 times M and N: the LM head's input
     gradient over a chunk of rows), and leaves it out elsewhere; run-time tuning tries it there too, with the
     default's tile."""
     mm = Config(16, 16, 16, 8, 4, 1, backend="mm")
@@ -421,8 +422,8 @@ def test_mm_backend_is_timed_only_where_k_is_long(as_gpu, tmp_path):
         assert (mm in [c for c, _ in outcome.timed]) == timed and not outcome.discarded
     for m, k, tried in ((45, 24, False), (20, 400, True)):
         as_gpu.trials.clear()
-        configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, k, CPU, decls=mod.DECLS, run=lambda c: None,
-                            split=mod.DEFAULT_SPLIT)
+        autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, k, CPU, decls=mod.DECLS, run=lambda c: None,
+                             split=mod.DEFAULT_SPLIT)
         ran = [c for c in as_gpu.trials if c.backend == "mm"]
         assert len(ran) == tried
         default = configs.gpu_default(split=mod.DEFAULT_SPLIT)
@@ -486,7 +487,7 @@ def test_a_comment_edit_keeps_the_table_in_use_and_a_semantic_edit_makes_it_stal
     before, key = rebuild()
     tables.write_table(table, before.kernel, "test-gpu", triton.__version__, {"64x40x24": entry(POOL[1], 1.0)})
     assert check().exit_code == 0 and key == fingerprint(before.kernel)
-    assert configs.pick_config("out_proj_residual_norm", key, tuning, 45, 40, 24, CPU) == POOL[1]
+    assert autotune.pick_config("out_proj_residual_norm", key, tuning, 45, 40, 24, CPU) == POOL[1]
 
     text = spec.read_text()
     edited = ("# a comment\n" + text.replace("doc: Attention", "doc: The attention")
@@ -497,8 +498,8 @@ def test_a_comment_edit_keeps_the_table_in_use_and_a_semantic_edit_makes_it_stal
     assert after.kernel.sha256 != before.kernel.sha256 and key_after == key
     result = check()
     assert result.exit_code == 0, result.output
-    configs.clear_caches()
-    assert configs.pick_config("out_proj_residual_norm", key_after, tuning, 45, 40, 24, CPU) == POOL[1]
+    autotune.clear_caches()
+    assert autotune.pick_config("out_proj_residual_norm", key_after, tuning, 45, 40, 24, CPU) == POOL[1]
 
     spec.write_text(edited.replace("add: {y: x, x: acc, out: x_new}", "sub: {y: x, x: acc, out: x_new}"))
     semantic, key_semantic = rebuild()
@@ -509,8 +510,8 @@ def test_a_comment_edit_keeps_the_table_in_use_and_a_semantic_edit_makes_it_stal
             "computation than specs/out_proj_residual_norm.yaml now describes; re-run on a test-gpu GPU: "
             "codagen tune specs/ --kernels out_proj_residual_norm --shapes 64x40x24") in result.output
     assert "is out of date" not in result.output  # generated/ itself is up to date
-    configs.clear_caches()
-    assert configs.pick_config("out_proj_residual_norm", key_semantic, tuning, 45, 40, 24, CPU) == GPU_DEFAULT
+    autotune.clear_caches()
+    assert autotune.pick_config("out_proj_residual_norm", key_semantic, tuning, 45, 40, 24, CPU) == GPU_DEFAULT
 
 
 def test_check_reports_tables_of_kernels_no_spec_defines(tmp_path):
@@ -543,14 +544,14 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
     mm = module("matmul")
     assert triton.__version__ == json.loads(written[0].read_text())["triton"]
     for m in (33, 45, 64):  # the shape tuned, and token counts nearest to it
-        assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU) == best
+        assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU) == best
     rs = module("rmsnorm_stats")
-    assert configs.pick_config(rs.NAME, rs.FINGERPRINT, tmp_path, 45, 40, 0, CPU) == best
+    assert autotune.pick_config(rs.NAME, rs.FINGERPRINT, tmp_path, 45, 40, 0, CPU) == best
     # another token count: the nearest tuned one of the same widths; other widths or another fingerprint: not
     # in the table, and without `run` the default, untuned
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 1000, 40, 24, CPU) == best
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 48, 24, CPU, decls=mm.DECLS) == GPU_DEFAULT
-    assert configs.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 1000, 40, 24, CPU) == best
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 48, 24, CPU, decls=mm.DECLS) == GPU_DEFAULT
+    assert autotune.pick_config(mm.NAME, "0" * 64, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT
     assert not as_gpu.trials
     # --missing-only: the shape is in the table now, so nothing is timed again
     timer.calls = 0
@@ -561,15 +562,15 @@ def test_pick_config_reads_what_the_tuner_wrote(tmp_path, as_gpu, monkeypatch):
 
 def test_an_untuned_token_count_takes_the_nearest_tuned_one():
     table = {"8192x64x32": POOL[0], "32768x64x32": POOL[1], "2048x64x32": POOL[2], "4096x96x32": GPU_DEFAULT}
-    near = lambda m: configs.nearest_tuned(table, configs.shape_key(m, 64, 32))  # noqa: E731
+    near = lambda m: runtime_tables.nearest_tuned(table, runtime_tables.shape_key(m, 64, 32))  # noqa: E731
     assert (near(5000), near(16384), near(100_000), near(4096), near(1)) == (POOL[0], POOL[1], POOL[1], POOL[0],
                                                                              POOL[2])
-    assert configs.nearest_tuned(table, configs.shape_key(4096, 64, 16)) is None
+    assert runtime_tables.nearest_tuned(table, runtime_tables.shape_key(4096, 64, 16)) is None
     # other widths: nearest in M, N and K together; only configurations that fit
-    assert configs.nearest_tuned(table, configs.shape_key(4096, 80, 32), other_widths=True) == GPU_DEFAULT
-    assert configs.nearest_tuned(table, configs.shape_key(4096, 64, 16), other_widths=True) == GPU_DEFAULT
-    assert configs.nearest_tuned(table, configs.shape_key(4096, 80, 32), other_widths=True,
-                                 fits=lambda c: c != GPU_DEFAULT) == POOL[0]
+    assert runtime_tables.nearest_tuned(table, runtime_tables.shape_key(4096, 80, 32), other_widths=True) == GPU_DEFAULT
+    assert runtime_tables.nearest_tuned(table, runtime_tables.shape_key(4096, 64, 16), other_widths=True) == GPU_DEFAULT
+    assert runtime_tables.nearest_tuned(table, runtime_tables.shape_key(4096, 80, 32), other_widths=True,
+                                        fits=lambda c: c != GPU_DEFAULT) == POOL[0]
 
 
 def test_each_tuned_row_count_keeps_its_own_entry(tmp_path, as_gpu):
@@ -580,8 +581,8 @@ def test_each_tuned_row_count_keeps_its_own_entry(tmp_path, as_gpu):
     path = tmp_path / "test-gpu" / "matmul.json"
     tables.write_table(path, k, "test-gpu", triton.__version__, {"2048x40x24": entry(POOL[0], 1.0)})
     tables.write_table(path, k, "test-gpu", triton.__version__, {"1280x40x24": entry(POOL[1], 1.0)})
-    configs.clear_caches()
-    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU)  # noqa: E731
+    autotune.clear_caches()
+    pick = lambda m: autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU)  # noqa: E731
     assert (pick(2048), pick(1280), pick(1400), pick(1900), pick(1024)) == (POOL[0], POOL[1], POOL[1], POOL[0],
                                                                             POOL[1])
 
@@ -597,10 +598,10 @@ def test_tile_dependent_kernels_take_a_tuned_tile_of_other_widths(tmp_path, as_g
                            {"64x40x24": entry(tuned, 1.0)})
     mod = module("out_proj_residual_norm")
     for decls in (None, mod.DECLS):
-        assert configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=decls,
-                                   run=lambda c: pytest.fail("no run-time tuning")) == tuned
+        assert autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=decls,
+                                    run=lambda c: pytest.fail("no run-time tuning")) == tuned
     mm = module("matmul")
-    configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=mm.DECLS, run=lambda c: None)
+    autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 96, 24, CPU, decls=mm.DECLS, run=lambda c: None)
     assert as_gpu.trials  # tuned at run time: matmul's outputs do not depend on its tile
 
 
@@ -612,10 +613,10 @@ def test_codagen_no_tune_uses_the_default(tmp_path, as_gpu, monkeypatch):
     monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
     run = lambda c: pytest.fail("CODAGEN_NO_TUNE=1 must not tune")  # noqa: E731
     for m in (45, 999):  # in the table, and not
-        assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mm.DECLS,
-                                   run=run) == GPU_DEFAULT
+        assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mm.DECLS,
+                                    run=run) == GPU_DEFAULT
     monkeypatch.delenv("CODAGEN_NO_TUNE")
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == POOL[1]
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == POOL[1]
 
 
 # -- tuning at run time -----------------------------------------------------------------------------------
@@ -625,8 +626,8 @@ def launch_with_hook(mod, args, tuning_dir):
     values = args.kwargs
     sizes = {"M": 45, "N": 40, "K": 24}
     k = sizes["K"] if any("K" in d.dims for d in mod.DECLS) else 0
-    config = configs.pick_config(mod.NAME, mod.FINGERPRINT, tuning_dir, sizes["M"], sizes["N"], k, CPU,
-                                 decls=mod.DECLS, values=values, run=lambda c: mod.launch(**values, config=c))
+    config = autotune.pick_config(mod.NAME, mod.FINGERPRINT, tuning_dir, sizes["M"], sizes["N"], k, CPU,
+                                  decls=mod.DECLS, values=values, run=lambda c: mod.launch(**values, config=c))
     mod.launch(**values, config=config)
     return config
 
@@ -643,7 +644,7 @@ def test_untuned_shape_is_tuned_once_per_process(tmp_path, as_gpu):
     assert harness.relative_error(args.outputs["out_tile"], want) < 1e-5
     as_gpu.trials.clear()
     assert launch_with_hook(mod, args, tmp_path) == faster and not as_gpu.trials  # once per process
-    assert configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
+    assert autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 60, 40, 24, CPU) == faster  # same bucket
 
 
 def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, monkeypatch):
@@ -663,10 +664,10 @@ def test_tile_dependent_kernels_keep_the_default_tile_shape(tmp_path, as_gpu, mo
     assert (chosen.block_m, chosen.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
     assert len(set(as_gpu.trials)) == len(as_gpu.trials)
     # without decls, pick_config cannot tell, so it keeps the default tile shape too
-    configs.clear_caches()
+    autotune.clear_caches()
     monkeypatch.setenv("CODAGEN_TUNING_CACHE", "0")  # tuned again, not read from what the launch above kept
     as_gpu.trials.clear()
-    configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
+    autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=lambda c: None)
     assert as_gpu.trials and all((c.block_m, c.epilogue_n) == (GPU_DEFAULT.block_m, GPU_DEFAULT.block_n)
                                  for c in as_gpu.trials)
 
@@ -680,8 +681,8 @@ def test_kernels_of_pairs_default_to_quarter_slices(tmp_path, as_gpu, monkeypatc
     assert kernel_emit.gpu_default_split(checked("out_proj_residual_norm").kernel) == 1
     mod = module("swiglu_dgrad")
     assert mod.DEFAULT_SPLIT == 4 and module("out_proj_residual_norm").DEFAULT_SPLIT == 1
-    configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, run=lambda c: None,
-                        split=mod.DEFAULT_SPLIT)
+    autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, run=lambda c: None,
+                         split=mod.DEFAULT_SPLIT)
     assert as_gpu.trials and all(c.epilogue_split == 4 for c in as_gpu.trials)
     monkeypatch.setenv("CODAGEN_NO_TUNE", "1")
     monkeypatch.setattr(mod, "TUNING", tmp_path)
@@ -705,14 +706,14 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     the default's tile, as its tl candidates. Elsewhere, and for kernels the backend does not lower, the tl
     candidates alone."""
     hopper_gpu = {"yes": False}
-    monkeypatch.setattr(configs, "hopper_runs", lambda device: hopper_gpu["yes"])
+    monkeypatch.setattr(backends, "hopper_runs", lambda device: hopper_gpu["yes"])
     swiglu, norm = module("gate_up_swiglu"), module("out_proj_residual_norm")
-    own = configs.hopper_default(swiglu.__package__, swiglu.NAME)
+    own = backends.hopper_default(swiglu.__package__, swiglu.NAME)
     assert (own.backend, own.block_m, own.block_n, own.num_warps) == ("gluon", 128, 128, 4)
 
     def pick(mod, m, package):
-        return configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mod.DECLS,
-                                   run=lambda c: None, split=mod.DEFAULT_SPLIT, package=package)
+        return autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mod.DECLS,
+                                    run=lambda c: None, split=mod.DEFAULT_SPLIT, package=package)
 
     assert pick(swiglu, 45, swiglu.__package__).backend == "tl" and as_gpu.trials  # not an sm_90 GPU
     assert all(c.backend == "tl" for c in as_gpu.trials)
@@ -727,7 +728,7 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     default = configs.gpu_default(split=norm.DEFAULT_SPLIT)
     assert (hopper.block_m, hopper.block_n, hopper.epilogue_split) == (
         default.block_m, default.block_n, default.epilogue_split)
-    assert hopper.num_stages == configs.hopper_default(norm.__package__, norm.NAME).num_stages
+    assert hopper.num_stages == backends.hopper_default(norm.__package__, norm.NAME).num_stages
 
 
 def test_epilogue_split_halves_what_tiles_n_counts_in():
@@ -741,9 +742,9 @@ def test_epilogue_split_halves_what_tiles_n_counts_in():
 def test_no_tuning_without_run_under_compile_or_capture(tmp_path, as_gpu, monkeypatch):
     mm = module("matmul")
     run = lambda c: as_gpu.trials.append(c)  # noqa: E731 - would record a trial
-    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
-                                         decls=mm.DECLS, run=run)
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT  # no run: inplace
+    pick = lambda m: autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
+                                          decls=mm.DECLS, run=run)
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU) == GPU_DEFAULT  # no run: inplace
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         assert pick(45) == GPU_DEFAULT
@@ -751,7 +752,7 @@ def test_no_tuning_without_run_under_compile_or_capture(tmp_path, as_gpu, monkey
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         assert pick(45) == GPU_DEFAULT
-    assert not as_gpu.trials and not configs._tuned  # and nothing remembered: tuned later, outside
+    assert not as_gpu.trials and not autotune._tuned  # and nothing remembered: tuned later, outside
     as_gpu.times[configs.RUNTIME_GEMM_CANDIDATES[1]] = 1.0
     assert pick(45) == configs.RUNTIME_GEMM_CANDIDATES[1]
 
@@ -763,9 +764,9 @@ def test_no_tuning_when_an_output_aliases_an_input(tmp_path, as_gpu):
                      generator=torch.Generator().manual_seed(2))
     values = {**args.kwargs, "x_out": args.kwargs["x"]}
     want = args.inputs["x"].double() + args.inputs["y"].double() @ args.inputs["w_o"].double().T
-    config = configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, values=values,
-                                 run=lambda c: mod.launch(**values, config=c))
-    assert config == GPU_DEFAULT and not as_gpu.trials and not configs._tuned
+    config = autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU, decls=mod.DECLS, values=values,
+                                  run=lambda c: mod.launch(**values, config=c))
+    assert config == GPU_DEFAULT and not as_gpu.trials and not autotune._tuned
     mod.launch(**values, config=config)
     assert harness.relative_error(values["x"], want) < 1e-5
 
@@ -778,17 +779,17 @@ def test_failing_runtime_candidates_are_skipped(tmp_path, as_gpu, monkeypatch):
             raise RuntimeError("out of resource")
         return 1.0
 
-    monkeypatch.setattr(configs, "measure", measure)
-    pick = lambda m: configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
-                                         decls=mm.DECLS, run=lambda c: None)
+    monkeypatch.setattr(autotune, "measure", measure)
+    pick = lambda m: autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, m, 40, 24, CPU,  # noqa: E731
+                                          decls=mm.DECLS, run=lambda c: None)
     assert pick(45) == configs.RUNTIME_GEMM_CANDIDATES[3]
-    monkeypatch.setattr(configs, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("no")))
+    monkeypatch.setattr(autotune, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("no")))
     assert pick(1000) == GPU_DEFAULT  # all failed: the default, whose launch reports the error
 
 
 def test_interpreter_ignores_tables(tmp_path):
     mm = module("matmul")
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=pytest.fail) == (
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 45, 40, 24, CPU, run=pytest.fail) == (
         configs.INTERPRETER_DEFAULT)
 
 
@@ -938,26 +939,26 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
                        tuning_dir=tmp_path, pools={"matmul": pool, "out_proj_residual_norm": pool}, budget=300,
                        log=log.append)
     print("\n".join(log))
-    gpu = configs.gpu_key(dev)
+    gpu = runtime_tables.gpu_key(dev)
     assert written == [tmp_path / gpu / "matmul.json", tmp_path / gpu / "out_proj_residual_norm.json"]
     entry = json.loads(written[0].read_text())["shapes"]["2048x1024x512"]
     assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
     mm = module("matmul")
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
     # another token count of the same widths: the tuned entry, no run-time tuning
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
-                               run=lambda c: pytest.fail("tuned at run time")) == Config(**entry["config"])
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
+                                run=lambda c: pytest.fail("tuned at run time")) == Config(**entry["config"])
 
     # widths the table lacks: tuned at run time on the caller's arguments
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(3000, 768, device=dev, dtype=torch.bfloat16, generator=g)
     b = torch.randn(1024, 768, device=dev, dtype=torch.bfloat16, generator=g)
     out = torch.full((3000, 1024), float("nan"), device=dev, dtype=torch.bfloat16)
-    config = configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 768, dev, decls=mm.DECLS,
-                                 run=lambda c: mm.launch(a, b, out_tile=out, config=c))
+    config = autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 768, dev, decls=mm.DECLS,
+                                  run=lambda c: mm.launch(a, b, out_tile=out, config=c))
     assert config in configs.RUNTIME_GEMM_CANDIDATES
-    assert configs.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 768, dev,
-                               decls=mm.DECLS) == config  # remembered
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 4000, 1024, 768, dev,
+                                decls=mm.DECLS) == config  # remembered
     mm.launch(a, b, out_tile=out, config=config)
     assert harness.relative_error(out, a.double() @ b.double().T) < 1e-2
 
@@ -969,19 +970,19 @@ def test_a_launch_looks_its_configuration_up_once(tmp_path, as_gpu, monkeypatch)
     mod = module("matmul")
     faster = configs.RUNTIME_GEMM_CANDIDATES[2]
     as_gpu.times[faster] = 1.0
-    reads, table = [], configs._table
+    reads, table = [], runtime_tables.entries
 
     def counted(*args):
         reads.append(args)
         return table(*args)
     counted.cache_clear = table.cache_clear
-    monkeypatch.setattr(configs, "_table", counted)
-    pick = lambda: configs.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU)  # noqa: E731
+    monkeypatch.setattr(runtime_tables, "entries", counted)
+    pick = lambda: autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, 45, 40, 24, CPU)  # noqa: E731
     assert pick() == GPU_DEFAULT and pick() == GPU_DEFAULT and len(reads) == 1  # untuned, no run: the default
     args = draw_args(mod, {"M": 45, "N": 40, "K": 24}, torch.float32, GPU_DEFAULT,
                      generator=torch.Generator().manual_seed(0))
     assert launch_with_hook(mod, args, tmp_path) == faster
     trials, looked_up = len(as_gpu.trials), len(reads)
     assert pick() == faster and pick() == faster and len(reads) == looked_up and len(as_gpu.trials) == trials
-    configs.clear_caches()
+    autotune.clear_caches()
     assert pick() == faster and len(reads) == looked_up + 1  # looked up again (the choice now from the disk cache)

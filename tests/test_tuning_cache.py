@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 
-from codagen.runtime import configs, tuning_cache
+from codagen.runtime import autotune, configs, tables, tuning_cache
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, within_seconds
 
@@ -31,8 +31,8 @@ OTHER = configs.RUNTIME_GEMM_CANDIDATES[1]  # another candidate, for entries tun
 def as_gpu(monkeypatch):
     """pick_config as on a GPU called 'test-gpu', whose fake timer makes FASTER the fastest candidate; returns
     the list of configs timed."""
-    monkeypatch.setattr(configs, "_on_gpu", lambda device: True)
-    monkeypatch.setattr(configs, "gpu_key", lambda device: GPU)
+    monkeypatch.setattr(autotune, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(tables, "gpu_key", lambda device: GPU)
     monkeypatch.delenv("CODAGEN_NO_TUNE", raising=False)
     monkeypatch.delenv("CODAGEN_TUNING_CACHE", raising=False)
     trials: list[Config] = []
@@ -41,7 +41,7 @@ def as_gpu(monkeypatch):
         trials.append(config)
         return 1.0 if config == FASTER else 5.0
 
-    monkeypatch.setattr(configs, "measure", measure)
+    monkeypatch.setattr(autotune, "measure", measure)
     return trials
 
 
@@ -49,7 +49,7 @@ def pick(m: int = M, run=lambda config: None) -> Config:
     """A launch's choice, as a generated launcher of a kernel whose outputs do not depend on the tile asks it, where
     there is no committed tuning table."""
     no_tables = Path(os.environ["CODAGEN_CACHE_DIR"]) / "no-tables"
-    return configs.pick_config(KERNEL, FINGERPRINT, no_tables, m, N, K, CPU, decls=(), run=run)
+    return autotune.pick_config(KERNEL, FINGERPRINT, no_tables, m, N, K, CPU, decls=(), run=run)
 
 
 def cache_path() -> Path:
@@ -68,13 +68,13 @@ def entry(config: Config) -> dict:
 CHILD = """
 import json, sys
 import torch
-from codagen.runtime import configs
-configs._on_gpu = lambda device: True
-configs.gpu_key = lambda device: "test-gpu"
+from codagen.runtime import autotune, tables
+autotune._on_gpu = lambda device: True
+tables.gpu_key = lambda device: "test-gpu"
 timed = []
-configs.measure = lambda run, config: timed.append(config) or 5.0
-config = configs.pick_config("matmul", sys.argv[1], sys.argv[2], 50, 40, 24, torch.device("cpu"), decls=(),
-                             run=lambda c: None)
+autotune.measure = lambda run, config: timed.append(config) or 5.0
+config = autotune.pick_config("matmul", sys.argv[1], sys.argv[2], 50, 40, 24, torch.device("cpu"), decls=(),
+                              run=lambda c: None)
 print(json.dumps({"config": config.as_dict(), "timed": len(timed)}))
 """
 
@@ -118,7 +118,7 @@ def test_a_tuned_choice_is_written_once_and_read_by_the_next_process(as_gpu, mon
                                                                      {BUCKET: entry(FASTER)})
     as_gpu.clear()
     assert pick(60) == FASTER and not as_gpu and len(writes) == 1  # the same bucket: remembered, not written again
-    configs.clear_caches()  # this process forgets; the file stays and answers
+    autotune.clear_caches()  # this process forgets; the file stays and answers
     assert pick(60) == FASTER and not as_gpu and len(writes) == 1
     assert next_process(cache_path().parents[2]) == {"config": FASTER, "timed": 0}
     # the next process tunes where there is no cache (what makes the line above mean something)
@@ -223,13 +223,13 @@ def test_nothing_is_written_where_nothing_was_tuned(as_gpu, monkeypatch):
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         assert pick() == GPU_DEFAULT
     with monkeypatch.context() as mp:
-        mp.setattr(configs, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("out of resource")))
+        mp.setattr(autotune, "measure", lambda run, config: (_ for _ in ()).throw(RuntimeError("out of resource")))
         assert pick() == GPU_DEFAULT  # every candidate failed: nothing chosen to keep
     with monkeypatch.context() as mp:
-        mp.setattr(configs, "_on_gpu", lambda device: False)  # the interpreter
+        mp.setattr(autotune, "_on_gpu", lambda device: False)  # the interpreter
         assert pick() == configs.INTERPRETER_DEFAULT
     assert not as_gpu and not any(Path(os.environ["CODAGEN_CACHE_DIR"]).iterdir())
-    configs.clear_caches()
+    autotune.clear_caches()
     assert pick() == FASTER and cache_path().is_file()  # what the checks above would have written
 
 

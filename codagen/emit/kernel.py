@@ -149,7 +149,7 @@ def _host_code(k: Kernel, tensors: list[Tensor], scalars: list[str]) -> dict[str
                                                       else ("block_k", "block_n"))), 4)} if k.gemm else {}),
         "plan_return": _fitted(f"return runtime.LaunchPlan.make(config, device, t_dtype, M, N, {kernel_k}, "
                                f"tensors, runtime.Aliasing(NAME, DECLS, tensors){gemm})", 4),
-        "hopper_launch": _fitted("runtime.configs.launch_hopper(__package__, NAME, "
+        "hopper_launch": _fitted("runtime.backends.launch_hopper(__package__, NAME, "
                                  + "".join(f"{n}={n}, " for n in [*(i.name for i in k.inputs), *returned])
                                  + "config=_plan.config)", 8),
         "allocate_def": _fitted(f"def _allocate({', '.join(op_args + given_params)}):", 0),

@@ -45,7 +45,9 @@ import threading  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
-from .configs import Config, pick_config  # noqa: E402
+from . import backends  # noqa: E402,F401 (generated launchers call runtime.backends)
+from .autotune import pick_config  # noqa: E402
+from .configs import Config  # noqa: E402
 from .launcher import Launcher  # noqa: E402
 from .ops import kernel_op, no_backward  # noqa: E402
 

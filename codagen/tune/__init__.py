@@ -7,7 +7,7 @@ ragged slice of the rows (all of N and K), and every output is compared with the
 reported, never chosen. Worker processes compile every candidate first (precompile.py; `--compile-jobs`).
 The survivors are timed at the full shape on random bf16 data (harness.py), the fastest again in turn with
 cuBLAS's GEMM of the shape, and it goes into generated/tuning/<gpu>/<kernel>.json (tables.py), keyed by the
-shape (runtime.configs.shape_key) and by the kernel's fingerprint (what it computes), which runtime.pick_config
+shape (runtime.tables.shape_key) and by the kernel's fingerprint (what it computes), which runtime.pick_config
 reads. The run (command.py) stops cleanly when its time budget is spent: every shape finished by then is
 written (tables are written shape by shape), and `--missing-only` continues later.
 

@@ -148,7 +148,7 @@ GLUON_CANDIDATES = (
 )
 
 
-# Backend "mm": torch.mm's product (cuBLAS), then the tl kernel's epilogue over it, timed where configs.mm_pays
+# Backend "mm": torch.mm's product (cuBLAS), then the tl kernel's epilogue over it, timed where backends.mm_pays
 # (a long K, few output tiles: the LM head's input gradient over a chunk of rows). The tile shape and warps are
 # those of the epilogue's pass alone, as for the kernels without a GEMM (ELEMENTWISE_CANDIDATES).
 MM_CANDIDATES = tuple(
@@ -176,7 +176,7 @@ def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
 
 def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
     """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it (backend
-    "mm" only at the shapes where configs.mm_pays: the tuner leaves it out at others). For a
+    "mm" only at the shapes where backends.mm_pays: the tuner leaves it out at others). For a
     kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
     at the spec's column_group."""
     pool = (ELEMENTWISE_CANDIDATES if not kernel.gemm

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,28 +13,15 @@ import torch
 from .. import api
 from ..api import Checked
 from ..fingerprint import fingerprint
-from ..runtime import configs
+from ..runtime import autotune, backends
+from ..runtime import tables as runtime_tables
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
-from .harness import CHECK_ROWS, Outcome, do_bench_timer, times_hopper, tune_shape
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, times_hopper, tune_shape
 from .precompile import precompile
 from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
-
-
-def load_module(out: Path, name: str):
-    """generated/kernels/<name>.py, imported as part of its package (importing a second copy would register
-    its torch.library op twice)."""
-    pkg = Path(out).resolve()
-    if not (pkg / "kernels" / f"{name}.py").is_file():
-        raise TuneError(f"{out}/kernels/{name}.py does not exist; run codagen build first")
-    loaded = sys.modules.get(pkg.name)
-    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg:
-        raise TuneError(f"another package named '{pkg.name}' is already imported ({loaded.__file__})")
-    if str(pkg.parent) not in sys.path:
-        sys.path.insert(0, str(pkg.parent))
-    return importlib.import_module(f"{pkg.name}.kernels.{name}")
 
 
 @dataclass
@@ -76,7 +61,7 @@ def jobs(paths, shapes: str, out: str | Path = "generated", kernels: str | None 
             raise TuneError(f"{out}/kernels/{c.kernel.name}.py does not compute what {c.kernel.source} describes "
                             "now; run codagen build first")
         selected.append(Job(c, module, parse_shapes(shapes, c.kernel, specs, toks, given, memory),
-                            configs.table_path(tuning_dir, gpu, c.kernel.name)))
+                            runtime_tables.table_path(tuning_dir, gpu, c.kernel.name)))
     idle = [j.checked.kernel.name for j in selected if not j.shapes]
     if kernels is not None and idle:  # asked for by name: a kernel that would be skipped is an error, not a no-op
         raise TuneError(f"--kernels: no block of the presets in --shapes ({shapes}) runs {', '.join(idle)}; give "
@@ -106,7 +91,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
             jobs(paths, shapes, out, kernels, tokens, tuning_dir, "gpu", attrs)  # a mistaken argument is named first
             raise TuneError("codagen tune times kernels on a CUDA GPU, and this machine has none")
         device = torch.device("cuda", torch.cuda.current_device())
-    gpu = gpu or configs.gpu_key(device)
+    gpu = gpu or runtime_tables.gpu_key(device)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
@@ -150,7 +135,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
                 break
             if outcome.best is not None:
                 if write_table(job.table, kernel, gpu, triton.__version__, {shape.key: outcome.entry()}):
-                    configs.clear_caches()  # this process reads the new table from now on
+                    autotune.clear_caches()  # this process reads the new table from now on
                     if job.table not in written:
                         written.append(job.table)
         if stopped:
@@ -179,7 +164,7 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
             continue
         present = [Config(**table[s.key]["config"]) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
-        mm = any(configs.mm_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times no "mm" candidate
+        mm = any(backends.mm_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times no "mm" candidate
         pool = [c for c in pool_of[kernel.name] if c.backend != "mm" or mm]
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work

@@ -2,11 +2,14 @@
 timing of those that pass."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -15,8 +18,9 @@ from .. import reference
 from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
-from ..runtime import configs
+from ..runtime import backends, configs
 from ..runtime.configs import Config
+from . import TuneError
 from .candidates import candidates
 from .shapes import Shape
 
@@ -128,10 +132,24 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).norm().item() / (scale if scale > 0 else 1.0)
 
 
+def load_module(out: Path, name: str):
+    """generated/kernels/<name>.py, imported as part of its package (importing a second copy would register
+    its torch.library op twice)."""
+    pkg = Path(out).resolve()
+    if not (pkg / "kernels" / f"{name}.py").is_file():
+        raise TuneError(f"{out}/kernels/{name}.py does not exist; run codagen build first")
+    loaded = sys.modules.get(pkg.name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != pkg:
+        raise TuneError(f"another package named '{pkg.name}' is already imported ({loaded.__file__})")
+    if str(pkg.parent) not in sys.path:
+        sys.path.insert(0, str(pkg.parent))
+    return importlib.import_module(f"{pkg.name}.kernels.{name}")
+
+
 def times_hopper(module, device: torch.device) -> bool:
     """Whether the Hopper kernel is a candidate: the Hopper backend lowers this kernel (its module
     <package>.gluon.<name> exists) and this GPU runs it."""
-    return (configs.hopper_runs(device)
+    return (backends.hopper_runs(device)
             and importlib.util.find_spec(f"{module.__package__}.gluon.{module.NAME}") is not None)
 
 
@@ -225,7 +243,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.backend != "mm" or configs.mm_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.backend != "mm" or backends.mm_pays(shape.m, shape.n, shape.k)]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

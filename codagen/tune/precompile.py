@@ -53,8 +53,7 @@ def compile_candidate(source: str, out: str, name: str, shape: Shape, config: di
     (so that Triton compiles it); None, or why it failed."""
     try:
         from .. import api
-        from .command import load_module
-        from .harness import launcher, make_inputs
+        from .harness import launcher, load_module, make_inputs
 
         checked = next(c for c in api.load([Path(source)]) if isinstance(c, api.Checked) and c.kernel.name == name)
         module = load_module(Path(out), name)

@@ -13,7 +13,7 @@ from ..api import Checked
 from ..blockmodel import Accumulator, Block, BlockDim, Call, CheckedBlock
 from ..model import BLayout, Dim, DType, InputRole, Kernel
 from ..presets import PRESETS, LlamaShape
-from ..runtime.configs import shape_key
+from ..runtime.tables import shape_key
 from . import TuneError
 
 TOKENS = (8192, 32768)  # the token counts (M) that presets are tuned at by default

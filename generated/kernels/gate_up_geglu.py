@@ -171,10 +171,10 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/gate_up_geglu.py
-        runtime.configs.launch_hopper(__package__, NAME, h=h, w_gate_up=w_gate_up, rstd=rstd, z=z, y=y,
-                                      config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, h=h, w_gate_up=w_gate_up, rstd=rstd, z=z, y=y,
+                                       config=_plan.config)
         return
-    acc = runtime.configs.mm_product(h, w_gate_up.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(h, w_gate_up.T) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(h, w_gate_up)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_gate_up_desc = runtime.descriptor(w_gate_up, _plan.config.block_n, _plan.config.block_k) if _tma else None
@@ -212,7 +212,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 

@@ -218,10 +218,10 @@ def launch(dz, w, x, rstd, wn, zdz, grad_x, *, dx, dwn_part, normed, config=None
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/gemma_norm_dgrad_residual.py
-        runtime.configs.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x,
-                                      dx=dx, dwn_part=dwn_part, normed=normed, config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x,
+                                       dx=dx, dwn_part=dwn_part, normed=normed, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(dz, w) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(dz, w) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(dz, w)
     _dz_desc = runtime.descriptor(dz, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_desc = runtime.descriptor(w, _plan.config.block_k, _plan.config.block_n) if _tma else None
@@ -264,7 +264,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

@@ -158,9 +158,9 @@ def launch(y, w, *, o, ss, config=None) -> None:
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/gemma_proj_sumsq.py
-        runtime.configs.launch_hopper(__package__, NAME, y=y, w=w, o=o, ss=ss, config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, y=y, w=w, o=o, ss=ss, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(y, w.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(y, w.T) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(y, w)
     _y_desc = runtime.descriptor(y, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_desc = runtime.descriptor(w, _plan.config.block_n, _plan.config.block_k) if _tma else None
@@ -197,7 +197,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

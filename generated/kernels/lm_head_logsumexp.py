@@ -168,10 +168,10 @@ def launch(h, w_vocab, rstd, target, *, lse_part, target_logit, config=None) -> 
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/lm_head_logsumexp.py
-        runtime.configs.launch_hopper(__package__, NAME, h=h, w_vocab=w_vocab, rstd=rstd, target=target,
-                                      lse_part=lse_part, target_logit=target_logit, config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, h=h, w_vocab=w_vocab, rstd=rstd, target=target,
+                                       lse_part=lse_part, target_logit=target_logit, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(h, w_vocab.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(h, w_vocab.T) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(h, w_vocab)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_vocab_desc = runtime.descriptor(w_vocab, _plan.config.block_n, _plan.config.block_k) if _tma else None
@@ -210,7 +210,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

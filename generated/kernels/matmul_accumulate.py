@@ -156,10 +156,10 @@ def launch(a, b, total, *, new_total, config=None) -> None:
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/matmul_accumulate.py
-        runtime.configs.launch_hopper(__package__, NAME, a=a, b=b, total=total, new_total=new_total,
-                                      config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, a=a, b=b, total=total, new_total=new_total,
+                                       config=_plan.config)
         return
-    acc = runtime.configs.mm_product(a, b) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(a, b) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(a, b)
     _a_desc = runtime.descriptor(a, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _b_desc = runtime.descriptor(b, _plan.config.block_k, _plan.config.block_n) if _tma else None
@@ -196,7 +196,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 

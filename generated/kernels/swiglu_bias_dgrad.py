@@ -210,10 +210,10 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
         return
     _plan.aliasing.check(_tensors)
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/swiglu_bias_dgrad.py
-        runtime.configs.launch_hopper(__package__, NAME, grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up, dz=dz,
-                                      zdz_part=zdz_part, db_part=db_part, y=y, config=_plan.config)
+        runtime.backends.launch_hopper(__package__, NAME, grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up, dz=dz,
+                                       zdz_part=zdz_part, db_part=db_part, y=y, config=_plan.config)
         return
-    acc = runtime.configs.mm_product(grad_y, w_down) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.mm_product(grad_y, w_down) if _plan.config.backend == "mm" else None
     _tma = _plan.tma and runtime.aligned(grad_y, w_down)
     _grad_y_desc = runtime.descriptor(grad_y, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_down_desc = runtime.descriptor(w_down, _plan.config.block_k, _plan.config.block_n) if _tma else None
@@ -254,7 +254,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
                                            decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
                                            package=__package__)
     if chosen is None and config.backend == "gluon":
-        config = runtime.configs.hopper_or_tl(__package__, NAME, config, tensors)
+        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

@@ -1,0 +1,76 @@
+"""The generator's backends (codagen/emit/backends.py): a build asks each backend once per kernel whether it lowers
+it, and writes what each registered backend renders; a new backend is one registry entry on this side."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from codagen import api
+from codagen.emit import backends, gluon
+from codagen.emit.epilogue import EpilogueEmitter
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+
+
+def test_registered_backends_are_whole():
+    names = [b.name for b in backends.BACKENDS]
+    assert names[0] == "tl" and len(set(names)) == len(names)  # the tl module, which users import, first
+    assert len({b.folder for b in backends.BACKENDS}) == len(names)
+    for b in backends.BACKENDS:
+        assert issubclass(b.emitter, EpilogueEmitter) and b.emitter.backend == b.name
+        assert b.path("matmul") == f"{b.folder}matmul.py" and b.folder.startswith("kernels/")
+    assert backends.backend("gluon").emitter is gluon.GluonEpilogueEmitter
+
+
+def test_a_build_asks_each_backend_once_per_kernel(monkeypatch):
+    """The Hopper backend's question, whether it lowers a kernel, is asked once per kernel in a build (it was asked
+    twice: for the tl launcher's dispatch, and again for the Hopper modules)."""
+    asked: list[str] = []
+    steps = gluon.unsupported_steps
+
+    def counted(kernel, backend):
+        asked.append(kernel.name)
+        return steps(kernel, backend)
+    monkeypatch.setattr(gluon, "unsupported_steps", counted)
+    files = api.generate([SPECS])
+    assert asked and len(asked) == len(set(asked))
+    assert {f"kernels/gluon/{name}.py" for name in asked} >= {f for f in files.files if f.startswith("kernels/gluon/")
+                                                               and not f.endswith("__init__.py")}
+
+
+class FakeEmitter(EpilogueEmitter):
+    backend = "fake"
+
+
+def test_a_new_backend_is_one_registry_entry(monkeypatch):
+    """A backend added to the registry gets a module per kernel it lowers and its folder's __init__.py; the tl
+    renderer is told which backends lower each kernel; every other file is as without it."""
+    before = api.generate([SPECS]).files
+    told: dict[str, frozenset[str]] = {}
+    tl = backends.backend("tl")
+
+    def render_tl(k, types, regenerate, lowering):
+        told[k.name] = lowering
+        return tl.render(k, types, regenerate, lowering)
+
+    def unlowered(k, types):
+        return [] if k.gemm is not None else [gluon.Fallback(k, None, "no GEMM")]
+
+    fake = backends.Backend(
+        name="fake", emitter=FakeEmitter, folder="kernels/fake/", unlowered=unlowered,
+        render=lambda k, types, regenerate, lowering: f"# {k.name}, lowered by {sorted(lowering)}\n",
+        package=lambda lowered, fallbacks, regenerate: f'"""{[k.name for k in lowered]} {len(fallbacks)}"""\n')
+    registry = tuple(dataclasses.replace(b, render=render_tl) if b is tl else b for b in backends.BACKENDS)
+    monkeypatch.setattr(backends, "BACKENDS", (*registry, fake))
+    after = api.generate([SPECS]).files
+    added = {rel: text for rel, text in after.items() if rel not in before}
+    gemm = sorted(name for name, lowering in told.items() if "fake" in lowering)
+    no_gemm = sorted(set(told) - set(gemm))
+    assert gemm and no_gemm and sorted(told) == sorted(rel[len("kernels/"):-3] for rel in before
+                                                       if rel.count("/") == 1 and rel.startswith("kernels/")
+                                                       and not rel.endswith("__init__.py"))
+    assert set(added) == {f"kernels/fake/{name}.py" for name in gemm} | {"kernels/fake/__init__.py"}
+    assert added["kernels/fake/__init__.py"] == f'"""{gemm} {len(no_gemm)}"""\n'
+    assert all("'fake'" in added[f"kernels/fake/{name}.py"] and "'tl'" in added[f"kernels/fake/{name}.py"]
+               for name in gemm)
+    assert {rel: after[rel] for rel in before} == before
