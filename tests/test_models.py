@@ -48,7 +48,16 @@ def test_presets_run_the_blocks_their_family_lists(preset):
     assert all(model.runs_block(b) for b in family.blocks)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "gemma2-tiny"])
+# each family at its smallest preset
+SMALLEST = {f: min((p for p, s in PRESETS.items() if s.family == f), key=lambda p: PRESETS[p].dim * PRESETS[p].vocab)
+            for f in models.NAMES if any(s.family == f for s in PRESETS.values())}
+
+
+def test_every_family_has_a_preset():
+    assert set(SMALLEST) == set(models.NAMES)
+
+
+@pytest.mark.parametrize("preset", SMALLEST.values())
 def test_assembly_and_reference_convert_into_each_other(preset):
     """from_hf maps the reference's (Hugging Face's) state dict onto the assembly's parameters, to_hf back (with
     lm_head.weight besides, where the reference ties it to the embedding)."""
