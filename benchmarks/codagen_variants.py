@@ -64,7 +64,7 @@ FIVE_EIGHTHS_CHUNKS = "codagen 5/8 chunks"
 
 def _family_variants(family: str) -> list:
     """Qwen3's and Gemma-2's: the block and LM-head patterns, through the blocks their example models chain
-    (examples/qwen3.py, examples/gemma2.py)."""
+    (codagen/models/qwen3.py, codagen/models/gemma2.py)."""
     if family == "qwen3":
         block, lm_ce = _cg_qwen3_block, _cg_lm_ce
         block_note = "Qwen3PostAttentionFunction -> Qwen3PreAttentionFunction"
@@ -222,7 +222,7 @@ def _cg_down_qkv_rope(case: Case) -> Runner:
 
 def _cg_block(case: Case) -> Runner:
     """block.fwd / .fwdbwd: PostAttention(y0, x0, wn2) -> (x2, h2, r2), then PreAttention(x2, h2, r2,
-    positions, freqs) -> (x2, qkv), as examples/llama.py chains them. wn2 is PreAttention's norm weight (its
+    positions, freqs) -> (x2, qkv), as codagen/models/llama.py chains them. wn2 is PreAttention's norm weight (its
     gradient comes from there; PostAttention only applies it in the forward)."""
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps
@@ -238,7 +238,7 @@ def _cg_block(case: Case) -> Runner:
 
 def _cg_qwen3_block(case: Case) -> Runner:
     """Qwen3's block.fwd / .fwdbwd: Qwen3PostAttention(y0, x0, wn2) -> (x2, h2, r2), then Qwen3PreAttention(x2, h2,
-    r2, positions, freqs, wn_qk, v_pass) -> (x2, qkv), as examples/qwen3.py chains them. wn_qk is q_norm (wqn)
+    r2, positions, freqs, wn_qk, v_pass) -> (x2, qkv), as codagen/models/qwen3.py chains them. wn_qk is q_norm (wqn)
     over every q head and k_norm (wkn) over every k head, each in the heads' interleaved-pair order, and 0 over
     v: made in the timed function, as the model's Layer.wn_qk makes it, so that autograd sums its gradient over
     the heads into wqn and wkn in eager's order."""
@@ -270,7 +270,7 @@ def _cg_qwen3_block(case: Case) -> Runner:
 
 def _cg_gemma2_block(case: Case) -> Runner:
     """Gemma-2's block.fwd / .fwdbwd: Gemma2PostAttention(y0, x0, wn2) -> (x2, h2, r2), then Gemma2PreAttention(x2,
-    h2, r2, positions, freqs) -> (x2, qkv), as examples/gemma2.py chains them; wn2 is the pre-attention block's norm
+    h2, r2, positions, freqs) -> (x2, qkv), as codagen/models/gemma2.py chains them; wn2 is the pre-attention block's norm
     weight."""
     _, _, _, blocks = _cg_modules()
     dm, eps = case.dims, case.preset.model.eps

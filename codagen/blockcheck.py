@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from . import dims
 from .blockmodel import (IN_PLACE, TOKENS, Accumulator, Arg, Block, BlockDim, BlockStep, Call, CheckedBlock,
                          GradForward, Partial, RowChunks, SUMS, Value)
 from .errors import ErrorSink
@@ -364,12 +365,12 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         if not isinstance(name, str):
             sink.add(loc_of(o.name), f"{kernel.name}.{o.name} is an output: give it a new value name")
             return None
-        dims = tuple(_tiles(d, sizes) or _unbind(d, sizes, kernel.column_group) for d in o.dims)
+        out_dims = tuple(_tiles(d, sizes) or _unbind(d, sizes, kernel.column_group) for d in o.dims)
         reduction = next((s.args["op"] for s in kernel.steps if s.op == "reduce" and s.target == o.name), None)
         if reduction is not None:  # partials: typed with their reduction, which only some finish steps combine
-            define(name, Partial(reduction, dims, f"kernel '{kernel.name}', output '{o.name}'"), loc_of(o.name))
+            define(name, Partial(reduction, out_dims, f"kernel '{kernel.name}', output '{o.name}'"), loc_of(o.name))
         else:
-            define(name, Value(dims, _KDTYPE.get(o.dtype, o.dtype.value)), loc_of(o.name))
+            define(name, Value(out_dims, _KDTYPE.get(o.dtype, o.dtype.value)), loc_of(o.name))
         outs.append(name)
     return Call(kernel.name, True, tuple(args), tuple(outs), step.loc, _in_place(step, kernel, sink))
 
@@ -418,17 +419,14 @@ def _check_in_place(calls: tuple[Call, ...], read_later: set[str], sink) -> None
 
 def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
     """A count of tiles along M or N, named after the size it divides ([M, tiles(vocab)])."""
-    if d not in (Dim.TILES_M, Dim.TILES_N):
+    if not dims.is_tiles(d.value):
         return None
-    size = sizes.get("M" if d is Dim.TILES_M else "N")
+    size = sizes.get(dims.base(d.value))
     return BlockDim(Fraction(1), d.value if size is None else f"tiles({size})")
 
 
 def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, group: int | None) -> bool:
-    factor = {Dim.N_HALF: Fraction(2), Dim.N_DOUBLE: Fraction(1, 2), Dim.GROUPS_N: Fraction(group or 1)}.get(
-        kd, Fraction(1))
-    key = {Dim.N_HALF: "N", Dim.N_DOUBLE: "N", Dim.GROUPS_N: "N"}.get(kd, kd.value)
-    value = bd.scaled(factor)
+    key, value = dims.base(kd.value), bd.scaled(1 / dims.scale(kd.value, group))
     if key not in sizes:
         sizes[key] = value
         return True
@@ -439,9 +437,7 @@ def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, gr
 
 
 def _unbind(d: Dim, sizes: dict, group: int | None) -> BlockDim:
-    base = sizes["N"] if d.width or d is Dim.GROUPS_N else sizes[d.value]
-    return base.scaled({Dim.N_HALF: Fraction(1, 2), Dim.N_DOUBLE: Fraction(2),
-                        Dim.GROUPS_N: Fraction(1, group or 1)}.get(d, Fraction(1)))
+    return sizes[dims.base(d.value)].scaled(dims.scale(d.value, group))
 
 
 def _number(ref, b: Block, loc, what: str, sink, kinds: tuple[str, ...], positive: bool = False) -> bool:

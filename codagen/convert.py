@@ -48,7 +48,7 @@ def rope_freqs(shape: LlamaShape) -> torch.Tensor:
 
 
 def from_hf(sd: dict[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
-    """A Hugging Face LlamaForCausalLM state dict -> the state dict of examples.llama.CodagenLlama."""
+    """A Hugging Face LlamaForCausalLM state dict -> the state dict of codagen.models.llama.CodagenLlama."""
     out = {"embed.weight": sd["model.embed_tokens.weight"]}
     hd = shape.head_dim
     for i in range(shape.n_layers):

@@ -35,6 +35,7 @@ from torch import nn
 # without a GPU, the runtime switches Triton's interpreter on, for the generated kernels these functions run
 from . import runtime  # noqa: F401
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+from .models.llama import HF as LLAMA  # the Llama family's Hugging Face mapping: modules, fused projections
 from .runtime.heads import split_heads
 
 __all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "from_pretrained"]
@@ -142,22 +143,30 @@ def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.
     library's patch) in a LlamaModel: the patch reads their weights and would silently drop what they add. Checked
     at patch time, and, for the modules whose weights the patched model reads (patched=True), on its first call
     after one of them changed (CodagenPatch)."""
-    from transformers.models.llama import modeling_llama as hf
+    hf = _modeling()
 
-    expected = {"norm": hf.LlamaRMSNorm}
-    if not patched:
-        expected["embed_tokens"] = nn.Embedding
+    def class_of(name: str) -> type:
+        return getattr(nn, name) if name in ("Linear", "Embedding") else getattr(hf, name)
+
+    expected = {name: class_of(k) for name, k in LLAMA.model_modules.items() if not patched or name in LLAMA.read}
     for i in range(len(llama.layers)):
         layer = f"layers.{i}"
-        expected.update({f"{layer}.input_layernorm": hf.LlamaRMSNorm, f"{layer}.post_attention_layernorm":
-                         hf.LlamaRMSNorm, f"{layer}.self_attn.o_proj": nn.Linear, f"{layer}.mlp.down_proj": nn.Linear})
-        if not patched:
-            expected.update({layer: hf.LlamaDecoderLayer, f"{layer}.self_attn": hf.LlamaAttention,
-                             f"{layer}.mlp": hf.LlamaMLP})
-            expected.update({f"{layer}.self_attn.{p}_proj": nn.Linear for p in "qkv"})
-            expected.update({f"{layer}.mlp.{p}_proj": nn.Linear for p in ("gate", "up")})
+        expected.update({f"{layer}.{name}".rstrip("."): class_of(k) for name, k in LLAMA.layer_modules.items()
+                         if not patched or name in LLAMA.read})
     for name, kind in expected.items():
         _check_type(prefix + name, llama.get_submodule(name), kind)
+
+
+_MODELING: types.ModuleType | None = None
+
+
+def _modeling() -> types.ModuleType:
+    """transformers' modeling module of the Llama classes (LLAMA.modeling), imported once: at patch time, so that a
+    trace of the forward (torch.compile) reads a global and calls no importlib, which Dynamo does not trace."""
+    global _MODELING
+    if _MODELING is None:
+        _MODELING = importlib.import_module(LLAMA.modeling)
+    return _MODELING
 
 
 def _check_type(name: str, module: nn.Module, kind: type) -> None:
@@ -241,6 +250,12 @@ class CodagenMLP(nn.Module):
         self.gate_up_proj = FusedProjection(gate_up, gate.weight.requires_grad, bias)
         self.down_proj = mlp.down_proj
 
+    def fuse(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return interleave_rows(gate, up)
+
+    def unfuse(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.contiguous() for t in split_rows(gate_up))
+
 
 class CodagenDecoderLayer(nn.Module):
     """A Llama decoder layer run by PreAttention -> Hugging Face attention -> PostAttention. Its norm weights are the
@@ -257,27 +272,23 @@ class CodagenDecoderLayer(nn.Module):
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
+    """Each fused projection (LLAMA.fused) back to the Hugging Face projections it is made of."""
     for kind in ("weight", "bias"):
-        fused = state_dict.pop(prefix + f"self_attn.qkv_proj.{kind}", None)
-        if fused is not None:
-            for p, t in zip("qkv", module.self_attn.unfuse(fused)):
-                state_dict[prefix + f"self_attn.{p}_proj.{kind}"] = t
-        fused = state_dict.pop(prefix + f"mlp.gate_up_proj.{kind}", None)
-        if fused is not None:
-            gate, up = split_rows(fused)
-            state_dict[prefix + f"mlp.gate_proj.{kind}"] = gate.contiguous()
-            state_dict[prefix + f"mlp.up_proj.{kind}"] = up.contiguous()
+        for name, parts in LLAMA.fused.items():
+            fused = state_dict.pop(prefix + f"{name}.{kind}", None)
+            if fused is not None:
+                owner = module.get_submodule(name.rpartition(".")[0])  # CodagenAttention, CodagenMLP
+                for part, t in zip(parts, owner.unfuse(fused)):
+                    state_dict[prefix + f"{part}.{kind}"] = t
 
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
     for kind in ("weight", "bias"):
-        names = [prefix + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
-        if all(n in state_dict for n in names):
-            fused = module.self_attn.fuse(*(state_dict.pop(n) for n in names))
-            state_dict[prefix + f"self_attn.qkv_proj.{kind}"] = fused
-        names = [prefix + f"mlp.{p}_proj.{kind}" for p in ("gate", "up")]
-        if all(n in state_dict for n in names):
-            state_dict[prefix + f"mlp.gate_up_proj.{kind}"] = interleave_rows(*(state_dict.pop(n) for n in names))
+        for name, parts in LLAMA.fused.items():
+            names = [prefix + f"{part}.{kind}" for part in parts]
+            if all(n in state_dict for n in names):
+                owner = module.get_submodule(name.rpartition(".")[0])
+                state_dict[prefix + f"{name}.{kind}"] = owner.fuse(*(state_dict.pop(n) for n in names))
 
 
 # ---- what the patched forward needs that does not depend on its inputs ----
@@ -551,7 +562,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     at once (chunk_rows x vocab). Raises CodagenConfigError, naming the field, for a configuration it does not
     compute exactly.
     """
-    LlamaForCausalLM = _transformers().LlamaForCausalLM
+    LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"apply_codagen: expected a transformers LlamaForCausalLM, got {type(model).__name__}")
@@ -575,7 +586,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, **kwargs):
     """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
-    LlamaForCausalLM = _transformers().LlamaForCausalLM
+    LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
     return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows)
 

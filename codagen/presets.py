@@ -1,18 +1,14 @@
 """Model presets: the dimensions of the models that tuning, the benchmarks and the GPU tests run at, written
 once. Only dimensions and constants are here; where each kernel runs, and on how many rows, follows from the
-block specs (specs/blocks/, specs/<family>/blocks/) that the preset's model family runs, whose int attrs these
-values fill in by name."""
+block specs (specs/blocks/, specs/<family>/blocks/) that the preset's model family runs (its module,
+codagen/models/<family>.py, lists them), whose int attrs these values fill in by name."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# The block specs a model of each family other than Llama runs (as examples/qwen3.py and examples/gemma2.py
-# chain them). A Llama runs every block not named for one of these families.
-FAMILY_BLOCKS: dict[str, tuple[str, ...]] = {
-    "qwen3": ("norm_stats", "qwen3_pre_attention", "qwen3_post_attention", "lm_head_loss"),
-    "gemma2": ("gemma2_norm_stats", "gemma2_pre_attention", "gemma2_post_attention", "gemma2_lm_head_loss"),
-}
-FAMILIES = ("llama", *FAMILY_BLOCKS)
+from . import models
+
+FAMILIES = models.NAMES  # the model families: codagen/models/<family>.py
 
 
 @dataclass(frozen=True)
@@ -51,10 +47,9 @@ class LlamaShape:
         return {**fields, "qkv_dim": self.qkv_dim, "attn_dim": self.attn_dim}
 
     def runs_block(self, block: str) -> bool:
-        """Whether a model of this family runs the block spec named `block` (FAMILY_BLOCKS)."""
-        if self.family in FAMILY_BLOCKS:
-            return block in FAMILY_BLOCKS[self.family]
-        return not block.startswith(tuple(f"{f}_" for f in FAMILY_BLOCKS))
+        """Whether a model of this family runs the block spec named `block` (codagen.models.runs_block: a block its
+        family module lists, or for Llama, one that no family lists)."""
+        return models.runs_block(self.family, block)
 
 
 @dataclass(frozen=True)

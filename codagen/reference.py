@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .model import ACC, BLayout, Dim, InputRole, Kernel, Kind, Literal, Step, ValueType, Width
+from . import dims
+from .model import ACC, BLayout, Dim, InputRole, Kernel, Kind, Literal, Step, ValueType
 from .primitives import PRIMITIVES
-
-_WIDTH = {Width.HALF: 0.5, Width.FULL: 1, Width.DOUBLE: 2}
 
 
 class Evaluation:
@@ -52,7 +51,7 @@ class Evaluation:
         for i in self.kernel.inputs:
             t = i.type
             if t is not None and t.kind is Kind.TILE:
-                return int(self.args[i.name].shape[1] / _WIDTH[t.width])
+                return int(dims.base_size(t.width.value, self.args[i.name].shape[1]))
         raise ValueError(f"{self.kernel.name}: no tile input fixes N")
 
     def step(self, step: Step) -> None:
@@ -84,8 +83,12 @@ def run(kernel: Kernel, types: dict[str, ValueType], args: dict, block_m: int, b
 
 def output_dims(kernel: Kernel, sizes: dict[str, int], block_m: int, block_n: int) -> dict[str, tuple[int, ...]]:
     """Concrete shapes of the outputs for given sizes and tile shape."""
-    n = sizes["N"]
-    concrete = {Dim.M: sizes["M"], Dim.K: sizes.get("K", 0), Dim.N: n, Dim.N_HALF: n // 2, Dim.N_DOUBLE: 2 * n,
-                Dim.TILES_M: -(-sizes["M"] // block_m), Dim.TILES_N: -(-n // block_n),
-                Dim.GROUPS_N: n // kernel.column_group if isinstance(kernel.column_group, int) else 0}
-    return {o.name: tuple(concrete[d] for d in o.dims) for o in kernel.outputs}
+    sizes = {"K": 0, **sizes}
+    group = kernel.column_group if isinstance(kernel.column_group, int) else None
+
+    def concrete(d: Dim) -> int:
+        if d is Dim.GROUPS_N and group is None:
+            return 0
+        return dims.size(d.value, sizes, (block_m, block_n), group)
+
+    return {o.name: tuple(concrete(d) for d in o.dims) for o in kernel.outputs}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 
+from . import dims
 from .errors import ErrorSink, SpecError, ValidationFailed
 from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, Location, Output, Step,
                     ValueType, Width, dims_type)
@@ -109,7 +110,7 @@ def _check_declarations(k, sink, types, defined_at):
     for o in k.outputs:
         if o.dtype is DType.INDEX:
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
-        if Dim.TILES_M in o.dims or Dim.TILES_N in o.dims:
+        if any(dims.is_tiles(d.value) for d in o.dims):
             if o.dtype is not DType.FLOAT32:
                 sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32, got "
                                 f"{o.dtype.value}; remove its dtype (float32 is the default) or set dtype: float32")
@@ -266,7 +267,7 @@ def _check_target(k: Kernel, step: Step, sink: ErrorSink, written: dict, want: t
                       "each output is written once")
         return
     written[out.name] = loc
-    holds_partials = Dim.TILES_M in out.dims or Dim.TILES_N in out.dims  # an inplace one is reported on its own
+    holds_partials = any(dims.is_tiles(d.value) for d in out.dims)  # an inplace one is reported on its own
     if holds_partials and not partial:
         sink.add(loc, f"{step.op}.{arg}: output '{out.name}' holds partial reductions {_fmt(out.dims)}; write it "
                       f"with '- reduce: {{op: ..., x: ..., axis: ..., to: {out.name}}}'")

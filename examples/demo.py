@@ -7,7 +7,7 @@ import torch
 
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, to_hf
-from examples.llama import CodagenLlama, PlainLlama
+from codagen.models.llama import CodagenLlama, PlainLlama
 from generated.kernels import out_proj_residual_norm
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

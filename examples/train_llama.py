@@ -1,4 +1,4 @@
-"""Train the small Llama of examples/llama.py (generated blocks) or its plain-PyTorch reference on synthetic data,
+"""Train the small Llama of codagen/models/llama.py (generated blocks) or its plain-PyTorch reference on synthetic data,
 in one process or data-parallel (DDP or FSDP2), and log loss and step time.
 
     python examples/train_llama.py --preset tiny --steps 3                                   # one process
@@ -12,7 +12,7 @@ every rank and no ignored targets (the synthetic data has none), that is the gra
 batch, so the losses match the one-process run step by step. (With ignore_index targets the per-rank means would
 weigh ranks by their valid-token counts wrongly; sum-reduce and divide by the global valid count instead.)
 
---model plain trains examples.llama.PlainLlama from the same initial weights (codagen.convert maps them), so
+--model plain trains codagen.models.llama.PlainLlama from the same initial weights (codagen.convert maps them), so
 the two can be compared loss for loss and step time for step time.
 
 FSDP2: fully_shard on each layer's PreAttention and PostAttention, on the LmHeadLoss block and on the root (the
@@ -64,7 +64,7 @@ import torch.distributed as dist  # noqa: E402
 
 from codagen import runtime  # noqa: E402,F401  (before triton: the interpreter where there is no GPU)
 from codagen.convert import LlamaShape, from_hf  # noqa: E402
-from examples.llama import CodagenLlama, PlainLlama  # noqa: E402
+from codagen.models.llama import CodagenLlama, PlainLlama  # noqa: E402
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention  # noqa: E402
 
 PRESETS = {

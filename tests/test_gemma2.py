@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.convert import interleave_rows
-from examples.gemma2 import CodagenGemma2, Gemma2Shape, PlainGemma2, from_hf, to_hf
+from codagen.models.gemma2 import CodagenGemma2, Gemma2Shape, PlainGemma2, from_hf, to_hf
 from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
 from test_blocks import DEVICE, EPS, check_fp32, check_low, grads, leaf, rel, rope, targets
 from test_llama import trains_like_plain

@@ -65,12 +65,12 @@ functions run the norm and the RoPE angles in the low precision itself, which at
 PyTorch code does; hence the functions here.) Upstream gradients are bf16 tensors, used exactly by all
 three. Asserted: fused <= 2 * unfused + 1e-4, as in tests/test_blocks.py.
 
-Llama: examples/llama.py's CodagenLlama against PlainLlama, both bf16, a small 2-layer config, AdamW on one
+Llama: codagen/models/llama.py's CodagenLlama against PlainLlama, both bf16, a small 2-layer config, AdamW on one
 fixed batch for a few steps: losses within 2e-2 relative at every step, and both losses fall.
 
 Qwen3 (specs/qwen3/): its kernels are among the kernels above, at the places the Llama-3-1B attrs give the
 Qwen3 blocks; Qwen3PreAttention (QK-norm, with NormStats in front) and Qwen3PostAttention at Qwen3-0.6B's
-layer shape in bf16 and fp16, judged as the blocks above; examples/qwen3.py's CodagenQwen3 against PlainQwen3
+layer shape in bf16 and fp16, judged as the blocks above; codagen/models/qwen3.py's CodagenQwen3 against PlainQwen3
 in bf16, as the Llama. Only these:
 
     python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "qwen3 or qk_norm"
@@ -103,8 +103,8 @@ from codagen.model import ACC, BLayout, Kind, Width
 from codagen.presets import PRESETS
 from codagen.tune.shapes import block_uses
 from codagen.validate import check_kernel
-from examples.llama import CodagenLlama, PlainLlama
-from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf
+from codagen.models.llama import CodagenLlama, PlainLlama
+from codagen.models.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention, Qwen3PostAttention, Qwen3PreAttention
 from test_runtime import check_split_heads
 from test_tile import _sincos
@@ -944,7 +944,7 @@ Q3_SMALL = LlamaShape(dim=256, ffn_dim=704, n_heads=4, n_kv_heads=2, head_dim=12
 
 
 def test_two_layer_qwen3_trains_like_plain_pytorch_bf16():
-    """examples/qwen3.py's CodagenQwen3 against PlainQwen3 (tied embeddings), as the Llama test above (bf16:
+    """codagen/models/qwen3.py's CodagenQwen3 against PlainQwen3 (tied embeddings), as the Llama test above (bf16:
     AdamW on fp16 parameters overflows, fused or not)."""
     start = time.perf_counter()
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ import torch
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, interleave_rows, \
     split_rows, to_hf
-from examples.llama import CodagenLlama, PlainLlama
+from codagen.models.llama import CodagenLlama, PlainLlama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = LlamaShape(dim=64, ffn_dim=80, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=97)

@@ -1,5 +1,5 @@
 """Qwen3 from specs (specs/qwen3/): the QK-norm block against plain PyTorch written from the model's definition,
-forward and every gradient, on ragged token counts; the small Qwen3 of examples/qwen3.py trained next to its
+forward and every gradient, on ragged token counts; the small Qwen3 of codagen/models/qwen3.py trained next to its
 plain-PyTorch twin; and the same model against transformers' own Qwen3ForCausalLM when transformers is installed.
 Heads are 128 wide (every Qwen3's head_dim, the specs' column_group); widths and token counts stay tiny."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from codagen import runtime  # noqa: F401  (switches Triton's interpreter on where there is no GPU)
 from codagen.convert import LlamaShape
-from examples.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf
+from codagen.models.qwen3 import CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf
 from generated.blocks import NormStats, Qwen3PreAttention
 from test_blocks import DEVICE, EPS, leaf, rel, rms, rope
 from test_llama import random_batches, random_plain, trains_like_plain

@@ -29,8 +29,8 @@ def test_the_runtime_does_not_import_the_generator():
 def test_generated_code_imports_only_torch_triton_and_the_runtime():
     """Blocks and kernels (Triton and Gluon) at run time: none of the generator (YAML loader, templates, CLI), and
     of codagen only the runtime and the standard-library modules it shares with `build --check` (tile configurations,
-    the tuning tables' reader, quoting)."""
-    shared = ('codagen.tileconfig', 'codagen.tablefile', 'codagen.quoting')
+    the tuning tables' reader, quoting, the meaning of dims)."""
+    shared = ('codagen.tileconfig', 'codagen.tablefile', 'codagen.quoting', 'codagen.dims')
     result = python("import sys, generated.blocks, generated.kernels, generated.kernels.gluon\n"
                     "print(sorted(m for m in sys.modules"
                     " if m.split('.')[0] in ('jinja2', 'yaml', 'click', 'markupsafe')"

@@ -13,12 +13,13 @@ memory transactions (2.4x the time of swiglu_dgrad on the H200, measured). A col
 as its two halves."""
 from __future__ import annotations
 
+from .. import dims
 from ..model import DType, InputRole, Kernel, Kind, Literal, Step, ValueType, Width
 from ..primitives import PRIMITIVES, step_text
 
 HALVES = ("even", "odd")  # the two columns of each pair, in memory order
 BLOCK = {Width.HALF: "BLOCK_N // 2", Width.FULL: "BLOCK_N"}
-SIZE = {Width.HALF: "N // 2", Width.FULL: "N", Width.DOUBLE: "2 * N"}
+SIZE = {w: dims.python(w.value) for w in Width}  # a width's columns, as Python
 
 
 class EpilogueEmitter:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from .. import dims
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
 from ..primitives import step_text, unsupported_steps
 from .epilogue import EpilogueEmitter, fit, t_tile_outputs
@@ -104,7 +105,7 @@ BLOCKS = {Width.HALF: "[config.block_m, slice_n // 2]", Width.FULL: "[config.blo
 FIRST_COLUMN = {Width.HALF: "pid_n * (BLOCK_N // 2)", Width.FULL: "pid_n * BLOCK_N",
                 Width.DOUBLE: "pid_n * (2 * BLOCK_N)"}
 # the columns of a tensor of tiles of that width
-COLUMNS = {Width.HALF: "N // 2", Width.FULL: "N", Width.DOUBLE: "2 * N"}
+COLUMNS = {w: dims.python(w.value) for w in Width}
 # ... and as the consumer writes it, for TMA loads
 SLICE_COLUMN = {Width.HALF: "slice_n * (SLICE_N // 2)", Width.FULL: "slice_n * SLICE_N",
                 Width.DOUBLE: "slice_n * (2 * SLICE_N)"}

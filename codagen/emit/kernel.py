@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from .. import dims
 from ..fingerprint import fingerprint
 from ..model import BLayout, Dim, DType, Input, InputRole, Kernel, Kind, Output, ValueType, Width
 from ..validate import in_place_inputs
@@ -49,9 +50,7 @@ def _strings(items: tuple[str, ...]) -> str:
 
 
 def _size_expr(d: Dim, group: int | None) -> str:
-    return {Dim.M: "M", Dim.K: "K", Dim.N: "N", Dim.N_HALF: "N // 2", Dim.N_DOUBLE: "2 * N",
-            Dim.TILES_M: "triton.cdiv(M, config.block_m)", Dim.TILES_N: "triton.cdiv(N, config.epilogue_n)",
-            Dim.GROUPS_N: f"N // {group}"}[d]
+    return dims.python(d.value, group)
 
 
 def _tensor(decl: Input | Output, output: bool, group: int | None, in_place_of: tuple[str, ...] = ()) -> Tensor:

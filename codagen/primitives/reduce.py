@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import dims
 from ..model import Dim, Kind, ValueType, Width
 from .base import OUT, X, Arg, Primitive, torch
 
@@ -78,7 +79,7 @@ def _reference(r, s):
     if axis == "rows":
         x, block = x.T, r.block_m
     else:
-        block = int(r.block_n * {Width.HALF: 0.5, Width.FULL: 1, Width.DOUBLE: 2}[r.types[s.args["x"]].width])
+        block = int(r.block_n * dims.scale(r.types[s.args["x"]].width.value))
     reduction = _BY_NAME[s.args["op"]]
     rows, cols = x.shape
     tiles = -(-cols // block)

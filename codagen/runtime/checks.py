@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import dims
+
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX = (torch.int32, torch.int64)
 
@@ -65,7 +67,7 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         _fail(kernel, "tensors are on the CPU; generated kernels run on CUDA devices, or on the CPU through "
                       "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
-    if (even_n or any("N/2" in d.dims for d in decls)) and sizes.get("N", 0) % 2:
+    if (even_n or any(dims.N_HALF in d.dims for d in decls)) and sizes.get("N", 0) % 2:
         _fail(kernel, f"N must be even, since columns come in pairs; got N={sizes['N']}")
     if group:
         _whole_groups(kernel, sizes.get("N", 0), group)
@@ -78,27 +80,21 @@ def _whole_groups(kernel: str, n: int, group: int) -> None:
 
 
 def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int, group: int | None) -> None:
-    if dim.startswith("tiles("):
+    if dims.is_tiles(dim):
         return
-    if dim == "groups(N)":  # N is known to be whole groups first, so that a ragged N is reported as such
-        if "N" in sizes:
-            _whole_groups(kernel, sizes["N"], group)
-        key, value = "N", size * group
-    elif dim == "N/2":
-        key, value = "N", 2 * size
-    elif dim == "2*N":
-        if size % 2:
-            _fail(kernel, f"'{name}' has {size} columns for 2*N, which must be even")
-        key, value = "N", size // 2
-    else:
-        key, value = dim, size
+    # N is known to be whole groups first, so that a ragged N is reported as such
+    if dim == dims.GROUPS_N and "N" in sizes:
+        _whole_groups(kernel, sizes["N"], group)
+    elif dim == dims.N_DOUBLE and size % 2:
+        _fail(kernel, f"'{name}' has {size} columns for 2*N, which must be even")
+    key, value = dims.base(dim), int(dims.base_size(dim, size, group))
     if sizes.setdefault(key, value) != value:
         _fail(kernel, f"'{name}' has {dim} = {size}, which does not match {key} = {sizes[key]} of the earlier "
                       "arguments")
 
 
 def check_tiles(kernel: str, decls: tuple[Decl, ...], values: dict, tiles_m: int, tiles_n: int) -> None:
-    counts = {"tiles(M)": tiles_m, "tiles(N)": tiles_n}
+    counts = {dims.TILES_M: tiles_m, dims.TILES_N: tiles_n}
     for d in decls:
         for axis, dim in enumerate(d.dims):
             if dim in counts and values[d.name].shape[axis] != counts[dim]:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .. import dims
 from ..api import Checked
 from ..blockmodel import Accumulator, Block, BlockDim, Call, CheckedBlock
 from ..model import BLayout, Dim, DType, InputRole, Kernel
@@ -101,7 +102,6 @@ def _size(d: BlockDim, attrs: dict, rows: int, block: Block) -> Fraction:
 
 
 _DIMENSIONS = [f for f in LlamaShape.__dataclass_fields__ if f != "family"]
-_PER_N = {Dim.N_HALF: Fraction(2), Dim.N: Fraction(1), Dim.N_DOUBLE: Fraction(1, 2)}  # N per column of a dim
 
 
 def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows: int) -> Shape:
@@ -116,7 +116,7 @@ def _call_shape(kernel: Kernel, call: Call, cb: CheckedBlock, attrs: dict, rows:
             if kd in (Dim.M, Dim.K):
                 sizes.setdefault(kd.value, size)
             elif kd.width is not None:
-                sizes.setdefault("N", size * _PER_N[kd])
+                sizes.setdefault("N", dims.base_size(kd.value, size))
     return Shape(int(sizes["M"]), int(sizes["N"]), int(sizes["K"]) if kernel.gemm else 0)
 
 
@@ -197,8 +197,9 @@ def operand_elements(kernel: Kernel, shape: Shape) -> dict[str, tuple[int, int]]
     bf16 that codagen tune times."""
     m, n, k = shape.m, shape.n, shape.k
     group = kernel.column_group if isinstance(kernel.column_group, int) else n
-    size = {Dim.M: m, Dim.K: k, Dim.N: n, Dim.N_HALF: n // 2, Dim.N_DOUBLE: 2 * n, Dim.TILES_M: -(-m // _MIN_TILE),
-            Dim.TILES_N: -(-n // _MIN_TILE), Dim.GROUPS_N: max(n // max(group, 1), 1)}
+    sizes = {"M": m, "N": n, "K": k}
+    size = {d: dims.size(d.value, sizes, (_MIN_TILE, _MIN_TILE), max(group, 1)) for d in Dim}
+    size[Dim.GROUPS_N] = max(size[Dim.GROUPS_N], 1)
     counts = {}
     for decl in (*kernel.inputs, *kernel.outputs):
         count = 1

@@ -1,4 +1,4 @@
-"""A small Gemma-2 built from codagen's generated block modules (specs/gemma2/), the same model in plain PyTorch
+"""The Gemma-2 family: a Gemma-2 built from codagen's generated block modules (specs/gemma2/), the same model in plain PyTorch
 (Hugging Face's Gemma2ForCausalLM layout and names) as its reference, and the weight conversion between them.
 
 Attention, with Gemma-2's logit softcapping and sliding window, is eager PyTorch; everything else runs in
@@ -14,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codagen.convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
-from codagen.presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
-from codagen.runtime.heads import split_heads
-from examples.llama import rope_tables, rotate
-from generated.blocks import Gemma2LmHeadLoss, Gemma2NormStats, Gemma2PostAttention, Gemma2PreAttention
+from ..convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
+from ..presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
+from ..runtime.heads import split_heads
+from . import Family, generated_blocks
+from .llama import rope_tables, rotate
+
+# the block specs a Gemma-2 chains (specs/gemma2/blocks/)
+BLOCKS = ("gemma2_norm_stats", "gemma2_pre_attention", "gemma2_post_attention", "gemma2_lm_head_loss")
 
 
 def attention_mask(seq: int, sliding: bool, shape: Gemma2Shape, device) -> torch.Tensor:
@@ -52,8 +55,9 @@ def attention(qkv: torch.Tensor, layer: int, shape: Gemma2Shape, batch: int, seq
 class Layer(nn.Module):
     def __init__(self, shape: Gemma2Shape, device=None, dtype=None):
         super().__init__()
-        self.pre = Gemma2PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
-        self.post = Gemma2PostAttention(shape.dim, shape.attn_dim, shape.ffn_dim, shape.eps, device=device,
+        blocks = generated_blocks()
+        self.pre = blocks.Gemma2PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
+        self.post = blocks.Gemma2PostAttention(shape.dim, shape.attn_dim, shape.ffn_dim, shape.eps, device=device,
                                         dtype=dtype)
 
 
@@ -62,9 +66,10 @@ class CodagenGemma2(nn.Module):
                  dtype=None):
         super().__init__()
         self.shape = shape
-        self.norm_stats = Gemma2NormStats(shape.dim, shape.eps)
+        blocks = generated_blocks()
+        self.norm_stats = blocks.Gemma2NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = Gemma2LmHeadLoss(shape.dim, shape.vocab, shape.eps, shape.final_softcap, ignore_index, "mean",
+        self.head = blocks.Gemma2LmHeadLoss(shape.dim, shape.vocab, shape.eps, shape.final_softcap, ignore_index, "mean",
                                      chunk_rows, device=device, dtype=dtype)
         self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
         with torch.no_grad():  # Gemma's norm weights start at 0: a scale of 1 + 0
@@ -202,3 +207,6 @@ class PlainGemma2(nn.Module):
         logits = F.linear(self.model.norm(x), embed.weight).float()
         logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
+
+
+FAMILY = Family("gemma2", BLOCKS, CodagenGemma2, PlainGemma2, from_hf, to_hf)

@@ -1,5 +1,5 @@
-"""A small Qwen3 built from codagen's generated block modules, and the same model in plain PyTorch (Hugging Face
-weight layout and names, as transformers' Qwen3ForCausalLM) as its reference.
+"""The Qwen3 family: a Qwen3 built from codagen's generated block modules, the same model in plain PyTorch (Hugging
+Face weight layout and names, as transformers' Qwen3ForCausalLM) as its reference, and the weight conversion.
 
 Qwen3 is Llama's layer with QK-norm: an RMSNorm of each q and k head (weights q_norm and k_norm of head_dim
 values, shared by the heads) between the QKV projection and RoPE; the embeddings are tied to the LM head at small
@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from codagen.convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
-from examples.llama import PlainLlama, RMSNorm, attention
-from generated.blocks import LmHeadLoss, NormStats, Qwen3PostAttention, Qwen3PreAttention
+from ..convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
+from . import Family, generated_blocks
+from .llama import PlainLlama, RMSNorm, attention
 
+# the block specs a Qwen3 chains (specs/qwen3/blocks/, and Llama's norm_stats and lm_head_loss)
+BLOCKS = ("norm_stats", "qwen3_pre_attention", "qwen3_post_attention", "lm_head_loss")
 HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
 
 
@@ -30,10 +32,11 @@ class Layer(nn.Module):
         if shape.head_dim != HEAD_DIM:
             raise ValueError(f"the Qwen3 kernels normalize heads of {HEAD_DIM} columns, got head_dim={shape.head_dim}")
         self.shape = shape
-        self.pre = Qwen3PreAttention(shape.dim, shape.qkv_dim, shape.eps, device=device, dtype=dtype)
+        blocks = generated_blocks()
+        self.pre = blocks.Qwen3PreAttention(shape.dim, shape.qkv_dim, shape.eps, device=device, dtype=dtype)
         self.q_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
         self.k_norm = nn.Parameter(torch.ones(shape.head_dim, device=device, dtype=dtype))
-        self.post = Qwen3PostAttention(shape.dim, shape.n_heads * shape.head_dim, shape.ffn_dim, shape.eps,
+        self.post = blocks.Qwen3PostAttention(shape.dim, shape.n_heads * shape.head_dim, shape.ffn_dim, shape.eps,
                                        device=device, dtype=dtype)
 
     def wn_qk(self) -> torch.Tensor:
@@ -47,11 +50,12 @@ class CodagenQwen3(nn.Module):
     def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 2048, tie_embeddings=True,
                  device=None, dtype=None):
         super().__init__()
+        blocks = generated_blocks()
         self.shape = shape
         self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
-        self.norm_stats = NormStats(shape.dim, shape.eps)
+        self.norm_stats = blocks.NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
+        self.head = blocks.LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
                                dtype=dtype)
         if tie_embeddings:
             self.head.w_vocab = self.embed.weight  # one parameter: its gradient sums both uses
@@ -109,3 +113,6 @@ class PlainQwen3(PlainLlama):
 
     def query_key(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return attn.q_norm(q), attn.k_norm(k)
+
+
+FAMILY = Family("qwen3", BLOCKS, CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf)

@@ -1,5 +1,6 @@
-"""A small Llama built from codagen's generated block modules, and the same model in plain PyTorch (Hugging
-Face weight layout) as its reference. codagen.convert maps weights between the two.
+"""The Llama family: a Llama built from codagen's generated block modules, the same model in plain PyTorch (Hugging
+Face weight layout) as its reference, the weight conversion between them (codagen.convert), and what codagen.hf
+patches in a transformers LlamaForCausalLM (HF).
 
 Attention is PyTorch's scaled_dot_product_attention; everything else runs in generated kernels:
 NormStats (first layer only) -> [PreAttention -> attention -> PostAttention] x layers -> LmHeadLoss.
@@ -10,9 +11,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codagen.convert import LlamaShape, rope_freqs
-from codagen.runtime.heads import split_heads
-from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention
+from ..convert import LlamaShape, from_hf, rope_freqs, to_hf
+from ..runtime.heads import split_heads
+from . import Family, HfMapping, generated_blocks
+
+# the block specs (specs/blocks/) a Llama chains; post_attention_mlp_bias where codagen.hf patches a Llama with
+# mlp_bias. A Llama also runs the blocks no family lists (codagen.models.runs_block).
+BLOCKS = ("norm_stats", "pre_attention", "post_attention", "post_attention_mlp_bias", "lm_head_loss")
+
+HF = HfMapping(
+    model_class="LlamaForCausalLM",
+    modeling="transformers.models.llama.modeling_llama",
+    model_modules={"norm": "LlamaRMSNorm", "embed_tokens": "Embedding"},
+    layer_modules={"input_layernorm": "LlamaRMSNorm", "post_attention_layernorm": "LlamaRMSNorm",
+                   "self_attn.o_proj": "Linear", "mlp.down_proj": "Linear",
+                   "": "LlamaDecoderLayer", "self_attn": "LlamaAttention", "mlp": "LlamaMLP",
+                   "self_attn.q_proj": "Linear", "self_attn.k_proj": "Linear", "self_attn.v_proj": "Linear",
+                   "mlp.gate_proj": "Linear", "mlp.up_proj": "Linear"},
+    read=("norm", "input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj"),
+    fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+    feeds={
+        "norm_stats": ("model.layers.0.input_layernorm.weight",),
+        "pre_attention": ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                          "self_attn.v_proj.weight"),
+        "post_attention": ("self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                           "mlp.up_proj.weight", "mlp.down_proj.weight", "next.input_layernorm.weight"),
+        # mlp_bias: gate_up's bias in the block, down_proj's added after it
+        "post_attention_mlp_bias": ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias",
+                                    "mlp.up_proj.bias", "mlp.down_proj.weight", "next.input_layernorm.weight"),
+        "lm_head_loss": ("model.norm.weight", "lm_head.weight"),
+    },
+)
 
 
 def attention(qkv: torch.Tensor, shape: LlamaShape, batch: int, seq: int) -> torch.Tensor:
@@ -28,18 +59,20 @@ def attention(qkv: torch.Tensor, shape: LlamaShape, batch: int, seq: int) -> tor
 class Layer(nn.Module):
     def __init__(self, shape: LlamaShape, device=None, dtype=None):
         super().__init__()
-        self.pre = PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
-        self.post = PostAttention(shape.dim, shape.ffn_dim, shape.eps, device=device, dtype=dtype)
+        blocks = generated_blocks()
+        self.pre = blocks.PreAttention(shape.dim, shape.qkv_dim, device=device, dtype=dtype)
+        self.post = blocks.PostAttention(shape.dim, shape.ffn_dim, shape.eps, device=device, dtype=dtype)
 
 
 class CodagenLlama(nn.Module):
     def __init__(self, shape: LlamaShape, ignore_index: int = -100, chunk_rows: int = 2048, device=None, dtype=None):
         super().__init__()
+        blocks = generated_blocks()
         self.shape = shape
         self.embed = nn.Embedding(shape.vocab, shape.dim, device=device, dtype=dtype)
-        self.norm_stats = NormStats(shape.dim, shape.eps)
+        self.norm_stats = blocks.NormStats(shape.dim, shape.eps)
         self.layers = nn.ModuleList(Layer(shape, device, dtype) for _ in range(shape.n_layers))
-        self.head = LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
+        self.head = blocks.LmHeadLoss(shape.dim, shape.vocab, shape.eps, ignore_index, "mean", chunk_rows, device=device,
                                dtype=dtype)
         self.register_buffer("freqs", rope_freqs(shape).to(device), persistent=False)
 
@@ -143,3 +176,6 @@ class PlainLlama(nn.Module):
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+
+FAMILY = Family("llama", BLOCKS, CodagenLlama, PlainLlama, from_hf, to_hf, HF)

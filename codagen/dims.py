@@ -1,0 +1,84 @@
+"""The meaning of a dim expression, written once for the generator and the runtime.
+
+A tensor dimension of a kernel spec is one of
+
+    M, K, N          the GEMM's sizes (a kernel without a GEMM has M and N)
+    N/2, 2*N         half and twice N: a gated activation's output, and interleaved pairs (2j, 2j+1)
+    tiles(M)         one per tile of rows (block_m), tiles(N) one per tile of columns: partial reductions
+    groups(N)        one per column group (column_group columns) of N: a per-head value
+
+(`model.Dim`'s values; a tile value's width is one of N/2, N, 2*N). Each but the tile counts is its *base*
+size (M, K or N) times a scale; a tile count is its base divided by a tile's extent, rounded up. The launchers'
+shape checks (runtime/checks.py), the block checker, the emitters, the float64 reference and the tuner all read
+a dim through these functions. Standard library only: `codagen build --check` does not import torch, and the
+runtime does not import the generator.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+M, K, N = "M", "K", "N"
+N_HALF, N_DOUBLE = "N/2", "2*N"
+TILES_M, TILES_N = "tiles(M)", "tiles(N)"
+GROUPS_N = "groups(N)"
+
+DIMS = (M, K, N_HALF, N, N_DOUBLE, TILES_M, TILES_N, GROUPS_N)  # model.Dim's order
+WIDTHS = (N_HALF, N, N_DOUBLE)  # the column spaces of a tile value
+TILES = (TILES_M, TILES_N)
+
+_BASE = {M: M, K: K, N: N, N_HALF: N, N_DOUBLE: N, TILES_M: M, TILES_N: N, GROUPS_N: N}
+_SCALE = {N_HALF: Fraction(1, 2), N_DOUBLE: Fraction(2)}
+# a launcher's sizes as Python: N // 2, not N / 2 (N/2 is whole, N being even)
+_PYTHON = {M: "M", K: "K", N: "N", N_HALF: "N // 2", N_DOUBLE: "2 * N", TILES_M: "triton.cdiv(M, config.block_m)",
+           TILES_N: "triton.cdiv(N, config.epilogue_n)"}
+
+
+def _known(dim: str) -> str:
+    if dim not in _BASE:
+        raise ValueError(f"unknown dim {dim!r}: one of {', '.join(DIMS)}")
+    return dim
+
+
+def base(dim: str) -> str:
+    """The GEMM size a dim is written in: "M", "K" or "N" (tiles(M) -> M, N/2, 2*N, tiles(N), groups(N) -> N)."""
+    return _BASE[_known(dim)]
+
+
+def is_tiles(dim: str) -> bool:
+    """Whether a dim counts tiles (tiles(M), tiles(N)): its size follows from the tile shape, not the sizes."""
+    return _known(dim) in TILES
+
+
+def scale(dim: str, group: int | None = None) -> Fraction:
+    """A dim's size per unit of its base: 1/2 for N/2, 2 for 2*N, 1/group for groups(N) (group None: 1), 1 for
+    M, K and N. Not for tile counts (is_tiles), which depend on the tile shape."""
+    if is_tiles(dim):
+        raise ValueError(f"{dim} is a count of tiles: its size depends on the tile shape, not a scale of {base(dim)}")
+    if dim == GROUPS_N:
+        return Fraction(1, group or 1)
+    return _SCALE.get(dim, Fraction(1))
+
+
+def size(dim: str, sizes: dict, tile: tuple[int, int] | None = None, group: int | None = None) -> int:
+    """A dim's size for the GEMM sizes {M, N, K}: a scale of its base rounded down (N // 2, 2 * N, N // group), or
+    for a tile count, its base over the tile's extent (tile = (block_m, block_n)) rounded up."""
+    b = sizes[base(dim)]
+    if is_tiles(dim):
+        extent = tile[0] if dim == TILES_M else tile[1]
+        return -(-b // extent)
+    s = scale(dim, group)
+    return b * s.numerator // s.denominator
+
+
+def base_size(dim: str, size: int | Fraction, group: int | None = None) -> Fraction:
+    """The size of a dim's base that a dimension of `size` implies (2 * size for N/2, size / 2 for 2*N, size * group
+    for groups(N)): scale's inverse. A Fraction; whole where the size fits the dim."""
+    return Fraction(size) / scale(dim, group)
+
+
+def python(dim: str, group: int | None = None) -> str:
+    """A dim's size as the Python expression a generated launcher computes it with, from M, N, K, and `config`
+    (its tile configuration) for tile counts: "N // 2", "triton.cdiv(N, config.epilogue_n)", "N // 16"."""
+    if _known(dim) == GROUPS_N:
+        return f"N // {group}"
+    return _PYTHON[dim]

@@ -1,0 +1,96 @@
+"""Model families, each declared once, in its module codagen/models/<family>.py: the block specs its models chain,
+its assembly (the model built from the generated blocks, and the same model in plain PyTorch, Hugging Face's
+layout and names, as its reference), the weight conversion between the two, and, where codagen.hf patches the
+family's transformers model, the Hugging Face mapping (which module and weight feeds which block).
+
+A family module's `FAMILY` is its `Family` record. This package imports neither torch nor a family module until
+one is asked for (`family`), so that codagen.presets, which `codagen build --check` imports, names the families
+without torch. The dimensions of each family's models are codagen.presets' (LlamaShape, Gemma2Shape, PRESETS).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+# the family modules of this package; the first (Llama) also runs every block spec no family lists (runs_block)
+NAMES = ("llama", "qwen3", "gemma2")
+GENERATED_PACKAGE = "codagen_generated"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family is made of (see the module docstring).
+
+    blocks: the block specs (by name) that its model chains, in order: what tuning and the benchmarks take at its
+      presets (codagen.presets.LlamaShape.runs_block).
+    model: the assembly, an nn.Module of generated blocks: model(shape, ignore_index=-100, chunk_rows=2048,
+      device=None, dtype=None), called as model(tokens, targets) -> the mean cross-entropy loss.
+    reference: the same model in plain PyTorch, parameters named as transformers' model: reference(shape,
+      ignore_index=-100, device=None, dtype=None).
+    from_hf, to_hf: state dict conversions, (state dict, shape) -> state dict: a Hugging Face (reference) state dict
+      to the assembly's and back.
+    hf: what codagen.hf reads to patch the family's transformers model in place; None where it does not.
+    """
+
+    name: str
+    blocks: tuple[str, ...]
+    model: type
+    reference: type
+    from_hf: Callable
+    to_hf: Callable
+    hf: Any = None
+
+
+@dataclass(frozen=True)
+class HfMapping:
+    """How codagen.hf patches a family's transformers model in place (docs/huggingface.md).
+
+    model_class: transformers' causal LM class ("LlamaForCausalLM"); modeling: the module of its classes.
+    model_modules, layer_modules: the decoder's own modules, and each decoder layer's ("" the layer itself), by
+      name -> their transformers class: a name in `modeling`, or torch.nn's "Linear" or "Embedding". The patch
+      refuses any other (an adapter, a quantized linear).
+    read: of those, the modules whose weights the patched forward reads as they are (checked again after one of
+      them changes); the others are replaced by the patch.
+    fused: a layer's fused projection -> the Hugging Face projections it is made of, in order (state_dict() and
+      load_state_dict() of a patched model speak the Hugging Face layout).
+    feeds: each block -> the Hugging Face weights it is given, a layer's by their names in the layer
+      ("next.input_layernorm.weight": the next layer's, or "model.norm.weight" after the last), the model's own
+      with "model." or "lm_head.".
+    """
+
+    model_class: str
+    modeling: str
+    model_modules: dict
+    layer_modules: dict
+    read: tuple
+    fused: dict
+    feeds: dict
+
+
+def family(name: str) -> Family:
+    """The family declared by codagen/models/<name>.py (imports it, and with it torch)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown model family {name!r}: one of {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}").FAMILY
+
+
+def runs_block(name: str, block: str) -> bool:
+    """Whether a model of family `name` runs the block spec named `block`: one its family lists, or, for Llama
+    (the first family), one that no family lists (the generic blocks: the cross-entropy variants, ...)."""
+    if block in family(name).blocks:
+        return True
+    return name == NAMES[0] and not any(block in family(other).blocks for other in NAMES)
+
+
+def generated_blocks():
+    """The generated blocks the assemblies are built of: the checkout's generated/ (the package `generated` where
+    that name is it, as the tests and examples run it), else the committed blocks installed with codagen
+    (codagen_generated)."""
+    root = Path(__file__).resolve().parents[2] / "generated"
+    spec = importlib.util.find_spec("generated")
+    if spec is not None and spec.origin and Path(spec.origin).resolve() == root / "__init__.py":
+        return importlib.import_module("generated.blocks")
+    return importlib.import_module(GENERATED_PACKAGE + ".blocks")
