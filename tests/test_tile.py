@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -49,3 +50,26 @@ def test_sincos_of_nan_and_infinities_is_nan():
     _sincos[(1,)](angle, sin, cos, BLOCK=4096)
     assert sin[:3].isnan().all() and cos[:3].isnan().all()
     assert sin[3:].isfinite().all() and cos[3:].isfinite().all()
+
+
+@triton.jit
+def _row_reduce(x_ptr, out_ptr, PAIRS: tl.constexpr, OP: tl.constexpr, BLOCK: tl.constexpr):
+    rows, cols = tl.arange(0, BLOCK), tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + rows[:, None] * BLOCK + cols[None, :])
+    if PAIRS:
+        even, odd = tile.split_pairs(x)
+        out = tile.partial_reduce_pairs(even, odd, (tl.arange(0, BLOCK // 2) < BLOCK)[None, :], OP)
+    else:
+        out = tile.partial_reduce(x, (cols < BLOCK)[None, :], OP, 1)
+    tl.store(out_ptr + rows, out)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_partial_reduce_refuses_an_op_it_does_not_know(pairs):
+    """A reduction code of no known reduction is a compile-time error, not silently a sum or a logsumexp (the
+    branches for the known ones are checked against float64 where the kernels using them are)."""
+    x, out = torch.randn(16, 16), torch.empty(16)
+    _row_reduce[(1,)](x, out, PAIRS=pairs, OP=tile.SUM, BLOCK=16)
+    torch.testing.assert_close(out.double(), x.double().sum(1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="OP must be SUM, SUMSQ, MAX or LOGSUMEXP"):
+        _row_reduce[(1,)](x, out, PAIRS=pairs, OP=7, BLOCK=16)

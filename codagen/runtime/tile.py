@@ -357,6 +357,8 @@ def partial_reduce(x, mask, OP: tl.constexpr, AXIS: tl.constexpr):
             # tl.max drops NaN; reducing by maximum_nan costs the same on a GPU
             out = tl.reduce(x, AXIS, maximum_nan)
     else:
+        # an OP of another reduction must not pass for one of these (a new one needs its own branch)
+        tl.static_assert(OP == LOGSUMEXP, "partial_reduce: OP must be SUM, SUMSQ, MAX or LOGSUMEXP")
         # online-softmax partial: max, then the sum of exponentials below it, folded into one number. The
         # max may drop a NaN: the NaN reaches the sum through exp
         big = tl.max(tl.where(mask, x, float("-inf")), axis=AXIS)
@@ -381,6 +383,7 @@ def partial_reduce_pairs(even, odd, mask, OP: tl.constexpr):
     elif OP == SUMSQ:
         out = partial_reduce(even * even + odd * odd, mask, SUM, 1)
     else:
+        tl.static_assert(OP == SUM, "partial_reduce_pairs: OP must be SUM, SUMSQ, MAX or LOGSUMEXP")
         out = partial_reduce(even + odd, mask, OP, 1)
     return out
 
