@@ -444,7 +444,8 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     score_scale = _attention_scaling(llama)
     attention = _attention_interface(api, config)
     eps = config.rms_norm_eps
-    layers = list(llama.layers[: config.num_hidden_layers])
+    layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
+    # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
 
     # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul

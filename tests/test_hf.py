@@ -354,6 +354,26 @@ def test_forward_repeats_no_host_work_that_does_not_depend_on_its_inputs(monkeyp
         model(input_ids=ids, labels=labels)
 
 
+def test_forward_registers_no_module():
+    """A forward registers no module, parameter or buffer anywhere (a slice of a ModuleList would, layer by layer):
+    each registration runs PyTorch's global registration hooks, host work per call that a compiled forward would
+    also guard on."""
+    model = apply_codagen(tiny_llama())
+    ids, labels = tokens_and_labels()
+    model(input_ids=ids, labels=labels)
+    registered = []
+    hooks = [register(lambda module, name, value: registered.append((type(module).__name__, name)))
+             for register in (torch.nn.modules.module.register_module_module_registration_hook,
+                              torch.nn.modules.module.register_module_parameter_registration_hook,
+                              torch.nn.modules.module.register_module_buffer_registration_hook)]
+    try:
+        model(input_ids=ids, labels=labels).loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert registered == []
+
+
 def test_packed_sequences_are_looked_for_only_in_given_position_ids(monkeypatch):
     """transformers looks for packed sequences in the position_ids its mask builder is given, a host sync on a GPU
     (`.all()` of a device tensor) that made the GPU wait for the host's whole next forward at every step. Positions
