@@ -155,7 +155,8 @@ def test_gradient_checkpointing(monkeypatch):
     ids, labels = tokens_and_labels(8)
     # the recomputation replays the same dropout masks (checkpoint restores the RNG state)
     compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
-    assert sum(getattr(fn, "__name__", "") == "run_layer" for fn in checkpointed) == len(patched.model.layers)
+    # each layer module's call is checkpointed (hooks included, as Hugging Face's GradientCheckpointingLayer does)
+    assert checkpointed == list(patched.model.layers)
 
 
 def test_num_items_in_batch_sums_the_loss_as_transformers_does():
@@ -478,3 +479,30 @@ def test_convergence_example_says_when_it_draws_no_plot(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err and "convergence.png" in err
     assert not (tmp_path / "convergence.png").exists()
+
+
+def _first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def test_forward_hooks_see_each_layer_run_with_its_input_and_output():
+    """The patched decoder loop calls each layer module: a forward hook on each layer fires once per forward, with the
+    residual stream going in and coming out, [batch, seq, hidden], which are the unpatched layers' own."""
+    torch.manual_seed(9)
+    reference = tiny_llama(num_hidden_layers=3)
+    patched = apply_codagen(copy.deepcopy(reference))
+    seen = {"reference": [], "patched": []}
+    for key, model in (("reference", reference), ("patched", patched)):
+        for i, layer in enumerate(model.model.layers):
+            def hook(module, args, kwargs, output, _i=i, _seen=seen[key]):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                _seen.append((_i, hidden.detach().clone(), _first(output).detach().clone()))
+            layer.register_forward_hook(hook, with_kwargs=True)
+    ids, labels = tokens_and_labels(9)
+    for n in (1, 2):
+        for model in (reference, patched):
+            model(input_ids=ids, labels=labels).loss.backward()
+        assert [i for i, _, _ in seen["patched"]] == [0, 1, 2] * n
+    for (_, x_ref, y_ref), (_, x, y) in zip(seen["reference"], seen["patched"]):
+        assert x.shape == y.shape == (BATCH, SEQ, 64)
+        assert rel(x, x_ref) < TOL and rel(y, y_ref) < TOL
