@@ -561,8 +561,10 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, logits_to_keep=0, **kwargs):
-    """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss and no
-    logits are made (logits is None); without, the logits are Hugging Face's."""
+    """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss, and the
+    logits are made only where they are asked for (apply_codagen's return_logits: by default in evaluation, the model
+    in eval mode and gradients off, as Trainer's prediction_step calls it), else logits is None; without labels, the
+    logits are Hugging Face's."""
     _check_call(self.config, kwargs)
     patch = self.model.codagen_patch
     patch.check(self.model, self)
@@ -587,7 +589,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                           reduction, self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
-    else:
+    if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
         hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
@@ -595,16 +597,27 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     return output if return_dict else output.to_tuple()
 
 
+def _logits_wanted(return_logits, training: bool) -> bool:
+    """Whether a forward with labels also makes the logits: return_logits True always, False never, "eval" in
+    evaluation only (eval mode and no gradients: Trainer's evaluation and prediction), never in a training step,
+    whose loss block keeps no logits."""
+    if return_logits == "eval":
+        return not training and not torch.is_grad_enabled()
+    return bool(return_logits)
+
+
 # ---- entry points ----
 
-def apply_codagen(model, *, chunk_rows: int = 2048):
+def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
     """Patch a transformers LlamaForCausalLM in place to run codagen's generated blocks, and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
     embedding stays one parameter). Make the optimizer after patching. chunk_rows bounds the logits the loss keeps
-    at once (chunk_rows x vocab). Raises CodagenConfigError, naming the field, for a configuration it does not
-    compute exactly.
+    at once (chunk_rows x vocab). return_logits says when a forward with labels also returns the logits (the loss
+    block makes none): "eval" (the default) in evaluation, the model in eval mode with gradients off, as Trainer
+    evaluates and predicts, so that compute_metrics gets them; True always; False never. Raises CodagenConfigError,
+    naming the field, for a configuration it does not compute exactly.
     """
     LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
@@ -618,9 +631,12 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     _check_lm_head(model.lm_head)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
+    if not (return_logits is True or return_logits is False or return_logits == "eval"):
+        raise ValueError(f"apply_codagen: return_logits must be 'eval', True or False, got {return_logits!r}")
     for i, layer in enumerate(llama.layers):
         llama.layers[i] = CodagenDecoderLayer(layer, model.config)
     model.codagen_chunk_rows = int(chunk_rows)
+    model.codagen_return_logits = return_logits
     llama.codagen_patch = CodagenPatch()
     llama.codagen_patch.check(llama, model)
     llama.forward = types.MethodType(_model_forward, llama)
@@ -628,11 +644,12 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     return model
 
 
-def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, **kwargs):
+def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
     """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
     LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
-    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows)
+    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
+                         return_logits=return_logits)
 
 
 class AutoCodagenForCausalLM:
