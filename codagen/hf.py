@@ -487,7 +487,6 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     (lm_head_loss makes the final norm's statistics itself), and (batch, seq)."""
     config, patch = llama.config, llama.codagen_patch
     api = patch.api
-    blocks = api.blocks
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
