@@ -115,7 +115,16 @@ def _api() -> types.SimpleNamespace:
         eager_attention=eager_attention_forward,
         model_output=BaseModelOutputWithPast,
         lm_output=CausalLMOutputWithPast,
+        # FSDP2's sharded parameters (None where torch.distributed is not built)
+        dtensor=_dtensor_class(),
     )
+
+
+def _dtensor_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
 
 
 # ---- configuration checks ----
@@ -259,7 +268,13 @@ class CodagenMLP(nn.Module):
 
 class CodagenDecoderLayer(nn.Module):
     """A Llama decoder layer run by PreAttention -> Hugging Face attention -> PostAttention. Its norm weights are the
-    Hugging Face modules' own; state_dict() and load_state_dict() speak the Hugging Face layout."""
+    Hugging Face modules' own; state_dict() and load_state_dict() speak the Hugging Face layout.
+
+    The patched decoder loop calls each layer module, so module hooks (forward hooks, FSDP2's fully_shard,
+    accelerate's hooks) see every layer run, and the layer's forward reads its own parameters only. The one weight
+    from outside, the next norm's (the next layer's input_layernorm, or the final norm) whose row scale this layer's
+    last epilogue applies, comes in as an argument (next_norm_weight, no gradient through it): the loop passes it,
+    gathered whole where FSDP2 keeps it sharded (_next_norm_weight)."""
 
     def __init__(self, layer: nn.Module, config):
         super().__init__()
@@ -267,8 +282,55 @@ class CodagenDecoderLayer(nn.Module):
         self.self_attn = CodagenAttention(layer.self_attn, config)
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = CodagenMLP(layer.mlp)
+        self.dim = config.hidden_size
+        self.eps = config.rms_norm_eps
         self.register_state_dict_post_hook(_to_hf_layout)
         self.register_load_state_dict_pre_hook(_from_hf_layout)
+
+    def forward(self, hidden_states: torch.Tensor, norm_stats: tuple[torch.Tensor, torch.Tensor] | None,
+                next_norm_weight: torch.Tensor, *, blocks, positions: torch.Tensor, rope_freqs: torch.Tensor,
+                attention, attention_mask, position_ids, score_scale: float = 1.0, dtype: torch.dtype | None = None,
+                **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """hidden_states [batch, seq, dim], the residual stream, and norm_stats, (h, rstd) of this layer's input norm
+        as the previous layer's last epilogue made them (None: made here, from this layer's own norm weight, as for
+        the first layer) -> the residual stream after the layer, [batch, seq, dim], and the next norm's (h, rstd),
+        made with next_norm_weight. blocks: the generated blocks package; attention: Hugging Face's attention
+        function; dtype: the blocks' dtype under autocast (weights cast to it), else None."""
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+        batch, seq, dim = hidden_states.shape
+        attn, mlp, eps = self.self_attn, self.mlp, self.eps
+        x = hidden_states.reshape(batch * seq, dim)
+        wn = cast(self.input_layernorm.weight)
+        h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps) if norm_stats is None else norm_stats
+        qkv_weight = cast(attn.qkv_proj.weight)
+        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, rope_freqs, wn, qkv_weight, dim,
+                                                   qkv_weight.shape[0])
+        if attn.qkv_proj.bias is not None:
+            qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, rope_freqs)
+        q, k, v = attn.split(qkv.view(batch, seq, -1))
+        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
+        y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+        if attn.o_proj.bias is not None:
+            x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
+        y = y.reshape(batch * seq, -1)
+        w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, self.post_attention_layernorm.weight,
+                                                 mlp.down_proj.weight))
+        wn_next = cast(next_norm_weight)
+        ffn_dim = w_down.shape[1]
+        if mlp.gate_up_proj.bias is None:
+            x, h, rstd = blocks.PostAttentionFunction.apply(y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
+                                                            w_down, dim, ffn_dim, eps)
+        else:
+            # mlp_bias: the block adds the gate/up bias; the down projection's bias is added to its output here,
+            # so the next norm's statistics are taken again, of the sum
+            x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, wn_next, w_o, wn_mlp,
+                                                                 cast(mlp.gate_up_proj.weight),
+                                                                 cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim,
+                                                                 eps)
+            x = x + cast(mlp.down_proj.bias)
+            h, rstd = blocks.NormStatsFunction.apply(x, wn_next, dim, eps)
+        return x.view(batch, seq, dim), (h, rstd)
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
@@ -425,7 +487,6 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     (lm_head_loss makes the final norm's statistics itself), and (batch, seq)."""
     config, patch = llama.config, llama.codagen_patch
     api = patch.api
-    blocks = api.blocks
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
@@ -443,58 +504,40 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
     attention = _attention_interface(api, config)
-    eps = config.rms_norm_eps
     layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
     # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
+    final_norm = llama.norm.weight
 
     # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
-    autocast_dtype = _autocast_dtype(inputs_embeds.device)
-    cast = (lambda t: t) if autocast_dtype is None else (lambda t: t.to(autocast_dtype))
-
-    def run_layer(x, h, rstd, layer, wn_next):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_weight = cast(attn.qkv_proj.weight)
-        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, cast(layer.input_layernorm.weight),
-                                                   qkv_weight, dim, qkv_weight.shape[0])
-        if attn.qkv_proj.bias is not None:
-            qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
-        q, k, v = attn.split(qkv.view(batch, seq, -1))
-        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
-        y, _ = attention(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
-        if attn.o_proj.bias is not None:
-            x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
-        y = y.reshape(batch * seq, -1)
-        w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                                                 mlp.down_proj.weight))
-        ffn_dim = w_down.shape[1]
-        if mlp.gate_up_proj.bias is None:
-            return blocks.PostAttentionFunction.apply(y, x, cast(wn_next), w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
-                                                      w_down, dim, ffn_dim, eps)
-        # mlp_bias: the block adds the gate/up bias; the down projection's bias is added to its output here, so
-        # the next norm's statistics are taken again, of the sum
-        x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, cast(wn_next), w_o, wn_mlp,
-                                                             cast(mlp.gate_up_proj.weight),
-                                                             cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim, eps)
-        x = x + cast(mlp.down_proj.bias)
-        h, rstd = blocks.NormStatsFunction.apply(x, cast(wn_next), dim, eps)
-        return x, h, rstd
-
-    # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's activations are recomputed in
-    # the backward, as Hugging Face's layers do
+    dtype = _autocast_dtype(inputs_embeds.device)
+    context = dict(blocks=api.blocks, positions=positions, rope_freqs=freqs, attention=attention, attention_mask=mask,
+                   position_ids=position_ids, score_scale=score_scale, dtype=dtype, **attention_kwargs)
+    # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's call (its hooks included) is
+    # recomputed in the backward, as Hugging Face's layers are
     checkpointing = llama.gradient_checkpointing and llama.training and torch.is_grad_enabled()
     with torch.autocast(inputs_embeds.device.type, enabled=False):
-        x = cast(inputs_embeds.reshape(batch * seq, dim))
-        h, rstd = blocks.NormStatsFunction.apply(x, cast(layers[0].input_layernorm.weight), dim, eps)
+        x = inputs_embeds if dtype is None else inputs_embeds.to(dtype)
+        stats = None  # the first layer makes its input norm's statistics itself
         for i, layer in enumerate(layers):
-            wn_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else llama.norm.weight
+            wn_next = _next_norm_weight(layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else final_norm,
+                                        x.dtype, api.dtensor)
             if checkpointing:
-                x, h, rstd = torch.utils.checkpoint.checkpoint(run_layer, x, h, rstd, layer, wn_next,
-                                                               use_reentrant=False)
+                x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False, **context)
             else:
-                x, h, rstd = run_layer(x, h, rstd, layer, wn_next)
-    return x, (batch, seq)
+                x, stats = layer(x, stats, wn_next, **context)
+    return x.reshape(batch * seq, dim), (batch, seq)
+
+
+def _next_norm_weight(weight: torch.Tensor, dtype: torch.dtype, dtensor: type | None) -> torch.Tensor:
+    """The weight of the norm after a layer, which that layer's last epilogue applies (design.md, "RMSNorm split
+    across GEMMs"), as an argument of the layer's forward: a value only (the block that owns the norm, the next
+    layer's PreAttention or lm_head_loss, computes its gradient). Under FSDP2 (fully_shard on each layer) the next
+    layer's parameters are sharded DTensors while this layer runs: the weight is gathered whole here, one
+    all-gather of `hidden_size` elements, in the dtype the blocks run in."""
+    if dtensor is not None and isinstance(weight, dtensor):
+        return weight.detach().full_tensor().to(dtype)
+    return weight.detach()
 
 
 def _check_call(config, kwargs) -> None:
@@ -518,8 +561,10 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, logits_to_keep=0, **kwargs):
-    """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss and no
-    logits are made (logits is None); without, the logits are Hugging Face's."""
+    """LlamaForCausalLM.forward, patched. With labels (or shift_labels), the loss comes from lm_head_loss, and the
+    logits are made only where they are asked for (apply_codagen's return_logits: by default in evaluation, the model
+    in eval mode and gradients off, as Trainer's prediction_step calls it), else logits is None; without labels, the
+    logits are Hugging Face's."""
     _check_call(self.config, kwargs)
     patch = self.model.codagen_patch
     patch.check(self.model, self)
@@ -544,7 +589,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                           reduction, self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
-    else:
+    if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
         hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
@@ -552,16 +597,27 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     return output if return_dict else output.to_tuple()
 
 
+def _logits_wanted(return_logits, training: bool) -> bool:
+    """Whether a forward with labels also makes the logits: return_logits True always, False never, "eval" in
+    evaluation only (eval mode and no gradients: Trainer's evaluation and prediction), never in a training step,
+    whose loss block keeps no logits."""
+    if return_logits == "eval":
+        return not training and not torch.is_grad_enabled()
+    return bool(return_logits)
+
+
 # ---- entry points ----
 
-def apply_codagen(model, *, chunk_rows: int = 2048):
+def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
     """Patch a transformers LlamaForCausalLM in place to run codagen's generated blocks, and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
     embedding stays one parameter). Make the optimizer after patching. chunk_rows bounds the logits the loss keeps
-    at once (chunk_rows x vocab). Raises CodagenConfigError, naming the field, for a configuration it does not
-    compute exactly.
+    at once (chunk_rows x vocab). return_logits says when a forward with labels also returns the logits (the loss
+    block makes none): "eval" (the default) in evaluation, the model in eval mode with gradients off, as Trainer
+    evaluates and predicts, so that compute_metrics gets them; True always; False never. Raises CodagenConfigError,
+    naming the field, for a configuration it does not compute exactly.
     """
     LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
@@ -575,9 +631,12 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     _check_lm_head(model.lm_head)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
+    if not (return_logits is True or return_logits is False or return_logits == "eval"):
+        raise ValueError(f"apply_codagen: return_logits must be 'eval', True or False, got {return_logits!r}")
     for i, layer in enumerate(llama.layers):
         llama.layers[i] = CodagenDecoderLayer(layer, model.config)
     model.codagen_chunk_rows = int(chunk_rows)
+    model.codagen_return_logits = return_logits
     llama.codagen_patch = CodagenPatch()
     llama.codagen_patch.check(llama, model)
     llama.forward = types.MethodType(_model_forward, llama)
@@ -585,11 +644,12 @@ def apply_codagen(model, *, chunk_rows: int = 2048):
     return model
 
 
-def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, **kwargs):
+def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
     """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
     LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
 
-    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows)
+    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
+                         return_logits=return_logits)
 
 
 class AutoCodagenForCausalLM:

@@ -155,7 +155,8 @@ def test_gradient_checkpointing(monkeypatch):
     ids, labels = tokens_and_labels(8)
     # the recomputation replays the same dropout masks (checkpoint restores the RNG state)
     compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
-    assert sum(getattr(fn, "__name__", "") == "run_layer" for fn in checkpointed) == len(patched.model.layers)
+    # each layer module's call is checkpointed (hooks included, as Hugging Face's GradientCheckpointingLayer does)
+    assert checkpointed == list(patched.model.layers)
 
 
 def test_num_items_in_batch_sums_the_loss_as_transformers_does():
@@ -498,3 +499,68 @@ def test_convergence_example_says_when_it_draws_no_plot(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err and "convergence.png" in err
     assert not (tmp_path / "convergence.png").exists()
+
+
+def _first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def test_forward_hooks_see_each_layer_run_with_its_input_and_output():
+    """The patched decoder loop calls each layer module: a forward hook on each layer fires once per forward, with the
+    residual stream going in and coming out, [batch, seq, hidden], which are the unpatched layers' own."""
+    torch.manual_seed(9)
+    reference = tiny_llama(num_hidden_layers=3)
+    patched = apply_codagen(copy.deepcopy(reference))
+    seen = {"reference": [], "patched": []}
+    for key, model in (("reference", reference), ("patched", patched)):
+        for i, layer in enumerate(model.model.layers):
+            def hook(module, args, kwargs, output, _i=i, _seen=seen[key]):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                _seen.append((_i, hidden.detach().clone(), _first(output).detach().clone()))
+            layer.register_forward_hook(hook, with_kwargs=True)
+    ids, labels = tokens_and_labels(9)
+    for n in (1, 2):
+        for model in (reference, patched):
+            model(input_ids=ids, labels=labels).loss.backward()
+        assert [i for i, _, _ in seen["patched"]] == [0, 1, 2] * n
+    for (_, x_ref, y_ref), (_, x, y) in zip(seen["reference"], seen["patched"]):
+        assert x.shape == y.shape == (BATCH, SEQ, 64)
+        assert rel(x, x_ref) < TOL and rel(y, y_ref) < TOL
+
+
+def test_evaluation_with_labels_returns_the_logits_as_trainer_asks():
+    """Trainer's prediction_step calls the model in eval mode under torch.no_grad() and hands compute_metrics the
+    output's values other than the loss: in evaluation, a forward with labels returns transformers' logits (and
+    its loss); a training forward makes no logits (the loss block keeps none); return_logits=False opts out,
+    return_logits=True returns them always."""
+    torch.manual_seed(10)
+    reference = tiny_llama()
+    patched = apply_codagen(copy.deepcopy(reference))
+    ids, labels = tokens_and_labels(10)
+    for model in (reference, patched):
+        model.eval()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=labels)
+        out = patched(input_ids=ids, labels=labels)
+        assert rel(out.loss, expected.loss) < 1e-5
+        assert out.logits.shape == expected.logits.shape and rel(out.logits, expected.logits) < 1e-5
+        # as prediction_step collects them (ModelOutput.items() leaves out None)
+        (logits,) = tuple(v for k, v in out.items() if k != "loss")
+        assert logits is out.logits
+        loss, logits = patched(input_ids=ids, labels=labels, return_dict=False)
+        assert rel(logits, expected.logits) < 1e-5
+    patched.train()
+    out = patched(input_ids=ids, labels=labels)
+    assert out.logits is None and rel(out.loss, expected.loss) < TOL  # no dropout in this config
+    with torch.no_grad():  # an evaluation loss in training mode: no logits either
+        assert patched(input_ids=ids, labels=labels).logits is None
+    patched.eval()
+    assert patched(input_ids=ids, labels=labels).logits is None  # eval mode, gradients on: a training-like step
+    opted_out = apply_codagen(copy.deepcopy(reference), return_logits=False).eval()
+    always = apply_codagen(copy.deepcopy(reference), return_logits=True)
+    with torch.no_grad():
+        assert opted_out(input_ids=ids, labels=labels).logits is None
+    out = always(input_ids=ids, labels=labels)
+    assert rel(out.logits, expected.logits) < 1e-5 and out.logits.requires_grad
+    with pytest.raises(ValueError, match="^apply_codagen: return_logits must be 'eval', True or False, got 1$"):
+        apply_codagen(tiny_llama(), return_logits=1)

@@ -1,0 +1,94 @@
+"""Worker of tests/test_hf_fsdp2.py, run by torch.distributed.run in 2 CPU processes over gloo: a tiny random
+transformers LlamaForCausalLM patched by codagen.hf, fully_shard on each decoder layer and on the root, against the same
+patched model unwrapped in one process on the whole batch. Rank r feeds row r of the batch (no ignored labels, so
+every rank has as many tokens and FSDP2's average of the ranks' gradients is the gradient of the whole batch's mean).
+Writes {"rank", "runs": [{"checkpointing", "loss", "ref_loss", "max_rel_grad", "layer_calls"}]} as JSON to argv[1]
+on rank 0; asserts that every layer's forward saw plain tensors only (parameters and arguments)."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from codagen.hf import apply_codagen
+
+VOCAB, BATCH, SEQ = 97, 2, 12
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)
+    return apply_codagen(model)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == BATCH
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    runs = []
+    for checkpointing in (False, True):
+        reference = tiny_model()
+        model = copy.deepcopy(reference)
+        calls = [0]
+
+        def plain_only(module, args, kwargs):
+            """After FSDP's pre-forward hook (FSDP prepends its own): the layer's parameters are gathered, and no
+            argument (the next norm's weight included) is a DTensor."""
+            for name, p in module.named_parameters():
+                assert not isinstance(p, DTensor), f"{name} is a DTensor in the layer's forward"
+            for a in list(args) + list(kwargs.values()):
+                assert not isinstance(a, DTensor), "a layer argument is a DTensor"
+            calls[0] += 1
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+            layer.register_forward_pre_hook(plain_only, with_kwargs=True)
+        fully_shard(model, mesh=mesh)
+        # at rest every layer's weights are sharded: the next norm's weight is a DTensor when a layer reads it
+        assert isinstance(model.model.layers[1].input_layernorm.weight, DTensor)
+        for m in (model, reference):
+            m.train()
+            if checkpointing:
+                m.gradient_checkpointing_enable()
+        loss = model(input_ids=ids[rank: rank + 1], labels=ids[rank: rank + 1]).loss
+        loss.backward()
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+        ref_grads = dict(reference.named_parameters())
+        worst = 0.0
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            worst = max(worst, rel(grad, ref_grads[name].grad))
+        runs.append(dict(checkpointing=checkpointing, loss=mean_loss.item(), ref_loss=ref_loss.item(),
+                         max_rel_grad=worst, layer_calls=calls[0],
+                         params=sorted(n for n, _ in model.named_parameters()) == sorted(ref_grads)))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"world": world, "runs": runs}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
