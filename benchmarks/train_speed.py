@@ -17,7 +17,8 @@ bfloat16 parameters; amp: fp32 parameters, the forward under torch.autocast(bflo
 Writes <gpu>-train-speed.json, .md and .png (the chart: when matplotlib is installed) into --out after every
 variant, so a run cut off by a time limit keeps the variants it finished; --variant-limit ends a variant that runs
 longer (a compilation that never finishes) with an error in its row and goes on; --traces and --host-profile
-write the profiled steps' Chrome traces and a cProfile of the host's time per variant; --merge joins the JSONs of several runs on one GPU.
+write the profiled steps' Chrome traces and a cProfile of the host's time per variant; --merge joins the JSONs of
+several runs on one GPU.
 """
 from __future__ import annotations
 
@@ -298,7 +299,7 @@ def error_message(error: Exception) -> str:
 
 
 class VariantTimeout(Exception):
-    pass
+    """A variant still running after --variant-limit seconds (SIGALRM)."""
 
 
 def over_time(signum, frame):
