@@ -1,8 +1,8 @@
 """Host time of one launch: a codagen kernel through its public function, its tl and Hopper launchers, against
-torch.mm and a one-line Triton kernel (as it is, and through codagen's Launcher), each called back to back on shapes small enough that the GPU waits for the
-host (the time per call is then the host's).
+torch.mm and a one-line Triton kernel (as it is, and through codagen's Launcher), each called back to back on
+shapes small enough that the GPU waits for the host (the time per call is then the host's).
 
-    python3 benchmarks/launch_overhead.py --out $OUT      # writes launch-overhead.md
+    PYTHONPATH=. python3 benchmarks/launch_overhead.py --out $OUT      # writes launch-overhead.md
 """
 from __future__ import annotations
 
