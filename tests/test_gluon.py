@@ -552,6 +552,28 @@ def test_a_read_in_either_memory_order(monkeypatch):
                      m.POINTER_TENSORS)
 
 
+def test_a_base_tma_cannot_address_is_refused_and_planned_apart(monkeypatch):
+    """A view at an offset that is no multiple of 16 bytes: the Hopper kernel's checks refuse it (so that a tuning
+    table's Hopper choice falls back to the tl kernel, backends.hopper_or_tl, rather than fail in the descriptor at
+    launch), and the tl launcher's plans key on alignment, so that such a call gets a plan of its own."""
+    from codagen import runtime
+
+    hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
+    monkeypatch.setattr(hopper, "available", lambda device: True)
+    m = _module("matmul")
+    config = hopper.default_config(m.EPILOGUE)
+    storage = torch.randn(40 * 72 + 8).bfloat16()
+    a, shifted = storage[:40 * 72].view(40, 72), storage[1:40 * 72 + 1].view(40, 72)  # 2 bytes further
+    b, out = torch.randn(24, 72).bfloat16(), torch.empty(40, 24).bfloat16()
+    values = {"a": a, "b": b, "out_tile": out}
+    hopper.check("matmul", config, m.EPILOGUE, torch.bfloat16, 72, values, m.TMA_TENSORS, m.POINTER_TENSORS)
+    with pytest.raises(ValueError, match="'a': its base is not 16-byte aligned"):
+        hopper.check("matmul", config, m.EPILOGUE, torch.bfloat16, 72, {**values, "a": shifted}, m.TMA_TENSORS,
+                     m.POINTER_TENSORS)
+    assert runtime.signature((a, b, out), None) != runtime.signature((shifted, b, out), None)
+    assert runtime.signature((a, b, out), None) == runtime.signature((a.clone(), b, out), None)
+
+
 def _modules_with(text: str) -> list[str]:
     """The generated Hopper modules whose source holds `text`, by name."""
     return sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if text in p.read_text())

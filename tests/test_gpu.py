@@ -546,6 +546,32 @@ def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
     assert launches == [chosen]
 
 
+def test_a_table_s_hopper_choice_runs_the_tl_kernel_on_a_view_tma_cannot_address(monkeypatch):
+    """A tuning table that picks the Hopper kernel, and an input that is a view 2 bytes past an aligned address:
+    that call runs the tl kernel (its own plan: plans key on alignment), an aligned call the Hopper kernel, and
+    both give the same outputs."""
+    hopper_runtime()
+    module = importlib.import_module("generated.kernels.gate_up_swiglu")
+    chosen = runtime.backends.hopper_default("generated.kernels", "gate_up_swiglu")
+    monkeypatch.setattr(module, "_PLANS", {})
+    monkeypatch.setattr(runtime, "pick_config", lambda *a, **k: chosen)
+    hoppers, launch_hopper = [], runtime.backends.launch_hopper
+    monkeypatch.setattr(runtime.backends, "launch_hopper",
+                        lambda *a, **kw: hoppers.append(kw["config"]) or launch_hopper(*a, **kw))
+    m, n, k = 1037, 1040, 872
+    g = generator("misaligned")
+    storage = (torch.randn(m * k + 8, device=DEVICE, generator=g) * k ** -0.25).bfloat16()
+    shifted = storage[1:m * k + 1].view(m, k)  # rows 16-byte aligned apart, the base 2 bytes past an aligned one
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * k ** -0.25).bfloat16()
+    rstd = torch.rand(m, device=DEVICE, generator=g) + 0.5
+    z, y = module.gate_up_swiglu(shifted.clone(), w, rstd)  # the same values, aligned: the Hopper kernel
+    assert hoppers == [chosen]
+    z_view, y_view = module.gate_up_swiglu(shifted, w, rstd)
+    assert hoppers == [chosen]  # the view: the tl kernel
+    torch.testing.assert_close(z_view, z, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y_view, y, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("name", ["gate_up_swiglu", "out_proj_residual_norm"])
 def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tmp_path):
     """A shape no tuning table holds is tuned at its first launch, and on sm_90 the Hopper kernel's default is

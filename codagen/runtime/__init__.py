@@ -171,13 +171,22 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def signature(tensors, config) -> tuple | None:
-    """What a launch plan depends on: types, shapes, strides, dtypes and devices of the arguments, and the
-    config. None when an argument is not a tensor: no plan has that key, and making one says which."""
+    """What a launch plan depends on: types, shapes, strides, dtypes and devices of the arguments, whether their
+    addresses are all 16-byte aligned (a tuning table's Hopper kernel reads through TMA, which needs it: a view at
+    an odd offset gets a plan of its own, with the tl kernel), and the config. None when an argument is not a
+    tensor: no plan has that key, and making one says which."""
     if config is not None and type(config) is not Config:
         raise TypeError(f"config must be a codagen.runtime.Config or None, got {type(config).__name__}")
     try:
-        return (config, *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        return (config, _all_aligned(tensors), *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
     except AttributeError:
+        return None
+
+
+def _all_aligned(tensors) -> bool | None:
+    try:
+        return all(t.data_ptr() % 16 == 0 for t in tensors)
+    except RuntimeError:  # no storage to point to (torch.compile's fake tensors): their plans are not launched
         return None
 
 

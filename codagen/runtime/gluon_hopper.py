@@ -181,8 +181,8 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
           tma_tensors: tuple[str, ...], pointer_tensors: tuple[str, ...]) -> None:
     """Refuse, with the reason, a launch the Hopper kernel cannot make (the tl kernel can): operands that are
     not bf16 or fp16, an empty K, slices that TMA cannot copy, that split column groups or that the epilogue's
-    stages do not divide, tensors that TMA cannot address, offsets past 32 bits, or a tile shape that does not
-    fit in shared memory."""
+    stages do not divide, tensors that TMA cannot address (strides, or a base not 16-byte aligned), offsets past
+    32 bits, or a tile shape that does not fit in shared memory."""
     if t_dtype not in GL_DTYPES:
         raise ValueError(f"{kernel}: the Hopper kernel takes bfloat16 or float16 operands, got {t_dtype}")
     if k == 0:
@@ -209,6 +209,9 @@ def check(kernel: str, config: HopperConfig, epilogue: Epilogue, t_dtype: torch.
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
             raise ValueError(f"{kernel}: TMA cannot address '{name}' (it needs a contiguous last dimension and "
                              f"16-byte aligned rows; strides {t.stride()})")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{kernel}: TMA cannot address '{name}': its base is not 16-byte aligned (a view at "
+                             "an offset?)")
     for name in pointer_tensors:
         t = values[name]
         if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
