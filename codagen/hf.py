@@ -191,7 +191,7 @@ def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.
         expected.update({f"{layer}.{name}".rstrip("."): class_of(k) for name, k in mapping.layer_modules.items()
                          if not patched or name in mapping.read})
     for name, kind in expected.items():
-        _check_type(prefix + name, llama.get_submodule(name), kind)
+        _check_type(prefix + name, llama.get_submodule(name), kind, mapping.model_class.removesuffix("ForCausalLM"))
 
 
 _MODELING: dict[str, types.ModuleType] = {}
@@ -207,10 +207,10 @@ def _modeling(mapping: HfMapping = LLAMA) -> types.ModuleType:
     return module
 
 
-def _check_type(name: str, module: nn.Module, kind: type) -> None:
+def _check_type(name: str, module: nn.Module, kind: type, family: str = "Llama") -> None:
     if type(module) is not kind:
         raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
-                        f"not {kind.__qualname__}; codagen runs unmodified transformers modules only "
+                        f"not {kind.__qualname__}; codagen runs unmodified transformers {family} modules only "
                         "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
 
 
