@@ -1,7 +1,11 @@
-"""Hugging Face integration: codagen's generated Llama blocks inside a `transformers` LlamaForCausalLM.
+"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM or Qwen3ForCausalLM.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
+
+Each family is declared in its module codagen/models/<family>.py as an HfMapping (its transformers classes, its
+fused projections, its refusals, its blocks where they are not Llama's); this module reads the mapping of the
+model's class and holds nothing family-specific beyond Llama's blocks, the default.
 
 `apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
 committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
