@@ -143,3 +143,37 @@ def test_modified_qk_norm_is_refused():
     ids, labels = tokens_and_labels()
     with pytest.raises(TypeError, match=r"^apply_codagen: model\.layers\.1\.self_attn\.k_norm is a .*Identity"):
         patched(input_ids=ids, labels=labels)
+
+
+def test_qwen3_mapping_names_transformers_modules_and_weights():
+    """codagen/models/qwen3.py's HF: its classes, modules and the weights each block is fed are transformers'."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from codagen import models
+
+    qwen3 = models.family("qwen3")
+    hf = qwen3.hf
+    model = tiny_qwen3()
+    assert type(model).__name__ == hf.model_class and modeling_qwen3.__name__ == hf.modeling
+
+    def kind(name):
+        return getattr(torch.nn, name) if name in ("Linear", "Embedding") else getattr(modeling_qwen3, name)
+
+    for name, cls in hf.model_modules.items():
+        assert type(model.model.get_submodule(name)) is kind(cls), name
+    for name, cls in hf.layer_modules.items():
+        assert type(model.model.layers[0].get_submodule(name)) is kind(cls), name
+    assert set(hf.read) <= set(hf.model_modules) | set(hf.layer_modules)
+    assert {f"self_attn.{name}" for name in hf.attention_modules} <= set(hf.read)
+    weights = dict(model.named_parameters(), **{"lm_head.weight": model.lm_head.weight})
+    layer = {n.removeprefix("model.layers.0."): p for n, p in weights.items() if n.startswith("model.layers.0.")}
+    assert set(hf.feeds) == set(qwen3.blocks)
+    fed = set()
+    for block, names in hf.feeds.items():
+        for name in names:
+            if name.startswith(("model.", "lm_head.")):
+                assert name in weights, (block, name)
+            else:
+                assert name.removeprefix("next.") in layer, (block, name)
+                fed.add(name.removeprefix("next."))
+    assert fed == set(layer)  # every weight of a layer feeds a block
