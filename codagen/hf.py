@@ -1,7 +1,11 @@
-"""Hugging Face integration: codagen's generated Llama blocks inside a `transformers` LlamaForCausalLM.
+"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM or Qwen3ForCausalLM.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
+
+Each family is declared in its module codagen/models/<family>.py as an HfMapping (its transformers classes, its
+fused projections, its refusals, its blocks where they are not Llama's); this module reads the mapping of the
+model's class and holds nothing family-specific beyond Llama's blocks, the default.
 
 `apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
 committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
@@ -35,6 +39,8 @@ from torch import nn
 # without a GPU, the runtime switches Triton's interpreter on, for the generated kernels these functions run
 from . import runtime  # noqa: F401
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
+from .models import NAMES as FAMILY_NAMES
+from .models import HfMapping, family
 from .models.llama import HF as LLAMA  # the Llama family's Hugging Face mapping: modules, fused projections
 from .runtime.heads import split_heads
 
@@ -47,7 +53,7 @@ GENERATED_PACKAGE = "codagen_generated"
 
 
 class CodagenConfigError(ValueError):
-    """A model configuration that codagen's Llama blocks do not compute exactly; the message names the field."""
+    """A model configuration that codagen's blocks do not compute exactly; the message names the field."""
 
 
 def _transformers():
@@ -61,6 +67,28 @@ def _transformers():
                           "hf extra (pip install -e \".[hf]\" in a checkout) or pip install \"transformers>=5\"",
                           name="transformers") from e
     return transformers
+
+
+# ---- the families codagen.hf patches: each family module's HfMapping (codagen.models) ----
+
+@functools.cache
+def _mappings() -> tuple[HfMapping, ...]:
+    """The Hugging Face mappings of the families that declare one, in codagen.models.NAMES order (Llama first)."""
+    return tuple(f.hf for f in map(family, FAMILY_NAMES) if f.hf is not None)
+
+
+def _mapping_of(model) -> HfMapping | None:
+    """The mapping whose transformers class `model` is an instance of, else None."""
+    transformers = _transformers()
+    for mapping in _mappings():
+        cls = getattr(transformers, mapping.model_class, None)
+        if cls is not None and isinstance(model, cls):
+            return mapping
+    return None
+
+
+def _mapping_named(model_class: str) -> HfMapping:
+    return next(m for m in _mappings() if m.model_class == model_class)
 
 
 # ---- the committed generated package ----
@@ -133,8 +161,9 @@ def _refuse(field: str, value, why: str) -> None:
     raise CodagenConfigError(f"apply_codagen: config.{field} = {value!r} is not supported: {why}")
 
 
-def check_config(config) -> None:
-    """Refuse, naming the field, every Llama configuration whose math the generated blocks do not compute."""
+def check_config(config, mapping: HfMapping = LLAMA) -> None:
+    """Refuse, naming the field, every configuration of the family (`mapping`, Llama's by default) whose math the
+    generated blocks do not compute: the fields every family shares, then the family's own (mapping.check_config)."""
     if getattr(config, "hidden_act", "silu") != "silu":
         _refuse("hidden_act", config.hidden_act, "the MLP kernels compute SwiGLU with silu only")
     rope = _rope_type(config)
@@ -145,43 +174,47 @@ def check_config(config) -> None:
         _refuse("num_key_value_heads", config.num_key_value_heads, "it must divide num_attention_heads")
     if getattr(config, "is_causal", True) is not True:
         _refuse("is_causal", config.is_causal, "the patched decoder is causal")
+    if mapping.check_config is not None:
+        mapping.check_config(config, _refuse)
 
 
-def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.") -> None:
-    """Refuse modules other than transformers' own Llama ones (an adapter such as LoRA, a quantized linear, another
-    library's patch) in a LlamaModel: the patch reads their weights and would silently drop what they add. Checked
-    at patch time, and, for the modules whose weights the patched model reads (patched=True), on its first call
-    after one of them changed (CodagenPatch)."""
-    hf = _modeling()
+def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.", mapping: HfMapping = LLAMA) -> None:
+    """Refuse modules other than transformers' own ones of the family (`mapping`, Llama's by default: an adapter
+    such as LoRA, a quantized linear, another library's patch) in its decoder (a LlamaModel): the patch reads their
+    weights and would silently drop what they add. Checked at patch time, and, for the modules whose weights the
+    patched model reads (patched=True), on its first call after one of them changed (CodagenPatch)."""
+    hf = _modeling(mapping)
 
     def class_of(name: str) -> type:
         return getattr(nn, name) if name in ("Linear", "Embedding") else getattr(hf, name)
 
-    expected = {name: class_of(k) for name, k in LLAMA.model_modules.items() if not patched or name in LLAMA.read}
+    expected = {name: class_of(k) for name, k in mapping.model_modules.items()
+                if not patched or name in mapping.read}
     for i in range(len(llama.layers)):
         layer = f"layers.{i}"
-        expected.update({f"{layer}.{name}".rstrip("."): class_of(k) for name, k in LLAMA.layer_modules.items()
-                         if not patched or name in LLAMA.read})
+        expected.update({f"{layer}.{name}".rstrip("."): class_of(k) for name, k in mapping.layer_modules.items()
+                         if not patched or name in mapping.read})
     for name, kind in expected.items():
-        _check_type(prefix + name, llama.get_submodule(name), kind)
+        _check_type(prefix + name, llama.get_submodule(name), kind, mapping.model_class.removesuffix("ForCausalLM"))
 
 
-_MODELING: types.ModuleType | None = None
+_MODELING: dict[str, types.ModuleType] = {}
 
 
-def _modeling() -> types.ModuleType:
-    """transformers' modeling module of the Llama classes (LLAMA.modeling), imported once: at patch time, so that a
-    trace of the forward (torch.compile) reads a global and calls no importlib, which Dynamo does not trace."""
-    global _MODELING
-    if _MODELING is None:
-        _MODELING = importlib.import_module(LLAMA.modeling)
-    return _MODELING
+def _modeling(mapping: HfMapping = LLAMA) -> types.ModuleType:
+    """transformers' modeling module of the family's classes (mapping.modeling), imported once: at patch time, so
+    that a trace of the forward (torch.compile) reads a global and calls no importlib, which Dynamo does not
+    trace."""
+    module = _MODELING.get(mapping.modeling)
+    if module is None:
+        module = _MODELING[mapping.modeling] = importlib.import_module(mapping.modeling)
+    return module
 
 
-def _check_type(name: str, module: nn.Module, kind: type) -> None:
+def _check_type(name: str, module: nn.Module, kind: type, family: str = "Llama") -> None:
     if type(module) is not kind:
         raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
-                        f"not {kind.__qualname__}; codagen runs unmodified transformers Llama modules only "
+                        f"not {kind.__qualname__}; codagen runs unmodified transformers {family} modules only "
                         "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
 
 
@@ -214,7 +247,7 @@ class CodagenAttention(nn.Module):
     """Fused qkv_proj (q and k rows interleaved per head for RoPE), Hugging Face's o_proj, and the attributes that
     Hugging Face's attention functions read from their module."""
 
-    def __init__(self, attn: nn.Module, config):
+    def __init__(self, attn: nn.Module, config, mapping: HfMapping = LLAMA):
         super().__init__()
         self.config = config
         self.layer_idx = attn.layer_idx
@@ -231,6 +264,8 @@ class CodagenAttention(nn.Module):
             bias = None if attn.q_proj.bias is None else self.fuse(*(p.bias for p in projections))
         self.qkv_proj = FusedProjection(qkv, attn.q_proj.weight.requires_grad, bias)
         self.o_proj = attn.o_proj
+        for name in mapping.attention_modules:  # the family's own (Qwen3's q_norm, k_norm), as they are
+            setattr(self, name, attn.get_submodule(name))
 
     def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.cat([heads_to_interleaved(q, self.head_dim), heads_to_interleaved(k, self.head_dim), v])
@@ -276,10 +311,11 @@ class CodagenDecoderLayer(nn.Module):
     last epilogue applies, comes in as an argument (next_norm_weight, no gradient through it): the loop passes it,
     gathered whole where FSDP2 keeps it sharded (_next_norm_weight)."""
 
-    def __init__(self, layer: nn.Module, config):
+    def __init__(self, layer: nn.Module, config, mapping: HfMapping = LLAMA):
         super().__init__()
+        self.hf_mapping = mapping  # the family's: its blocks where they are not Llama's, its fused projections
         self.input_layernorm = layer.input_layernorm
-        self.self_attn = CodagenAttention(layer.self_attn, config)
+        self.self_attn = CodagenAttention(layer.self_attn, config, mapping)
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = CodagenMLP(layer.mlp)
         self.dim = config.hidden_size
@@ -303,8 +339,12 @@ class CodagenDecoderLayer(nn.Module):
         wn = cast(self.input_layernorm.weight)
         h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps) if norm_stats is None else norm_stats
         qkv_weight = cast(attn.qkv_proj.weight)
-        x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, rope_freqs, wn, qkv_weight, dim,
-                                                   qkv_weight.shape[0])
+        pre_attention = self.hf_mapping.pre_attention
+        if pre_attention is None:
+            x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, rope_freqs, wn, qkv_weight, dim,
+                                                       qkv_weight.shape[0])
+        else:
+            x, qkv = pre_attention(self, blocks, x, h, rstd, positions, rope_freqs, wn, qkv_weight, eps, cast)
         if attn.qkv_proj.bias is not None:
             qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, rope_freqs)
         q, k, v = attn.split(qkv.view(batch, seq, -1))
@@ -318,7 +358,11 @@ class CodagenDecoderLayer(nn.Module):
                                                  mlp.down_proj.weight))
         wn_next = cast(next_norm_weight)
         ffn_dim = w_down.shape[1]
-        if mlp.gate_up_proj.bias is None:
+        post_attention = self.hf_mapping.post_attention
+        if post_attention is not None:
+            x, h, rstd = post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight), w_down,
+                                        eps, cast)
+        elif mlp.gate_up_proj.bias is None:
             x, h, rstd = blocks.PostAttentionFunction.apply(y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
                                                             w_down, dim, ffn_dim, eps)
         else:
@@ -334,9 +378,9 @@ class CodagenDecoderLayer(nn.Module):
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
-    """Each fused projection (LLAMA.fused) back to the Hugging Face projections it is made of."""
+    """Each fused projection (the family's HfMapping.fused) back to the Hugging Face projections it is made of."""
     for kind in ("weight", "bias"):
-        for name, parts in LLAMA.fused.items():
+        for name, parts in module.hf_mapping.fused.items():
             fused = state_dict.pop(prefix + f"{name}.{kind}", None)
             if fused is not None:
                 owner = module.get_submodule(name.rpartition(".")[0])  # CodagenAttention, CodagenMLP
@@ -346,7 +390,7 @@ def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_me
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
     for kind in ("weight", "bias"):
-        for name, parts in LLAMA.fused.items():
+        for name, parts in module.hf_mapping.fused.items():
             names = [prefix + f"{part}.{kind}" for part in parts]
             if all(n in state_dict for n in names):
                 owner = module.get_submodule(name.rpartition(".")[0])
@@ -363,8 +407,9 @@ class CodagenPatch:
     gets a new child or parameter (an adapter or a quantized linear in place of a projection, a bias given to the
     LM head), so that the forward checks again then, instead of on every call."""
 
-    def __init__(self):
+    def __init__(self, mapping: HfMapping = LLAMA):
         self.api = _api()
+        self.hf = mapping  # the family's Hugging Face mapping
         self.decoder_checked = self.head_checked = False
         self._freqs: tuple | None = None
 
@@ -376,7 +421,7 @@ class CodagenPatch:
         # model is made or freed (Dynamo guards on the modules themselves)
         watch = not torch.compiler.is_compiling()
         if not self.decoder_checked:
-            check_modules(llama, patched=True)
+            check_modules(llama, patched=True, mapping=self.hf)
             if watch:
                 _watch(self, [llama, llama.layers, *(m for layer in llama.layers
                                                      for m in (layer, layer.self_attn, layer.mlp))])
@@ -397,13 +442,13 @@ class CodagenPatch:
         return cached[2]
 
     def __deepcopy__(self, memo) -> "CodagenPatch":
-        return CodagenPatch()  # the copy's modules are others: checked and watched on its first call
+        return CodagenPatch(self.hf)  # the copy's modules are others: checked and watched on its first call
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"model_class": self.hf.model_class}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(_mapping_named(state.get("model_class", LLAMA.model_class)))
 
 
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # watched module -> its model's CodagenPatch
@@ -609,7 +654,8 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 # ---- entry points ----
 
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
-    """Patch a transformers LlamaForCausalLM in place to run codagen's generated blocks, and return it.
+    """Patch a transformers LlamaForCausalLM or Qwen3ForCausalLM in place to run codagen's generated blocks (its
+    family's: codagen.models.<family>.HF), and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -619,25 +665,25 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     evaluates and predicts, so that compute_metrics gets them; True always; False never. Raises CodagenConfigError,
     naming the field, for a configuration it does not compute exactly.
     """
-    LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
-
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"apply_codagen: expected a transformers LlamaForCausalLM, got {type(model).__name__}")
+    mapping = _mapping_of(model)
+    if mapping is None:
+        raise TypeError(f"apply_codagen: expected a transformers {' or '.join(m.model_class for m in _mappings())}, "
+                        f"got {type(model).__name__}")
     llama = model.model
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
         raise ValueError("apply_codagen: this model is already patched")
-    check_config(model.config)
-    check_modules(llama)
+    check_config(model.config, mapping)
+    check_modules(llama, mapping=mapping)
     _check_lm_head(model.lm_head)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     if not (return_logits is True or return_logits is False or return_logits == "eval"):
         raise ValueError(f"apply_codagen: return_logits must be 'eval', True or False, got {return_logits!r}")
     for i, layer in enumerate(llama.layers):
-        llama.layers[i] = CodagenDecoderLayer(layer, model.config)
+        llama.layers[i] = CodagenDecoderLayer(layer, model.config, mapping)
     model.codagen_chunk_rows = int(chunk_rows)
     model.codagen_return_logits = return_logits
-    llama.codagen_patch = CodagenPatch()
+    llama.codagen_patch = CodagenPatch(mapping)
     llama.codagen_patch.check(llama, model)
     llama.forward = types.MethodType(_model_forward, llama)
     model.forward = types.MethodType(_causal_lm_forward, model)
@@ -645,14 +691,25 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
 
 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
-    """LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen."""
-    LlamaForCausalLM = getattr(_transformers(), LLAMA.model_class)
-
-    return apply_codagen(LlamaForCausalLM.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
+    """<Family>ForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen: the family whose
+    configuration class the checkpoint's config is (config.model_type: LlamaForCausalLM for "llama",
+    Qwen3ForCausalLM for "qwen3"), LlamaForCausalLM for any other, as before families."""
+    transformers = _transformers()
+    config = kwargs.get("config")
+    if not isinstance(config, transformers.PretrainedConfig):
+        config_kwargs = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token", "revision",
+                                                "subfolder", "trust_remote_code") if k in kwargs}
+        config = transformers.AutoConfig.from_pretrained(config if isinstance(config, (str, Path)) else name_or_path,
+                                                         **config_kwargs)
+    model_class = next((cls for cls in (getattr(transformers, m.model_class) for m in _mappings())
+                        if cls.config_class.model_type == getattr(config, "model_type", None)),
+                       getattr(transformers, LLAMA.model_class))
+    return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
                          return_logits=return_logits)
 
 
 class AutoCodagenForCausalLM:
-    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face Llama at path, patched by apply_codagen."""
+    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen3), patched by
+    apply_codagen."""
 
     from_pretrained = staticmethod(from_pretrained)

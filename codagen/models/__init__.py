@@ -59,6 +59,16 @@ class HfMapping:
     feeds: each block -> the Hugging Face weights it is given, a layer's by their names in the layer
       ("next.input_layernorm.weight": the next layer's, or "model.norm.weight" after the last), the model's own
       with "model." or "lm_head.".
+    check_config: the family's own refusals, check_config(config, refuse), next to those every family shares
+      (codagen.hf.check_config); refuse(field, value, why) raises CodagenConfigError naming the field. None: none.
+    attention_modules: the attention's own submodules that the patched attention keeps as they are, under their
+      names (Qwen3's q_norm, k_norm), read by pre_attention.
+    pre_attention, post_attention: the blocks of a patched layer, where they are not Llama's (None: Llama's
+      PreAttention and PostAttention, as codagen.hf runs them):
+      pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast) -> (x, qkv) and
+      post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast) -> (x, h, rstd), with
+      `layer` the patched decoder layer, `blocks` the generated blocks package, the weights already cast to the
+      blocks' dtype and `cast` the cast of any other weight.
     """
 
     model_class: str
@@ -68,6 +78,10 @@ class HfMapping:
     read: tuple
     fused: dict
     feeds: dict
+    check_config: Callable | None = None
+    attention_modules: tuple = ()
+    pre_attention: Callable | None = None
+    post_attention: Callable | None = None
 
 
 def family(name: str) -> Family:

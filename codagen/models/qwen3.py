@@ -1,5 +1,6 @@
 """The Qwen3 family: a Qwen3 built from codagen's generated block modules, the same model in plain PyTorch (Hugging
-Face weight layout and names, as transformers' Qwen3ForCausalLM) as its reference, and the weight conversion.
+Face weight layout and names, as transformers' Qwen3ForCausalLM) as its reference, the weight conversion, and what
+codagen.hf patches in a transformers Qwen3ForCausalLM (HF).
 
 Qwen3 is Llama's layer with QK-norm: an RMSNorm of each q and k head (weights q_norm and k_norm of head_dim
 values, shared by the heads) between the QKV projection and RoPE; the embeddings are tied to the LM head at small
@@ -18,12 +19,85 @@ import torch
 from torch import nn
 
 from ..convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
-from . import Family, generated_blocks
+from . import Family, HfMapping, generated_blocks
+from .llama import HF as LLAMA_HF
 from .llama import PlainLlama, RMSNorm, attention
 
 # the block specs a Qwen3 chains (specs/qwen3/blocks/, and Llama's norm_stats and lm_head_loss)
 BLOCKS = ("norm_stats", "qwen3_pre_attention", "qwen3_post_attention", "lm_head_loss")
 HEAD_DIM = 128  # the column group of specs/qwen3/ (every Qwen3 model has 128-wide heads)
+
+
+# ---- codagen.hf: a transformers Qwen3ForCausalLM patched in place ----
+
+def hf_check_config(config, refuse) -> None:
+    """Qwen3's refusals, next to every family's (codagen.hf.check_config): refuse(field, value, why)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim != HEAD_DIM:
+        refuse("head_dim", head_dim, f"the Qwen3 kernels normalize q and k heads of {HEAD_DIM} columns (their column "
+                                     "group), as every released Qwen3 has")
+    if getattr(config, "attention_bias", False):
+        refuse("attention_bias", config.attention_bias, "Qwen3's q and k biases come before QK-norm, inside the "
+                                                        "Qwen3PreAttention block, which has no bias")
+    if getattr(config, "use_sliding_window", False):
+        refuse("use_sliding_window", config.use_sliding_window, "the patched decoder builds Hugging Face's full "
+                                                                "causal mask only (no sliding window)")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        refuse("layer_types", layer_types, "the patched decoder runs full causal attention in every layer "
+                                           "(sliding_attention is not supported)")
+
+
+def hf_pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast):
+    """Qwen3PreAttention on a patched layer: QK-norm's weight per qkv column made of the layer's own q_norm and
+    k_norm (Hugging Face's, each permuted within the head as the q and k rows are: codagen.convert), so their
+    gradients are summed over the heads by autograd."""
+    attn = layer.self_attn
+    hd, nq, nkv = attn.head_dim, attn.num_heads, attn.num_key_value_heads
+    q_norm = heads_to_interleaved(cast(attn.q_norm.weight), hd)
+    k_norm = heads_to_interleaved(cast(attn.k_norm.weight), hd)
+    zeros = q_norm.new_zeros((nq + nkv) * hd)
+    wn_qk = torch.cat([q_norm.repeat(nq), k_norm.repeat(nkv), zeros[: nkv * hd]])
+    v_pass = torch.cat([zeros, zeros.new_ones(nkv * hd)]).to(x.dtype)
+    dim = x.shape[1]
+    return blocks.Qwen3PreAttentionFunction.apply(x, h, rstd, positions, freqs, wn_qk, v_pass, wn, w_qkv, dim,
+                                                  w_qkv.shape[0], eps)
+
+
+def hf_post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast):
+    """Qwen3PostAttention: Llama's, for an attention width n_heads * head_dim other than hidden_size."""
+    dim, attn_dim, ffn_dim = x.shape[1], w_o.shape[1], w_down.shape[1]
+    return blocks.Qwen3PostAttentionFunction.apply(y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, dim, attn_dim,
+                                                   ffn_dim, eps)
+
+
+HF = HfMapping(
+    model_class="Qwen3ForCausalLM",
+    modeling="transformers.models.qwen3.modeling_qwen3",
+    model_modules={"norm": "Qwen3RMSNorm", "embed_tokens": "Embedding"},
+    layer_modules={"input_layernorm": "Qwen3RMSNorm", "post_attention_layernorm": "Qwen3RMSNorm",
+                   "self_attn.o_proj": "Linear", "mlp.down_proj": "Linear",
+                   "self_attn.q_norm": "Qwen3RMSNorm", "self_attn.k_norm": "Qwen3RMSNorm",
+                   "": "Qwen3DecoderLayer", "self_attn": "Qwen3Attention", "mlp": "Qwen3MLP",
+                   "self_attn.q_proj": "Linear", "self_attn.k_proj": "Linear", "self_attn.v_proj": "Linear",
+                   "mlp.gate_proj": "Linear", "mlp.up_proj": "Linear"},
+    read=("norm", "input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj",
+          "self_attn.q_norm", "self_attn.k_norm"),
+    fused=LLAMA_HF.fused,
+    feeds={
+        "norm_stats": ("model.layers.0.input_layernorm.weight",),
+        "qwen3_pre_attention": ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                "self_attn.v_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+        "qwen3_post_attention": ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                                 "next.input_layernorm.weight"),
+        "lm_head_loss": ("model.norm.weight", "lm_head.weight"),
+    },
+    check_config=hf_check_config,
+    attention_modules=("q_norm", "k_norm"),
+    pre_attention=hf_pre_attention,
+    post_attention=hf_post_attention,
+)
 
 
 class Layer(nn.Module):
@@ -115,4 +189,4 @@ class PlainQwen3(PlainLlama):
         return attn.q_norm(q), attn.k_norm(k)
 
 
-FAMILY = Family("qwen3", BLOCKS, CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf)
+FAMILY = Family("qwen3", BLOCKS, CodagenQwen3, PlainQwen3, qwen3_from_hf, qwen3_to_hf, HF)
