@@ -13,7 +13,7 @@ if not hasattr(transformers, "Qwen3ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, hf_layout_grads, rel  # noqa: E402
+from test_hf import compare, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 300, 2, 8
