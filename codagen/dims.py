@@ -76,6 +76,13 @@ def base_size(dim: str, size: int | Fraction, group: int | None = None) -> Fract
     return Fraction(size) / scale(dim, group)
 
 
+def base_of_size(dim: str, size, group: int | None = None):
+    """base_size for a whole size in integer arithmetic only (2 * size, size // 2, size * group): what a launcher
+    binds, where the size may be symbolic (torch.compile's SymInt, which a Fraction does not take)."""
+    s = scale(dim, group)
+    return size * s.denominator // s.numerator
+
+
 def python(dim: str, group: int | None = None) -> str:
     """A dim's size as the Python expression a generated launcher computes it with, from M, N, K, and `config`
     (its tile configuration) for tile counts: "N // 2", "triton.cdiv(N, config.epilogue_n)", "N // 16"."""

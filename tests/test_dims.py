@@ -57,6 +57,19 @@ def test_base_size_inverts_scale(dim, size, group, base_size):
     2*N: 1/2)."""
     assert dims.base_size(dim, size, group) == base_size
     assert dims.base_size(dim, Fraction(size), group) == base_size  # symbolic sizes (blockcheck, tune) are Fractions
+    if base_size.denominator == 1:  # a launcher's bind: integers only, which torch.compile's SymInts take
+        assert dims.base_of_size(dim, size, group) == base_size
+
+
+def test_a_launcher_binds_symbolic_sizes():
+    """Under torch.compile's dynamic shapes the sizes a launcher binds are SymInts, which a Fraction does not take:
+    base_of_size keeps to integer arithmetic (opcheck's test_aot_dispatch_dynamic runs every generated op so)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    size = env.create_unbacked_symint()
+    for dim, group, expected in (("N/2", None, "2*u0"), ("groups(N)", 128, "128*u0"), ("M", None, "u0")):
+        assert str(dims.base_of_size(dim, size, group)) == expected
 
 
 SIZES = {"M": 37, "N": 50, "K": 29}

@@ -87,7 +87,7 @@ def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int, group: i
         _whole_groups(kernel, sizes["N"], group)
     elif dim == dims.N_DOUBLE and size % 2:
         _fail(kernel, f"'{name}' has {size} columns for 2*N, which must be even")
-    key, value = dims.base(dim), int(dims.base_size(dim, size, group))
+    key, value = dims.base(dim), dims.base_of_size(dim, size, group)
     if sizes.setdefault(key, value) != value:
         _fail(kernel, f"'{name}' has {dim} = {size}, which does not match {key} = {sizes[key]} of the earlier "
                       "arguments")
