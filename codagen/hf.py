@@ -213,9 +213,14 @@ def _modeling(mapping: HfMapping = LLAMA) -> types.ModuleType:
 
 def _check_type(name: str, module: nn.Module, kind: type, family: str = "Llama") -> None:
     if type(module) is not kind:
-        raise TypeError(f"apply_codagen: {name} is a {type(module).__module__}.{type(module).__qualname__}, "
+        where = type(module).__module__
+        undo = (f" The model was made after Liger-Kernel's patch of transformers (apply_liger_kernel_to_"
+                f"{family.lower()}), which replaces the same layers: make it without that patch, or in a process "
+                "that does not apply it." if where.split(".")[0] == "liger_kernel" else "")
+        raise TypeError(f"apply_codagen: {name} is a {where}.{type(module).__qualname__}, "
                         f"not {kind.__qualname__}; codagen runs unmodified transformers {family} modules only "
-                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)")
+                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)."
+                        + undo)
 
 
 def _check_lm_head(lm_head: nn.Module) -> None:

@@ -308,6 +308,19 @@ def test_modified_modules_are_refused():
         patched(input_ids=ids, labels=labels)
 
 
+def test_a_model_made_under_liger_kernel_s_patch_is_refused_with_what_to_undo():
+    """Liger-Kernel's apply_liger_kernel_to_llama() rebinds transformers' Llama classes, so that a model made after
+    it holds Liger's modules: refused, the error naming the patch to leave out (a module class of Liger's, here
+    made without Liger installed)."""
+    LigerRMSNorm = type("LigerRMSNorm", (torch.nn.Module,), {"__module__": "liger_kernel.transformers.rms_norm"})
+    model = tiny_llama()
+    model.model.norm = LigerRMSNorm()
+    with pytest.raises(TypeError, match=r"^apply_codagen: model\.norm is a liger_kernel\.transformers\.rms_norm\."
+                                        r"LigerRMSNorm, not LlamaRMSNorm; .* made after Liger-Kernel's patch of "
+                                        r"transformers \(apply_liger_kernel_to_llama\)"):
+        apply_codagen(model)
+
+
 def test_lm_head_with_bias_is_refused():
     """lm_head_loss adds no bias: an LM head given one (transformers' Llama has none) is refused, not dropped."""
     model = tiny_llama()
