@@ -185,7 +185,7 @@ def signature(tensors, config) -> tuple | None:
 
 def _all_aligned(tensors) -> bool | None:
     try:
-        return all(t.data_ptr() % 16 == 0 for t in tensors)
+        return aligned(*tensors)
     except RuntimeError:  # no storage to point to (torch.compile's fake tensors): their plans are not launched
         return None
 

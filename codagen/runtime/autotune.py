@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from .. import dims
 from . import backends, tables, tuning_cache
 from .configs import INTERPRETER_DEFAULT, Config, gpu_default, runtime_candidates, widened
 
@@ -170,7 +171,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
 
 @functools.lru_cache(maxsize=None)
 def _tile_dependent(decls) -> bool:
-    return any(d.startswith("tiles(") for decl in decls for d in decl.dims)
+    return any(dims.is_tiles(d) for decl in decls for d in decl.dims)
 
 
 def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: Config, tile_dependent: bool,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import reference
+from .. import dims, reference
 from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
@@ -34,12 +34,9 @@ def _sizes(shape: Shape) -> dict[str, int]:
     return {"M": shape.m, "N": shape.n, "K": shape.k}
 
 
-def _dims(dims: tuple[str, ...], sizes: dict, config: Config, module) -> tuple[int, ...]:
-    m, n = sizes["M"], sizes["N"]
-    table = {"M": m, "N": n, "K": sizes["K"], "N/2": n // 2, "2*N": 2 * n,
-             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n),
-             "groups(N)": n // getattr(module, "COLUMN_GROUP", 1)}
-    return tuple(table[d] for d in dims)
+def _dims(names: tuple[str, ...], sizes: dict, config: Config, module) -> tuple[int, ...]:
+    tile, group = (config.block_m, config.epilogue_n), getattr(module, "COLUMN_GROUP", None)
+    return tuple(dims.size(d, sizes, tile, group) for d in names)
 
 
 def scalar_names(module) -> list[str]:
@@ -68,17 +65,17 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
     for d in module.DECLS:
         if d.output and d.name not in inplace:
             continue
-        dims = _dims(d.dims, sizes, configs.GPU_DEFAULT, module)
+        extent = _dims(d.dims, sizes, configs.GPU_DEFAULT, module)
         if d.dtype == "index":
-            args[d.name] = torch.randint(0, max(shape.n, 1), dims, generator=g, device=device)
+            args[d.name] = torch.randint(0, max(shape.n, 1), extent, generator=g, device=device)
             continue
         dt = dtype if d.dtype == "T" else FLOATS[d.dtype]
-        if d.dtype != "T" and len(dims) <= 1:
-            t = 0.5 + torch.rand(dims, generator=g, device=device)
+        if d.dtype != "T" and len(extent) <= 1:
+            t = 0.5 + torch.rand(extent, generator=g, device=device)
         elif shape.a_km and d.name == kernel.gemm.a:
-            t = torch.randn(dims[::-1], generator=g, device=device).T
+            t = torch.randn(extent[::-1], generator=g, device=device).T
         else:
-            t = torch.randn(dims, generator=g, device=device)
+            t = torch.randn(extent, generator=g, device=device)
             if d.name == b_name:
                 t *= shape.k ** -0.5
         args[d.name] = t.to(dt)
