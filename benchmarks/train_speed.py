@@ -333,6 +333,8 @@ def run_case(case: Case, args, report: dict) -> None:
             signal.alarm(0)
             faulthandler.cancel_dump_traceback_later()
             row["error"] = error_message(error)
+        if "compile" in variant or "cuda" in variant:  # where torch.compile's time went, finished or not
+            print(torch._dynamo.utils.compile_times(), flush=True)
         free()  # after the except clause: the traceback held the variant's model
         report["rows"].append(row)
         compare(report["rows"], report["limits"])
