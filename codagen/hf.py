@@ -87,6 +87,15 @@ def _mapping_of(model) -> HfMapping | None:
     return None
 
 
+def _refuse_class(model_class: type) -> None:
+    """Raise the TypeError of a class that a family refuses (HfMapping.refused), saying why; else nothing."""
+    for mapping in _mappings():
+        for name, why in mapping.refused.items():
+            cls = getattr(_transformers(), name, None)
+            if cls is not None and issubclass(model_class, cls):
+                raise TypeError(f"apply_codagen: a transformers {name} is not supported: {why}")
+
+
 def _mapping_named(model_class: str) -> HfMapping:
     return next(m for m in _mappings() if m.model_class == model_class)
 
@@ -124,7 +133,7 @@ def _api() -> types.SimpleNamespace:
     functions and output classes. Nothing on the forward path imports, inspects a signature or looks a module up,
     which would cost host time on every step and break torch.compile's graph."""
     _transformers()
-    from transformers.masking_utils import create_causal_mask
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -135,6 +144,8 @@ def _api() -> types.SimpleNamespace:
         blocks=importlib.import_module(package + ".blocks"),
         lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
         create_causal_mask=create_causal_mask,
+        # Hugging Face's mask builder of each layer type (config.layer_types; without it every layer is full)
+        masks={"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask},
         # the name of the cache argument of this transformers version's create_causal_mask (newer versions take
         # `cache` and warn when the older `past_key_values` is passed too)
         mask_cache_argument=next((name for name in ("cache", "past_key_values") if name in parameters), None),
@@ -164,8 +175,9 @@ def _refuse(field: str, value, why: str) -> None:
 def check_config(config, mapping: HfMapping = LLAMA) -> None:
     """Refuse, naming the field, every configuration of the family (`mapping`, Llama's by default) whose math the
     generated blocks do not compute: the fields every family shares, then the family's own (mapping.check_config)."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        _refuse("hidden_act", config.hidden_act, "the MLP kernels compute SwiGLU with silu only")
+    field, value, computed = mapping.activation
+    if getattr(config, field, value) != value:
+        _refuse(field, getattr(config, field), f"the MLP kernels compute {computed} only")
     rope = _rope_type(config)
     if rope not in ROPE_TYPES:
         _refuse("rope_parameters['rope_type']", rope,
@@ -271,6 +283,8 @@ class CodagenAttention(nn.Module):
         self.o_proj = attn.o_proj
         for name in mapping.attention_modules:  # the family's own (Qwen3's q_norm, k_norm), as they are
             setattr(self, name, attn.get_submodule(name))
+        # what its attention function is given beyond Llama's (Gemma-2's sliding_window, softcap)
+        self.attention_args = {arg: getattr(attn, name) for arg, name in mapping.attention_args.items()}
 
     def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.cat([heads_to_interleaved(q, self.head_dim), heads_to_interleaved(k, self.head_dim), v])
@@ -322,6 +336,8 @@ class CodagenDecoderLayer(nn.Module):
         self.input_layernorm = layer.input_layernorm
         self.self_attn = CodagenAttention(layer.self_attn, config, mapping)
         self.post_attention_layernorm = layer.post_attention_layernorm
+        for name in mapping.layer_norms:  # the family's own (Gemma-2's feedforward norms), as they are
+            setattr(self, name, layer.get_submodule(name))
         self.mlp = CodagenMLP(layer.mlp)
         self.dim = config.hidden_size
         self.eps = config.rms_norm_eps
@@ -342,7 +358,12 @@ class CodagenDecoderLayer(nn.Module):
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
         x = hidden_states.reshape(batch * seq, dim)
         wn = cast(self.input_layernorm.weight)
-        h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps) if norm_stats is None else norm_stats
+        if norm_stats is not None:
+            h, rstd = norm_stats
+        elif self.hf_mapping.norm_stats is not None:
+            h, rstd = self.hf_mapping.norm_stats(blocks, x, wn, dim, eps)
+        else:
+            h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps)
         qkv_weight = cast(attn.qkv_proj.weight)
         pre_attention = self.hf_mapping.pre_attention
         if pre_attention is None:
@@ -355,7 +376,8 @@ class CodagenDecoderLayer(nn.Module):
         q, k, v = attn.split(qkv.view(batch, seq, -1))
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
         y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attn.attention_args,
+                         **attention_kwargs)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
@@ -415,6 +437,7 @@ class CodagenPatch:
     def __init__(self, mapping: HfMapping = LLAMA):
         self.api = _api()
         self.hf = mapping  # the family's Hugging Face mapping
+        self.eager_attention = _modeling(mapping).eager_attention_forward
         self.decoder_checked = self.head_checked = False
         self._freqs: tuple | None = None
 
@@ -479,22 +502,29 @@ def _install_registration_hooks() -> None:
 
 # ---- forward ----
 
-def _attention_interface(api, config):
+def _attention_interface(api, config, eager):
+    """The attention function of config._attn_implementation; `eager`: the family's own eager attention, as its
+    transformers layers call it (Gemma-2's softcaps the scores)."""
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if implementation == "eager":
-        return api.eager_attention
+        return eager
     return api.attention_functions[implementation]
 
 
-def _causal_mask(api, config, inputs_embeds, attention_mask, position_ids):
-    """Hugging Face's own mask for these inputs: padding (left or right) and packed sequences (position_ids that
-    restart at 0) as the unpatched model sees them."""
+def _causal_masks(api, config, inputs_embeds, attention_mask, position_ids) -> dict:
+    """Hugging Face's own mask for these inputs, per layer type of the config (config.layer_types, else every layer
+    "full_attention"; a sliding layer's is its sliding-window mask): padding (left or right) and packed sequences
+    (position_ids that restart at 0) as the unpatched model sees them."""
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
     if api.mask_cache_argument:
         kwargs[api.mask_cache_argument] = None
     if api.mask_takes_cache_position:
         kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-    return api.create_causal_mask(**kwargs)
+    return {kind: api.masks[kind](**kwargs) for kind in set(_layer_types(config))}
+
+
+def _layer_types(config) -> list:
+    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
 
 
 def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
@@ -547,13 +577,14 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     batch, seq, dim = inputs_embeds.shape
     # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
     # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
-    mask = _causal_mask(api, config, inputs_embeds, attention_mask, position_ids)
+    masks = _causal_masks(api, config, inputs_embeds, attention_mask, position_ids)
+    layer_types = _layer_types(config)
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
     positions = position_ids.expand(batch, seq).reshape(-1)
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
-    attention = _attention_interface(api, config)
+    attention = _attention_interface(api, config, patch.eager_attention)
     layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
     # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     final_norm = llama.norm.weight
@@ -561,7 +592,7 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
     dtype = _autocast_dtype(inputs_embeds.device)
-    context = dict(blocks=api.blocks, positions=positions, rope_freqs=freqs, attention=attention, attention_mask=mask,
+    context = dict(blocks=api.blocks, positions=positions, rope_freqs=freqs, attention=attention,
                    position_ids=position_ids, score_scale=score_scale, dtype=dtype, **attention_kwargs)
     # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's call (its hooks included) is
     # recomputed in the backward, as Hugging Face's layers are
@@ -572,10 +603,12 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         for i, layer in enumerate(layers):
             wn_next = _next_norm_weight(layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else final_norm,
                                         x.dtype, api.dtensor)
+            mask = masks[layer_types[i]]
             if checkpointing:
-                x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False, **context)
+                x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False,
+                                                             attention_mask=mask, **context)
             else:
-                x, stats = layer(x, stats, wn_next, **context)
+                x, stats = layer(x, stats, wn_next, attention_mask=mask, **context)
     return x.reshape(batch * seq, dim), (batch, seq)
 
 
@@ -633,16 +666,23 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if x.dtype != weight.dtype:  # under autocast (decode)
             weight, norm_weight = weight.to(x.dtype), norm_weight.to(x.dtype)
         reduction = "mean" if num_items_in_batch is None else "sum"
+        target = shift_labels.reshape(-1).to(x.device)
         with torch.autocast(x.device.type, enabled=False):
-            loss = patch.api.lm_head_loss(x, shift_labels.reshape(-1).to(x.device), norm_weight, weight,
-                                          weight.shape[1], weight.shape[0], self.config.rms_norm_eps, ignore_index,
-                                          reduction, self.codagen_chunk_rows, "nan", "same")
+            if patch.hf.lm_head_loss is not None:  # the family's own (Gemma-2's softcaps the logits)
+                loss = patch.hf.lm_head_loss(self.config, patch.api.blocks, x, target, norm_weight, weight,
+                                             ignore_index, reduction, self.codagen_chunk_rows)
+            else:
+                loss = patch.api.lm_head_loss(x, target, norm_weight, weight, weight.shape[1], weight.shape[0],
+                                              self.config.rms_norm_eps, ignore_index, reduction,
+                                              self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
         hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
+        if patch.hf.final_logits is not None:
+            logits = patch.hf.final_logits(self.config, logits)
     output = patch.api.lm_output(loss=loss, logits=logits)
     return output if return_dict else output.to_tuple()
 
@@ -672,6 +712,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     """
     mapping = _mapping_of(model)
     if mapping is None:
+        _refuse_class(type(model))
         raise TypeError(f"apply_codagen: expected a transformers {' or '.join(m.model_class for m in _mappings())}, "
                         f"got {type(model).__name__}")
     llama = model.model
@@ -706,9 +747,11 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
                                                 "subfolder", "trust_remote_code") if k in kwargs}
         config = transformers.AutoConfig.from_pretrained(config if isinstance(config, (str, Path)) else name_or_path,
                                                          **config_kwargs)
-    model_class = next((cls for cls in (getattr(transformers, m.model_class) for m in _mappings())
+    refused = [getattr(transformers, name) for m in _mappings() for name in m.refused if hasattr(transformers, name)]
+    model_class = next((cls for cls in (*(getattr(transformers, m.model_class) for m in _mappings()), *refused)
                         if cls.config_class.model_type == getattr(config, "model_type", None)),
                        getattr(transformers, LLAMA.model_class))
+    _refuse_class(model_class)  # before loading its weights
     return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
                          return_logits=return_logits)
 

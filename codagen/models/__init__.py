@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,7 +68,23 @@ class HfMapping:
       pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast) -> (x, qkv) and
       post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast) -> (x, h, rstd), with
       `layer` the patched decoder layer, `blocks` the generated blocks package, the weights already cast to the
-      blocks' dtype and `cast` the cast of any other weight.
+      blocks' dtype (wn_mlp: post_attention_layernorm's) and `cast` the cast of any other weight.
+    activation: (the config field naming the MLP's activation, the one value the family's MLP block computes, what
+      that block computes, as the refusal of another value says it).
+    layer_norms: the decoder layer's norms besides input_layernorm and post_attention_layernorm that the patched
+      layer keeps as they are, under their names (Gemma-2's pre_feedforward_layernorm and
+      post_feedforward_layernorm), read by post_attention.
+    norm_stats: the first layer's input-norm statistics, norm_stats(blocks, x, wn, dim, eps) -> (h, rstd), where they
+      are not Llama's NormStats.
+    attention_args: the keyword arguments that transformers' attention module passes its attention function beyond
+      Llama's (Gemma-2's sliding_window, softcap) -> the attribute of that module holding the value, which the
+      patched attention keeps.
+    lm_head_loss: the final norm, LM head and loss, where they are not Llama's lm_head_loss:
+      lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows) -> the loss.
+    final_logits: the logits as transformers' causal LM returns them, final_logits(config, logits), where they are
+      not the LM head's output (Gemma-2 softcaps them); None: the LM head's.
+    refused: transformers classes that look like the family's but that its blocks do not compute -> why, said by
+      apply_codagen's TypeError (and by from_pretrained, before loading, for a checkpoint of that class).
     """
 
     model_class: str
@@ -82,6 +98,13 @@ class HfMapping:
     attention_modules: tuple = ()
     pre_attention: Callable | None = None
     post_attention: Callable | None = None
+    activation: tuple = ("hidden_act", "silu", "SwiGLU with silu")
+    layer_norms: tuple = ()
+    norm_stats: Callable | None = None
+    attention_args: dict = field(default_factory=dict)
+    lm_head_loss: Callable | None = None
+    final_logits: Callable | None = None
+    refused: dict = field(default_factory=dict)
 
 
 def family(name: str) -> Family:

@@ -1,5 +1,6 @@
 """The Gemma-2 family: a Gemma-2 built from codagen's generated block modules (specs/gemma2/), the same model in plain PyTorch
-(Hugging Face's Gemma2ForCausalLM layout and names) as its reference, and the weight conversion between them.
+(Hugging Face's Gemma2ForCausalLM layout and names) as its reference, the weight conversion between them, and what
+codagen.hf patches in a transformers Gemma2ForCausalLM (HF).
 
 Attention, with Gemma-2's logit softcapping and sliding window, is eager PyTorch; everything else runs in
 generated kernels: Gemma2NormStats (first layer only) -> [Gemma2PreAttention -> attention ->
@@ -17,7 +18,7 @@ from torch import nn
 from ..convert import heads_to_halves, heads_to_interleaved, interleave_rows, rope_freqs, split_rows
 from ..presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
 from ..runtime.heads import split_heads
-from . import Family, generated_blocks
+from . import Family, HfMapping, generated_blocks
 from .llama import rope_tables, rotate
 
 # the block specs a Gemma-2 chains (specs/gemma2/blocks/)
@@ -140,6 +141,111 @@ def to_hf(sd: dict[str, torch.Tensor], shape: Gemma2Shape) -> dict[str, torch.Te
     return out
 
 
+# ---- codagen.hf: a transformers Gemma2ForCausalLM patched in place ----
+# Hugging Face's own embedding (scaled by sqrt(hidden_size) in the weights' dtype), masks (sliding on the
+# layers of config.layer_types that say so) and attention function (the eager one Gemma-2's layers call, which
+# softcaps the scores) stay; the layers, the final norm and the loss run in the Gemma-2 blocks.
+
+# attention implementations whose function drops Gemma-2's score softcap (HF refuses SDPA for Gemma-2 itself)
+DROPS_SOFTCAP = ("sdpa", "paged|sdpa", "paged|eager")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def hf_check_config(config, refuse) -> None:
+    """Gemma-2's refusals, next to every family's (codagen.hf.check_config): refuse(field, value, why)."""
+    if getattr(config, "attention_bias", False):
+        refuse("attention_bias", config.attention_bias, "o_proj's bias comes before the post-attention norm, inside "
+                                                        "the Gemma2PostAttention block, which has no bias")
+    if getattr(config, "use_bidirectional_attention", None):
+        refuse("use_bidirectional_attention", config.use_bidirectional_attention, "the patched decoder is causal")
+    if config.final_logit_softcapping is None:
+        refuse("final_logit_softcapping", None, "the Gemma-2 loss block softcaps the logits (every released Gemma-2 "
+                                                "sets 30.0)")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t not in LAYER_TYPES for t in layer_types):
+        refuse("layer_types", layer_types, f"the patched decoder builds Hugging Face's masks of {LAYER_TYPES} only")
+    if "sliding_attention" in layer_types and not config.sliding_window:
+        refuse("sliding_window", config.sliding_window, "sliding_attention layers need a window")
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if config.attn_logit_softcapping is not None and implementation in DROPS_SOFTCAP:
+        refuse("_attn_implementation", implementation, "its attention function drops attn_logit_softcapping: use "
+                                                       "eager, flash_attention_2/3 or flex_attention")
+
+
+def hf_norm_stats(blocks, x, wn, dim, eps):
+    """The first layer's input-norm statistics, with Gemma's (1 + w) scale."""
+    return blocks.Gemma2NormStatsFunction.apply(x, wn, dim, eps)
+
+
+def hf_pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast):
+    """Gemma2PreAttention: Llama's (norm, QKV, RoPE), the norm's (1 + w) scale in its backward."""
+    return blocks.Gemma2PreAttentionFunction.apply(x, h, rstd, positions, freqs, wn, w_qkv, x.shape[1], w_qkv.shape[0])
+
+
+def hf_post_attention(layer, blocks, y, x, wn_next, w_o, wn_post_attn, w_gate_up, w_down, eps, cast):
+    """Gemma2PostAttention: o_proj, post-attention norm, residual, pre-feedforward norm, GeGLU MLP,
+    post-feedforward norm, residual; Hugging Face's post_attention_layernorm is the norm of the attention's output
+    (Llama's is the MLP's input norm, Gemma-2's pre_feedforward_layernorm)."""
+    dim, attn_dim, ffn_dim = x.shape[1], w_o.shape[1], w_down.shape[1]
+    wn_pre_mlp, wn_post_mlp = cast(layer.pre_feedforward_layernorm.weight), cast(layer.post_feedforward_layernorm.weight)
+    return blocks.Gemma2PostAttentionFunction.apply(y, x, wn_next, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down,
+                                                    wn_post_mlp, dim, attn_dim, ffn_dim, eps)
+
+
+def hf_lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows):
+    """The final (1 + w) norm, the LM head, the logits softcapped by final_logit_softcapping, the loss."""
+    return blocks.gemma2_lm_head_loss.gemma2_lm_head_loss(
+        x, target, wn, w_vocab, w_vocab.shape[1], w_vocab.shape[0], config.rms_norm_eps,
+        config.final_logit_softcapping, ignore_index, reduction, chunk_rows, "nan", "same")
+
+
+def hf_final_logits(config, logits):
+    """Gemma2ForCausalLM's logits: softcapped, in its own order of operations."""
+    cap = config.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap
+
+
+HF = HfMapping(
+    model_class="Gemma2ForCausalLM",
+    modeling="transformers.models.gemma2.modeling_gemma2",
+    model_modules={"norm": "Gemma2RMSNorm", "embed_tokens": "Gemma2TextScaledWordEmbedding"},
+    layer_modules={"input_layernorm": "Gemma2RMSNorm", "post_attention_layernorm": "Gemma2RMSNorm",
+                   "pre_feedforward_layernorm": "Gemma2RMSNorm", "post_feedforward_layernorm": "Gemma2RMSNorm",
+                   "self_attn.o_proj": "Linear", "mlp.down_proj": "Linear",
+                   "": "Gemma2DecoderLayer", "self_attn": "Gemma2Attention", "mlp": "Gemma2MLP",
+                   "self_attn.q_proj": "Linear", "self_attn.k_proj": "Linear", "self_attn.v_proj": "Linear",
+                   "mlp.gate_proj": "Linear", "mlp.up_proj": "Linear"},
+    read=("norm", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm", "self_attn.o_proj", "mlp.down_proj"),
+    fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+    feeds={
+        "gemma2_norm_stats": ("model.layers.0.input_layernorm.weight",),
+        "gemma2_pre_attention": ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                 "self_attn.v_proj.weight"),
+        "gemma2_post_attention": ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                  "pre_feedforward_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight", "post_feedforward_layernorm.weight",
+                                  "next.input_layernorm.weight"),
+        "gemma2_lm_head_loss": ("model.norm.weight", "lm_head.weight"),
+    },
+    check_config=hf_check_config,
+    pre_attention=hf_pre_attention,
+    post_attention=hf_post_attention,
+    activation=("hidden_activation", "gelu_pytorch_tanh", "GeGLU with gelu_pytorch_tanh"),
+    layer_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    norm_stats=hf_norm_stats,
+    attention_args={"sliding_window": "sliding_window", "softcap": "attn_logit_softcapping"},
+    lm_head_loss=hf_lm_head_loss,
+    final_logits=hf_final_logits,
+    refused={"Gemma3ForCausalLM": (
+        "its layers do not fit the Gemma-2 blocks: its attention normalizes each q and k head (self_attn.q_norm, "
+        "self_attn.k_norm) before RoPE, which Gemma2PreAttention does not; its sliding layers rotate with their "
+        "own RoPE frequencies (rope_parameters['sliding_attention']), where the patched decoder takes one table; "
+        "and its logits are not softcapped (final_logit_softcapping None), which gemma2_lm_head_loss always does")},
+)
+
+
 # ---- the reference: a plain PyTorch Gemma-2 in Hugging Face's layout and names ----
 
 class RMSNorm(nn.Module):
@@ -209,4 +315,4 @@ class PlainGemma2(nn.Module):
         return F.cross_entropy(logits.reshape(-1, s.vocab), targets.reshape(-1), ignore_index=self.ignore_index)
 
 
-FAMILY = Family("gemma2", BLOCKS, CodagenGemma2, PlainGemma2, from_hf, to_hf)
+FAMILY = Family("gemma2", BLOCKS, CodagenGemma2, PlainGemma2, from_hf, to_hf, HF)
