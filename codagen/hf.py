@@ -1,4 +1,5 @@
-"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM or Qwen3ForCausalLM.
+"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen3ForCausalLM or
+Gemma2ForCausalLM.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
@@ -87,13 +88,18 @@ def _mapping_of(model) -> HfMapping | None:
     return None
 
 
+def _refused() -> list[tuple[type, str]]:
+    """The transformers classes that a family refuses (HfMapping.refused) and why, those this version has."""
+    transformers = _transformers()
+    return [(getattr(transformers, name), why) for m in _mappings() for name, why in m.refused.items()
+            if hasattr(transformers, name)]
+
+
 def _refuse_class(model_class: type) -> None:
-    """Raise the TypeError of a class that a family refuses (HfMapping.refused), saying why; else nothing."""
-    for mapping in _mappings():
-        for name, why in mapping.refused.items():
-            cls = getattr(_transformers(), name, None)
-            if cls is not None and issubclass(model_class, cls):
-                raise TypeError(f"apply_codagen: a transformers {name} is not supported: {why}")
+    """Raise the TypeError of a class that a family refuses, saying why; else nothing."""
+    for cls, why in _refused():
+        if issubclass(model_class, cls):
+            raise TypeError(f"apply_codagen: a transformers {cls.__name__} is not supported: {why}")
 
 
 def _mapping_named(model_class: str) -> HfMapping:
@@ -136,14 +142,12 @@ def _api() -> types.SimpleNamespace:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     package = _generated().__name__
     parameters = inspect.signature(create_causal_mask).parameters
     return types.SimpleNamespace(
         blocks=importlib.import_module(package + ".blocks"),
         lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
-        create_causal_mask=create_causal_mask,
         # Hugging Face's mask builder of each layer type (config.layer_types; without it every layer is full)
         masks={"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask},
         # the name of the cache argument of this transformers version's create_causal_mask (newer versions take
@@ -151,7 +155,6 @@ def _api() -> types.SimpleNamespace:
         mask_cache_argument=next((name for name in ("cache", "past_key_values") if name in parameters), None),
         mask_takes_cache_position="cache_position" in parameters,
         attention_functions=ALL_ATTENTION_FUNCTIONS,
-        eager_attention=eager_attention_forward,
         model_output=BaseModelOutputWithPast,
         lm_output=CausalLMOutputWithPast,
         # FSDP2's sharded parameters (None where torch.distributed is not built)
@@ -699,8 +702,8 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 # ---- entry points ----
 
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
-    """Patch a transformers LlamaForCausalLM or Qwen3ForCausalLM in place to run codagen's generated blocks (its
-    family's: codagen.models.<family>.HF), and return it.
+    """Patch a transformers LlamaForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM in place to run codagen's
+    generated blocks (its family's: codagen.models.<family>.HF), and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -739,7 +742,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
     """<Family>ForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen: the family whose
     configuration class the checkpoint's config is (config.model_type: LlamaForCausalLM for "llama",
-    Qwen3ForCausalLM for "qwen3"), LlamaForCausalLM for any other, as before families."""
+    Qwen3ForCausalLM for "qwen3", Gemma2ForCausalLM for "gemma2"), LlamaForCausalLM for any other, as before
+    families. A checkpoint of a class that a family refuses (Gemma3ForCausalLM) is refused before its weights load."""
     transformers = _transformers()
     config = kwargs.get("config")
     if not isinstance(config, transformers.PretrainedConfig):
@@ -747,9 +751,8 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
                                                 "subfolder", "trust_remote_code") if k in kwargs}
         config = transformers.AutoConfig.from_pretrained(config if isinstance(config, (str, Path)) else name_or_path,
                                                          **config_kwargs)
-    refused = [getattr(transformers, name) for m in _mappings() for name in m.refused if hasattr(transformers, name)]
-    model_class = next((cls for cls in (*(getattr(transformers, m.model_class) for m in _mappings()), *refused)
-                        if cls.config_class.model_type == getattr(config, "model_type", None)),
+    classes = [getattr(transformers, m.model_class) for m in _mappings()] + [cls for cls, _ in _refused()]
+    model_class = next((cls for cls in classes if cls.config_class.model_type == getattr(config, "model_type", None)),
                        getattr(transformers, LLAMA.model_class))
     _refuse_class(model_class)  # before loading its weights
     return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
@@ -757,7 +760,7 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
 
 
 class AutoCodagenForCausalLM:
-    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen3), patched by
-    apply_codagen."""
+    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen3, Gemma-2),
+    patched by apply_codagen."""
 
     from_pretrained = staticmethod(from_pretrained)

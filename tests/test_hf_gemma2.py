@@ -64,6 +64,7 @@ def test_layers_of_both_types_and_sequences_longer_than_the_window():
     pytest.param({"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                   "rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}},
                  id="layer-types-linear-rope"),
+    pytest.param({"attention_dropout": 0.3}, id="attention-dropout"),
 ])
 def test_patched_gemma2_matches_transformers(overrides):
     torch.manual_seed(1)

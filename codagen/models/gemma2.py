@@ -19,6 +19,7 @@ from ..convert import heads_to_halves, heads_to_interleaved, interleave_rows, ro
 from ..presets import Gemma2Shape  # the model's dimensions and constants (presets gemma2-2b, gemma2-tiny)
 from ..runtime.heads import split_heads
 from . import Family, HfMapping, generated_blocks
+from .llama import HF as LLAMA_HF
 from .llama import rope_tables, rotate
 
 # the block specs a Gemma-2 chains (specs/gemma2/blocks/)
@@ -217,8 +218,7 @@ HF = HfMapping(
                    "mlp.gate_proj": "Linear", "mlp.up_proj": "Linear"},
     read=("norm", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
           "post_feedforward_layernorm", "self_attn.o_proj", "mlp.down_proj"),
-    fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+    fused=LLAMA_HF.fused,
     feeds={
         "gemma2_norm_stats": ("model.layers.0.input_layernorm.weight",),
         "gemma2_pre_attention": ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
