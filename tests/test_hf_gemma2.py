@@ -22,9 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ, WINDOW = 97, 2, 12, 4
 TOL = 1e-4
 # the softcaps are small so that tanh bends the tiny model's scores and logits; query_pre_attn_scalar is not
-# head_dim, so the scores' scale is Gemma-2's own
+# head_dim, so the scores' scale is Gemma-2's own; the attention is wider than hidden_size, as in Gemma-2 2B
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20, sliding_window=WINDOW,
             attn_logit_softcapping=2.0, final_logit_softcapping=3.0, max_position_embeddings=64, rms_norm_eps=1e-6,
             pad_token_id=0, attn_implementation="eager")
 
