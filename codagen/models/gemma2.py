@@ -188,7 +188,8 @@ def hf_post_attention(layer, blocks, y, x, wn_next, w_o, wn_post_attn, w_gate_up
     post-feedforward norm, residual; Hugging Face's post_attention_layernorm is the norm of the attention's output
     (Llama's is the MLP's input norm, Gemma-2's pre_feedforward_layernorm)."""
     dim, attn_dim, ffn_dim = x.shape[1], w_o.shape[1], w_down.shape[1]
-    wn_pre_mlp, wn_post_mlp = cast(layer.pre_feedforward_layernorm.weight), cast(layer.post_feedforward_layernorm.weight)
+    wn_pre_mlp = cast(layer.pre_feedforward_layernorm.weight)
+    wn_post_mlp = cast(layer.post_feedforward_layernorm.weight)
     return blocks.Gemma2PostAttentionFunction.apply(y, x, wn_next, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down,
                                                     wn_post_mlp, dim, attn_dim, ffn_dim, eps)
 
