@@ -49,6 +49,9 @@ __all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "fro
 # rope types whose inverse frequencies are fixed at construction: codagen's RoPE epilogue takes them as they are
 # ("yarn" scales cos and sin too, which is a scale of the attention scores: see _attention_scaling)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the attention types of decoder layers (HfMapping.layer_types) -> the function of transformers.masking_utils that
+# makes their mask, as transformers' models call it
+MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 GENERATED_PACKAGE = "codagen_generated"
 
 
@@ -73,8 +76,9 @@ def _transformers():
 
 @functools.cache
 def _mappings() -> tuple[HfMapping, ...]:
-    """The Hugging Face mappings of the families that declare one, in codagen.models.NAMES order (Llama first)."""
-    return tuple(f.hf for f in map(family, FAMILY_NAMES) if f.hf is not None)
+    """The Hugging Face mappings of the families that declare one, in codagen.models.NAMES order (Llama first), each
+    family's own before those of the models alike (Family.hf_alike)."""
+    return tuple(m for f in map(family, FAMILY_NAMES) for m in (f.hf, *f.hf_alike) if m is not None)
 
 
 def _mapping_of(model) -> HfMapping | None:
@@ -124,6 +128,7 @@ def _api() -> types.SimpleNamespace:
     functions and output classes. Nothing on the forward path imports, inspects a signature or looks a module up,
     which would cost host time on every step and break torch.compile's graph."""
     _transformers()
+    from transformers import masking_utils
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -134,8 +139,8 @@ def _api() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         blocks=importlib.import_module(package + ".blocks"),
         lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
-        create_causal_mask=create_causal_mask,
-        # the name of the cache argument of this transformers version's create_causal_mask (newer versions take
+        mask_builders={kind: getattr(masking_utils, name) for kind, name in MASK_BUILDERS.items()},
+        # the name of the cache argument of this transformers version's mask builders (newer versions take
         # `cache` and warn when the older `past_key_values` is passed too)
         mask_cache_argument=next((name for name in ("cache", "past_key_values") if name in parameters), None),
         mask_takes_cache_position="cache_position" in parameters,
@@ -174,6 +179,14 @@ def check_config(config, mapping: HfMapping = LLAMA) -> None:
         _refuse("num_key_value_heads", config.num_key_value_heads, "it must divide num_attention_heads")
     if getattr(config, "is_causal", True) is not True:
         _refuse("is_causal", config.is_causal, "the patched decoder is causal")
+    layer_types = _layer_types(config, mapping)
+    if not set(layer_types) <= set(MASK_BUILDERS):
+        _refuse("layer_types", getattr(config, "layer_types", layer_types),
+                f"the patched decoder builds Hugging Face's masks of {' and '.join(MASK_BUILDERS)} layers only")
+    if "sliding_attention" in layer_types and getattr(config, "sliding_window", None) is None:
+        _refuse("sliding_window", None, f"layer_types {list(layer_types)} has sliding_attention layers, which attend "
+                                        "to the last sliding_window positions (transformers' own forward fails "
+                                        "without it too)")
     if mapping.check_config is not None:
         mapping.check_config(config, _refuse)
 
@@ -231,6 +244,13 @@ def _check_lm_head(lm_head: nn.Module) -> None:
                         "codagen's loss block does not add")
 
 
+def _layer_types(config, mapping: HfMapping) -> tuple[str, ...]:
+    """Each decoder layer's attention type, as the family's transformers model reads it (HfMapping.layer_types)."""
+    if mapping.layer_types is None:
+        return ("full_attention",) * config.num_hidden_layers
+    return tuple(mapping.layer_types(config))
+
+
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default"))
@@ -263,6 +283,10 @@ class CodagenAttention(nn.Module):
         self.scaling = attn.scaling
         self.attention_dropout = attn.attention_dropout
         self.is_causal = True
+        # a sliding-window layer gets transformers' sliding-window mask (decode) and its window, which its attention
+        # function is passed as transformers' attention passes it (flash attention applies it itself)
+        self.attention_type = _layer_types(config, mapping)[self.layer_idx]
+        self.sliding_window = config.sliding_window if self.attention_type == "sliding_attention" else None
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         with torch.no_grad():
             qkv = self.fuse(*(p.weight for p in projections))
@@ -355,7 +379,8 @@ class CodagenDecoderLayer(nn.Module):
         q, k, v = attn.split(qkv.view(batch, seq, -1))
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
         y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attention_kwargs)
+                         scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
+                         position_ids=position_ids, **attention_kwargs)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
@@ -486,15 +511,16 @@ def _attention_interface(api, config):
     return api.attention_functions[implementation]
 
 
-def _causal_mask(api, config, inputs_embeds, attention_mask, position_ids):
-    """Hugging Face's own mask for these inputs: padding (left or right) and packed sequences (position_ids that
-    restart at 0) as the unpatched model sees them."""
+def _causal_masks(api, config, layer_types, inputs_embeds, attention_mask, position_ids) -> dict:
+    """Hugging Face's own mask for these inputs, for each of the layers' attention types (full, sliding-window):
+    padding (left or right) and packed sequences (position_ids that restart at 0) as the unpatched model sees
+    them."""
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
     if api.mask_cache_argument:
         kwargs[api.mask_cache_argument] = None
     if api.mask_takes_cache_position:
         kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-    return api.create_causal_mask(**kwargs)
+    return {kind: api.mask_builders[kind](**kwargs) for kind in layer_types}
 
 
 def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
@@ -545,23 +571,24 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         _refuse_call("its weights are on the meta device, where no kernel runs; load them first (from_pretrained, "
                      "or to_empty() and load_state_dict())")
     batch, seq, dim = inputs_embeds.shape
+    layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
+    # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
     # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
-    mask = _causal_mask(api, config, inputs_embeds, attention_mask, position_ids)
+    masks = _causal_masks(api, config, dict.fromkeys(layer.self_attn.attention_type for layer in layers),
+                          inputs_embeds, attention_mask, position_ids)
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
     positions = position_ids.expand(batch, seq).reshape(-1)
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
     attention = _attention_interface(api, config)
-    layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
-    # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     final_norm = llama.norm.weight
 
     # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
     # differentiable cast: their gradients come back in their own dtype) as autocast casts them for a matmul
     dtype = _autocast_dtype(inputs_embeds.device)
-    context = dict(blocks=api.blocks, positions=positions, rope_freqs=freqs, attention=attention, attention_mask=mask,
+    context = dict(blocks=api.blocks, positions=positions, rope_freqs=freqs, attention=attention,
                    position_ids=position_ids, score_scale=score_scale, dtype=dtype, **attention_kwargs)
     # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's call (its hooks included) is
     # recomputed in the backward, as Hugging Face's layers are
@@ -572,10 +599,12 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         for i, layer in enumerate(layers):
             wn_next = _next_norm_weight(layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else final_norm,
                                         x.dtype, api.dtensor)
+            mask = masks[layer.self_attn.attention_type]
             if checkpointing:
-                x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False, **context)
+                x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False,
+                                                             attention_mask=mask, **context)
             else:
-                x, stats = layer(x, stats, wn_next, **context)
+                x, stats = layer(x, stats, wn_next, attention_mask=mask, **context)
     return x.reshape(batch * seq, dim), (batch, seq)
 
 
