@@ -103,9 +103,9 @@ def test_packed_sequences_with_a_sliding_window():
     compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
 
 
-def test_attention_function_gets_each_layers_window_as_in_transformers():
-    """Flash attention applies the window it is passed (its mask carries padding only): the attention function of
-    each patched layer gets the window that transformers' Qwen2Attention passes, None for full attention."""
+def recording_attention() -> tuple[str, list]:
+    """An attention implementation (transformers' SDPA, by a name of its own) that records the sliding_window each
+    call is passed: flash attention applies that window itself (its mask carries padding only)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -118,8 +118,15 @@ def test_attention_function_gets_each_layers_window_as_in_transformers():
 
     AttentionInterface.register("codagen_test_recording", recording)
     AttentionMaskInterface.register("codagen_test_recording", sdpa_mask)
+    return "codagen_test_recording", windows
+
+
+def test_attention_function_gets_each_layers_window_as_in_transformers():
+    """Each patched layer's attention function gets the window transformers' Qwen2Attention passes, None for full
+    attention."""
+    implementation, windows = recording_attention()
     torch.manual_seed(4)
-    reference = tiny_qwen2(**SLIDING, attn_implementation="codagen_test_recording")
+    reference = tiny_qwen2(**SLIDING, attn_implementation=implementation)
     patched = apply_codagen(copy.deepcopy(reference))
     ids, labels = tokens_and_labels(3)
     compare(reference, patched, input_ids=ids, labels=labels)
