@@ -1,11 +1,13 @@
-"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM or Qwen3ForCausalLM.
+"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM or Qwen3ForCausalLM.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
 
 Each family is declared in its module codagen/models/<family>.py as an HfMapping (its transformers classes, its
-fused projections, its refusals, its blocks where they are not Llama's); this module reads the mapping of the
-model's class and holds nothing family-specific beyond Llama's blocks, the default.
+fused projections, its layers' attention types, its refusals, its blocks where they are not Llama's; Qwen2's and
+Mistral's, which run Llama's blocks, in Llama's module); this module reads the mapping of the model's class and
+holds nothing family-specific beyond Llama's blocks, the default.
 
 `apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
 committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
@@ -688,8 +690,8 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 # ---- entry points ----
 
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
-    """Patch a transformers LlamaForCausalLM or Qwen3ForCausalLM in place to run codagen's generated blocks (its
-    family's: codagen.models.<family>.HF), and return it.
+    """Patch a transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM or Qwen3ForCausalLM in place to
+    run codagen's generated blocks (its family's: its mapping in codagen.models.<family>), and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -701,7 +703,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     """
     mapping = _mapping_of(model)
     if mapping is None:
-        raise TypeError(f"apply_codagen: expected a transformers {' or '.join(m.model_class for m in _mappings())}, "
+        *others, last = (m.model_class for m in _mappings())
+        raise TypeError(f"apply_codagen: expected a transformers {', '.join(others)} or {last}, "
                         f"got {type(model).__name__}")
     llama = model.model
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
@@ -727,7 +730,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
     """<Family>ForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen: the family whose
     configuration class the checkpoint's config is (config.model_type: LlamaForCausalLM for "llama",
-    Qwen3ForCausalLM for "qwen3"), LlamaForCausalLM for any other, as before families."""
+    Qwen2ForCausalLM for "qwen2", MistralForCausalLM for "mistral", Qwen3ForCausalLM for "qwen3"), LlamaForCausalLM
+    for any other, as before families."""
     transformers = _transformers()
     config = kwargs.get("config")
     if not isinstance(config, transformers.PretrainedConfig):
@@ -743,7 +747,7 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
 
 
 class AutoCodagenForCausalLM:
-    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen3), patched by
-    apply_codagen."""
+    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen2, Mistral,
+    Qwen3), patched by apply_codagen."""
 
     from_pretrained = staticmethod(from_pretrained)

@@ -225,7 +225,8 @@ def test_refused_configurations_name_the_field(overrides, message):
 
 
 def test_refused_models_and_calls():
-    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM or Qwen3ForCausalLM, got LlamaModel"):
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, Qwen2ForCausalLM, "
+                                        "MistralForCausalLM or Qwen3ForCausalLM, got LlamaModel"):
         apply_codagen(transformers.LlamaModel(transformers.LlamaConfig(**BASE)))
     patched = apply_codagen(tiny_llama())
     with pytest.raises(ValueError, match="already patched"):
