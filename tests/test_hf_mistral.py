@@ -99,6 +99,19 @@ def test_packed_sequences_with_the_sliding_window():
     compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
 
 
+def test_gradient_checkpointing_with_the_sliding_window():
+    """Each checkpointed layer's recomputation gets its layer's mask again."""
+    torch.manual_seed(7)
+    reference = tiny_mistral()
+    patched = apply_codagen(copy.deepcopy(reference))
+    for model in (reference, patched):
+        model.gradient_checkpointing_enable()
+        model.train()
+    assert patched.model.gradient_checkpointing
+    ids, labels = tokens_and_labels(7)
+    compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
+
+
 @pytest.mark.parametrize("window", [WINDOW, None])
 def test_attention_function_gets_the_window_as_in_transformers(window):
     """Each patched layer's attention function gets the window transformers' MistralAttention passes."""
