@@ -16,7 +16,8 @@ if not hasattr(transformers, "MistralForCausalLM"):
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
 from test_hf import compare, rel  # noqa: E402
-from test_hf_qwen2 import assert_mapping_names_transformers_modules_and_weights, recording_attention  # noqa: E402
+from test_hf_qwen2 import (  # noqa: E402
+    assert_mapping_names_transformers_modules_and_weights, compare_with_logits, recording_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 97, 2, 12
@@ -46,14 +47,6 @@ def tokens_and_labels(seed=0):
     labels = ids.clone()
     labels[0, 3] = -100
     return ids.to(DEVICE), labels.to(DEVICE)
-
-
-def compare_with_logits(reference, patched, **inputs):
-    """Loss and every gradient (test_hf.compare), and the logits of the same inputs without labels."""
-    compare(reference, patched, **inputs)
-    inputs.pop("labels")
-    with torch.no_grad():
-        assert rel(patched(**inputs).logits, reference(**inputs).logits) < TOL
 
 
 @pytest.mark.parametrize("overrides", [
