@@ -1,12 +1,13 @@
-"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen3ForCausalLM or
-Gemma2ForCausalLM.
+"""Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
 
 Each family is declared in its module codagen/models/<family>.py as an HfMapping (its transformers classes, its
-fused projections, its refusals, its blocks where they are not Llama's); this module reads the mapping of the
-model's class and holds nothing family-specific beyond Llama's blocks, the default.
+fused projections, its layers' attention types, its refusals, its blocks where they are not Llama's; Qwen2's and
+Mistral's, which run Llama's blocks, in Llama's module); this module reads the mapping of the model's class and
+holds nothing family-specific beyond Llama's blocks, the default.
 
 `apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
 committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
@@ -50,6 +51,9 @@ __all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "fro
 # rope types whose inverse frequencies are fixed at construction: codagen's RoPE epilogue takes them as they are
 # ("yarn" scales cos and sin too, which is a scale of the attention scores: see _attention_scaling)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the attention types of decoder layers (HfMapping.layer_types) -> the function of transformers.masking_utils that
+# makes their mask, as transformers' models call it
+MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 GENERATED_PACKAGE = "codagen_generated"
 
 
@@ -74,8 +78,9 @@ def _transformers():
 
 @functools.cache
 def _mappings() -> tuple[HfMapping, ...]:
-    """The Hugging Face mappings of the families that declare one, in codagen.models.NAMES order (Llama first)."""
-    return tuple(f.hf for f in map(family, FAMILY_NAMES) if f.hf is not None)
+    """The Hugging Face mappings of the families that declare one, in codagen.models.NAMES order (Llama first), each
+    family's own before those of the models alike (Family.hf_alike)."""
+    return tuple(m for f in map(family, FAMILY_NAMES) for m in (f.hf, *f.hf_alike) if m is not None)
 
 
 def _mapping_of(model) -> HfMapping | None:
@@ -139,7 +144,8 @@ def _api() -> types.SimpleNamespace:
     functions and output classes. Nothing on the forward path imports, inspects a signature or looks a module up,
     which would cost host time on every step and break torch.compile's graph."""
     _transformers()
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers import masking_utils
+    from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -148,9 +154,8 @@ def _api() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         blocks=importlib.import_module(package + ".blocks"),
         lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
-        # Hugging Face's mask builder of each layer type (config.layer_types; without it every layer is full)
-        masks={"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask},
-        # the name of the cache argument of this transformers version's create_causal_mask (newer versions take
+        mask_builders={kind: getattr(masking_utils, name) for kind, name in MASK_BUILDERS.items()},
+        # the name of the cache argument of this transformers version's mask builders (newer versions take
         # `cache` and warn when the older `past_key_values` is passed too)
         mask_cache_argument=next((name for name in ("cache", "past_key_values") if name in parameters), None),
         mask_takes_cache_position="cache_position" in parameters,
@@ -189,6 +194,14 @@ def check_config(config, mapping: HfMapping = LLAMA) -> None:
         _refuse("num_key_value_heads", config.num_key_value_heads, "it must divide num_attention_heads")
     if getattr(config, "is_causal", True) is not True:
         _refuse("is_causal", config.is_causal, "the patched decoder is causal")
+    layer_types = _layer_types(config, mapping)
+    if not set(layer_types) <= set(MASK_BUILDERS):
+        _refuse("layer_types", getattr(config, "layer_types", layer_types),
+                f"the patched decoder builds Hugging Face's masks of {' and '.join(MASK_BUILDERS)} layers only")
+    if "sliding_attention" in layer_types and getattr(config, "sliding_window", None) is None:
+        _refuse("sliding_window", None, f"layer_types {list(layer_types)} has sliding_attention layers, which attend "
+                                        "to the last sliding_window positions (transformers' own forward fails "
+                                        "without it too)")
     if mapping.check_config is not None:
         mapping.check_config(config, _refuse)
 
@@ -246,6 +259,13 @@ def _check_lm_head(lm_head: nn.Module) -> None:
                         "codagen's loss block does not add")
 
 
+def _layer_types(config, mapping: HfMapping) -> tuple[str, ...]:
+    """Each decoder layer's attention type, as the family's transformers model reads it (HfMapping.layer_types)."""
+    if mapping.layer_types is None:
+        return ("full_attention",) * config.num_hidden_layers
+    return tuple(mapping.layer_types(config))
+
+
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default"))
@@ -278,6 +298,10 @@ class CodagenAttention(nn.Module):
         self.scaling = attn.scaling
         self.attention_dropout = attn.attention_dropout
         self.is_causal = True
+        # a sliding-window layer gets transformers' sliding-window mask (decode) and its window, which its attention
+        # function is passed as transformers' attention passes it (flash attention applies it itself)
+        self.attention_type = _layer_types(config, mapping)[self.layer_idx]
+        self.sliding_window = config.sliding_window if self.attention_type == "sliding_attention" else None
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         with torch.no_grad():
             qkv = self.fuse(*(p.weight for p in projections))
@@ -379,8 +403,8 @@ class CodagenDecoderLayer(nn.Module):
         q, k, v = attn.split(qkv.view(batch, seq, -1))
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
         y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, position_ids=position_ids, **attn.attention_args,
-                         **attention_kwargs)
+                         scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
+                         position_ids=position_ids, **attn.attention_args, **attention_kwargs)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
@@ -514,20 +538,16 @@ def _attention_interface(api, config, eager):
     return api.attention_functions[implementation]
 
 
-def _causal_masks(api, config, inputs_embeds, attention_mask, position_ids) -> dict:
-    """Hugging Face's own mask for these inputs, per layer type of the config (config.layer_types, else every layer
-    "full_attention"; a sliding layer's is its sliding-window mask): padding (left or right) and packed sequences
-    (position_ids that restart at 0) as the unpatched model sees them."""
+def _causal_masks(api, config, layer_types, inputs_embeds, attention_mask, position_ids) -> dict:
+    """Hugging Face's own mask for these inputs, for each of the layers' attention types (full, sliding-window):
+    padding (left or right) and packed sequences (position_ids that restart at 0) as the unpatched model sees
+    them."""
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
     if api.mask_cache_argument:
         kwargs[api.mask_cache_argument] = None
     if api.mask_takes_cache_position:
         kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-    return {kind: api.masks[kind](**kwargs) for kind in set(_layer_types(config))}
-
-
-def _layer_types(config) -> list:
-    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return {kind: api.mask_builders[kind](**kwargs) for kind in layer_types}
 
 
 def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
@@ -578,18 +598,18 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         _refuse_call("its weights are on the meta device, where no kernel runs; load them first (from_pretrained, "
                      "or to_empty() and load_state_dict())")
     batch, seq, dim = inputs_embeds.shape
+    layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
+    # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
     # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
-    masks = _causal_masks(api, config, inputs_embeds, attention_mask, position_ids)
-    layer_types = _layer_types(config)
+    masks = _causal_masks(api, config, dict.fromkeys(layer.self_attn.attention_type for layer in layers),
+                          inputs_embeds, attention_mask, position_ids)
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
     positions = position_ids.expand(batch, seq).reshape(-1)
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
     attention = _attention_interface(api, config, patch.eager_attention)
-    layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
-    # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     final_norm = llama.norm.weight
 
     # under torch.autocast the blocks run in its dtype, the residual stream included; weights are cast (a
@@ -606,7 +626,7 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
         for i, layer in enumerate(layers):
             wn_next = _next_norm_weight(layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else final_norm,
                                         x.dtype, api.dtensor)
-            mask = masks[layer_types[i]]
+            mask = masks[layer.self_attn.attention_type]
             if checkpointing:
                 x, stats = torch.utils.checkpoint.checkpoint(layer, x, stats, wn_next, use_reentrant=False,
                                                              attention_mask=mask, **context)
@@ -702,8 +722,9 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 # ---- entry points ----
 
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
-    """Patch a transformers LlamaForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM in place to run codagen's
-    generated blocks (its family's: codagen.models.<family>.HF), and return it.
+    """Patch a transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM or
+    Gemma2ForCausalLM in place to run codagen's generated blocks (its family's: its mapping in
+    codagen.models.<family>), and return it.
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -716,7 +737,8 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     mapping = _mapping_of(model)
     if mapping is None:
         _refuse_class(type(model))
-        raise TypeError(f"apply_codagen: expected a transformers {' or '.join(m.model_class for m in _mappings())}, "
+        *others, last = (m.model_class for m in _mappings())
+        raise TypeError(f"apply_codagen: expected a transformers {', '.join(others)} or {last}, "
                         f"got {type(model).__name__}")
     llama = model.model
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
@@ -742,8 +764,9 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):
     """<Family>ForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen: the family whose
     configuration class the checkpoint's config is (config.model_type: LlamaForCausalLM for "llama",
-    Qwen3ForCausalLM for "qwen3", Gemma2ForCausalLM for "gemma2"), LlamaForCausalLM for any other, as before
-    families. A checkpoint of a class that a family refuses (Gemma3ForCausalLM) is refused before its weights load."""
+    Qwen2ForCausalLM for "qwen2", MistralForCausalLM for "mistral", Qwen3ForCausalLM for "qwen3", Gemma2ForCausalLM
+    for "gemma2"), LlamaForCausalLM for any other, as before families. A checkpoint of a class that a family refuses
+    (Gemma3ForCausalLM) is refused before its weights load."""
     transformers = _transformers()
     config = kwargs.get("config")
     if not isinstance(config, transformers.PretrainedConfig):
@@ -760,7 +783,7 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
 
 
 class AutoCodagenForCausalLM:
-    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen3, Gemma-2),
-    patched by apply_codagen."""
+    """`AutoCodagenForCausalLM.from_pretrained(path)`: the Hugging Face model at path (Llama, Qwen2, Mistral,
+    Qwen3, Gemma-2), patched by apply_codagen."""
 
     from_pretrained = staticmethod(from_pretrained)

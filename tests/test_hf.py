@@ -41,9 +41,9 @@ def rel(a, b):
 
 def hf_layout_grads(model):
     """The patched model's gradients in Hugging Face's names and layout (fused rows split back by hand)."""
-    config, out = model.config, {}
-    hd = config.head_dim
-    nq, nk = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    attn, out = model.model.layers[0].self_attn, {}
+    hd = attn.head_dim  # the attention's own: a Qwen2Config has no head_dim field
+    nq, nk = attn.num_heads * hd, attn.num_key_value_heads * hd
     for name, p in model.named_parameters():
         if ".self_attn.qkv_proj." in name:
             q, k, v = p.grad.split([nq, nk, nk])
@@ -225,7 +225,8 @@ def test_refused_configurations_name_the_field(overrides, message):
 
 
 def test_refused_models_and_calls():
-    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM or Qwen3ForCausalLM or Gemma2ForCausalLM, got LlamaModel"):
+    with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, Qwen2ForCausalLM, "
+                                        "MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, got LlamaModel"):
         apply_codagen(transformers.LlamaModel(transformers.LlamaConfig(**BASE)))
     patched = apply_codagen(tiny_llama())
     with pytest.raises(ValueError, match="already patched"):

@@ -158,8 +158,8 @@ def test_save_and_load_in_transformers_layout(tmp_path):
                                         "block softcaps the logits"),
     ({"layer_types": ["sliding_attention", "full_attention", "chunked_attention"]},
      "config.layer_types = ['sliding_attention', 'full_attention', 'chunked_attention'] is not supported"),
-    ({"sliding_window": None}, "config.sliding_window = None is not supported: sliding_attention layers need a "
-                               "window"),
+    ({"sliding_window": None}, "config.sliding_window = None is not supported: layer_types ['sliding_attention', "
+                               "'full_attention', 'sliding_attention'] has sliding_attention layers"),
     ({"hidden_activation": "gelu"}, "config.hidden_activation = 'gelu' is not supported: the MLP kernels compute "
                                     "GeGLU with gelu_pytorch_tanh only"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},

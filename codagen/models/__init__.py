@@ -33,6 +33,8 @@ class Family:
     from_hf, to_hf: state dict conversions, (state dict, shape) -> state dict: a Hugging Face (reference) state dict
       to the assembly's and back.
     hf: what codagen.hf reads to patch the family's transformers model in place; None where it does not.
+    hf_alike: the mappings of other transformers models whose decoder layers compute what the family's do, which
+      codagen.hf patches with the family's blocks (Llama's: Qwen2ForCausalLM, MistralForCausalLM).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Family:
     from_hf: Callable
     to_hf: Callable
     hf: Any = None
+    hf_alike: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,10 @@ class HfMapping:
       (codagen.hf.check_config); refuse(field, value, why) raises CodagenConfigError naming the field. None: none.
     attention_modules: the attention's own submodules that the patched attention keeps as they are, under their
       names (Qwen3's q_norm, k_norm), read by pre_attention.
+    layer_types: layer_types(config) -> transformers' attention type of each decoder layer, as the family's model
+      reads it: "full_attention", or "sliding_attention" (the last config.sliding_window positions only: Hugging
+      Face's sliding-window causal mask, and the window passed to its attention function). None: every layer
+      full_attention.
     pre_attention, post_attention: the blocks of a patched layer, where they are not Llama's (None: Llama's
       PreAttention and PostAttention, as codagen.hf runs them):
       pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast) -> (x, qkv) and
@@ -77,7 +84,7 @@ class HfMapping:
     norm_stats: the first layer's input-norm statistics, norm_stats(blocks, x, wn, dim, eps) -> (h, rstd), where they
       are not Llama's NormStats.
     attention_args: the keyword arguments that transformers' attention module passes its attention function beyond
-      Llama's (Gemma-2's sliding_window, softcap) -> the attribute of that module holding the value, which the
+      Llama's and sliding_window (Gemma-2's softcap) -> the attribute of that module holding the value, which the
       patched attention keeps.
     lm_head_loss: the final norm, LM head and loss, where they are not Llama's lm_head_loss:
       lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows) -> the loss.
@@ -96,6 +103,7 @@ class HfMapping:
     feeds: dict
     check_config: Callable | None = None
     attention_modules: tuple = ()
+    layer_types: Callable | None = None
     pre_attention: Callable | None = None
     post_attention: Callable | None = None
     activation: tuple = ("hidden_act", "silu", "SwiGLU with silu")

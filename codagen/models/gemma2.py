@@ -143,13 +143,12 @@ def to_hf(sd: dict[str, torch.Tensor], shape: Gemma2Shape) -> dict[str, torch.Te
 
 
 # ---- codagen.hf: a transformers Gemma2ForCausalLM patched in place ----
-# Hugging Face's own embedding (scaled by sqrt(hidden_size) in the weights' dtype), masks (sliding on the
+# Hugging Face's own embedding (scaled by sqrt(hidden_size) in the weights' dtype), masks (sliding-window on the
 # layers of config.layer_types that say so) and attention function (the eager one Gemma-2's layers call, which
 # softcaps the scores) stay; the layers, the final norm and the loss run in the Gemma-2 blocks.
 
 # attention implementations whose function drops Gemma-2's score softcap (HF refuses SDPA for Gemma-2 itself)
 DROPS_SOFTCAP = ("sdpa", "paged|sdpa", "paged|eager")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def hf_check_config(config, refuse) -> None:
@@ -162,11 +161,6 @@ def hf_check_config(config, refuse) -> None:
     if config.final_logit_softcapping is None:
         refuse("final_logit_softcapping", None, "the Gemma-2 loss block softcaps the logits (every released Gemma-2 "
                                                 "sets 30.0)")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t not in LAYER_TYPES for t in layer_types):
-        refuse("layer_types", layer_types, f"the patched decoder builds Hugging Face's masks of {LAYER_TYPES} only")
-    if "sliding_attention" in layer_types and not config.sliding_window:
-        refuse("sliding_window", config.sliding_window, "sliding_attention layers need a window")
     implementation = getattr(config, "_attn_implementation", None) or "eager"
     if config.attn_logit_softcapping is not None and implementation in DROPS_SOFTCAP:
         refuse("_attn_implementation", implementation, "its attention function drops attn_logit_softcapping: use "
@@ -231,12 +225,15 @@ HF = HfMapping(
         "gemma2_lm_head_loss": ("model.norm.weight", "lm_head.weight"),
     },
     check_config=hf_check_config,
+    # each layer's attention type is config.layer_types[i] (alternating sliding and full by default), as Gemma2Model
+    # reads it
+    layer_types=lambda config: tuple(config.layer_types[: config.num_hidden_layers]),
     pre_attention=hf_pre_attention,
     post_attention=hf_post_attention,
     activation=("hidden_activation", "gelu_pytorch_tanh", "GeGLU with gelu_pytorch_tanh"),
     layer_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     norm_stats=hf_norm_stats,
-    attention_args={"sliding_window": "sliding_window", "softcap": "attn_logit_softcapping"},
+    attention_args={"softcap": "attn_logit_softcapping"},
     lm_head_loss=hf_lm_head_loss,
     final_logits=hf_final_logits,
     refused={"Gemma3ForCausalLM": (

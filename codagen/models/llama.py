@@ -1,11 +1,13 @@
 """The Llama family: a Llama built from codagen's generated block modules, the same model in plain PyTorch (Hugging
 Face weight layout) as its reference, the weight conversion between them (codagen.convert), and what codagen.hf
-patches in a transformers LlamaForCausalLM (HF).
+patches in a transformers LlamaForCausalLM (HF), and in the models whose layers are Llama's (QWEN2_HF, MISTRAL_HF).
 
 Attention is PyTorch's scaled_dot_product_attention; everything else runs in generated kernels:
 NormStats (first layer only) -> [PreAttention -> attention -> PostAttention] x layers -> LmHeadLoss.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,32 @@ HF = HfMapping(
         "lm_head_loss": ("model.norm.weight", "lm_head.weight"),
     },
 )
+
+
+# ---- transformers models whose decoder layers are Llama's: codagen.hf patches them with Llama's blocks ----
+
+def _llama_alike(name: str, layer_types) -> HfMapping:
+    """Llama's mapping for transformers' <name>ForCausalLM, whose modules are Llama's under the name <name> (its
+    modeling file is made from Llama's): the same fused projections, blocks and weights, but no mlp_bias (their
+    MLPs have no bias). Their q/k/v biases, where they have them, are added after PreAttention as a Llama's
+    attention_bias is (codagen.hf)."""
+    def renamed(modules: dict) -> dict:
+        return {module: kind.replace("Llama", name) for module, kind in modules.items()}
+
+    return replace(HF, model_class=f"{name}ForCausalLM",
+                   modeling=f"transformers.models.{name.lower()}.modeling_{name.lower()}",
+                   model_modules=renamed(HF.model_modules), layer_modules=renamed(HF.layer_modules),
+                   feeds={block: w for block, w in HF.feeds.items() if block != "post_attention_mlp_bias"},
+                   layer_types=layer_types)
+
+
+# Qwen2 and Qwen2.5: biases on q, k and v (not o_proj); each layer's attention type is config.layer_types[i]
+# (made from use_sliding_window, sliding_window and max_window_layers where not given), as Qwen2Model reads it
+QWEN2_HF = _llama_alike("Qwen2", lambda config: tuple(config.layer_types[: config.num_hidden_layers]))
+# Mistral: every layer slides over config.sliding_window positions where it is set (MistralModel ignores
+# layer_types), else attends to all of them
+MISTRAL_HF = _llama_alike("Mistral", lambda config: (
+    "full_attention" if config.sliding_window is None else "sliding_attention",) * config.num_hidden_layers)
 
 
 def attention(qkv: torch.Tensor, shape: LlamaShape, batch: int, seq: int) -> torch.Tensor:
@@ -178,4 +206,4 @@ class PlainLlama(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
 
-FAMILY = Family("llama", BLOCKS, CodagenLlama, PlainLlama, from_hf, to_hf, HF)
+FAMILY = Family("llama", BLOCKS, CodagenLlama, PlainLlama, from_hf, to_hf, HF, hf_alike=(QWEN2_HF, MISTRAL_HF))
