@@ -310,7 +310,7 @@ class CodagenAttention(nn.Module):
         self.o_proj = attn.o_proj
         for name in mapping.attention_modules:  # the family's own (Qwen3's q_norm, k_norm), as they are
             setattr(self, name, attn.get_submodule(name))
-        # what its attention function is given beyond Llama's (Gemma-2's sliding_window, softcap)
+        # what its attention function is given beyond Llama's and the window (Gemma-2's softcap)
         self.attention_args = {arg: getattr(attn, name) for arg, name in mapping.attention_args.items()}
 
     def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
