@@ -1,0 +1,203 @@
+"""Worker of tests/test_parallel.py, run by torch.distributed.run in 2 or 4 CPU processes over gloo:
+`python parallel_worker.py CASE OUT SEED`. Every rank draws the same data from SEED; rank 0 writes what it measured
+as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
+
+- vocab_parallel: codagen.parallel's VocabParallelLmHeadLoss (each rank a slice of a vocabulary that the world
+  size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
+  single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
+- llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
+  on the same batch, against the same model in one process: loss and every gradient.
+- ddp: DistributedDataParallel over codagen's Llama assembly and over a codagen.hf-patched transformers Llama,
+  rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every gradient.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from codagen.models import generated_blocks
+from codagen.parallel import VocabParallelLmHeadLoss, vocab_range
+
+EPS = 1e-5
+
+
+def reference_loss(x, target, wn, w_vocab, ignore_index, reduction):
+    """The final RMSNorm, LM head and cross-entropy in plain PyTorch."""
+    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * wn
+    return F.cross_entropy(xn @ w_vocab.T, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def whole_rel(part: torch.Tensor, ref_part: torch.Tensor) -> float:
+    """|a - b| / |b| over tensors split across the ranks, each rank holding `part` (and `ref_part`)."""
+    sums = torch.stack([(part.double() - ref_part.double()).square().sum(), ref_part.double().square().sum()])
+    dist.all_reduce(sums)
+    return (sums[0] / sums[1]).sqrt().item()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def vocab_parallel(seed: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    rows, dim, vocab = 23, 32, 45  # 45 = 1 mod 2 and mod 4: the slices differ in size
+    x = torch.randn(rows, dim, generator=g)
+    wn = 1 + 0.2 * torch.randn(dim, generator=g)
+    w_vocab = 0.3 * torch.randn(vocab, dim, generator=g)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    # a target in every rank's slice, whatever the draw
+    for r in range(world):
+        start, stop = vocab_range(vocab, r, world)
+        target[r] = torch.randint(start, stop, (), generator=g)
+    cases = []
+    # ignore_index -100 on 3 rows, with chunks of 5 rows; then the sum, with an ignore_index inside rank 1's slice
+    # (every target equal to it ignored) and one chunk
+    start1 = vocab_range(vocab, 1, world)[0]
+    for reduction, ignore_index, chunk_rows in (("mean", -100, 5), ("sum", start1, 64)):
+        t = target.clone()
+        if ignore_index == -100:
+            t[world + torch.randperm(rows - world, generator=g)[:3]] = -100  # not the rows set above
+        else:
+            t[world] = ignore_index
+        whole = generated_blocks().LmHeadLoss(dim, vocab, EPS, ignore_index, reduction, chunk_rows)
+        with torch.no_grad():
+            whole.wn.copy_(wn)
+            whole.w_vocab.copy_(w_vocab)
+        parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
+        start, stop = parallel.vocab_start, parallel.vocab_start + len(parallel.w_vocab)
+
+        xs = x.clone().requires_grad_()
+        loss = parallel(xs, t)
+        loss.backward()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+
+        xw = x.clone().requires_grad_()
+        whole(xw, t).backward()
+        whole_loss = whole(xw.detach(), t)  # the forward without gradients too
+
+        x64, wn64, w64 = (v.double().requires_grad_() for v in (x, wn, w_vocab))
+        ref = reference_loss(x64, t, wn64, w64, ignore_index, reduction)
+        ref.backward()
+        cases.append(dict(
+            reduction=reduction, ignore_index=ignore_index, ignored=int((t == ignore_index).sum()),
+            slices_with_target=sum(int(((t >= a) & (t < b) & (t != ignore_index)).any())
+                                   for a, b in (vocab_range(vocab, r, world) for r in range(world))),
+            same_loss_on_every_rank=len({v.item() for v in losses}) == 1,
+            loss_vs_f64=abs(loss.item() - ref.item()) / abs(ref.item()),
+            x_vs_f64=rel(xs.grad, x64.grad), wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
+            w_vocab_vs_f64=whole_rel(parallel.w_vocab.grad, w64.grad[start:stop]),
+            loss_vs_block=abs(loss.item() - whole_loss.item()) / abs(whole_loss.item()),
+            x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
+            w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]),
+        ))
+    return dict(cases=cases)
+
+
+def tiny_llama():
+    from codagen.models.llama import CodagenLlama
+    from codagen.presets import LlamaShape
+
+    shape = LlamaShape(dim=32, ffn_dim=48, n_heads=2, n_kv_heads=1, head_dim=16, n_layers=2, vocab=37,
+                       rope_theta=10000.0, eps=EPS)
+    model = CodagenLlama(shape, chunk_rows=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.15)
+    return model
+
+
+def tiny_hf_llama():
+    import transformers
+
+    from codagen.hf import apply_codagen
+
+    config = transformers.LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      rms_norm_eps=EPS, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.15)
+    return apply_codagen(model)
+
+
+def grads_against(model, reference) -> float:
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        worst = max(worst, rel(p.grad, ref[name].grad))
+    return worst
+
+
+def llama_vocab_parallel(seed: int) -> dict:
+    world = dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = tiny_llama()
+    model = copy.deepcopy(reference)
+    model.head = VocabParallelLmHeadLoss.from_lm_head_loss(model.head)
+    tokens = torch.randint(0, 37, (2, 9))
+    targets = torch.randint(0, 37, (2, 9))
+    targets[0, :2] = -100
+    loss = model(tokens, targets)
+    loss.backward()
+    ref_loss = reference(tokens, targets)
+    ref_loss.backward()
+    ref = dict(reference.named_parameters())
+    head = model.head
+    start, stop = head.vocab_start, head.vocab_start + len(head.w_vocab)
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if name == "head.w_vocab":
+            worst = max(worst, whole_rel(p.grad, ref[name].grad[start:stop]))
+        else:
+            worst = max(worst, rel(p.grad, ref[name].grad))
+    return dict(world=world, loss=loss.item(), ref_loss=ref_loss.item(), max_rel_grad=worst)
+
+
+def ddp(seed: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, 37, (world, 9))
+    runs = {}
+    for kind, make in (("codagen", tiny_llama), ("hf", tiny_hf_llama)):
+        reference = make()
+        model = DistributedDataParallel(copy.deepcopy(reference))
+        mine = tokens[rank: rank + 1]
+        # no ignored targets: every rank has as many tokens, and DDP's average of the ranks' mean losses'
+        # gradients is the gradient of the whole batch's mean
+        if kind == "codagen":
+            loss, ref_loss = model(mine, mine), reference(tokens, tokens)
+        else:
+            loss = model(input_ids=mine, labels=mine).loss
+            ref_loss = reference(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        ref_loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        runs[kind] = dict(loss=mean_loss.item() / world, ref_loss=ref_loss.item(),
+                          max_rel_grad=grads_against(model.module, reference))
+    return runs
+
+
+def main(case: str, out: str, seed: int) -> None:
+    dist.init_process_group("gloo")
+    result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
+                                                  "llama_vocab_parallel": llama_vocab_parallel,
+                                                  "ddp": ddp}[case](seed))
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
