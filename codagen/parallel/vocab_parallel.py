@@ -178,8 +178,11 @@ class VocabParallelLmHeadLoss(nn.Module):
     @classmethod
     def from_lm_head_loss(cls, head: nn.Module, group=None) -> "VocabParallelLmHeadLoss":
         """This rank's part of a whole LmHeadLoss (same attributes; the weights copied, w_vocab's slice only)."""
+        # made on the meta device: no random initialization, which would draw from the RNG as many numbers as
+        # this rank's slice holds, a count that differs between ranks where the world size does not divide vocab
         parallel = cls(head.dim, head.vocab, head.eps, head.ignore_index, head.reduction, head.chunk_rows,
-                       head.empty_mean, head.grad_sum, group=group, device=head.wn.device, dtype=head.wn.dtype)
+                       head.empty_mean, head.grad_sum, group=group, device="meta", dtype=head.wn.dtype)
+        parallel.to_empty(device=head.wn.device)
         with torch.no_grad():
             parallel.wn.copy_(head.wn)
             parallel.w_vocab.copy_(head.w_vocab[parallel.vocab_start: parallel.vocab_start + len(parallel.w_vocab)])

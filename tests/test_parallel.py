@@ -1,0 +1,84 @@
+"""codagen.parallel and data parallelism over several processes: tests/parallel_worker.py run by torch.distributed.run
+in 2 or 4 CPU processes over gloo (kernels through Triton's interpreter), on data drawn from a fresh seed (shown in
+every failure). What each case compares is in the worker's docstring."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not built", allow_module_level=True)
+
+from test_distributed import REPO, _free_port, _run  # noqa: E402
+
+from codagen.parallel import vocab_parallel_lm_head_loss, vocab_range  # noqa: E402
+
+WORKER = REPO / "tests" / "parallel_worker.py"
+# fp32 kernels (the launchers take fp16, bf16 and fp32) against float64 PyTorch, and against the same kernels in
+# one process: fp32 rounding only, about 2e-7 at these sizes
+TOL_F64 = 1e-6
+TOL = 1e-5  # whole models, fp32, against the same model in one process
+
+
+def run_worker(tmp_path, case: str, nproc: int) -> dict:
+    seed = random.SystemRandom().randrange(2**31)
+    out = tmp_path / f"{case}.json"
+    for _attempt in range(3):  # the free port may be taken between _free_port and torchrun's bind
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), case, str(out),
+               str(seed)]
+        code, log = _run(cmd)
+        if code == 0 or "address already in use" not in log.lower():
+            break
+    assert code == 0, f"{' '.join(cmd)} failed ({code}):\n{log[-6000:]}"
+    result = json.loads(out.read_text())
+    assert result["world"] == nproc
+    result["seed"] = seed
+    return result
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
+    result = run_worker(tmp_path, "vocab_parallel", nproc)
+    assert [c["reduction"] for c in result["cases"]] == ["mean", "sum"]
+    for case in result["cases"]:
+        assert case["ignored"] > 0 and case["slices_with_target"] == nproc, (result["seed"], case)
+        assert case["same_loss_on_every_rank"], (result["seed"], case)
+        for key in ("loss", "x", "wn", "w_vocab"):
+            assert case[f"{key}_vs_f64"] < TOL_F64, (result["seed"], key, case)
+            assert case[f"{key}_vs_block"] < TOL_F64, (result["seed"], key, case)
+
+
+def test_llama_with_a_vocab_parallel_head_matches_one_process(tmp_path):
+    result = run_worker(tmp_path, "llama_vocab_parallel", 2)
+    assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
+    assert result["max_rel_grad"] < TOL, result
+
+
+def test_ddp_codagen_llama_and_patched_hf_llama_match_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    result = run_worker(tmp_path, "ddp", 2)
+    for kind in ("codagen", "hf"):
+        run = result[kind]
+        assert abs(run["loss"] - run["ref_loss"]) <= TOL * abs(run["ref_loss"]), (result["seed"], kind, run)
+        assert run["max_rel_grad"] < TOL, (result["seed"], kind, run)
+
+
+def test_vocab_range_covers_the_vocabulary_once():
+    for vocab, world in ((45, 2), (45, 4), (8, 4), (5, 5)):
+        ranges = [vocab_range(vocab, r, world) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        vocab_range(3, 0, 4)
+    x, wn, w = torch.randn(3, 8), torch.rand(8) + 0.5, torch.randn(5, 8)
+    with pytest.raises(NotImplementedError, match="reduction 'none' is not implemented"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="none")
