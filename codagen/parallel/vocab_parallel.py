@@ -49,10 +49,10 @@ def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def _local_target(target: torch.Tensor, start: int, rows: int, ignore_index: int) -> torch.Tensor:
+def _local_target(target: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     """Targets as column indices of this rank's slice; -1 (outside every tile: no target logit, no one-hot)
-    where the target is another rank's or ignored (ignore_index may be any integer, even one in the slice)."""
-    inside = (target >= start) & (target < start + rows) & (target != ignore_index)
+    where the target is another rank's. Ignored rows need nothing here: their weight in the loss and in dz is 0."""
+    inside = (target >= start) & (target < start + rows)
     return torch.where(inside, target - start, -1)
 
 
@@ -78,7 +78,7 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
                 empty_mean, grad_sum, group):
         kernels = _kernels()
         dim = wn.shape[0]
-        local_target = _local_target(target, vocab_start, w_vocab.shape[0], ignore_index)
+        local_target = _local_target(target, vocab_start, w_vocab.shape[0])
         lse_chunks, target_logit_chunks = [], []
         for rows in runtime.row_chunks(x.shape[0], chunk_rows):
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x[rows], wn=wn)
