@@ -7,6 +7,9 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
+- tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
+  codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
+  gradient (each rank's part of the sharded weights against the same part of the whole model's).
 - ddp: DistributedDataParallel over codagen's Llama assembly and over a codagen.hf-patched transformers Llama,
   rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every gradient.
 """
@@ -21,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from codagen.models import generated_blocks
-from codagen.parallel import VocabParallelLmHeadLoss, vocab_range
+from codagen.parallel import TensorParallelLlama, VocabParallelLmHeadLoss, layer_shards, vocab_range
 
 EPS = 1e-5
 
@@ -100,12 +103,12 @@ def vocab_parallel(seed: int) -> dict:
     return dict(cases=cases)
 
 
-def tiny_llama():
+def tiny_llama(n_heads=2, n_kv_heads=1):
     from codagen.models.llama import CodagenLlama
     from codagen.presets import LlamaShape
 
-    shape = LlamaShape(dim=32, ffn_dim=48, n_heads=2, n_kv_heads=1, head_dim=16, n_layers=2, vocab=37,
-                       rope_theta=10000.0, eps=EPS)
+    shape = LlamaShape(dim=32, ffn_dim=48, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=32 // n_heads,
+                       n_layers=2, vocab=37, rope_theta=10000.0, eps=EPS)
     model = CodagenLlama(shape, chunk_rows=8)
     with torch.no_grad():
         for p in model.parameters():
@@ -160,6 +163,37 @@ def llama_vocab_parallel(seed: int) -> dict:
     return dict(loss=loss.item(), ref_loss=ref_loss.item(), max_rel_grad=worst)
 
 
+def tensor_parallel(seed: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, 37, (2, 9))
+    targets = torch.randint(0, 37, (2, 9))
+    targets[1, 3:5] = -100
+    reference = tiny_llama(n_heads=4, n_kv_heads=world)  # GQA on 2 ranks, MHA on 4
+    model = TensorParallelLlama(copy.deepcopy(reference))
+    loss = model(tokens, targets)
+    loss.backward()
+    ref_loss = reference(tokens, targets)
+    ref_loss.backward()
+    ref = dict(reference.named_parameters())
+    shards = layer_shards(reference.shape, rank, world)
+    start, stop = model.head.vocab_start, model.head.vocab_start + len(model.head.w_vocab)
+    worst, names = 0.0, []
+    for name, p in model.named_parameters():
+        names.append(name)
+        ref_grad = ref[name].grad
+        within_layer = name.split(".", 2)[-1]
+        if name == "head.w_vocab":
+            worst = max(worst, whole_rel(p.grad, ref_grad[start:stop]))
+        elif name.startswith("layers.") and within_layer in shards:
+            dim, index = shards[within_layer]
+            worst = max(worst, whole_rel(p.grad, ref_grad.index_select(dim, index)))
+        else:  # replicated: the whole gradient on every rank
+            worst = max(worst, rel(p.grad, ref_grad))
+    return dict(loss=loss.item(), ref_loss=ref_loss.item(), max_rel_grad=worst,
+                same_params=sorted(names) == sorted(ref))
+
+
 def ddp(seed: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -191,7 +225,7 @@ def main(case: str, out: str, seed: int) -> None:
     dist.init_process_group("gloo")
     result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
                                                   "llama_vocab_parallel": llama_vocab_parallel,
-                                                  "ddp": ddp}[case](seed))
+                                                  "tensor_parallel": tensor_parallel, "ddp": ddp}[case](seed))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)

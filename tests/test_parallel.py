@@ -15,7 +15,7 @@ if not torch.distributed.is_available():
 
 from test_distributed import REPO, _free_port, _run  # noqa: E402
 
-from codagen.parallel import vocab_parallel_lm_head_loss, vocab_range  # noqa: E402
+from codagen.parallel import layer_shards, vocab_parallel_lm_head_loss, vocab_range  # noqa: E402
 
 WORKER = REPO / "tests" / "parallel_worker.py"
 # fp32 kernels (the launchers take fp16, bf16 and fp32) against float64 PyTorch, and against the same kernels in
@@ -62,6 +62,14 @@ def test_llama_with_a_vocab_parallel_head_matches_one_process(tmp_path):
     assert result["max_rel_grad"] < TOL, result
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
+    result = run_worker(tmp_path, "tensor_parallel", nproc)
+    assert result["same_params"], result
+    assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
+    assert result["max_rel_grad"] < TOL, result
+
+
 def test_ddp_codagen_llama_and_patched_hf_llama_match_one_process(tmp_path):
     pytest.importorskip("transformers")
     result = run_worker(tmp_path, "ddp", 2)
@@ -94,5 +102,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
         vocab_range(3, 0, 4)
     x, wn, w = torch.randn(3, 8), torch.rand(8) + 0.5, torch.randn(5, 8)
+    from codagen.presets import PRESETS
+
+    with pytest.raises(NotImplementedError, match=r"n_kv_heads \(2\) divisible by 4"):
+        layer_shards(PRESETS["tiny"], 0, 4)
     with pytest.raises(NotImplementedError, match="reduction 'none' is not implemented"):
         vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="none")

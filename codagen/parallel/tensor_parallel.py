@@ -1,0 +1,203 @@
+"""Tensor-parallel Llama layers over a process group (docs/distributed.md#tensor-parallel-layers), built of the same
+generated kernels as codagen's Llama assembly (codagen/models/llama.py).
+
+Rank r of P holds, of each layer, the q, k and v rows of its n_heads / P query heads and n_kv_heads / P key-value
+heads (QKV column-parallel: the projection's epilogue, a row scale and RoPE on pairs within a head, is local to a
+column), the matching columns of the out-projection (row-parallel), and a contiguous 1/P of the MLP's gate/up pairs
+(column-parallel: rows interleaved (gate, up), so SwiGLU stays local) with the matching columns of the down
+projection (row-parallel). The residual stream x, the norm weights and the embedding are replicated.
+
+Where the sums over ranks go (everything else is local, and exact):
+
+- forward, after each row-parallel GEMM: its product is a partial sum over the ranks' columns, and the fused
+  out_proj_residual_norm epilogue cannot finish a norm (a sum of squares) on it. So the rank's GEMM writes its
+  partial product (the generated `matmul`), one all-reduce makes it whole, then the residual add and the next
+  norm's statistics and h = x ⊙ wn run on the whole row (`rmsnorm_stats`, the kernel of the first layer's norm).
+  Two all-reduces of [M, dim] per layer.
+- backward, in each norm's data gradient (`norm_dgrad_residual`): dx = dx_res + r ⊙ (acc ⊙ wn − xn ⊙ zdz) is
+  linear in the GEMM's product acc and in the row dot zdz, both sums over the rank's columns; so every rank runs
+  the epilogue on its parts, the residual's gradient dx_res added on rank 0 only, and one all-reduce of dx (and
+  one of the norm weight's gradient, [dim]) makes them whole. Two all-reduces of [M, dim] per layer.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from codagen.runtime import finish
+
+from .vocab_parallel import VocabParallelLmHeadLoss
+
+
+def _kernels():
+    from codagen.models import generated_blocks
+
+    return importlib.import_module(generated_blocks().__name__.rpartition(".")[0] + ".kernels")
+
+
+def _residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
+    """The residual's gradient as this rank's part of a sum over ranks: itself on rank 0, zeros elsewhere (every
+    rank holds the same whole gradient)."""
+    return grad if dist.get_rank(group) == 0 else torch.zeros_like(grad)
+
+
+def layer_shards(shape, rank: int, world: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """What rank holds of each sharded weight of a codagen Llama layer (codagen.models.llama.Layer), as
+    {parameter name: (dim, indices along dim)}. Refuses a split that is not implemented, by name."""
+    for what, n in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads), ("ffn_dim", shape.ffn_dim)):
+        if n % world:
+            raise NotImplementedError(f"tensor parallelism over {world} ranks needs {what} ({n}) divisible by "
+                                      f"{world}; replicating key-value heads or uneven splits is not implemented")
+    hd = shape.head_dim
+
+    def heads(first: int, count: int) -> torch.Tensor:
+        per = count // world
+        return torch.arange((first + rank * per) * hd, (first + (rank + 1) * per) * hd)
+
+    qkv = torch.cat([heads(0, shape.n_heads), heads(shape.n_heads, shape.n_kv_heads),
+                     heads(shape.n_heads + shape.n_kv_heads, shape.n_kv_heads)])
+    attn = heads(0, shape.n_heads)
+    ffn = shape.ffn_dim // world
+    mlp = torch.arange(rank * ffn, (rank + 1) * ffn)
+    gate_up = torch.stack([2 * mlp, 2 * mlp + 1], 1).reshape(-1)  # the (gate, up) rows of the rank's pairs
+    return {"pre.w_qkv": (0, qkv), "post.w_o": (1, attn), "post.w_gate_up": (0, gate_up), "post.w_down": (1, mlp)}
+
+
+class TensorParallelPreAttentionFunction(torch.autograd.Function):
+    """pre_attention (specs/blocks/pre_attention.yaml) on the rank's qkv columns: the forward is the block's; the
+    backward's dx and dwn are the rank's parts, summed over ranks."""
+
+    @staticmethod
+    def forward(ctx, x, h, rstd, positions, freqs, wn, w_qkv, dim, group):
+        qkv = _kernels().qkv_norm_rope.qkv_norm_rope(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
+        ctx.save_for_backward(x, rstd, positions, freqs, qkv, wn, w_qkv)
+        ctx.attrs = (dim, group)
+        return x.view_as(x), qkv
+
+    @staticmethod
+    def backward(ctx, grad_x_out, grad_qkv):
+        kernels = _kernels()
+        x, rstd, positions, freqs, qkv, wn, w_qkv = ctx.saved_tensors
+        dim, group = ctx.attrs
+        dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(qkv=qkv, grad_qkv=grad_qkv, positions=positions,
+                                                               freqs=freqs)
+        zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)  # the rank's columns' part of the row dot
+        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
+            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=_residual_on_first_rank(grad_x_out, group))
+        grad_wn = finish.sum_tiles(x=dwn_part)
+        dist.all_reduce(grad_x, group=group)
+        dist.all_reduce(grad_wn, group=group)
+        grad_w_qkv = finish.matmul(a=dz, b=normed, transpose="a")
+        return grad_x, None, None, None, None, grad_wn, grad_w_qkv, None, None
+
+
+class TensorParallelPostAttentionFunction(torch.autograd.Function):
+    """post_attention (specs/blocks/post_attention.yaml) with a row-parallel out-projection, a column-parallel
+    gate/up and a row-parallel down projection: each row-parallel product is all-reduced before the residual add
+    and the norm's statistics; in the backward, dx is the sum of the ranks' parts."""
+
+    @staticmethod
+    def forward(ctx, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, dim, eps, group):
+        kernels = _kernels()
+
+        def residual_norm(partial, residual, wn):
+            dist.all_reduce(partial, group=group)
+            x_new = residual + partial
+            h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_new, wn=wn)
+            return x_new, h, finish.rstd(x=ss, size=dim, eps=eps)
+
+        x1, h1, r1 = residual_norm(kernels.matmul.matmul(a=y, b=w_o), x, wn_mlp)
+        z1, y1 = kernels.gate_up_swiglu.gate_up_swiglu(h=h1, w_gate_up=w_gate_up, rstd=r1)
+        x_out, h_next, rstd_next = residual_norm(kernels.matmul.matmul(a=y1, b=w_down), x1, wn_next)
+        ctx.save_for_backward(y, x1, r1, z1, w_o, wn_mlp, w_gate_up, w_down)
+        ctx.attrs = (dim, group)
+        ctx.mark_non_differentiable(h_next, rstd_next)
+        return x_out, h_next, rstd_next
+
+    @staticmethod
+    def backward(ctx, grad_x_out, _grad_h_next, _grad_rstd_next):
+        kernels = _kernels()
+        y, x1, r1, z1, w_o, wn_mlp, w_gate_up, w_down = ctx.saved_tensors
+        dim, group = ctx.attrs
+        dz1, zdz1_part, y1 = kernels.swiglu_dgrad.swiglu_dgrad(grad_y=grad_x_out, w_down=w_down, z=z1)
+        zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)  # the rank's pairs' part of the row dot
+        grad_w_down = finish.matmul(a=grad_x_out, b=y1, transpose="a")
+        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
+            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=_residual_on_first_rank(grad_x_out, group))
+        grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
+        dist.all_reduce(grad_x, group=group)
+        dist.all_reduce(grad_wn_mlp, group=group)
+        grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose="a")
+        grad_y = finish.matmul(a=grad_x, b=w_o)
+        grad_w_o = finish.matmul(a=grad_x, b=y, transpose="a")
+        return grad_y, grad_x, None, grad_w_o, grad_wn_mlp, grad_w_gate_up, grad_w_down, None, None, None
+
+
+class _Part(nn.Module):
+    """A block's parameters (pre or post), named as in codagen.models.llama.Layer."""
+
+
+class TensorParallelLayer(nn.Module):
+    """This rank's part of a codagen.models.llama.Layer (`layer_shards`), with the rank's RoPE frequencies."""
+
+    def __init__(self, layer: nn.Module, shape, group=None):
+        super().__init__()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.shape, self.group = shape, group
+        # attention on the rank's heads
+        self.local_shape = dataclasses.replace(shape, n_heads=shape.n_heads // world,
+                                               n_kv_heads=shape.n_kv_heads // world)
+        self.pre, self.post = _Part(), _Part()
+        shards = layer_shards(shape, rank, world)
+        for name, p in layer.named_parameters():
+            part, attr = name.split(".")
+            value = p.detach()
+            if name in shards:
+                dim, index = shards[name]
+                value = value.index_select(dim, index)
+            setattr(getattr(self, part), attr, nn.Parameter(value.clone()))
+        # the rank's RoPE frequencies: freqs holds one per (even, odd) pair of qkv columns
+        self.register_buffer("qkv_pairs", shards["pre.w_qkv"][1][::2] // 2, persistent=False)
+
+    def forward(self, x, h, rstd, positions, freqs, wn_next, batch, seq):
+        from codagen.models.llama import attention
+
+        dim = self.shape.dim
+        x, qkv = TensorParallelPreAttentionFunction.apply(x, h, rstd, positions, freqs[self.qkv_pairs],
+                                                          self.pre.wn, self.pre.w_qkv, dim, self.group)
+        y = attention(qkv, self.local_shape, batch, seq)
+        return TensorParallelPostAttentionFunction.apply(y, x, wn_next, self.post.w_o, self.post.wn_mlp,
+                                                         self.post.w_gate_up, self.post.w_down, dim, self.shape.eps,
+                                                         self.group)
+
+
+class TensorParallelLlama(nn.Module):
+    """codagen's Llama assembly (codagen.models.llama.CodagenLlama) with tensor-parallel layers and a vocab-parallel
+    LM head over `group` (the default process group if None), made from a whole model (its weights copied, each
+    rank keeping its part). Every rank of the group must be fed the same tokens and targets; each gets the same
+    loss, the whole gradients of the replicated weights (embedding, norm weights) and its part's of the others."""
+
+    def __init__(self, model: nn.Module, group=None):
+        super().__init__()
+        self.shape, self.group = model.shape, group
+        self.embed = copy.deepcopy(model.embed)
+        self.norm_stats = copy.deepcopy(model.norm_stats)
+        self.layers = nn.ModuleList(TensorParallelLayer(layer, model.shape, group) for layer in model.layers)
+        self.head = VocabParallelLmHeadLoss.from_lm_head_loss(model.head, group)
+        self.register_buffer("freqs", model.freqs.clone(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch, seq = tokens.shape
+        x = self.embed(tokens).reshape(batch * seq, self.shape.dim)
+        positions = torch.arange(seq, device=tokens.device).repeat(batch)
+        h, rstd = self.norm_stats(x, self.layers[0].pre.wn)
+        for i, layer in enumerate(self.layers):
+            wn_next = self.layers[i + 1].pre.wn if i + 1 < len(self.layers) else self.head.wn
+            x, h, rstd = layer(x, h, rstd, positions, self.freqs, wn_next, batch, seq)
+        del h, rstd
+        return self.head(x, targets.reshape(-1))
