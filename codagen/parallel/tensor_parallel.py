@@ -1,23 +1,12 @@
-"""Tensor-parallel Llama layers over a process group (docs/distributed.md#tensor-parallel-layers), built of the same
-generated kernels as codagen's Llama assembly (codagen/models/llama.py).
+"""Tensor-parallel Llama layers over a process group, built of the same generated kernels as codagen's Llama
+assembly (codagen/models/llama.py); what each rank holds and where the all-reduces sit, with their cost:
+docs/distributed.md#tensor-parallel-layers.
 
-Rank r of P holds, of each layer, the q, k and v rows of its n_heads / P query heads and n_kv_heads / P key-value
-heads (QKV column-parallel: the projection's epilogue, a row scale and RoPE on pairs within a head, is local to a
-column), the matching columns of the out-projection (row-parallel), and a contiguous 1/P of the MLP's gate/up pairs
-(column-parallel: rows interleaved (gate, up), so SwiGLU stays local) with the matching columns of the down
-projection (row-parallel). The residual stream x, the norm weights and the embedding are replicated.
-
-Where the sums over ranks go (everything else is local, and exact):
-
-- forward, after each row-parallel GEMM: its product is a partial sum over the ranks' columns, and the fused
-  out_proj_residual_norm epilogue cannot finish a norm (a sum of squares) on it. So the rank's GEMM writes its
-  partial product (the generated `matmul`), one all-reduce makes it whole, then the residual add and the next
-  norm's statistics and h = x ⊙ wn run on the whole row (`rmsnorm_stats`, the kernel of the first layer's norm).
-  Two all-reduces of [M, dim] per layer.
-- backward, in each norm's data gradient (`norm_dgrad_residual`): dx = dx_res + r ⊙ (acc ⊙ wn − xn ⊙ zdz) is
-  linear in the GEMM's product acc and in the row dot zdz, both sums over the rank's columns; so every rank runs
-  the epilogue on its parts, the residual's gradient dx_res added on rank 0 only, and one all-reduce of dx (and
-  one of the norm weight's gradient, [dim]) makes them whole. Two all-reduces of [M, dim] per layer.
+QKV and gate/up are column-parallel (their epilogues are local to a column or a pair); the out and down
+projections are row-parallel: their partial products are all-reduced before the residual add and the norm's
+statistics, which are not linear in the product. In the backward each norm's data gradient is linear in the GEMM's
+product and the row dot, both sums over the ranks' columns, so each rank's epilogue makes its part (the residual's
+gradient counted on rank 0 only) and one all-reduce sums them.
 """
 from __future__ import annotations
 

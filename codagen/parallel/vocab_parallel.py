@@ -1,20 +1,10 @@
-"""The final RMSNorm, LM head and cross-entropy with the vocabulary split across ranks (docs/distributed.md).
+"""The final RMSNorm, LM head and cross-entropy with the vocabulary split across the ranks of a process group
+(the algebra, and where the collectives sit: docs/distributed.md#vocab-parallel-lm-head-and-cross-entropy).
 
-Rank r of a process group of P ranks holds the rows [start_r, stop_r) of the LM-head weight (`vocab_range`) and
-the whole of the replicated hidden states x, targets and final norm weight wn. It runs the same generated kernels
-as the single-process block `lm_head_loss` (specs/blocks/lm_head_loss.yaml) on its slice, over row chunks, so that
-it never holds more than chunk_rows x (its slice) logits:
-
-- forward: each rank's lse_r and its target logit (0 where the target is in another rank's slice) come out of
-  `lm_head_logits`' epilogue; one all-gather of the [2, M] pair per rank, and every rank combines the same P
-  log-sum-exps with the same finish step that combines a row's tiles (`logsumexp_tiles`: lse = P + log Σ_r
-  exp(lse_r - P), P = max_r lse_r) and sums the target logits (one is the target's, the others are exact zeros);
-  the loss is then `cross_entropy`'s, identical on every rank.
-- backward: each rank recomputes its slice's logits chunk by chunk and its slice of dz = (softmax - onehot) · w
-  with the global lse (`lm_head_ce_dz` takes lse as an input), then the final norm's backward through its slice
-  (`norm_dgrad`). Its dW is its slice's whole gradient; its dx and dwn are its slice's share of sums over the
-  vocabulary (dz @ W and the row dot Σ_v z_v dz_v enter dx linearly), so one all-reduce (sum) of dx and one of
-  dwn make them whole.
+Each rank runs the single-process block's kernels (specs/blocks/lm_head_loss.yaml) on its rows of the LM-head
+weight, over row chunks. Forward: its slice's lse and target logit, one all-gather, the same combination on every
+rank. Backward: its slice's logits again and dz with the global lse, then dx and dwn as its part of sums over the
+vocabulary, all-reduced; dW of its slice is local.
 """
 from __future__ import annotations
 
