@@ -47,7 +47,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def vocab_parallel(seed: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
     rows, dim, vocab = 23, 32, 45  # 45 = 1 mod 2 and mod 4: the slices differ in size
     x = torch.randn(rows, dim, generator=g)

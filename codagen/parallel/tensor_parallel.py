@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 
 import torch
 import torch.distributed as dist
@@ -20,13 +19,7 @@ from torch import nn
 
 from codagen.runtime import finish
 
-from .vocab_parallel import VocabParallelLmHeadLoss
-
-
-def _kernels():
-    from codagen.models import generated_blocks
-
-    return importlib.import_module(generated_blocks().__name__.rpartition(".")[0] + ".kernels")
+from .vocab_parallel import VocabParallelLmHeadLoss, generated_kernels
 
 
 def _residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
@@ -63,14 +56,15 @@ class TensorParallelPreAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, rstd, positions, freqs, wn, w_qkv, dim, group):
-        qkv = _kernels().qkv_norm_rope.qkv_norm_rope(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs)
+        qkv = generated_kernels().qkv_norm_rope.qkv_norm_rope(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions,
+                                                              freqs=freqs)
         ctx.save_for_backward(x, rstd, positions, freqs, qkv, wn, w_qkv)
         ctx.attrs = (dim, group)
         return x.view_as(x), qkv
 
     @staticmethod
     def backward(ctx, grad_x_out, grad_qkv):
-        kernels = _kernels()
+        kernels = generated_kernels()
         x, rstd, positions, freqs, qkv, wn, w_qkv = ctx.saved_tensors
         dim, group = ctx.attrs
         dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(qkv=qkv, grad_qkv=grad_qkv, positions=positions,
@@ -92,7 +86,7 @@ class TensorParallelPostAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, dim, eps, group):
-        kernels = _kernels()
+        kernels = generated_kernels()
 
         def residual_norm(partial, residual, wn):
             dist.all_reduce(partial, group=group)
@@ -110,7 +104,7 @@ class TensorParallelPostAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_out, _grad_h_next, _grad_rstd_next):
-        kernels = _kernels()
+        kernels = generated_kernels()
         y, x1, r1, z1, w_o, wn_mlp, w_gate_up, w_down = ctx.saved_tensors
         dim, group = ctx.attrs
         dz1, zdz1_part, y1 = kernels.swiglu_dgrad.swiglu_dgrad(grad_y=grad_x_out, w_down=w_down, z=z1)

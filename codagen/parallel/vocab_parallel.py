@@ -18,8 +18,8 @@ from codagen import runtime
 from codagen.runtime import finish
 
 
-def _kernels():
-    """The committed generated kernels, as codagen.models' assemblies find them."""
+def generated_kernels():
+    """The committed generated kernels, next to the blocks that codagen.models' assemblies are built of."""
     from codagen.models import generated_blocks
 
     return importlib.import_module(generated_blocks().__name__.rpartition(".")[0] + ".kernels")
@@ -66,7 +66,7 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, wn, w_vocab, vocab_start, vocab, eps, ignore_index, reduction, chunk_rows,
                 empty_mean, grad_sum, group):
-        kernels = _kernels()
+        kernels = generated_kernels()
         dim = wn.shape[0]
         local_target = _local_target(target, vocab_start, w_vocab.shape[0])
         lse_chunks, target_logit_chunks = [], []
@@ -89,7 +89,7 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        kernels = _kernels()
+        kernels = generated_kernels()
         x, local_target, wn, w_vocab, lse, target = ctx.saved_tensors
         eps, ignore_index, reduction, chunk_rows, grad_sum, group = ctx.attrs
         dim = wn.shape[0]
@@ -148,11 +148,10 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
 
 
 class VocabParallelLmHeadLoss(nn.Module):
-    """LmHeadLoss (the generated lm_head_loss block's module) with this rank's slice of the vocabulary:
-    `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole final norm
-    weight (replicated: keep it equal on every rank, e.g. under DDP over another group, or by averaging nothing:
-    its gradient is already summed over the slices). Every rank of `group` must call it with the same x and
-    targets, and gets the same loss."""
+    """LmHeadLoss (the generated lm_head_loss block's module, with the same arguments) over this rank's slice of
+    the vocabulary: `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole
+    final norm weight. Every rank of `group` (the default process group if None) calls it with the same x and
+    targets and gets the same loss, the whole gradients of x and wn, and its slice's of w_vocab."""
 
     def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
                  grad_sum="same", *, group=None, device=None, dtype=None):
