@@ -10,12 +10,14 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
   codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
   gradient (each rank's part of the sharded weights against the same part of the whole model's).
-- ddp: DistributedDataParallel over codagen's Llama assembly and over a codagen.hf-patched transformers Llama,
-  rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every gradient.
+- ddp_codagen, ddp_hf: DistributedDataParallel over codagen's Llama assembly, or over a codagen.hf-patched
+  transformers Llama, rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every
+  gradient.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 
@@ -194,38 +196,37 @@ def tensor_parallel(seed: int) -> dict:
                 same_params=sorted(names) == sorted(ref))
 
 
-def ddp(seed: int) -> dict:
+def ddp(kind: str, seed: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     tokens = torch.randint(0, 37, (world, 9))
-    runs = {}
-    for kind, make in (("codagen", tiny_llama), ("hf", tiny_hf_llama)):
-        reference = make()
-        model = DistributedDataParallel(copy.deepcopy(reference))
-        mine = tokens[rank: rank + 1]
-        # no ignored targets: every rank has as many tokens, and DDP's average of the ranks' mean losses'
-        # gradients is the gradient of the whole batch's mean
-        if kind == "codagen":
-            loss, ref_loss = model(mine, mine), reference(tokens, tokens)
-        else:
-            loss = model(input_ids=mine, labels=mine).loss
-            ref_loss = reference(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        ref_loss.backward()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        runs[kind] = dict(loss=mean_loss.item() / world, ref_loss=ref_loss.item(),
-                          max_rel_grad=grads_against(model.module, reference))
-    return runs
+    reference = tiny_llama() if kind == "codagen" else tiny_hf_llama()
+    model = DistributedDataParallel(copy.deepcopy(reference))
+    mine = tokens[rank: rank + 1]
+    # no ignored targets: every rank has as many tokens, and DDP's average of the ranks' mean losses' gradients is
+    # the gradient of the whole batch's mean
+    if kind == "codagen":
+        loss, ref_loss = model(mine, mine), reference(tokens, tokens)
+    else:
+        loss = model(input_ids=mine, labels=mine).loss
+        ref_loss = reference(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    ref_loss.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    return dict(loss=mean_loss.item() / world, ref_loss=ref_loss.item(),
+                max_rel_grad=grads_against(model.module, reference))
 
 
 def main(case: str, out: str, seed: int) -> None:
     dist.init_process_group("gloo")
     result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
                                                   "llama_vocab_parallel": llama_vocab_parallel,
-                                                  "tensor_parallel": tensor_parallel, "ddp": ddp}[case](seed))
+                                                  "tensor_parallel": tensor_parallel,
+                                                  "ddp_codagen": functools.partial(ddp, "codagen"),
+                                                  "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
