@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from codagen.models import generated_blocks
 from codagen.parallel import TensorParallelLlama, VocabParallelLmHeadLoss, layer_shards, vocab_range
@@ -172,7 +173,7 @@ def tensor_parallel(seed: int) -> dict:
     targets = torch.randint(0, 37, (2, 9))
     targets[1, 3:5] = -100
     reference = tiny_llama(n_heads=4, n_kv_heads=world)  # GQA on 2 ranks, MHA on 4
-    model = TensorParallelLlama(copy.deepcopy(reference))
+    model = TensorParallelLlama(copy.deepcopy(reference), init_device_mesh("cpu", (world,)))  # a mesh, or a group
     loss = model(tokens, targets)
     loss.backward()
     ref_loss = reference(tokens, targets)

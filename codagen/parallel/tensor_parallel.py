@@ -19,7 +19,7 @@ from torch import nn
 
 from codagen.runtime import finish
 
-from .vocab_parallel import VocabParallelLmHeadLoss, generated_kernels
+from .vocab_parallel import VocabParallelLmHeadLoss, generated_kernels, process_group
 
 
 def _residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
@@ -130,6 +130,7 @@ class TensorParallelLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, shape, group=None):
         super().__init__()
+        group = process_group(group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.shape, self.group = shape, group
         # attention on the rank's heads
@@ -161,12 +162,14 @@ class TensorParallelLayer(nn.Module):
 
 class TensorParallelLlama(nn.Module):
     """codagen's Llama assembly (codagen.models.llama.CodagenLlama) with tensor-parallel layers and a vocab-parallel
-    LM head over `group` (the default process group if None), made from a whole model (its weights copied, each
-    rank keeping its part). Every rank of the group must be fed the same tokens and targets; each gets the same
-    loss, the whole gradients of the replicated weights (embedding, norm weights) and its part's of the others."""
+    LM head over `group` (a process group, a 1-D DeviceMesh, or None: the default group), made from a whole model
+    (its weights copied, each rank keeping its part). Every rank of the group must be fed the same tokens and
+    targets; each gets the same loss, the whole gradients of the replicated weights (embedding, norm weights) and
+    its part's of the others."""
 
     def __init__(self, model: nn.Module, group=None):
         super().__init__()
+        group = process_group(group)
         self.shape, self.group = model.shape, group
         self.embed = copy.deepcopy(model.embed)
         self.norm_stats = copy.deepcopy(model.norm_stats)

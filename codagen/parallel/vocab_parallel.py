@@ -13,6 +13,7 @@ import importlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from codagen import runtime
 from codagen.runtime import finish
@@ -23,6 +24,17 @@ def generated_kernels():
     from codagen.models import generated_blocks
 
     return importlib.import_module(generated_blocks().__name__.rpartition(".")[0] + ".kernels")
+
+
+def process_group(group):
+    """The process group of `group`: a ProcessGroup, None (the default group), or a 1-D DeviceMesh (for a dimension
+    of a larger mesh, pass mesh["tp"])."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"codagen.parallel takes a 1-D DeviceMesh (e.g. mesh['tp']), got one of {group.ndim} "
+                             "dimensions")
+        return group.get_group()
+    return group
 
 
 def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
@@ -150,7 +162,7 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
 class VocabParallelLmHeadLoss(nn.Module):
     """LmHeadLoss (the generated lm_head_loss block's module, with the same arguments) over this rank's slice of
     the vocabulary: `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole
-    final norm weight. Every rank of `group` (the default process group if None) calls it with the same x and
+    final norm weight. Every rank of `group` (a process group, a 1-D DeviceMesh, or None: the default group) calls it with the same x and
     targets and gets the same loss, the whole gradients of x and wn, and its slice's of w_vocab."""
 
     def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
@@ -158,7 +170,8 @@ class VocabParallelLmHeadLoss(nn.Module):
         super().__init__()
         self.dim, self.vocab, self.eps = dim, vocab, eps
         self.ignore_index, self.reduction, self.chunk_rows = ignore_index, reduction, chunk_rows
-        self.empty_mean, self.grad_sum, self.group = empty_mean, grad_sum, group
+        self.empty_mean, self.grad_sum, self.group = empty_mean, grad_sum, process_group(group)
+        group = self.group
         self.vocab_start, stop = vocab_range(vocab, dist.get_rank(group), dist.get_world_size(group))
         self.wn = nn.Parameter(torch.empty((dim,), device=device, dtype=dtype))
         self.w_vocab = nn.Parameter(torch.empty((stop - self.vocab_start, dim), device=device, dtype=dtype))
