@@ -162,8 +162,9 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
 class VocabParallelLmHeadLoss(nn.Module):
     """LmHeadLoss (the generated lm_head_loss block's module, with the same arguments) over this rank's slice of
     the vocabulary: `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole
-    final norm weight. Every rank of `group` (a process group, a 1-D DeviceMesh, or None: the default group) calls it with the same x and
-    targets and gets the same loss, the whole gradients of x and wn, and its slice's of w_vocab."""
+    final norm weight. Every rank of `group` (a process group, a 1-D DeviceMesh, or None: the default group) calls
+    it with the same x and targets and gets the same loss, the whole gradients of x and wn, and its slice's of
+    w_vocab."""
 
     def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
                  grad_sum="same", *, group=None, device=None, dtype=None):
