@@ -69,6 +69,9 @@ class HfMapping:
       post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast) -> (x, h, rstd), with
       `layer` the patched decoder layer, `blocks` the generated blocks package, the weights already cast to the
       blocks' dtype and `cast` the cast of any other weight.
+    lora_refused: the projections (layer_modules names) on which codagen.lora refuses a LoRA adapter -> why (the
+      family's block takes their output non-linearly: Qwen3's QK-norm). None: none refused where the family runs
+      Llama's blocks (pre_attention and post_attention None), else LoRA refused on the family as a whole.
     """
 
     model_class: str
@@ -82,6 +85,7 @@ class HfMapping:
     attention_modules: tuple = ()
     pre_attention: Callable | None = None
     post_attention: Callable | None = None
+    lora_refused: dict | None = None
 
 
 def family(name: str) -> Family:
