@@ -430,13 +430,13 @@ def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_me
             if fused is not None:
                 owner = module.get_submodule(name.rpartition(".")[0])  # CodagenAttention, CodagenMLP
                 for part, t in zip(parts, owner.unfuse(fused)):
-                    state_dict[prefix + f"{part}.{kind}"] = t
+                    state_dict[prefix + f"{lora.state_name(module, part)}.{kind}"] = t
 
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
     for kind in ("weight", "bias"):
         for name, parts in module.hf_mapping.fused.items():
-            names = [prefix + f"{part}.{kind}" for part in parts]
+            names = [prefix + f"{lora.state_name(module, part)}.{kind}" for part in parts]
             if all(n in state_dict for n in names):
                 owner = module.get_submodule(name.rpartition(".")[0])
                 state_dict[prefix + f"{name}.{kind}"] = owner.fuse(*(state_dict.pop(n) for n in names))

@@ -263,6 +263,12 @@ def base_layers(parts: list[nn.Module]) -> list[nn.Module]:
     return [p.base_layer if is_lora(p) else p for p in parts]
 
 
+def state_name(layer: nn.Module, part: str) -> str:
+    """The state dict name of a fused part's weights (a layer's "self_attn.q_proj"): under a LoRA layer, its base
+    layer's, as PEFT names them ("self_attn.q_proj.base_layer")."""
+    return part + ".base_layer" if is_lora(_child(layer, part)) else part
+
+
 def keep_parts(owner: nn.Module, fused: str, names: tuple[str, ...], parts: list[nn.Module]) -> None:
     """After the fusion: each LoRA layer among `parts` stays under its Hugging Face name in `owner` (so PEFT's
     adapter names, state dict keys, disable_adapter and set_adapter are as unpatched), its base layer a FusedPart
