@@ -180,9 +180,10 @@ def check_config(config, mapping: HfMapping = LLAMA) -> None:
 
 
 def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.", mapping: HfMapping = LLAMA) -> None:
-    """Refuse modules other than transformers' own ones of the family (`mapping`, Llama's by default: an adapter
-    such as LoRA, a quantized linear, another library's patch) in its decoder (a LlamaModel): the patch reads their
-    weights and would silently drop what they add. Checked at patch time, and, for the modules whose weights the
+    """Refuse modules other than transformers' own ones of the family (`mapping`, Llama's by default: an adapter,
+    a quantized linear, another library's patch) in its decoder (a LlamaModel), but for PEFT's LoRA layers in place
+    of its projections, which codagen.lora checks: the patch reads their weights and would silently drop what they
+    add. Checked at patch time, and, for the modules whose weights the
     patched model reads (patched=True), on its first call after one of them changed (CodagenPatch)."""
     hf = _modeling(mapping)
 
@@ -227,7 +228,8 @@ def _check_type(name: str, module: nn.Module, kind: type, family: str = "Llama")
                 "that does not apply it." if where.split(".")[0] == "liger_kernel" else "")
         raise TypeError(f"apply_codagen: {name} is a {where}.{type(module).__qualname__}, "
                         f"not {kind.__qualname__}; codagen runs unmodified transformers {family} modules only "
-                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)."
+                        "(and PEFT's LoRA layers on the projections; other adapters and other libraries' patches are "
+                        "not supported)."
                         + undo)
 
 

@@ -108,6 +108,18 @@ def test_lora_on_some_layers_only():
     compare(reference, patched, seed=2)
 
 
+def test_gradient_checkpointing():
+    """Each patched layer's call is recomputed in the backward, the adapters' products with it."""
+    torch.manual_seed(9)
+    reference = peft_llama(ATTENTION + MLP)
+    patched = apply_codagen(copy.deepcopy(reference))
+    for model in (reference, patched):
+        model.gradient_checkpointing_enable()
+        model.train()
+    assert patched.base_model.model.model.gradient_checkpointing
+    compare(reference, patched, seed=12)
+
+
 class FixedDropout(torch.nn.Module):
     """A dropout whose mask is drawn once, over the flattened rows: the same mask in both models, whatever their
     calling order and input shapes ([batch, seq, n] in transformers, [batch * seq, n] in codagen)."""

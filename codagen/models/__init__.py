@@ -71,7 +71,9 @@ class HfMapping:
       blocks' dtype and `cast` the cast of any other weight.
     lora_refused: the projections (layer_modules names) on which codagen.lora refuses a LoRA adapter -> why (the
       family's block takes their output non-linearly: Qwen3's QK-norm). None: none refused where the family runs
-      Llama's blocks (pre_attention and post_attention None), else LoRA refused on the family as a whole.
+      Llama's blocks (pre_attention and post_attention None), else LoRA refused on the family as a whole. A layer
+      with adapters on its MLP runs the post-attention part as Llama's, in PyTorch ops (codagen.lora): a family
+      whose post-attention math is another's refuses those projections here.
     """
 
     model_class: str
