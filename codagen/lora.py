@@ -1,6 +1,6 @@
 """LoRA adapters (PEFT) on a model patched by codagen.hf: the frozen base weights stay in codagen's fused blocks, and
 each adapter's low-rank product is computed in PyTorch from the same input and added where it is exact
-(docs/huggingface.md, "LoRA"):
+(docs/huggingface.md, "LoRA (PEFT)"):
 
 - q, k, v: from the input norm's output (recomputed from the residual stream, so that the adapters' gradient
   reaches it), rotated by RoPE and added to the PreAttention block's output (RoPE is linear);
@@ -13,7 +13,7 @@ Order: get_peft_model (or PeftModel.from_pretrained), then apply_codagen. A LoRA
 after apply_codagen is refused with what to do instead: the patch fused q/k/v and gate/up, where PEFT would find
 no module to adapt and skip them without a word.
 
-`peft` is imported only where a model holds PEFT's modules: codagen never needs it.
+codagen never imports `peft`: PEFT's modules are told by their classes' names.
 """
 from __future__ import annotations
 

@@ -120,6 +120,32 @@ def test_gradient_checkpointing():
     compare(reference, patched, seed=12)
 
 
+def test_autocast_and_a_copy_of_the_patched_model():
+    """Under torch.autocast the blocks run in bf16 and the adapters in their own dtype (fp32), their products cast
+    to the blocks' dtype: loss and gradients agree to bf16's precision. A deep copy of the patched PEFT model is
+    one of its own (each fused part's LoRA layer reads its own copy's fused weight)."""
+    torch.manual_seed(10)
+    reference = peft_llama(ATTENTION + MLP)
+    patched = apply_codagen(copy.deepcopy(reference))
+    copied = copy.deepcopy(patched)
+    assert copied.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr() != \
+        patched.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
+    compare(patched, copied, seed=13)
+    inputs = ragged_batch(14)
+    losses = []
+    for model in (reference, patched):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel(losses[1], losses[0]) < 2e-3
+    expected = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32 and rel(p.grad, expected[name].grad) < 1e-1, name
+
+
 class FixedDropout(torch.nn.Module):
     """A dropout whose mask is drawn once, over the flattened rows: the same mask in both models, whatever their
     calling order and input shapes ([batch, seq, n] in transformers, [batch * seq, n] in codagen)."""
