@@ -146,6 +146,16 @@ def test_autocast_and_a_copy_of_the_patched_model():
             assert p.grad.dtype == torch.float32 and rel(p.grad, expected[name].grad) < 1e-1, name
 
 
+def test_compiled_forward_is_one_graph():
+    """torch.compile traces the patched PEFT model's forward, adapters included, as one graph: the adapters'
+    state is read from their modules, nothing is imported or looked up on the way."""
+    torch._dynamo.reset()
+    patched = apply_codagen(peft_llama(ATTENTION + MLP))
+    explained = torch._dynamo.explain(patched)(**ragged_batch())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+    torch._dynamo.reset()
+
+
 class FixedDropout(torch.nn.Module):
     """A dropout whose mask is drawn once, over the flattened rows: the same mask in both models, whatever their
     calling order and input shapes ([batch, seq, n] in transformers, [batch * seq, n] in codagen)."""
