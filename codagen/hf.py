@@ -12,8 +12,8 @@ committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss
 Hugging Face's own (its mask builder and its attention function: SDPA, eager or flash attention), so padding masks
 and packed sequences behave exactly as in the unpatched model. The calling convention is Hugging Face's
 (input_ids, attention_mask, position_ids, labels shifted inside with -100 ignored, num_items_in_batch), and
-state_dict() / save_pretrained() write the Hugging Face layout again. docs/huggingface.md lists what is supported
-and what is refused.
+state_dict() / save_pretrained() write the Hugging Face layout again. A PEFT LoRA model is patched with its
+adapters (codagen.lora). docs/huggingface.md lists what is supported and what is refused.
 
 `transformers` is imported here only, inside the functions: `import codagen` never needs it. On a machine without a
 GPU, importing codagen.hf switches Triton's interpreter on (codagen.runtime), also when transformers' models, which

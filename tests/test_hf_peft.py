@@ -243,9 +243,13 @@ def test_adapters_save_and_load(tmp_path):
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
     loaded = apply_codagen(peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "patched"))
+    # the unpatched PEFT model's whole state dict loads into a patched one (strict)
+    other = apply_codagen(peft_llama(["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]))
+    other.load_state_dict(reference.state_dict())
     inputs = ragged_batch(10)
     with torch.no_grad():
-        assert rel(loaded(**inputs).loss, reference(**inputs).loss) < TOL
+        expected = reference(**inputs).loss
+        assert rel(loaded(**inputs).loss, expected) < TOL and rel(other(**inputs).loss, expected) < TOL
 
 
 def test_qwen3_lora_on_v_o_and_mlp_and_refused_on_q_k():
