@@ -14,8 +14,8 @@ committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss
 Hugging Face's own (its mask builder and its attention function: SDPA, eager or flash attention), so padding masks
 and packed sequences behave exactly as in the unpatched model. The calling convention is Hugging Face's
 (input_ids, attention_mask, position_ids, labels shifted inside with -100 ignored, num_items_in_batch), and
-state_dict() / save_pretrained() write the Hugging Face layout again. docs/huggingface.md lists what is supported
-and what is refused.
+state_dict() / save_pretrained() write the Hugging Face layout again. A PEFT LoRA model is patched with its
+adapters (codagen.lora). docs/huggingface.md lists what is supported and what is refused.
 
 `transformers` is imported here only, inside the functions: `import codagen` never needs it. On a machine without a
 GPU, importing codagen.hf switches Triton's interpreter on (codagen.runtime), also when transformers' models, which
@@ -40,6 +40,7 @@ from torch import nn
 
 # without a GPU, the runtime switches Triton's interpreter on, for the generated kernels these functions run
 from . import runtime  # noqa: F401
+from . import lora
 from .convert import heads_to_halves, heads_to_interleaved, interleave_rows, split_rows
 from .models import NAMES as FAMILY_NAMES
 from .models import HfMapping, family
@@ -207,9 +208,10 @@ def check_config(config, mapping: HfMapping = LLAMA) -> None:
 
 
 def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.", mapping: HfMapping = LLAMA) -> None:
-    """Refuse modules other than transformers' own ones of the family (`mapping`, Llama's by default: an adapter
-    such as LoRA, a quantized linear, another library's patch) in its decoder (a LlamaModel): the patch reads their
-    weights and would silently drop what they add. Checked at patch time, and, for the modules whose weights the
+    """Refuse modules other than transformers' own ones of the family (`mapping`, Llama's by default: an adapter,
+    a quantized linear, another library's patch) in its decoder (a LlamaModel), but for PEFT's LoRA layers in place
+    of its projections, which codagen.lora checks: the patch reads their weights and would silently drop what they
+    add. Checked at patch time, and, for the modules whose weights the
     patched model reads (patched=True), on its first call after one of them changed (CodagenPatch)."""
     hf = _modeling(mapping)
 
@@ -223,7 +225,11 @@ def check_modules(llama: nn.Module, patched: bool = False, prefix: str = "model.
         expected.update({f"{layer}.{name}".rstrip("."): class_of(k) for name, k in mapping.layer_modules.items()
                          if not patched or name in mapping.read})
     for name, kind in expected.items():
-        _check_type(prefix + name, llama.get_submodule(name), kind, mapping.model_class.removesuffix("ForCausalLM"))
+        module = llama.get_submodule(name)
+        if kind is nn.Linear and lora.is_peft(module):
+            continue  # a PEFT layer in place of a projection: lora.check's
+        _check_type(prefix + name, module, kind, mapping.model_class.removesuffix("ForCausalLM"))
+    lora.check(llama, mapping, prefix, patched)
 
 
 _MODELING: dict[str, types.ModuleType] = {}
@@ -242,12 +248,16 @@ def _modeling(mapping: HfMapping = LLAMA) -> types.ModuleType:
 def _check_type(name: str, module: nn.Module, kind: type, family: str = "Llama") -> None:
     if type(module) is not kind:
         where = type(module).__module__
+        if lora.is_quantized(module):
+            raise TypeError(f"apply_codagen: {name} is a {where}.{type(module).__qualname__}, a quantized linear: "
+                            "codagen's GEMMs take unquantized weights (bf16, fp16, fp32); load the model unquantized")
         undo = (f" The model was made after Liger-Kernel's patch of transformers (apply_liger_kernel_to_"
                 f"{family.lower()}), which replaces the same layers: make it without that patch, or in a process "
                 "that does not apply it." if where.split(".")[0] == "liger_kernel" else "")
         raise TypeError(f"apply_codagen: {name} is a {where}.{type(module).__qualname__}, "
                         f"not {kind.__qualname__}; codagen runs unmodified transformers {family} modules only "
-                        "(adapters such as LoRA, quantized weights and other libraries' patches are not supported)."
+                        "(and PEFT's LoRA layers on the projections; other adapters and other libraries' patches are "
+                        "not supported)."
                         + undo)
 
 
@@ -285,7 +295,10 @@ class FusedProjection(nn.Module):
 
 class CodagenAttention(nn.Module):
     """Fused qkv_proj (q and k rows interleaved per head for RoPE), Hugging Face's o_proj, and the attributes that
-    Hugging Face's attention functions read from their module."""
+    Hugging Face's attention functions read from their module. The PEFT LoRA layers of q, k, v stay under their
+    names, their base weights in qkv_proj (codagen.lora)."""
+
+    parts = ("q_proj", "k_proj", "v_proj")  # qkv_proj's, in its row order
 
     def __init__(self, attn: nn.Module, config, mapping: HfMapping = LLAMA):
         super().__init__()
@@ -302,11 +315,13 @@ class CodagenAttention(nn.Module):
         # function is passed as transformers' attention passes it (flash attention applies it itself)
         self.attention_type = _layer_types(config, mapping)[self.layer_idx]
         self.sliding_window = config.sliding_window if self.attention_type == "sliding_attention" else None
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        parts = [attn.get_submodule(name) for name in self.parts]
+        projections = lora.base_layers(parts)  # a LoRA layer's frozen Linear
         with torch.no_grad():
             qkv = self.fuse(*(p.weight for p in projections))
-            bias = None if attn.q_proj.bias is None else self.fuse(*(p.bias for p in projections))
-        self.qkv_proj = FusedProjection(qkv, attn.q_proj.weight.requires_grad, bias)
+            bias = None if projections[0].bias is None else self.fuse(*(p.bias for p in projections))
+        self.qkv_proj = FusedProjection(qkv, projections[0].weight.requires_grad, bias)
+        lora.keep_parts(self, "qkv_proj", self.parts, parts)
         self.o_proj = attn.o_proj
         for name in mapping.attention_modules:  # the family's own (Qwen3's q_norm, k_norm), as they are
             setattr(self, name, attn.get_submodule(name))
@@ -321,6 +336,11 @@ class CodagenAttention(nn.Module):
         q, k, v = qkv.split([self.num_heads * hd, self.num_key_value_heads * hd, self.num_key_value_heads * hd])
         return heads_to_halves(q, hd), heads_to_halves(k, hd), v
 
+    def unload_and_optionally_merge_module(self, merge: bool = True, safe_merge: bool = False,
+                                           adapter_names: list[str] | None = None) -> nn.Module:
+        """PEFT's merge_and_unload() and unload() call this: q, k, v's adapters merged into qkv_proj."""
+        return lora.unload(self, "qkv_proj", self.parts, merge, safe_merge, adapter_names)
+
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[M, qkv_dim] -> Hugging Face's [batch, heads, seq, head_dim] q, k, v (q and k in interleaved order: the
         same permutation of both leaves q . k unchanged)."""
@@ -329,15 +349,20 @@ class CodagenAttention(nn.Module):
 
 class CodagenMLP(nn.Module):
     """Fused gate_up_proj (gate and up rows interleaved, and their biases with mlp_bias) and Hugging Face's
-    down_proj."""
+    down_proj. The PEFT LoRA layers of gate and up stay under their names, their base weights in gate_up_proj
+    (codagen.lora)."""
+
+    parts = ("gate_proj", "up_proj")  # gate_up_proj's
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
-        gate, up = mlp.gate_proj, mlp.up_proj
+        parts = [mlp.get_submodule(name) for name in self.parts]
+        gate, up = lora.base_layers(parts)  # a LoRA layer's frozen Linear
         with torch.no_grad():
             gate_up = interleave_rows(gate.weight, up.weight)
             bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
         self.gate_up_proj = FusedProjection(gate_up, gate.weight.requires_grad, bias)
+        lora.keep_parts(self, "gate_up_proj", self.parts, parts)
         self.down_proj = mlp.down_proj
 
     def fuse(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -345,6 +370,11 @@ class CodagenMLP(nn.Module):
 
     def unfuse(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t.contiguous() for t in split_rows(gate_up))
+
+    def unload_and_optionally_merge_module(self, merge: bool = True, safe_merge: bool = False,
+                                           adapter_names: list[str] | None = None) -> nn.Module:
+        """PEFT's merge_and_unload() and unload() call this: gate and up's adapters merged into gate_up_proj."""
+        return lora.unload(self, "gate_up_proj", self.parts, merge, safe_merge, adapter_names)
 
 
 class CodagenDecoderLayer(nn.Module):
@@ -360,6 +390,8 @@ class CodagenDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, config, mapping: HfMapping = LLAMA):
         super().__init__()
         self.hf_mapping = mapping  # the family's: its blocks where they are not Llama's, its fused projections
+        # PEFT's LoRA layers among the projections -> their adapters, as apply_codagen found them (codagen.lora)
+        self.lora_adapters = lora.record(layer, mapping)
         self.input_layernorm = layer.input_layernorm
         self.self_attn = CodagenAttention(layer.self_attn, config, mapping)
         self.post_attention_layernorm = layer.post_attention_layernorm
@@ -400,6 +432,11 @@ class CodagenDecoderLayer(nn.Module):
             x, qkv = pre_attention(self, blocks, x, h, rstd, positions, rope_freqs, wn, qkv_weight, eps, cast)
         if attn.qkv_proj.bias is not None:
             qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, rope_freqs)
+        adapted = self.lora_adapters
+        if adapted:  # LoRA's q, k, v products: from the norm's output, rotated as the bias is
+            delta = lora.qkv_delta(attn, x, wn, eps)
+            if delta is not None:
+                qkv = qkv + _rotated(delta, positions, rope_freqs)
         q, k, v = attn.split(qkv.view(batch, seq, -1))
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
         y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
@@ -408,12 +445,17 @@ class CodagenDecoderLayer(nn.Module):
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
+        if adapted:  # LoRA's o product joins the residual, as the bias does
+            delta = lora.delta(attn.o_proj, y)
+            x = x if delta is None else x + delta
         w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, self.post_attention_layernorm.weight,
                                                  mlp.down_proj.weight))
         wn_next = cast(next_norm_weight)
         ffn_dim = w_down.shape[1]
         post_attention = self.hf_mapping.post_attention
-        if post_attention is not None:
+        if adapted and lora.mlp_adapted(mlp):  # inside the block's fusion: the block in PyTorch ops
+            x, h, rstd = lora.post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, eps, cast)
+        elif post_attention is not None:
             x, h, rstd = post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight), w_down,
                                         eps, cast)
         elif mlp.gate_up_proj.bias is None:
@@ -439,13 +481,13 @@ def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_me
             if fused is not None:
                 owner = module.get_submodule(name.rpartition(".")[0])  # CodagenAttention, CodagenMLP
                 for part, t in zip(parts, owner.unfuse(fused)):
-                    state_dict[prefix + f"{part}.{kind}"] = t
+                    state_dict[prefix + f"{lora.state_name(module, part)}.{kind}"] = t
 
 
 def _from_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, *_) -> None:
     for kind in ("weight", "bias"):
         for name, parts in module.hf_mapping.fused.items():
-            names = [prefix + f"{part}.{kind}" for part in parts]
+            names = [prefix + f"{lora.state_name(module, part)}.{kind}" for part in parts]
             if all(n in state_dict for n in names):
                 owner = module.get_submodule(name.rpartition(".")[0])
                 state_dict[prefix + f"{name}.{kind}"] = owner.fuse(*(state_dict.pop(n) for n in names))
@@ -479,7 +521,8 @@ class CodagenPatch:
             check_modules(llama, patched=True, mapping=self.hf)
             if watch:
                 _watch(self, [llama, llama.layers, *(m for layer in llama.layers
-                                                     for m in (layer, layer.self_attn, layer.mlp))])
+                                                     for m in (layer, layer.self_attn, layer.mlp)),
+                              *lora.watched(llama)])
                 self.decoder_checked = True
         if causal_lm is not None and not self.head_checked:
             _check_lm_head(causal_lm.lm_head)
@@ -559,12 +602,13 @@ def _rope_freqs(llama: nn.Module, config) -> torch.Tensor:
 
 
 def _rotated(bias: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE of the qkv bias at each row's position, [M, qkv_dim]: RoPE is linear, so rope(z + b) = rope(z) + rope(b)
-    and the bias is added after the PreAttention block (whose backward needs only its own output). Pairs (2j, 2j+1)
-    rotate by position * freqs[j] as in Hugging Face's rotate_half (v's frequencies are 0: unchanged)."""
+    """RoPE of the qkv bias [qkv_dim] (or of LoRA's product, [M, qkv_dim]) at each row's position, [M, qkv_dim]:
+    RoPE is linear, so rope(z + b) = rope(z) + rope(b) and the bias is added after the PreAttention block (whose
+    backward needs only its own output). Pairs (2j, 2j+1) rotate by position * freqs[j] as in Hugging Face's
+    rotate_half (v's frequencies are 0: unchanged)."""
     angle = positions.float()[:, None] * freqs[None, :]
     cos, sin = angle.cos(), angle.sin()
-    even, odd = bias.float().view(-1, 2).unbind(-1)
+    even, odd = bias.float().unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(1).to(bias.dtype)
 
 
@@ -674,7 +718,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     _check_call(self.config, kwargs)
     patch = self.model.codagen_patch
     patch.check(self.model, self)
-    return_dict = kwargs.pop("return_dict", True)
+    return_dict = kwargs.pop("return_dict", None) is not False  # PEFT's forward passes None
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
@@ -733,7 +777,13 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     block makes none): "eval" (the default) in evaluation, the model in eval mode with gradients off, as Trainer
     evaluates and predicts, so that compute_metrics gets them; True always; False never. Raises CodagenConfigError,
     naming the field, for a configuration it does not compute exactly.
+
+    A PEFT model (get_peft_model, PeftModel.from_pretrained) is patched inside, its LoRA adapters kept and added
+    (codagen.lora), and returned; make it, and add or load every adapter, before patching.
     """
+    if lora.is_peft(model) and hasattr(model, "get_base_model"):  # a PeftModel: LoRA's layers are in its base model
+        apply_codagen(model.get_base_model(), chunk_rows=chunk_rows, return_logits=return_logits)
+        return model
     mapping = _mapping_of(model)
     if mapping is None:
         _refuse_class(type(model))

@@ -92,6 +92,11 @@ class HfMapping:
       not the LM head's output (Gemma-2 softcaps them); None: the LM head's.
     refused: transformers classes that look like the family's but that its blocks do not compute -> why, said by
       apply_codagen's TypeError (and by from_pretrained, before loading, for a checkpoint of that class).
+    lora_refused: the projections (layer_modules names) on which codagen.lora refuses a LoRA adapter -> why (the
+      family's block takes their output non-linearly: Qwen3's QK-norm). None: none refused where the family runs
+      Llama's blocks (pre_attention and post_attention None), else LoRA refused on the family as a whole. A layer
+      with adapters on its MLP runs the post-attention part as Llama's, in PyTorch ops (codagen.lora): a family
+      whose post-attention math is another's refuses those projections here.
     """
 
     model_class: str
@@ -113,6 +118,7 @@ class HfMapping:
     lm_head_loss: Callable | None = None
     final_logits: Callable | None = None
     refused: dict = field(default_factory=dict)
+    lora_refused: dict | None = None
 
 
 def family(name: str) -> Family:

@@ -97,6 +97,9 @@ HF = HfMapping(
     attention_modules=("q_norm", "k_norm"),
     pre_attention=hf_pre_attention,
     post_attention=hf_post_attention,
+    lora_refused={name: "QK-norm, between the projection and RoPE, is not linear: the adapter's product cannot be "
+                        "added after the Qwen3PreAttention block (v_proj, o_proj and the MLP's take LoRA)"
+                  for name in ("self_attn.q_proj", "self_attn.k_proj")},
 )
 
 
