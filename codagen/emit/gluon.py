@@ -35,14 +35,14 @@ no layout or TMA path for) keeps the kernel on the tl path alone; the build says
 package's docstring lists it."""
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 
 from .. import dims
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
 from ..primitives import step_text, unsupported_steps
-from .epilogue import EpilogueEmitter, fit, t_tile_outputs
-from .kernel import AXIS, tensor_args, wrap
+from .epilogue import EpilogueEmitter, t_tile_outputs
+from .launch import LaunchSignature
+from .layout import layout
 from .templates import render
 
 DEFAULT_BLOCK_N = 128  # the Hopper kernels' default tile width (codagen/runtime/gluon_hopper.py, HopperConfig)
@@ -300,13 +300,6 @@ def _epilogue_slice_buffers(k: Kernel, buffers: int) -> list[str]:
     return ["if DIRECT_STORES:", "    buffers = ()", "else:", *("    " + line for line in _slice_buffers(buffers))]
 
 
-def _load_inputs(k: Kernel, indent: int, slice_n: str) -> list[str]:
-    """The call that loads column slice `slice_n`'s tile inputs into `buffers`, `indent` columns in."""
-    descs = ", ".join(f"{n}_desc" for n in tma_inputs(k))
-    return fit(" " * indent + f"{k.name}_load_inputs({descs}, buffers, inputs_ready.index(slot), pid_m * BLOCK_M, "
-               f"{slice_n}, SLICE_N)", 120)
-
-
 def epilogue_scratch(k: Kernel) -> int:
     """Bytes of shared memory Triton takes for the epilogue: a reduction over rows crosses the warps through
     it (4.2 KB at 128x128 tiles, compiled for sm_90); reductions over columns stay within warps."""
@@ -327,8 +320,12 @@ class Pointer:
     strides: tuple[str, ...]
 
     @property
-    def stride_args(self) -> str:
-        return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.strides)))
+    def ptr(self) -> str:
+        return f"{self.name}_ptr"
+
+    @property
+    def stride_args(self) -> tuple[str, ...]:
+        return tuple(f"{self.name}.stride({i})" for i in range(len(self.strides)))
 
 
 def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
@@ -361,14 +358,13 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     e.need_width(Width.FULL)
     for step in k.steps:
         e.emit(step)
-    lines = [line for line in e.lines if not _unused_mask(line, e.lines)]
-    epilogue = [piece for line in lines for piece in fit(line, 116)]
+    epilogue = [line for line in e.lines if not _unused_mask(line, e.lines)]
     ins, outs = tma_inputs(k), tma_outputs(k)
-    scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
-    tensors = [d for d in (*k.inputs, *k.outputs) if d.name not in scalars]
+    sig = LaunchSignature(k)
+    scalars = sig.scalars
     # every tensor but the GEMM's operands and the tile inputs: tile outputs too, for direct stores
-    all_pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
-                    if d.name not in (k.gemm.a, k.gemm.b, *ins)]
+    all_pointers = [Pointer(t.name, tuple(f"stride_{t.name}_{axis}" for axis in t.axes)) for t in sig.tensors
+                    if t.name not in (k.gemm.a, k.gemm.b, *ins)]
     pointers = [p for p in all_pointers if p.name not in outs]  # those the epilogue always addresses so
     descs = [f"{n}_desc" for n in (*ins, *outs)]
     casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
@@ -376,8 +372,6 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
     strides = [s for p in all_pointers for s in p.strides]
     rows_in = row_inputs(k)
     epilogue_strides = [s for p in all_pointers if p.name not in rows_in for s in p.strides]
-    names = [d.name for d in tensors]
-    quoted = ", ".join(f'"{n}"' for n in names)
     epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins),
                      *(["buffers"] if buffers else []), *(f"{n}_desc" for n in outs),
                      *(p.name if p.name in rows_in else f"{p.name}_ptr" for p in all_pointers), *scalars,
@@ -400,38 +394,28 @@ def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str)
         tma_outputs=outs,
         blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
         input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
-        load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, first_row, "
-                            "slice_n, SLICE_N: gl.constexpr):", 120),
-        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + early_part"),
-        reload_inputs=_load_inputs(k, 20, "slice_n + EPILOGUE_STAGES"),
+        input_descs=[f"{n}_desc" for n in ins],
         slice_buffers=_slice_buffers(buffers, "early_part"),
         epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
         split=default_split(k),
         input_reads=input_reads,
-        row_loads=[line for n in rows_in for line in fit(_row_load(k, n), 112)],
+        row_loads=[_row_load(k, n) for n in rows_in],
         buffers=buffers,
         columns=buffer_columns(k),
         scratch=epilogue_scratch(k),
+        sig=sig,
         pointers=pointers,
         all_pointers=all_pointers,
-        scalars=scalars,
-        desc_params=wrap(descs, 4),
-        pointer_params=wrap([f"{p.name}_ptr" for p in all_pointers], 4),
-        stride_params=wrap(strides, 4),
-        epilogue_stride_params=wrap(epilogue_strides, 4),
-        epilogue_args=wrap(epilogue_args, 12),
-        epilogue_call_args=wrap(epilogue_args, 20),
-        stride_call_args=wrap(epilogue_strides, 20),
-        plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
-        consumer_desc_params=wrap(consumer_descs, 4),
-        consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
-                            "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
-                            "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
-                            *(["DIRECT_STORES"] if buffers else []), "A_KM"], 16),
-        tensor_names=names,
-        launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
-        decls=[t.decl_src for t in tensor_args(k)],
+        descs=descs,
+        consumer_descs=consumer_descs,
+        strides=strides,
+        epilogue_strides=epilogue_strides,
+        epilogue_args=epilogue_args,
+        consumer_args=["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
+                       "inputs_ready", *consumer_descs, *(p.ptr for p in all_pointers), *scalars, "M", "N", "K",
+                       *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
+                       "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
+                       *(["DIRECT_STORES"] if buffers else []), "A_KM"],
     )
 
 
@@ -461,6 +445,5 @@ def render_package_init(lowered: list[Kernel], fallbacks: list[Fallback], regene
     lines += [f"- {k.name} ({k.source})" for k in lowered]
     if fallbacks:
         lines += ["", "Kernels that keep the tl path only, and why:", ""]
-        lines += [line for f in fallbacks for line in textwrap.wrap(str(f), 116, initial_indent="- ",
-                                                                    subsequent_indent="  ")]
-    return "\n".join(lines) + '\n"""\n'
+        lines += [f"- {f}" for f in fallbacks]
+    return layout("\n".join(lines) + '\n"""\n')
