@@ -44,6 +44,35 @@ class Checked:
     types: dict[str, ValueType]
 
 
+Specs = list[Checked | CheckedBlock]  # every spec of a command as `load` returns it: loaded and validated once
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A build's files in memory, with the specs they came from: what a command reads after rendering (the
+    Hopper notes, the stale tuning tables) comes from this one load."""
+
+    specs: Specs
+    output: OutputFiles
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self.output.files
+
+
+@dataclass(frozen=True)
+class Built:
+    specs: Specs
+    written: list[str]
+    removed: list[str]
+
+
+@dataclass(frozen=True)
+class Compared:
+    specs: Specs
+    diff: Diff
+
+
 def find_specs(paths: list[str | Path], base: Path | None = None) -> list[tuple[Path, str]]:
     """Spec files under the given files and folders, with the path each is shown by (`display_path`), sorted."""
     found: dict[str, Path] = {}
@@ -78,7 +107,7 @@ def shown_from(paths: list[str | Path], out: str | Path) -> Path:
     return top if all(Path(p).resolve().is_relative_to(top) for p in paths) else Path.cwd()
 
 
-def load(paths: list[str | Path], base: Path | None = None) -> list[Checked | CheckedBlock]:
+def load(paths: list[str | Path], base: Path | None = None) -> Specs:
     """Load and validate every spec, kernels first, then blocks against them; raises ValidationFailed with
     all the errors of all the files. `base`: where the specs' paths are shown from (`display_path`)."""
     errors: list[SpecError] = []
@@ -132,8 +161,9 @@ def load(paths: list[str | Path], base: Path | None = None) -> list[Checked | Ch
     return [*checked, *checked_blocks]
 
 
-def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFiles:
-    """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show)."""
+def generate(paths: list[str | Path], out: str | Path = "generated") -> Generated:
+    """Every file a build into `out` writes, in memory (`out` only shapes the regenerate command they show), and
+    the specs, loaded and validated."""
     base = shown_from(paths, out)
     checked = load(paths, base)
     regenerate = f"codagen build {command_args(paths, out, base)}"
@@ -150,7 +180,7 @@ def generate(paths: list[str | Path], out: str | Path = "generated") -> OutputFi
     specs = {b.path(c.kernel.name): c.kernel.loc for c in kernels for b in backends.BACKENDS}
     specs.update({f"blocks/{c.block.name}.py": c.block.loc for c in blocks})
     _check_compiles(result, specs)
-    return result
+    return Generated(checked, result)
 
 
 def _check_compiles(files: OutputFiles, specs: dict[str, Location]) -> None:
@@ -166,28 +196,31 @@ def _check_compiles(files: OutputFiles, specs: dict[str, Location]) -> None:
                                                    "this spec")]) from None
 
 
-def build(paths: list[str | Path], out: str | Path = "generated") -> tuple[list[str], list[str]]:
-    """Generate into `out`; returns the files written and the files removed. Validation and rendering
+def build(paths: list[str | Path], out: str | Path = "generated") -> Built:
+    """Generate into `out`; returns the specs and the files written and removed. Validation and rendering
     finish before any file is touched, so a failed build leaves `out` as it was."""
-    return write(generate(paths, out), Path(out))
+    generated = generate(paths, out)
+    return Built(generated.specs, *write(generated.output, Path(out)))
 
 
-def check(paths: list[str | Path], out: str | Path = "generated") -> Diff:
-    return diff(generate(paths, out), Path(out))
+def check(paths: list[str | Path], out: str | Path = "generated") -> Compared:
+    """How `out` differs from what a build would write, and the specs."""
+    generated = generate(paths, out)
+    return Compared(generated.specs, diff(generated.output, Path(out)))
 
 
-def hopper_fallbacks(paths: list[str | Path]) -> list[str]:
+def hopper_fallbacks(specs: Specs) -> list[str]:
     """Each step (file:line:col) the Hopper backend cannot lower yet, and why: its kernel keeps the tl path only."""
-    return [str(f) for c in load(paths) if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
+    return [str(f) for c in specs if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
 
 
-def hopper_notes(paths: list[str | Path], gpu: bool = True) -> list[str]:
+def hopper_notes(specs: Specs, gpu: bool = True) -> list[str]:
     """What `codagen build` notes of the Hopper backend: each step it cannot lower yet (file:line:col), and in one
     line per reason the kernels it cannot take as a whole (no GEMM, ...), which keep the tl kernel only; that line
     only where the machine has a GPU (`gpu`), since it only says where the Hopper kernels will not run."""
     notes: list[str] = []
     whole: dict[str, list[str]] = {}
-    for c in load(paths):
+    for c in specs:
         if isinstance(c, Checked):
             for f in unlowered(c.kernel, c.types):
                 if f.step is None:
@@ -200,13 +233,13 @@ def hopper_notes(paths: list[str | Path], gpu: bool = True) -> list[str]:
     return notes
 
 
-def stale_tuning_tables(paths: list[str | Path], out: str | Path = "generated") -> list[str]:
+def stale_tuning_tables(specs: Specs, paths: list[str | Path], out: str | Path = "generated") -> list[str]:
     """The tuning tables under `out`/tuning/ that no kernel of the specs can use, each as a message that says
     why and what to do: a file that is no tuning table, or entries of a table that no launch of its kernel can use,
     as file:line:col errors; a table of a computation the kernel no longer performs (a comment or doc edit to a
     spec keeps its tables in use; an edit to what the kernel computes makes them stale), or of no kernel. Names
-    from the disk are quoted, and the command to re-tune is written from the keys' numbers only."""
-    kernels = [c.kernel for c in load(paths) if isinstance(c, Checked)]
+    from the disk are quoted, and the command to re-tune (over `paths`) is written from the keys' numbers only."""
+    kernels = [c.kernel for c in specs if isinstance(c, Checked)]
     stale, errors = check_tables(Path(out) / "tuning", kernels)
     messages = [f"{e.located()}; delete {'the entry' if e.entry else 'it'}, or run codagen tune to write it again"
                 for e in errors]

@@ -67,7 +67,8 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     """
     try:
         if check_only:
-            d = api.check(list(paths), out)
+            compared = api.check(list(paths), out)
+            d = compared.diff
             for title, rels in (("stale", d.stale), ("missing", d.missing), ("extra", d.extra),
                                 ("leftover from an interrupted build", d.leftover)):
                 for rel in rels:
@@ -75,14 +76,14 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
             if not d.clean:
                 click.echo(f"{out}/ is out of date; run: codagen build {api.command_args(list(paths), out)}",
                            err=True)
-            tables = api.stale_tuning_tables(list(paths), out)
+            tables = api.stale_tuning_tables(compared.specs, list(paths), out)
             for message in tables:
                 click.echo(message, err=True)
             if not d.clean or tables:
                 sys.exit(1)
             click.echo(f"{out}/ is up to date")
             return
-        written, removed = api.build(list(paths), out)
+        built = api.build(list(paths), out)
     except ValidationFailed as e:
         _report(e)
         sys.exit(1)
@@ -92,12 +93,12 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     except TimeoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    for rel in written:
+    for rel in built.written:
         click.echo(f"wrote {out}/{rel}")
-    for rel in removed:
+    for rel in built.removed:
         click.echo(f"removed {out}/{rel}")
-    click.echo(f"{out}/: {len(written)} file(s) written, {len(removed)} removed")
-    for note in api.hopper_notes(list(paths), gpu=_gpu_present()):
+    click.echo(f"{out}/: {len(built.written)} file(s) written, {len(built.removed)} removed")
+    for note in api.hopper_notes(built.specs, gpu=_gpu_present()):
         click.echo(f"note: {note}", err=True)
 
 

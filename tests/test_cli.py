@@ -243,3 +243,27 @@ def test_validate_reports_structural_and_type_errors_in_one_run(ws):
     assert "unknown key 'colour'" in result.stderr
     assert "output 's' has shape [M], but this step writes [M, N]" in result.stderr
     assert result.stderr.splitlines()[-1] == "3 error(s) in 1 file(s); nothing was written"
+
+
+@pytest.mark.parametrize("args", [["validate", "specs/"], ["build", "specs/", "--out", "gen"],
+                                  ["build", "specs/", "--out", "gen", "--check"]])
+def test_each_command_loads_each_spec_once(ws, monkeypatch, args):
+    """A command reads and validates every spec once; what later stages need (the Hopper notes of a build, the
+    stale tuning tables of --check) comes from that load, not from another."""
+    from click.testing import CliRunner
+
+    from codagen import api, cli
+    read = []
+
+    def counted(path, shown):
+        read.append(shown)
+        return read_spec(path, shown)
+    read_spec = api.read_spec
+    monkeypatch.setattr(api, "read_spec", counted)
+    monkeypatch.chdir(ws)
+    if "--check" in args:
+        api.build(["specs/"], "gen")
+        read.clear()
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0, result.output
+    assert read == ["specs/scaled.yaml"]

@@ -70,7 +70,7 @@ def test_unlowered_steps_named_and_kept_on_tl():
     files = render_gluon(list(kernels.values()), "codagen build tests/specs/")
     assert "kernels/gluon/t_select_accumulate.py" not in files
     assert "t_select_accumulate keeps" in files["kernels/gluon/__init__.py"]
-    assert any("t_select_accumulate.yaml:" in line for line in api.hopper_fallbacks([TEST_SPECS]))
+    assert any("t_select_accumulate.yaml:" in line for line in api.hopper_fallbacks(api.load([TEST_SPECS])))
 
 
 def test_pairs_of_the_accumulator_are_lowered():

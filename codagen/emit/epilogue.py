@@ -348,92 +348,11 @@ def _broadcast(text: str, t: ValueType, into: ValueType | None, group: int | Non
     return text
 
 
-def emit_epilogue(kernel: Kernel, types: dict[str, ValueType], width: int = 116) -> list[str]:
-    """The epilogue's lines, each at most `width` columns (the kernel template indents them by 4)."""
+def emit_epilogue(kernel: Kernel, types: dict[str, ValueType]) -> list[str]:
+    """The epilogue's statements, one a line (the line breaker fits the rendered module to its width)."""
     e = EpilogueEmitter(kernel, types)
     e.lines.append(f"{e.row_mask} = {e.rows} < M")
     e.need_width(Width.FULL)
     for step in kernel.steps:
         e.emit(step)
-    return [piece for line in e.lines for piece in fit(line, width)]
-
-
-def fit(line: str, width: int) -> list[str]:
-    """A line broken into lines of at most `width` columns where it can be: a call at the commas between its
-    arguments (recursively), continued under its first argument, or four columns in when they do not fit
-    there; an expression inside brackets before its top-level ' + '; a comment at its commas, continued two
-    columns further in (a line that starts with '# ' opens a step in the template)."""
-    indent = len(line) - len(line.lstrip(" "))
-    text = line[indent:]
-    if indent + len(text) <= width:
-        return [line]
-    if text.startswith("# "):
-        lines = [" " * indent + "#"]
-        for piece in text[2:].split(", "):
-            if len(lines[-1]) + len(piece) + 2 > width:
-                lines[-1] += ","
-                lines.append(" " * (indent + 2) + "#")
-            lines[-1] += (" " if lines[-1].endswith("#") else ", ") + piece
-        return lines
-    first, *rest = _fit(text, indent, width)
-    return [" " * indent + first, *rest]
-
-
-def _fit(text: str, col: int, width: int) -> list[str]:
-    """`text`, starting at column `col`: its first line without indentation, the others with theirs."""
-    if col + len(text) <= width:
-        return [text]
-    open_at = _top_level(text, "(")
-    if open_at is None:  # no call to break: an operand inside brackets breaks before its additions
-        pieces = _split(text, " + ")
-        return [pieces[0], *(" " * col + "+ " + p for p in pieces[1:])]
-    close_at = _closing(text, open_at)
-    head, args, tail = text[:open_at + 1], _split(text[open_at + 1:close_at], ", "), text[close_at:]
-    if col + len(head) > width and " = " in head:  # the assigned value in parentheses, on the next lines
-        target, value = text.split(" = ", 1)
-        return [f"{target} = (", *(" " * (col + 4) + line if i == 0 else line
-                                   for i, line in enumerate(_fit(value + ")", col + 4, width)))]
-    aligned = col + len(head) + max(map(len, args)) + len(tail) + 1 <= width
-    inner = col + len(head) if aligned else col + 4
-    lines = [head]
-    for i, arg in enumerate(args):
-        arg += tail if i == len(args) - 1 else ","
-        room = width - (col if len(lines) == 1 else 0) - len(lines[-1])
-        if i == 0 and aligned:
-            wrapped = _fit(arg, inner, width)
-            lines[-1] += wrapped[0]
-        elif i == 0 or len(arg) + 1 > room:
-            wrapped = _fit(arg, inner, width)
-            lines.append(" " * inner + wrapped[0])
-        else:
-            lines[-1] += f" {arg}"
-            continue
-        lines += wrapped[1:]
-    return lines
-
-
-def _depths(text: str):
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch in ")]}":
-            depth -= 1
-        yield i, ch, depth
-        if ch in "([{":
-            depth += 1
-
-
-def _top_level(text: str, char: str) -> int | None:
-    return next((i for i, ch, depth in _depths(text) if ch == char and depth == 0), None)
-
-
-def _closing(text: str, open_at: int) -> int:
-    return next(i for i, ch, depth in _depths(text) if i > open_at and ch in ")]}" and depth == 0)
-
-
-def _split(text: str, separator: str) -> list[str]:
-    """`text` split at the separators outside brackets."""
-    cuts = [i for i, _, depth in _depths(text) if depth == 0 and text.startswith(separator, i)]
-    bounds = [0, *(i + len(separator) for i in cuts)]
-    ends = [*cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, ends)]
-
+    return e.lines

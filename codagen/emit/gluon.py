@@ -35,14 +35,15 @@ no layout or TMA path for) keeps the kernel on the tl path alone; the build says
 package's docstring lists it."""
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
+from functools import cached_property
 
 from .. import dims
 from ..model import DType, InputRole, Kernel, Kind, Step, ValueType, Width
 from ..primitives import step_text, unsupported_steps
-from .epilogue import EpilogueEmitter, fit, t_tile_outputs
-from .kernel import AXIS, tensor_args, wrap
+from .epilogue import EpilogueEmitter, t_tile_outputs
+from .launch import LaunchSignature
+from .layout import layout
 from .templates import render
 
 DEFAULT_BLOCK_N = 128  # the Hopper kernels' default tile width (codagen/runtime/gluon_hopper.py, HopperConfig)
@@ -300,13 +301,6 @@ def _epilogue_slice_buffers(k: Kernel, buffers: int) -> list[str]:
     return ["if DIRECT_STORES:", "    buffers = ()", "else:", *("    " + line for line in _slice_buffers(buffers))]
 
 
-def _load_inputs(k: Kernel, indent: int, slice_n: str) -> list[str]:
-    """The call that loads column slice `slice_n`'s tile inputs into `buffers`, `indent` columns in."""
-    descs = ", ".join(f"{n}_desc" for n in tma_inputs(k))
-    return fit(" " * indent + f"{k.name}_load_inputs({descs}, buffers, inputs_ready.index(slot), pid_m * BLOCK_M, "
-               f"{slice_n}, SLICE_N)", 120)
-
-
 def epilogue_scratch(k: Kernel) -> int:
     """Bytes of shared memory Triton takes for the epilogue: a reduction over rows crosses the warps through
     it (4.2 KB at 128x128 tiles, compiled for sm_90); reductions over columns stay within warps."""
@@ -327,8 +321,12 @@ class Pointer:
     strides: tuple[str, ...]
 
     @property
-    def stride_args(self) -> str:
-        return ", ".join(f"{self.name}.stride({i})" for i in range(len(self.strides)))
+    def ptr(self) -> str:
+        return f"{self.name}_ptr"
+
+    @property
+    def stride_args(self) -> tuple[str, ...]:
+        return tuple(f"{self.name}.stride({i})" for i in range(len(self.strides)))
 
 
 def _buffer_of(k: Kernel, name: str, buffer: str) -> str:
@@ -354,85 +352,162 @@ def _input_reads(k: Kernel) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class HopperKernel:
+    """What the Hopper module of a kernel is made of, as its template reads it: the launch's arguments
+    (LaunchSignature, shared with the tl module), the tensors that cross by TMA and by pointers, the epilogue's
+    buffers, and the parameter lists of the epilogue and the consumer."""
+
+    kernel: Kernel
+    types: dict[str, ValueType]
+
+    @cached_property
+    def sig(self) -> LaunchSignature:
+        return LaunchSignature(self.kernel)
+
+    @cached_property
+    def buffers(self) -> int:
+        return epilogue_buffers(self.kernel)
+
+    @cached_property
+    def epilogue(self) -> list[str]:
+        e = GluonEpilogueEmitter(self.kernel, self.types, self.buffers)
+        e.lines.append("row_mask = rows < M")
+        e.need_width(Width.FULL)
+        for step in self.kernel.steps:
+            e.emit(step)
+        return [line for line in e.lines if not _unused_mask(line, e.lines)]
+
+    @cached_property
+    def tma_inputs(self) -> list[str]:
+        return tma_inputs(self.kernel)
+
+    @cached_property
+    def tma_outputs(self) -> list[str]:
+        return tma_outputs(self.kernel)
+
+    @property
+    def input_descs(self) -> list[str]:
+        return [f"{n}_desc" for n in self.tma_inputs]
+
+    @property
+    def descs(self) -> list[str]:
+        """The TMA descriptors of the tile inputs and outputs."""
+        return [f"{n}_desc" for n in (*self.tma_inputs, *self.tma_outputs)]
+
+    @property
+    def casts_to_t(self) -> bool:
+        return any(s.op == "cast" and s.args["dtype"] == "T" for s in self.kernel.steps)
+
+    @property
+    def consumer_descs(self) -> list[str]:
+        """The descriptors the consumer takes: and the GEMM's a, whose type is the T of a cast to T."""
+        return self.descs + ([f"{self.kernel.gemm.a}_desc"] if self.casts_to_t else [])
+
+    @cached_property
+    def all_pointers(self) -> list[Pointer]:
+        """Every tensor but the GEMM's operands and the tile inputs: tile outputs too, for direct stores."""
+        gemm = self.kernel.gemm
+        return [Pointer(t.name, tuple(f"stride_{t.name}_{axis}" for axis in t.axes)) for t in self.sig.tensors
+                if t.name not in (gemm.a, gemm.b, *self.tma_inputs)]
+
+    @property
+    def pointers(self) -> list[Pointer]:
+        """The tensors the epilogue always addresses through pointers."""
+        return [p for p in self.all_pointers if p.name not in self.tma_outputs]
+
+    @property
+    def strides(self) -> list[str]:
+        return [s for p in self.all_pointers for s in p.strides]
+
+    @property
+    def row_loads(self) -> list[str]:
+        """The consumer's loads of the row vectors, once per tile."""
+        return [_row_load(self.kernel, n) for n in row_inputs(self.kernel)]
+
+    @property
+    def epilogue_strides(self) -> list[str]:
+        rows_in = row_inputs(self.kernel)
+        return [s for p in self.all_pointers if p.name not in rows_in for s in p.strides]
+
+    @property
+    def epilogue_args(self) -> list[str]:
+        """What the consumer passes the epilogue of a slice: its tile inputs (read), buffers, descriptors,
+        row vectors (loaded) and pointers, host scalars."""
+        k, rows_in = self.kernel, row_inputs(self.kernel)
+        return [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in self.tma_inputs),
+                *(["buffers"] if self.buffers else []), *(f"{n}_desc" for n in self.tma_outputs),
+                *(p.name if p.name in rows_in else p.ptr for p in self.all_pointers), *self.sig.scalars,
+                *([f"{k.gemm.a}_desc"] if self.casts_to_t else [])]
+
+    @property
+    def consumer_args(self) -> list[str]:
+        """What the kernel passes each consumer, its index and CONSUMERS aside."""
+        return ["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if self.buffers else []),
+                "inputs_ready", *self.consumer_descs, *(p.ptr for p in self.all_pointers), *self.sig.scalars,
+                "M", "N", "K", *self.strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
+                "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
+                *(["DIRECT_STORES"] if self.buffers else []), "A_KM"]
+
+    @property
+    def blocks(self) -> dict[str, str]:
+        """Each TMA tensor's block, as the launcher writes it."""
+        return {n: BLOCKS[tile_width(self.kernel, n)] for n in (*self.tma_inputs, *self.tma_outputs)}
+
+    @property
+    def input_loads(self) -> list[tuple[str, str, str]]:
+        """Each tile input's TMA load: its name, the column of a slice's first element, its buffer."""
+        k = self.kernel
+        return [(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]"))
+                for i, n in enumerate(self.tma_inputs)]
+
+    @property
+    def input_reads(self) -> list[str]:
+        return _input_reads(self.kernel)
+
+    @property
+    def slice_buffers(self) -> list[str]:
+        return _slice_buffers(self.buffers, "early_part")
+
+    @property
+    def epilogue_slice_buffers(self) -> list[str]:
+        return _epilogue_slice_buffers(self.kernel, self.buffers)
+
+    @property
+    def columns(self) -> int:
+        return buffer_columns(self.kernel)
+
+    @property
+    def scratch(self) -> int:
+        return epilogue_scratch(self.kernel)
+
+    @property
+    def split(self) -> int:
+        return default_split(self.kernel)
+
+    @property
+    def b_kn(self) -> bool:
+        return self.kernel.gemm.b_layout.value == "kn"
+
+    @property
+    def bind_args(self) -> str:
+        """As the tl launcher binds sizes: gated outputs split N in halves; column groups tile N."""
+        even_n = any(t.width is Width.HALF for t in self.types.values())
+        group = self.kernel.column_group
+        return (", even_n=True" if even_n else "") + (f", group={group}" if group else "")
+
+    @property
+    def imports(self) -> set[str]:
+        """The modules the epilogue uses of those the module imports only where used."""
+        text = (*self.epilogue, *self.input_reads)
+        return ({"tl"} if any("tl." in line for line in self.epilogue) else set()) | (
+            {"tile"} if any("tile." in line for line in text) else set()) | (
+            {"triton"} if self.kernel.tile_dependent else set())
+
+
 def render_gluon_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str) -> str:
-    buffers = epilogue_buffers(k)
-    e = GluonEpilogueEmitter(k, types, buffers)
-    e.lines.append("row_mask = rows < M")
-    e.need_width(Width.FULL)
-    for step in k.steps:
-        e.emit(step)
-    lines = [line for line in e.lines if not _unused_mask(line, e.lines)]
-    epilogue = [piece for line in lines for piece in fit(line, 116)]
-    ins, outs = tma_inputs(k), tma_outputs(k)
-    scalars = [i.name for i in k.inputs if i.role is InputRole.HOST_SCALAR]
-    tensors = [d for d in (*k.inputs, *k.outputs) if d.name not in scalars]
-    # every tensor but the GEMM's operands and the tile inputs: tile outputs too, for direct stores
-    all_pointers = [Pointer(d.name, tuple(f"stride_{d.name}_{AXIS[dim]}" for dim in d.dims)) for d in tensors
-                    if d.name not in (k.gemm.a, k.gemm.b, *ins)]
-    pointers = [p for p in all_pointers if p.name not in outs]  # those the epilogue always addresses so
-    descs = [f"{n}_desc" for n in (*ins, *outs)]
-    casts_to_t = any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps)
-    consumer_descs = descs + ([f"{k.gemm.a}_desc"] if casts_to_t else [])  # the cast's T is that operand's type
-    strides = [s for p in all_pointers for s in p.strides]
-    rows_in = row_inputs(k)
-    epilogue_strides = [s for p in all_pointers if p.name not in rows_in for s in p.strides]
-    names = [d.name for d in tensors]
-    quoted = ", ".join(f'"{n}"' for n in names)
-    epilogue_args = [*(f"{n}_even, {n}_odd" if tile_width(k, n) is Width.DOUBLE else n for n in ins),
-                     *(["buffers"] if buffers else []), *(f"{n}_desc" for n in outs),
-                     *(p.name if p.name in rows_in else f"{p.name}_ptr" for p in all_pointers), *scalars,
-                     *([f"{k.gemm.a}_desc"] if casts_to_t else [])]
-    input_reads = _input_reads(k)
-    return render(
-        "kernel_gluon.py.j2",
-        k=k,
-        gemm=k.gemm,
-        uses_tl=any("tl." in line for line in epilogue),
-        uses_tile=any("tile." in line for line in (*epilogue, *input_reads)),
-        uses_triton=k.tile_dependent,
-        # as the tl launcher binds sizes: gated outputs split N in halves; column groups tile N
-        bind_args=(", even_n=True" if any(t.width is Width.HALF for t in types.values()) else "")
-        + (f", group={k.column_group}" if k.column_group else ""),
-        b_kn=k.gemm.b_layout.value == "kn",
-        regenerate=regenerate,
-        epilogue=epilogue,
-        tma_inputs=ins,
-        tma_outputs=outs,
-        blocks={n: BLOCKS[tile_width(k, n)] for n in (*ins, *outs)},
-        input_loads=[(n, SLICE_COLUMN[tile_width(k, n)], _buffer_of(k, n, f"buffers[{i}]")) for i, n in enumerate(ins)],
-        load_inputs_def=fit(f"def {k.name}_load_inputs({', '.join(f'{n}_desc' for n in ins)}, buffers, ready, first_row, "
-                            "slice_n, SLICE_N: gl.constexpr):", 120),
-        prefetch_inputs=_load_inputs(k, 12, "pid_n * EPILOGUE_SPLIT + early_part"),
-        reload_inputs=_load_inputs(k, 20, "slice_n + EPILOGUE_STAGES"),
-        slice_buffers=_slice_buffers(buffers, "early_part"),
-        epilogue_slice_buffers=_epilogue_slice_buffers(k, buffers),
-        split=default_split(k),
-        input_reads=input_reads,
-        row_loads=[line for n in rows_in for line in fit(_row_load(k, n), 112)],
-        buffers=buffers,
-        columns=buffer_columns(k),
-        scratch=epilogue_scratch(k),
-        pointers=pointers,
-        all_pointers=all_pointers,
-        scalars=scalars,
-        desc_params=wrap(descs, 4),
-        pointer_params=wrap([f"{p.name}_ptr" for p in all_pointers], 4),
-        stride_params=wrap(strides, 4),
-        epilogue_stride_params=wrap(epilogue_strides, 4),
-        epilogue_args=wrap(epilogue_args, 12),
-        epilogue_call_args=wrap(epilogue_args, 20),
-        stride_call_args=wrap(epilogue_strides, 20),
-        plan_values=fit(f"    values = dict(zip(({quoted}), tensors))", 120),
-        consumer_desc_params=wrap(consumer_descs, 4),
-        consumer_args=wrap(["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if buffers else []),
-                            "inputs_ready", *consumer_descs, *(f"{p.name}_ptr" for p in all_pointers), *scalars,
-                            "M", "N", "K", *strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                            "STAGES", "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
-                            *(["DIRECT_STORES"] if buffers else []), "A_KM"], 16),
-        tensor_names=names,
-        launch_params=", ".join([i.name for i in k.inputs] + ["*"] + [o.name for o in k.outputs] + ["config=None"]),
-        decls=[t.decl_src for t in tensor_args(k)],
-    )
+    m = HopperKernel(k, types)
+    return render("kernel_gluon.py.j2", k=k, gemm=k.gemm, sig=m.sig, m=m, regenerate=regenerate)
 
 
 def render_gluon(kernels: list[tuple[Kernel, dict[str, ValueType]]], regenerate: str) -> dict[str, str]:
@@ -461,6 +536,5 @@ def render_package_init(lowered: list[Kernel], fallbacks: list[Fallback], regene
     lines += [f"- {k.name} ({k.source})" for k in lowered]
     if fallbacks:
         lines += ["", "Kernels that keep the tl path only, and why:", ""]
-        lines += [line for f in fallbacks for line in textwrap.wrap(str(f), 116, initial_indent="- ",
-                                                                    subsequent_indent="  ")]
-    return "\n".join(lines) + '\n"""\n'
+        lines += [f"- {f}" for f in fallbacks]
+    return layout("\n".join(lines) + '\n"""\n')

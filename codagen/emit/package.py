@@ -1,11 +1,8 @@
 """The package files of the output folder: generated/__init__.py, kernels/__init__.py, blocks/__init__.py."""
 from __future__ import annotations
 
-import textwrap
-
 from ..model import Kernel
 from .block import class_name
-from .kernel import WIDTH, wrap
 from .templates import render
 
 
@@ -27,14 +24,9 @@ def render_package(kernels: list[Kernel], blocks: list, regenerate: str) -> dict
 
 
 def _entries(items) -> list[str]:
-    """One docstring list item per module, `- name (spec): doc`, wrapped within WIDTH columns."""
-    return ["\n".join(textwrap.wrap(f"- {name} ({source}): {doc}", WIDTH, subsequent_indent="  ",
-                                    break_long_words=False, break_on_hyphens=False)) for name, source, doc in items]
+    """One docstring list item per module, `- name (spec): doc`."""
+    return [f"- {name} ({source}): {doc}" for name, source, doc in items]
 
 
 def _names(names: list[str]) -> str:
-    """`__all__ = [...]` within WIDTH columns."""
-    one = "__all__ = [" + ", ".join(f'"{n}"' for n in names) + "]"
-    if len(one) <= WIDTH:
-        return one
-    return "__all__ = [\n" + "".join(f"    {line}\n" for line in wrap([f'"{n}"' for n in names], 4, WIDTH)) + "]"
+    return "__all__ = [" + ", ".join(f'"{n}"' for n in names) + "]"

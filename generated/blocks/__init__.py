@@ -55,13 +55,11 @@ from .pre_attention import PreAttention, PreAttentionFunction
 from .qwen3_post_attention import Qwen3PostAttention, Qwen3PostAttentionFunction
 from .qwen3_pre_attention import Qwen3PreAttention, Qwen3PreAttentionFunction
 
-__all__ = [
-    "Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "Gemma2NormStatsFunction", "Gemma2PostAttention",
-    "Gemma2PostAttentionFunction", "Gemma2PreAttention", "Gemma2PreAttentionFunction", "LmHeadLoss",
-    "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth", "LmHeadLossSmoothFunction",
-    "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted", "LmHeadLossWeightedFunction",
-    "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction", "OprojSwiglu",
-    "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
-    "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
-    "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction",
-]
+__all__ = ["Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "Gemma2NormStatsFunction",
+           "Gemma2PostAttention", "Gemma2PostAttentionFunction", "Gemma2PreAttention", "Gemma2PreAttentionFunction",
+           "LmHeadLoss", "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth",
+           "LmHeadLossSmoothFunction", "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted",
+           "LmHeadLossWeightedFunction", "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction",
+           "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
+           "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
+           "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction"]

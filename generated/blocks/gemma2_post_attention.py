@@ -22,44 +22,38 @@ SHA256 = "0a83298087aa2e697cb8db97ee1259f8dfb2aef8b4aae173db72b0d2cce8b433"
 
 class Gemma2PostAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, y, x, wn_next, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down, wn_post_mlp, dim, attn_dim, ffn_dim, eps,
-    ):
+    def forward(ctx, y, x, wn_next, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down, wn_post_mlp, dim, attn_dim,
+                ffn_dim, eps):
         o1, ss_o1 = kernels.gemma_proj_sumsq.gemma_proj_sumsq(y=y, w=w_o)
         r_o1 = finish.rstd(x=ss_o1, size=dim, eps=eps)
-        x1, h1, ss1 = kernels.gemma_post_norm_residual.gemma_post_norm_residual(
-            o=o1, rstd=r_o1, wn=wn_post_attn, x=x, wn_next=wn_pre_mlp,
-        )
+        x1, h1, ss1 = kernels.gemma_post_norm_residual.gemma_post_norm_residual(o=o1, rstd=r_o1, wn=wn_post_attn, x=x,
+                                                                                wn_next=wn_pre_mlp)
         r1 = finish.rstd(x=ss1, size=dim, eps=eps)
         z1, y1 = kernels.gate_up_geglu.gate_up_geglu(h=h1, w_gate_up=w_gate_up, rstd=r1)
         o2, ss_o2 = kernels.gemma_proj_sumsq.gemma_proj_sumsq(y=y1, w=w_down)
         r_o2 = finish.rstd(x=ss_o2, size=dim, eps=eps)
-        x_out, h_next, ss2 = kernels.gemma_post_norm_residual.gemma_post_norm_residual(
-            o=o2, rstd=r_o2, wn=wn_post_mlp, x=x1, wn_next=wn_next,
-        )
+        x_out, h_next, ss2 = kernels.gemma_post_norm_residual.gemma_post_norm_residual(o=o2, rstd=r_o2, wn=wn_post_mlp,
+                                                                                       x=x1, wn_next=wn_next)
         rstd_next = finish.rstd(x=ss2, size=dim, eps=eps)
 
-        ctx.save_for_backward(
-            y, o1, r_o1, x1, r1, z1, o2, r_o2, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down, wn_post_mlp,
-        )
+        ctx.save_for_backward(y, o1, r_o1, x1, r1, z1, o2, r_o2, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down,
+                              wn_post_mlp)
         ctx.attrs = (dim, attn_dim, ffn_dim, eps)
         ctx.mark_non_differentiable(h_next, rstd_next)
         return x_out, h_next, rstd_next
 
     @staticmethod
     def backward(ctx, grad_x_out, _grad_h_next, _grad_rstd_next):
-        (
-            y, o1, r_o1, x1, r1, z1, o2, r_o2, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down, wn_post_mlp,
-        ) = ctx.saved_tensors
-        dim, attn_dim, ffn_dim, eps = ctx.attrs
-        dot2_part, dwn_post_mlp_part = kernels.gemma_post_norm_rowdot.gemma_post_norm_rowdot(
-            g=grad_x_out, o=o2, rstd=r_o2, wn=wn_post_mlp,
+        y, o1, r_o1, x1, r1, z1, o2, r_o2, w_o, wn_post_attn, wn_pre_mlp, w_gate_up, w_down, wn_post_mlp = (
+            ctx.saved_tensors
         )
+        dim, attn_dim, ffn_dim, eps = ctx.attrs
+        dot2_part, dwn_post_mlp_part = kernels.gemma_post_norm_rowdot.gemma_post_norm_rowdot(g=grad_x_out, o=o2,
+                                                                                             rstd=r_o2, wn=wn_post_mlp)
         dot2 = finish.sum_tiles(x=dot2_part, divide_by=dim)
         grad_wn_post_mlp = finish.sum_tiles(x=dwn_post_mlp_part)
-        do2 = kernels.gemma_post_norm_dgrad.gemma_post_norm_dgrad(
-            g=grad_x_out, o=o2, rstd=r_o2, wn=wn_post_mlp, dot=dot2,
-        )
+        do2 = kernels.gemma_post_norm_dgrad.gemma_post_norm_dgrad(g=grad_x_out, o=o2, rstd=r_o2, wn=wn_post_mlp,
+                                                                  dot=dot2)
         dz1, zdz1_part, y1 = kernels.geglu_dgrad.geglu_dgrad(grad_y=do2, w_down=w_down, z=z1)
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)
         grad_w_down = finish.matmul(a=do2, b=y1, transpose='a')
@@ -68,19 +62,16 @@ class Gemma2PostAttentionFunction(torch.autograd.Function):
         )
         grad_wn_pre_mlp = finish.sum_tiles(x=dwn_pre_mlp_part)
         grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose='a')
-        dot1_part, dwn_post_attn_part = kernels.gemma_post_norm_rowdot.gemma_post_norm_rowdot(
-            g=grad_x, o=o1, rstd=r_o1, wn=wn_post_attn,
-        )
+        dot1_part, dwn_post_attn_part = kernels.gemma_post_norm_rowdot.gemma_post_norm_rowdot(g=grad_x, o=o1, rstd=r_o1,
+                                                                                              wn=wn_post_attn)
         dot1 = finish.sum_tiles(x=dot1_part, divide_by=dim)
         grad_wn_post_attn = finish.sum_tiles(x=dwn_post_attn_part)
         do1 = kernels.gemma_post_norm_dgrad.gemma_post_norm_dgrad(g=grad_x, o=o1, rstd=r_o1, wn=wn_post_attn, dot=dot1)
         grad_y = finish.matmul(a=do1, b=w_o)
         grad_w_o = finish.matmul(a=do1, b=y, transpose='a')
 
-        return (
-            grad_y, grad_x, None, grad_w_o, grad_wn_post_attn, grad_wn_pre_mlp, grad_w_gate_up, grad_w_down,
-            grad_wn_post_mlp, None, None, None, None,
-        )
+        return (grad_y, grad_x, None, grad_w_o, grad_wn_post_attn, grad_wn_pre_mlp, grad_w_gate_up, grad_w_down,
+                grad_wn_post_mlp, None, None, None, None)
 
 
 class Gemma2PostAttention(nn.Module):

@@ -24,9 +24,8 @@ class LmHeadLossRowsFunction(torch.autograd.Function):
     def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, ignore_index, chunk_rows):
         h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
         rstd = finish.rstd(x=ss, size=dim, eps=eps)
-        lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(
-            h=h, w_vocab=w_vocab, rstd=rstd, target=target,
-        )
+        lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(h=h, w_vocab=w_vocab, rstd=rstd,
+                                                                             target=target)
         lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
         nll = finish.sub(x=lse, y=target_logit)
         loss, _ = finish.reduce_loss(x=nll, target=target, classes=vocab, ignore_index=ignore_index, reduction='none')
@@ -51,17 +50,14 @@ class LmHeadLossRowsFunction(torch.autograd.Function):
             weights = finish.mul(x=valid, y=grad_loss_rows)
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
-            logits, lse_part, _ = kernels.lm_head_logits.lm_head_logits(
-                h=h, w_vocab=w_vocab, rstd=rstd, target=target_rows,
-            )
+            logits, lse_part, _ = kernels.lm_head_logits.lm_head_logits(h=h, w_vocab=w_vocab, rstd=rstd,
+                                                                        target=target_rows)
             lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
-            dz, zdz_part = kernels.lm_head_ce_dz.lm_head_ce_dz(
-                logits=logits, lse=lse, target=target_rows, weights=weights, dz=logits,
-            )
+            dz, zdz_part = kernels.lm_head_ce_dz.lm_head_ce_dz(logits=logits, lse=lse, target=target_rows,
+                                                               weights=weights, dz=logits)
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz,
-            )
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn,
+                                                                     zdz=zdz)
             grad_wn = finish.sum_tiles(x=dwn_part)
             grad_w_vocab_sum.add_matmul(a=dz, b=normed, transpose='a')
             grad_x_chunks.append(grad_x)

@@ -26,10 +26,8 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index, reduction, chunk_rows, empty_mean,
-        grad_sum,
-    ):
+    def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index, reduction, chunk_rows,
+                empty_mean, grad_sum):
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction)
         scale = finish.unit_scale(x=row_weight)
@@ -61,9 +59,8 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
                 u_weight=u_weight_rows, dz=logits,
             )
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz,
-            )
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn,
+                                                                     zdz=zdz)
             grad_wn = finish.sum_tiles(x=dwn_part)
             grad_w_vocab_sum.add_matmul(
                 a=dz, b=normed, transpose='a',
@@ -74,10 +71,8 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
             z_mean_chunks.append(z_mean)
             grad_x_chunks.append(grad_x)
             grad_wn_sum.add(grad_wn)
-            del (
-                h, ss, rstd, logits, lse_part, zsum_part, target_logit, lse, z_mean, dz, zdz_part, zdz, grad_x,
-                dwn_part, normed, grad_wn,
-            )
+            del (h, ss, rstd, logits, lse_part, zsum_part, target_logit, lse, z_mean, dz, zdz_part, zdz, grad_x,
+                 dwn_part, normed, grad_wn)
         target_logit = torch.cat(target_logit_chunks)
         lse = torch.cat(lse_chunks)
         z_mean = torch.cat(z_mean_chunks)
@@ -88,10 +83,8 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
         spread = finish.sub(x=z_mean, y=target_logit)
         smooth_term = finish.mul(x=spread, y=smoothing)
         row_loss = finish.sub(x=nll, y=smooth_term)
-        loss, _ = finish.reduce_loss(
-            x=row_loss, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction,
-            empty_mean=empty_mean,
-        )
+        loss, _ = finish.reduce_loss(x=row_loss, target=target, classes=vocab, ignore_index=ignore_index,
+                                     reduction=reduction, empty_mean=empty_mean)
 
         ctx.save_for_backward(grad_x, grad_wn, grad_w_vocab, scale)
         return loss
@@ -101,38 +94,30 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
         grad_x, grad_wn, grad_w_vocab, scale = ctx.saved_tensors
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         _factor = grad_loss / scale
-        return (
-            finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
-            finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None,
-        )
+        return (finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
+                finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None)
 
 
-def lm_head_loss_smooth(
-    x, target, wn, w_vocab, dim, vocab, eps, smoothing=0.1, ignore_index=-100, reduction="mean", chunk_rows=2048,
-    empty_mean="nan", grad_sum="same",
-):
+def lm_head_loss_smooth(x, target, wn, w_vocab, dim, vocab, eps, smoothing=0.1, ignore_index=-100, reduction="mean",
+                        chunk_rows=2048, empty_mean="nan", grad_sum="same"):
     """lm_head_loss_smooth's forward: LmHeadLossSmoothFunction, which also makes the gradients, when one is wanted; else
     the forward alone.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
-        return LmHeadLossSmoothFunction.apply(
-            x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index, reduction, chunk_rows, empty_mean,
-            grad_sum,
-        )
+        return LmHeadLossSmoothFunction.apply(x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index,
+                                              reduction, chunk_rows, empty_mean, grad_sum)
     h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
-    lse_part, zsum_part, target_logit = kernels.lm_head_logsumexp_zsum.lm_head_logsumexp_zsum(
-        h=h, w_vocab=w_vocab, rstd=rstd, target=target,
-    )
+    lse_part, zsum_part, target_logit = kernels.lm_head_logsumexp_zsum.lm_head_logsumexp_zsum(h=h, w_vocab=w_vocab,
+                                                                                              rstd=rstd, target=target)
     lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
     z_mean = finish.sum_tiles(x=zsum_part, divide_by=vocab)
     nll = finish.sub(x=lse, y=target_logit)
     spread = finish.sub(x=z_mean, y=target_logit)
     smooth_term = finish.mul(x=spread, y=smoothing)
     row_loss = finish.sub(x=nll, y=smooth_term)
-    loss, _ = finish.reduce_loss(
-        x=row_loss, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction, empty_mean=empty_mean,
-    )
+    loss, _ = finish.reduce_loss(x=row_loss, target=target, classes=vocab, ignore_index=ignore_index,
+                                 reduction=reduction, empty_mean=empty_mean)
     return loss
 
 
@@ -141,10 +126,8 @@ class LmHeadLossSmooth(nn.Module):
     row chunks.
     """
 
-    def __init__(
-        self, dim, vocab, eps, smoothing=0.1, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
-        grad_sum="same", *, device=None, dtype=None,
-    ):
+    def __init__(self, dim, vocab, eps, smoothing=0.1, ignore_index=-100, reduction="mean", chunk_rows=2048,
+                 empty_mean="nan", grad_sum="same", *, device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.vocab = vocab

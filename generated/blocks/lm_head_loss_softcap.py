@@ -26,10 +26,8 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index, reduction, chunk_rows, empty_mean,
-        grad_sum,
-    ):
+    def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index, reduction, chunk_rows, empty_mean,
+                grad_sum):
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction)
         scale = finish.unit_scale(x=row_weight)
@@ -53,9 +51,8 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
                 logits=logits, lse=lse, target=target_rows, weights=weights_rows, softcap=softcap, dz=logits,
             )
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz,
-            )
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn,
+                                                                     zdz=zdz)
             grad_wn = finish.sum_tiles(x=dwn_part)
             grad_w_vocab_sum.add_matmul(
                 a=dz, b=normed, transpose='a',
@@ -71,10 +68,8 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
         grad_x = torch.cat(grad_x_chunks)
         grad_wn = grad_wn_sum.result()
         grad_w_vocab = grad_w_vocab_sum.result()
-        loss, _ = finish.cross_entropy(
-            lse=lse, target_logit=target_logit, target=target, classes=vocab, ignore_index=ignore_index,
-            reduction=reduction, empty_mean=empty_mean,
-        )
+        loss, _ = finish.cross_entropy(lse=lse, target_logit=target_logit, target=target, classes=vocab,
+                                       ignore_index=ignore_index, reduction=reduction, empty_mean=empty_mean)
 
         ctx.save_for_backward(grad_x, grad_wn, grad_w_vocab, scale)
         return loss
@@ -84,33 +79,26 @@ class LmHeadLossSoftcapFunction(torch.autograd.Function):
         grad_x, grad_wn, grad_w_vocab, scale = ctx.saved_tensors
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         _factor = grad_loss / scale
-        return (
-            finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
-            finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None,
-        )
+        return (finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
+                finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None)
 
 
-def lm_head_loss_softcap(
-    x, target, wn, w_vocab, dim, vocab, eps, softcap=30.0, ignore_index=-100, reduction="mean", chunk_rows=2048,
-    empty_mean="nan", grad_sum="same",
-):
+def lm_head_loss_softcap(x, target, wn, w_vocab, dim, vocab, eps, softcap=30.0, ignore_index=-100, reduction="mean",
+                         chunk_rows=2048, empty_mean="nan", grad_sum="same"):
     """lm_head_loss_softcap's forward: LmHeadLossSoftcapFunction, which also makes the gradients, when one is wanted;
     else the forward alone.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
-        return LmHeadLossSoftcapFunction.apply(
-            x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index, reduction, chunk_rows, empty_mean, grad_sum,
-        )
+        return LmHeadLossSoftcapFunction.apply(x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index,
+                                               reduction, chunk_rows, empty_mean, grad_sum)
     h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
     lse_part, target_logit = kernels.lm_head_logsumexp_softcap.lm_head_logsumexp_softcap(
         h=h, w_vocab=w_vocab, rstd=rstd, target=target, softcap=softcap,
     )
     lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
-    loss, _ = finish.cross_entropy(
-        lse=lse, target_logit=target_logit, target=target, classes=vocab, ignore_index=ignore_index,
-        reduction=reduction, empty_mean=empty_mean,
-    )
+    loss, _ = finish.cross_entropy(lse=lse, target_logit=target_logit, target=target, classes=vocab,
+                                   ignore_index=ignore_index, reduction=reduction, empty_mean=empty_mean)
     return loss
 
 
@@ -119,10 +107,8 @@ class LmHeadLossSoftcap(nn.Module):
     row chunks.
     """
 
-    def __init__(
-        self, dim, vocab, eps, softcap=30.0, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
-        grad_sum="same", *, device=None, dtype=None,
-    ):
+    def __init__(self, dim, vocab, eps, softcap=30.0, ignore_index=-100, reduction="mean", chunk_rows=2048,
+                 empty_mean="nan", grad_sum="same", *, device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.vocab = vocab

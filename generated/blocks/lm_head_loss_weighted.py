@@ -26,14 +26,11 @@ class LmHeadLossWeightedFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index, reduction, chunk_rows, empty_mean,
-        grad_sum,
-    ):
+    def forward(ctx, x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index, reduction, chunk_rows,
+                empty_mean, grad_sum):
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
-        row_weight = finish.row_weights(
-            target=target, ignore_index=ignore_index, reduction=reduction, token_weights=token_weights,
-        )
+        row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction,
+                                        token_weights=token_weights)
         scale = finish.unit_scale(x=row_weight)
         weights = finish.mul(x=row_weight, y=scale)
         target_logit_chunks = []
@@ -47,17 +44,15 @@ class LmHeadLossWeightedFunction(torch.autograd.Function):
             weights_rows = weights[_rows]
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
-            logits, lse_part, target_logit = kernels.lm_head_logits.lm_head_logits(
-                h=h, w_vocab=w_vocab, rstd=rstd, target=target_rows,
-            )
+            logits, lse_part, target_logit = kernels.lm_head_logits.lm_head_logits(h=h, w_vocab=w_vocab, rstd=rstd,
+                                                                                   target=target_rows)
             lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
             dz, zdz_part = kernels.lm_head_ce_dz_weighted.lm_head_ce_dz_weighted(
                 logits=logits, lse=lse, target=target_rows, weights=weights_rows, dz=logits,
             )
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz,
-            )
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn,
+                                                                     zdz=zdz)
             grad_wn = finish.sum_tiles(x=dwn_part)
             grad_w_vocab_sum.add_matmul(
                 a=dz, b=normed, transpose='a',
@@ -74,10 +69,8 @@ class LmHeadLossWeightedFunction(torch.autograd.Function):
         grad_wn = grad_wn_sum.result()
         grad_w_vocab = grad_w_vocab_sum.result()
         nll = finish.sub(x=lse, y=target_logit)
-        loss, _ = finish.reduce_loss(
-            x=nll, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction,
-            token_weights=token_weights, empty_mean=empty_mean,
-        )
+        loss, _ = finish.reduce_loss(x=nll, target=target, classes=vocab, ignore_index=ignore_index,
+                                     reduction=reduction, token_weights=token_weights, empty_mean=empty_mean)
 
         ctx.save_for_backward(grad_x, grad_wn, grad_w_vocab, scale)
         return loss
@@ -87,33 +80,25 @@ class LmHeadLossWeightedFunction(torch.autograd.Function):
         grad_x, grad_wn, grad_w_vocab, scale = ctx.saved_tensors
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         _factor = grad_loss / scale
-        return (
-            finish.scale_(x=grad_x, factor=_factor), None, None, finish.scale_(x=grad_wn, factor=_factor),
-            finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None,
-        )
+        return (finish.scale_(x=grad_x, factor=_factor), None, None, finish.scale_(x=grad_wn, factor=_factor),
+                finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None)
 
 
-def lm_head_loss_weighted(
-    x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048,
-    empty_mean="nan", grad_sum="same",
-):
+def lm_head_loss_weighted(x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index=-100, reduction="mean",
+                          chunk_rows=2048, empty_mean="nan", grad_sum="same"):
     """lm_head_loss_weighted's forward: LmHeadLossWeightedFunction, which also makes the gradients, when one is wanted;
     else the forward alone.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
-        return LmHeadLossWeightedFunction.apply(
-            x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index, reduction, chunk_rows, empty_mean,
-            grad_sum,
-        )
+        return LmHeadLossWeightedFunction.apply(x, target, token_weights, wn, w_vocab, dim, vocab, eps, ignore_index,
+                                                reduction, chunk_rows, empty_mean, grad_sum)
     h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
     lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
     lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
     nll = finish.sub(x=lse, y=target_logit)
-    loss, _ = finish.reduce_loss(
-        x=nll, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction,
-        token_weights=token_weights, empty_mean=empty_mean,
-    )
+    loss, _ = finish.reduce_loss(x=nll, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction,
+                                 token_weights=token_weights, empty_mean=empty_mean)
     return loss
 
 
@@ -122,10 +107,8 @@ class LmHeadLossWeighted(nn.Module):
     chunks.
     """
 
-    def __init__(
-        self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan", grad_sum="same",
-        *, device=None, dtype=None,
-    ):
+    def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
+                 grad_sum="same", *, device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.vocab = vocab

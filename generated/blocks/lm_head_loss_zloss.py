@@ -26,9 +26,8 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, x, target, wn, w_vocab, dim, vocab, eps, z_loss, ignore_index, reduction, chunk_rows, empty_mean, grad_sum,
-    ):
+    def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, z_loss, ignore_index, reduction, chunk_rows, empty_mean,
+                grad_sum):
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction)
         scale = finish.unit_scale(x=row_weight)
@@ -44,9 +43,8 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
             weights_rows = weights[_rows]
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
-            logits, lse_part, target_logit = kernels.lm_head_logits.lm_head_logits(
-                h=h, w_vocab=w_vocab, rstd=rstd, target=target_rows,
-            )
+            logits, lse_part, target_logit = kernels.lm_head_logits.lm_head_logits(h=h, w_vocab=w_vocab, rstd=rstd,
+                                                                                   target=target_rows)
             lse = finish.logsumexp_tiles(x=lse_part, inf_max='nan')
             z_lse = finish.mul(x=lse, y=z_loss)
             z_slope = finish.mul(x=z_lse, y=2.0)
@@ -56,9 +54,8 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
                 logits=logits, lse=lse, target=target_rows, p_weight=p_weight, t_weight=weights_rows, dz=logits,
             )
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz,
-            )
+            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn,
+                                                                     zdz=zdz)
             grad_wn = finish.sum_tiles(x=dwn_part)
             grad_w_vocab_sum.add_matmul(
                 a=dz, b=normed, transpose='a',
@@ -68,10 +65,8 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
             lse_chunks.append(lse)
             grad_x_chunks.append(grad_x)
             grad_wn_sum.add(grad_wn)
-            del (
-                h, ss, rstd, logits, lse_part, target_logit, lse, z_lse, z_slope, p_scale, p_weight, dz, zdz_part, zdz,
-                grad_x, dwn_part, normed, grad_wn,
-            )
+            del (h, ss, rstd, logits, lse_part, target_logit, lse, z_lse, z_slope, p_scale, p_weight, dz, zdz_part, zdz,
+                 grad_x, dwn_part, normed, grad_wn)
         target_logit = torch.cat(target_logit_chunks)
         lse = torch.cat(lse_chunks)
         grad_x = torch.cat(grad_x_chunks)
@@ -81,10 +76,8 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
         lse_sq = finish.square(x=lse)
         z_term = finish.mul(x=lse_sq, y=z_loss)
         row_loss = finish.add(x=nll, y=z_term)
-        loss, _ = finish.reduce_loss(
-            x=row_loss, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction,
-            empty_mean=empty_mean,
-        )
+        loss, _ = finish.reduce_loss(x=row_loss, target=target, classes=vocab, ignore_index=ignore_index,
+                                     reduction=reduction, empty_mean=empty_mean)
 
         ctx.save_for_backward(grad_x, grad_wn, grad_w_vocab, scale)
         return loss
@@ -94,23 +87,18 @@ class LmHeadLossZlossFunction(torch.autograd.Function):
         grad_x, grad_wn, grad_w_vocab, scale = ctx.saved_tensors
         # every gradient is linear in grad_loss: scaling those made for scale is exact (in place: they are ours)
         _factor = grad_loss / scale
-        return (
-            finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
-            finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None,
-        )
+        return (finish.scale_(x=grad_x, factor=_factor), None, finish.scale_(x=grad_wn, factor=_factor),
+                finish.scale_(x=grad_w_vocab, factor=_factor), None, None, None, None, None, None, None, None, None)
 
 
-def lm_head_loss_zloss(
-    x, target, wn, w_vocab, dim, vocab, eps, z_loss=0.0001, ignore_index=-100, reduction="mean", chunk_rows=2048,
-    empty_mean="nan", grad_sum="same",
-):
+def lm_head_loss_zloss(x, target, wn, w_vocab, dim, vocab, eps, z_loss=0.0001, ignore_index=-100, reduction="mean",
+                       chunk_rows=2048, empty_mean="nan", grad_sum="same"):
     """lm_head_loss_zloss's forward: LmHeadLossZlossFunction, which also makes the gradients, when one is wanted; else
     the forward alone.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
-        return LmHeadLossZlossFunction.apply(
-            x, target, wn, w_vocab, dim, vocab, eps, z_loss, ignore_index, reduction, chunk_rows, empty_mean, grad_sum,
-        )
+        return LmHeadLossZlossFunction.apply(x, target, wn, w_vocab, dim, vocab, eps, z_loss, ignore_index, reduction,
+                                             chunk_rows, empty_mean, grad_sum)
     h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
     lse_part, target_logit = kernels.lm_head_logsumexp.lm_head_logsumexp(h=h, w_vocab=w_vocab, rstd=rstd, target=target)
@@ -119,9 +107,8 @@ def lm_head_loss_zloss(
     lse_sq = finish.square(x=lse)
     z_term = finish.mul(x=lse_sq, y=z_loss)
     row_loss = finish.add(x=nll, y=z_term)
-    loss, _ = finish.reduce_loss(
-        x=row_loss, target=target, classes=vocab, ignore_index=ignore_index, reduction=reduction, empty_mean=empty_mean,
-    )
+    loss, _ = finish.reduce_loss(x=row_loss, target=target, classes=vocab, ignore_index=ignore_index,
+                                 reduction=reduction, empty_mean=empty_mean)
     return loss
 
 
@@ -130,10 +117,8 @@ class LmHeadLossZloss(nn.Module):
     the forward over row chunks.
     """
 
-    def __init__(
-        self, dim, vocab, eps, z_loss=0.0001, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
-        grad_sum="same", *, device=None, dtype=None,
-    ):
+    def __init__(self, dim, vocab, eps, z_loss=0.0001, ignore_index=-100, reduction="mean", chunk_rows=2048,
+                 empty_mean="nan", grad_sum="same", *, device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.vocab = vocab

@@ -36,9 +36,8 @@ class OprojSwigluFunction(torch.autograd.Function):
         dim, ffn_dim, eps = ctx.attrs
         dz1, zdz1_part = kernels.swiglu_bwd_rowdot.swiglu_bwd_rowdot(grad_y=grad_y_mlp, z=z1)
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)
-        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz1, w=w_gate_up, x=x_out, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out,
-        )
+        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(dz=dz1, w=w_gate_up, x=x_out, rstd=r1,
+                                                                                wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out)
         grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
         grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose='a')
         grad_y = finish.matmul(a=grad_x, b=w_o)

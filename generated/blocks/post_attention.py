@@ -41,9 +41,8 @@ class PostAttentionFunction(torch.autograd.Function):
         dz1, zdz1_part, y1 = kernels.swiglu_dgrad.swiglu_dgrad(grad_y=grad_x_out, w_down=w_down, z=z1)
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)
         grad_w_down = finish.matmul(a=grad_x_out, b=y1, transpose='a')
-        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out,
-        )
+        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(dz=dz1, w=w_gate_up, x=x1, rstd=r1,
+                                                                                wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out)
         grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
         grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose='a')
         grad_y = finish.matmul(a=grad_x, b=w_o)

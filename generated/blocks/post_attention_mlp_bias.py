@@ -25,9 +25,8 @@ class PostAttentionMlpBiasFunction(torch.autograd.Function):
     def forward(ctx, y, x, wn_next, w_o, wn_mlp, w_gate_up, b_gate_up, w_down, dim, ffn_dim, eps):
         x1, h1, ss1 = kernels.out_proj_residual_norm.out_proj_residual_norm(y=y, w_o=w_o, x=x, wn=wn_mlp)
         r1 = finish.rstd(x=ss1, size=dim, eps=eps)
-        z1, y1 = kernels.gate_up_bias_swiglu.gate_up_bias_swiglu(
-            h=h1, w_gate_up=w_gate_up, rstd=r1, b_gate_up=b_gate_up,
-        )
+        z1, y1 = kernels.gate_up_bias_swiglu.gate_up_bias_swiglu(h=h1, w_gate_up=w_gate_up, rstd=r1,
+                                                                 b_gate_up=b_gate_up)
         x_out, h_next, ss2 = kernels.out_proj_residual_norm.out_proj_residual_norm(y=y1, w_o=w_down, x=x1, wn=wn_next)
         rstd_next = finish.rstd(x=ss2, size=dim, eps=eps)
 
@@ -40,23 +39,20 @@ class PostAttentionMlpBiasFunction(torch.autograd.Function):
     def backward(ctx, grad_x_out, _grad_h_next, _grad_rstd_next):
         y, x1, r1, z1, w_o, wn_mlp, w_gate_up, b_gate_up, w_down = ctx.saved_tensors
         dim, ffn_dim, eps = ctx.attrs
-        dz1, zdz1_part, db1_part, y1 = kernels.swiglu_bias_dgrad.swiglu_bias_dgrad(
-            grad_y=grad_x_out, w_down=w_down, z=z1, b_gate_up=b_gate_up,
-        )
+        dz1, zdz1_part, db1_part, y1 = kernels.swiglu_bias_dgrad.swiglu_bias_dgrad(grad_y=grad_x_out, w_down=w_down,
+                                                                                   z=z1, b_gate_up=b_gate_up)
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)
         grad_b_gate_up = finish.sum_tiles(x=db1_part)
         grad_w_down = finish.matmul(a=grad_x_out, b=y1, transpose='a')
-        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out,
-        )
+        grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(dz=dz1, w=w_gate_up, x=x1, rstd=r1,
+                                                                                wn=wn_mlp, zdz=zdz1, grad_x=grad_x_out)
         grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
         grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose='a')
         grad_y = finish.matmul(a=grad_x, b=w_o)
         grad_w_o = finish.matmul(a=grad_x, b=y, transpose='a')
 
-        return (
-            grad_y, grad_x, None, grad_w_o, grad_wn_mlp, grad_w_gate_up, grad_b_gate_up, grad_w_down, None, None, None,
-        )
+        return (grad_y, grad_x, None, grad_w_o, grad_wn_mlp, grad_w_gate_up, grad_b_gate_up, grad_w_down, None, None,
+                None)
 
 
 class PostAttentionMlpBias(nn.Module):

@@ -31,13 +31,11 @@ class PreAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_x_out, grad_qkv):
         x, rstd, positions, freqs, qkv, wn, w_qkv = ctx.saved_tensors
         dim, qkv_dim = ctx.attrs
-        dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(
-            qkv=qkv, grad_qkv=grad_qkv, positions=positions, freqs=freqs,
-        )
+        dz, zdz_part = kernels.rope_bwd_rowdot.rope_bwd_rowdot(qkv=qkv, grad_qkv=grad_qkv, positions=positions,
+                                                               freqs=freqs)
         zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
-        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x_out,
-        )
+        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(dz=dz, w=w_qkv, x=x, rstd=rstd,
+                                                                                   wn=wn, zdz=zdz, grad_x=grad_x_out)
         grad_wn = finish.sum_tiles(x=dwn_part)
         grad_w_qkv = finish.matmul(a=dz, b=normed, transpose='a')
 

@@ -22,9 +22,8 @@ SHA256 = "8bfd87d9a271773a20ed1cdf67743a0b2b50fd9c4674cda1424bb9c7639417b0"
 class Qwen3PreAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, rstd, positions, freqs, wn_qk, v_pass, wn, w_qkv, dim, qkv_dim, eps):
-        qkv, z, head_rstd = kernels.qkv_qk_norm_rope.qkv_qk_norm_rope(
-            h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs, wn_qk=wn_qk, v_pass=v_pass, eps=eps,
-        )
+        qkv, z, head_rstd = kernels.qkv_qk_norm_rope.qkv_qk_norm_rope(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions,
+                                                                      freqs=freqs, wn_qk=wn_qk, v_pass=v_pass, eps=eps)
 
         ctx.save_for_backward(x, rstd, positions, freqs, wn_qk, v_pass, z, head_rstd, wn, w_qkv)
         ctx.attrs = (dim, qkv_dim, eps)
@@ -39,9 +38,8 @@ class Qwen3PreAttentionFunction(torch.autograd.Function):
         )
         zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)
         grad_wn_qk = finish.sum_tiles(x=dwn_qk_part)
-        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=grad_x_out,
-        )
+        grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(dz=dz, w=w_qkv, x=x, rstd=rstd,
+                                                                                   wn=wn, zdz=zdz, grad_x=grad_x_out)
         grad_wn = finish.sum_tiles(x=dwn_part)
         grad_w_qkv = finish.matmul(a=dz, b=normed, transpose='a')
 

@@ -107,13 +107,11 @@ from . import swiglu_bias_dgrad
 from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = [
-    "gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad",
-    "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
-    "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
-    "lm_head_ce_dz_softcap", "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap",
-    "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul",
-    "matmul_accumulate", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd",
-    "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot",
-    "swiglu_dgrad",
-]
+__all__ = ["gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad",
+           "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
+           "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
+           "lm_head_ce_dz_softcap", "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap",
+           "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul",
+           "matmul_accumulate", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd",
+           "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad",
+           "swiglu_bwd_rowdot", "swiglu_dgrad"]

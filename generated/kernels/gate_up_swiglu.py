@@ -118,9 +118,9 @@ def gate_up_swiglu_kernel(
             if INT64:
                 _offs_k = _offs_k.to(tl.int64)
             _a_ptrs = _h_ptr + (_rows % M)[:, None] * _stride_h_m + _offs_k[None, :] * _stride_h_k
-            _b_ptrs = (_w_gate_up_ptr
-                       + _offs_k[:, None] * _stride_w_gate_up_k
-                       + (_cols % N)[None, :] * _stride_w_gate_up_n)
+            _b_ptrs = (
+                _w_gate_up_ptr + _offs_k[:, None] * _stride_w_gate_up_k + (_cols % N)[None, :] * _stride_w_gate_up_n
+            )
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             # TMA coordinates are 32-bit whatever INT64 made of the tile indices (M, N < 2**31 always)
             _first_row, _first_col = (_pid_m * BLOCK_M).to(tl.int32), (_pid_n * BLOCK_N).to(tl.int32)
@@ -207,9 +207,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
@@ -228,7 +227,7 @@ def _allocate(h, w_gate_up, rstd):
 
 
 def _run(h, w_gate_up, rstd):
-    z, y = _allocate(h, w_gate_up, rstd)
+    (z, y) = _allocate(h, w_gate_up, rstd)
     launch(h, w_gate_up, rstd, z=z, y=y)
     return z, y
 
@@ -241,9 +240,8 @@ def _fake(h, w_gate_up, rstd):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def gate_up_swiglu_op(
-    h: torch.Tensor, w_gate_up: torch.Tensor, rstd: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_swiglu_op(h: torch.Tensor, w_gate_up: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MLP gate/up projection with the RMSNorm row scale and SwiGLU on interleaved (gate, up) columns."""
     return _run(h, w_gate_up, rstd)
 

@@ -82,9 +82,8 @@ def gemma_norm_dgrad_residual_epilogue(
     dnorm = centered * rstd[:, None]
 
     # add: {x: grad_x, y: dnorm, out: dxv}
-    grad_x = tl.load(
-        _grad_x_ptr + _rows[:, None] * _stride_grad_x_m + _cols[None, :] * _stride_grad_x_n, mask=_tile_mask,
-        other=0.0).to(tl.float32)
+    grad_x = tl.load(_grad_x_ptr + _rows[:, None] * _stride_grad_x_m + _cols[None, :] * _stride_grad_x_n,
+                     mask=_tile_mask, other=0.0).to(tl.float32)
     dxv = grad_x + dnorm
 
     # store: {x: dxv, to: dx}
@@ -260,9 +259,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -284,7 +282,7 @@ def _allocate(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None):
 
 
 def _run(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None):
-    dx, dwn_part, normed = _allocate(dz, w, x, rstd, wn, zdz, grad_x, dx=dx, normed=normed)
+    (dx, dwn_part, normed) = _allocate(dz, w, x, rstd, wn, zdz, grad_x, dx=dx, normed=normed)
     launch(dz, w, x, rstd, wn, zdz, grad_x, dx=dx, dwn_part=dwn_part, normed=normed)
     return dx, dwn_part, normed
 
@@ -297,17 +295,15 @@ def _fake(dz, w, x, rstd, wn, zdz, grad_x):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def gemma_norm_dgrad_residual_op(
-    dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
-    grad_x: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gemma_norm_dgrad_residual_op(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                                 wn: torch.Tensor, zdz: torch.Tensor,
+                                 grad_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it, plus the residual gradient."""
     return _run(dz, w, x, rstd, wn, zdz, grad_x)
 
 
-def gemma_norm_dgrad_residual(
-    dz, w, x, rstd, wn, zdz, grad_x, *, dx=None, normed=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gemma_norm_dgrad_residual(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None,
+                              normed=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it, plus the residual gradient.
 
     Under torch.compile, or where autograd would record the call, this is the op

@@ -57,12 +57,14 @@ def gemma_post_norm_dgrad_epilogue(
     # scale: {x: g, by: norm_scale, out: g_scaled}
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     g = tile.widen(
-        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0))
+        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0)
+    )
     g_scaled = g * norm_scale[None, :]
 
     # scale: {x: o, by: rstd, out: o_n}
     o = tile.widen(
-        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0)
+    )
     rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
@@ -163,8 +165,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
 
@@ -193,9 +195,8 @@ def _fake(g, o, rstd, wn, dot):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def gemma_post_norm_dgrad_op(
-    g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, dot: torch.Tensor,
-) -> torch.Tensor:
+def gemma_post_norm_dgrad_op(g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor,
+                             dot: torch.Tensor) -> torch.Tensor:
     """Data gradient of an RMSNorm with (1 + w) applied to a stored tensor, from its row dots."""
     return _run(g, o, rstd, wn, dot)
 

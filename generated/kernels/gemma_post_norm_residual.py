@@ -58,7 +58,8 @@ def gemma_post_norm_residual_epilogue(
     # scale: {x: o, by: rstd, out: o_n}
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     o = tile.widen(
-        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0)
+    )
     rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
@@ -74,7 +75,8 @@ def gemma_post_norm_residual_epilogue(
 
     # add: {x: x, y: normed_t, out: x_new}
     x = tile.widen(
-        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0))
+        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0)
+    )
     x_new = x + normed_t
 
     # cast: {x: x_new, dtype: T, out: x_new_t}
@@ -189,8 +191,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -210,7 +212,7 @@ def _allocate(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
 
 
 def _run(o, rstd, wn, x, wn_next, *, x_out=None, h=None):
-    x_out, h, ss = _allocate(o, rstd, wn, x, wn_next, x_out=x_out, h=h)
+    (x_out, h, ss) = _allocate(o, rstd, wn, x, wn_next, x_out=x_out, h=h)
     launch(o, rstd, wn, x, wn_next, x_out=x_out, h=h, ss=ss)
     return x_out, h, ss
 
@@ -223,18 +225,16 @@ def _fake(o, rstd, wn, x, wn_next):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def gemma_post_norm_residual_op(
-    o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, x: torch.Tensor, wn_next: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gemma_post_norm_residual_op(o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, x: torch.Tensor,
+                                wn_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm with (1 + w) of a projection's output added to the residual stream, and the next RMSNorm's statistics and
     scale.
     """
     return _run(o, rstd, wn, x, wn_next)
 
 
-def gemma_post_norm_residual(
-    o, rstd, wn, x, wn_next, *, x_out=None, h=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gemma_post_norm_residual(o, rstd, wn, x, wn_next, *, x_out=None,
+                             h=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm with (1 + w) of a projection's output added to the residual stream, and the next RMSNorm's statistics and
     scale.
 

@@ -54,13 +54,15 @@ def gemma_post_norm_rowdot_epilogue(
     # scale: {x: o, by: rstd, out: o_n}
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     o = tile.widen(
-        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0))
+        tl.load(_o_ptr + _rows[:, None] * _stride_o_m + _cols[None, :] * _stride_o_n, mask=_tile_mask, other=0.0)
+    )
     rstd = tl.load(_rstd_ptr + _rows * _stride_rstd_m, mask=_row_mask, other=0.0).to(tl.float32)
     o_n = o * rstd[:, None]
 
     # mul: {x: g, y: o_n, out: g_on}
     g = tile.widen(
-        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0))
+        tl.load(_g_ptr + _rows[:, None] * _stride_g_m + _cols[None, :] * _stride_g_n, mask=_tile_mask, other=0.0)
+    )
     g_on = g * o_n
 
     # reduce: {op: sum, x: g_on, axis: rows, to: dwn_part}
@@ -162,8 +164,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -182,7 +184,7 @@ def _allocate(g, o, rstd, wn):
 
 
 def _run(g, o, rstd, wn):
-    dot_part, dwn_part = _allocate(g, o, rstd, wn)
+    (dot_part, dwn_part) = _allocate(g, o, rstd, wn)
     launch(g, o, rstd, wn, dot_part=dot_part, dwn_part=dwn_part)
     return dot_part, dwn_part
 
@@ -195,9 +197,8 @@ def _fake(g, o, rstd, wn):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def gemma_post_norm_rowdot_op(
-    g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gemma_post_norm_rowdot_op(g: torch.Tensor, o: torch.Tensor, rstd: torch.Tensor,
+                              wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-dot and weight-gradient partials of the backward of an RMSNorm with (1 + w) applied to a stored tensor."""
     return _run(g, o, rstd, wn)
 

@@ -59,7 +59,8 @@ def lm_head_ce_dz_shifted_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     logits = tile.widen(
         tl.load(_logits_ptr + _rows[:, None] * _stride_logits_m + _cols[None, :] * _stride_logits_n, mask=_tile_mask,
-                other=0.0))
+                other=0.0)
+    )
     lse = tl.load(_lse_ptr + _rows * _stride_lse_m, mask=_row_mask, other=0.0).to(tl.float32)
     shifted = logits - lse[:, None]
 
@@ -135,8 +136,7 @@ def lm_head_ce_dz_shifted_kernel(
         for _part in tl.static_range(EPILOGUE_SPLIT):
             lm_head_ce_dz_shifted_epilogue(
                 _pid_m, _pid_n * EPILOGUE_SPLIT + _part, _rows,
-                _logits_ptr, _lse_ptr, _target_ptr, _p_weight_ptr, _t_weight_ptr, _u_weight_ptr, _dz_ptr,
-                _zdz_part_ptr,
+                _logits_ptr, _lse_ptr, _target_ptr, _p_weight_ptr, _t_weight_ptr, _u_weight_ptr, _dz_ptr, _zdz_part_ptr,
                 M, N,
                 _stride_logits_m, _stride_logits_n,
                 _stride_lse_m,
@@ -189,8 +189,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -209,7 +209,7 @@ def _allocate(logits, lse, target, p_weight, t_weight, u_weight, *, dz=None):
 
 
 def _run(logits, lse, target, p_weight, t_weight, u_weight, *, dz=None):
-    dz, zdz_part = _allocate(logits, lse, target, p_weight, t_weight, u_weight, dz=dz)
+    (dz, zdz_part) = _allocate(logits, lse, target, p_weight, t_weight, u_weight, dz=dz)
     launch(logits, lse, target, p_weight, t_weight, u_weight, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -222,19 +222,16 @@ def _fake(logits, lse, target, p_weight, t_weight, u_weight):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_ce_dz_shifted_op(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor, t_weight: torch.Tensor,
-    u_weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_shifted_op(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, p_weight: torch.Tensor,
+                             t_weight: torch.Tensor, u_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy-variant gradient of stored logits from three per-row coefficients, with the RMSNorm backward's row
     partials.
     """
     return _run(logits, lse, target, p_weight, t_weight, u_weight)
 
 
-def lm_head_ce_dz_shifted(
-    logits, lse, target, p_weight, t_weight, u_weight, *, dz=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_shifted(logits, lse, target, p_weight, t_weight, u_weight, *,
+                          dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy-variant gradient of stored logits from three per-row coefficients, with the RMSNorm backward's row
     partials.
 

@@ -56,7 +56,8 @@ def lm_head_ce_dz_softcap_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     logits = tile.widen(
         tl.load(_logits_ptr + _rows[:, None] * _stride_logits_m + _cols[None, :] * _stride_logits_n, mask=_tile_mask,
-                other=0.0))
+                other=0.0)
+    )
     scaled = logits / softcap
 
     # tanh: {x: scaled, out: th}
@@ -212,7 +213,7 @@ def _allocate(logits, lse, target, weights, softcap, *, dz=None):
 
 
 def _run(logits, lse, target, weights, softcap, *, dz=None):
-    dz, zdz_part = _allocate(logits, lse, target, weights, softcap, dz=dz)
+    (dz, zdz_part) = _allocate(logits, lse, target, weights, softcap, dz=dz)
     launch(logits, lse, target, weights, softcap, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -225,9 +226,8 @@ def _fake(logits, lse, target, weights, softcap):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_ce_dz_softcap_op(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_softcap_op(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                             softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient through logit softcapping of stored logits, with the RMSNorm backward's row partials."""
     return _run(logits, lse, target, weights, softcap)
 

@@ -55,7 +55,8 @@ def lm_head_ce_dz_weighted_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     logits = tile.widen(
         tl.load(_logits_ptr + _rows[:, None] * _stride_logits_m + _cols[None, :] * _stride_logits_n, mask=_tile_mask,
-                other=0.0))
+                other=0.0)
+    )
     lse = tl.load(_lse_ptr + _rows * _stride_lse_m, mask=_row_mask, other=0.0).to(tl.float32)
     shifted = logits - lse[:, None]
 
@@ -173,8 +174,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -193,7 +194,7 @@ def _allocate(logits, lse, target, weights, *, dz=None):
 
 
 def _run(logits, lse, target, weights, *, dz=None):
-    dz, zdz_part = _allocate(logits, lse, target, weights, dz=dz)
+    (dz, zdz_part) = _allocate(logits, lse, target, weights, dz=dz)
     launch(logits, lse, target, weights, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -206,9 +207,8 @@ def _fake(logits, lse, target, weights):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_ce_dz_weighted_op(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_ce_dz_weighted_op(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient of stored logits weighted per row, the target's term selected, with the RMSNorm backward's
     row partials.
     """

@@ -256,7 +256,7 @@ def _allocate(h, w_vocab, rstd, target, softcap):
 
 
 def _run(h, w_vocab, rstd, target, softcap):
-    logits, lse_part, target_logit = _allocate(h, w_vocab, rstd, target, softcap)
+    (logits, lse_part, target_logit) = _allocate(h, w_vocab, rstd, target, softcap)
     launch(h, w_vocab, rstd, target, softcap, logits=logits, lse_part=lse_part, target_logit=target_logit)
     return logits, lse_part, target_logit
 
@@ -269,9 +269,8 @@ def _fake(h, w_vocab, rstd, target, softcap):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_logits_softcap_op(
-    h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lm_head_logits_softcap_op(h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
+                              softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale, storing the logits before the softcap, the capped logits'
     log-sum-exp partials and the capped target logit.
     """

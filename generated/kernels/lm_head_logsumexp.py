@@ -206,9 +206,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -229,7 +228,7 @@ def _allocate(h, w_vocab, rstd, target):
 
 
 def _run(h, w_vocab, rstd, target):
-    lse_part, target_logit = _allocate(h, w_vocab, rstd, target)
+    (lse_part, target_logit) = _allocate(h, w_vocab, rstd, target)
     launch(h, w_vocab, rstd, target, lse_part=lse_part, target_logit=target_logit)
     return lse_part, target_logit
 
@@ -242,9 +241,8 @@ def _fake(h, w_vocab, rstd, target):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_logsumexp_op(
-    h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_logsumexp_op(h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor,
+                         target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale, per-tile log-sum-exp partials and the target logit."""
     return _run(h, w_vocab, rstd, target)
 

@@ -242,7 +242,7 @@ def _allocate(h, w_vocab, rstd, target, softcap):
 
 
 def _run(h, w_vocab, rstd, target, softcap):
-    lse_part, target_logit = _allocate(h, w_vocab, rstd, target, softcap)
+    (lse_part, target_logit) = _allocate(h, w_vocab, rstd, target, softcap)
     launch(h, w_vocab, rstd, target, softcap, lse_part=lse_part, target_logit=target_logit)
     return lse_part, target_logit
 
@@ -255,9 +255,8 @@ def _fake(h, w_vocab, rstd, target, softcap):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def lm_head_logsumexp_softcap_op(
-    h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_logsumexp_softcap_op(h: torch.Tensor, w_vocab: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
+                                 softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """LM-head projection with the final RMSNorm row scale and logit softcapping, per-tile log-sum-exp partials and the
     capped target logit.
     """

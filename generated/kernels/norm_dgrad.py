@@ -245,9 +245,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -269,7 +268,7 @@ def _allocate(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
 
 
 def _run(dz, w, x, rstd, wn, zdz, *, dx=None, normed=None):
-    dx, dwn_part, normed = _allocate(dz, w, x, rstd, wn, zdz, dx=dx, normed=normed)
+    (dx, dwn_part, normed) = _allocate(dz, w, x, rstd, wn, zdz, dx=dx, normed=normed)
     launch(dz, w, x, rstd, wn, zdz, dx=dx, dwn_part=dwn_part, normed=normed)
     return dx, dwn_part, normed
 
@@ -282,9 +281,8 @@ def _fake(dz, w, x, rstd, wn, zdz):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def norm_dgrad_op(
-    dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor, zdz: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_dgrad_op(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, wn: torch.Tensor,
+                  zdz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and the RMSNorm before it."""
     return _run(dz, w, x, rstd, wn, zdz)
 

@@ -220,9 +220,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -244,7 +243,7 @@ def _allocate(y, w_o, x, wn, *, x_out=None, h=None):
 
 
 def _run(y, w_o, x, wn, *, x_out=None, h=None):
-    x_out, h, ss = _allocate(y, w_o, x, wn, x_out=x_out, h=h)
+    (x_out, h, ss) = _allocate(y, w_o, x, wn, x_out=x_out, h=h)
     launch(y, w_o, x, wn, x_out=x_out, h=h, ss=ss)
     return x_out, h, ss
 
@@ -257,9 +256,8 @@ def _fake(y, w_o, x, wn):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def out_proj_residual_norm_op(
-    y: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, wn: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def out_proj_residual_norm_op(y: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor,
+                              wn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale."""
     return _run(y, w_o, x, wn)
 

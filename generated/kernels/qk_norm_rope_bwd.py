@@ -40,8 +40,8 @@ DECLS = (
 @triton.jit
 def qk_norm_rope_bwd_epilogue(
     _pid_m, _pid_n, _rows,
-    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr,
-    _zdz_part_ptr, _dwn_qk_part_ptr,
+    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr, _zdz_part_ptr,
+    _dwn_qk_part_ptr,
     M, N,
     _stride_z_m, _stride_z_n,
     _stride_grad_qkv_m, _stride_grad_qkv_n,
@@ -65,7 +65,8 @@ def qk_norm_rope_bwd_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_qkv = tile.widen(
         tl.load(_grad_qkv_ptr + _rows[:, None] * _stride_grad_qkv_m + _cols[None, :] * _stride_grad_qkv_n,
-                mask=_tile_mask, other=0.0))
+                mask=_tile_mask, other=0.0)
+    )
     positions = tl.load(_positions_ptr + _rows * _stride_positions_m, mask=_row_mask, other=0)
     _cols_half = _pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     _col_mask_half = _cols_half < N // 2
@@ -74,13 +75,14 @@ def qk_norm_rope_bwd_epilogue(
 
     # scale: {x: z, by: head_rstd, out: zn}
     z = tile.widen(
-        tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols[None, :] * _stride_z_n, mask=_tile_mask, other=0.0))
+        tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols[None, :] * _stride_z_n, mask=_tile_mask, other=0.0)
+    )
     _cols_group = _pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
     _col_mask_group = _cols_group < N // 128
     _group_mask = _row_mask[:, None] & _col_mask_group[None, :]
-    head_rstd = tl.load(
-        _head_rstd_ptr + _rows[:, None] * _stride_head_rstd_m + _cols_group[None, :] * _stride_head_rstd_n,
-        mask=_group_mask, other=0.0).to(tl.float32)
+    head_rstd = tl.load(_head_rstd_ptr
+                        + _rows[:, None] * _stride_head_rstd_m
+                        + _cols_group[None, :] * _stride_head_rstd_n, mask=_group_mask, other=0.0).to(tl.float32)
     zn = z * tile.expand_groups(head_rstd, GROUP=128)
 
     # mul: {x: du, y: wn_qk, out: du_w}
@@ -137,8 +139,8 @@ def qk_norm_rope_bwd_epilogue(
 @triton.jit
 def qk_norm_rope_bwd_kernel(
     # pointers
-    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr,
-    _zdz_part_ptr, _dwn_qk_part_ptr,
+    _z_ptr, _grad_qkv_ptr, _head_rstd_ptr, _positions_ptr, _freqs_ptr, _wn_qk_ptr, _v_pass_ptr, _dz_ptr, _zdz_part_ptr,
+    _dwn_qk_part_ptr,
     # sizes
     M, N,
     # strides
@@ -226,13 +228,14 @@ def launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz, zdz_p
 
 def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=128)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=COLUMN_GROUP)
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=128, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
-    runtime.configs.check_group(NAME, config, 128, N)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, group=COLUMN_GROUP,
+                                           split=DEFAULT_SPLIT, decls=DECLS, values=values,
+                                           run=lambda c: launch(**values, config=c))
+    runtime.configs.check_group(NAME, config, COLUMN_GROUP, N)
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -242,9 +245,9 @@ def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=Non
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape), but for those given."""
     _values = dict(z=z, grad_qkv=grad_qkv, head_rstd=head_rstd, positions=positions, freqs=freqs, wn_qk=wn_qk,
                    v_pass=v_pass)
-    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:7], _values, group=128)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:7], _values, group=COLUMN_GROUP)
     M, N = _sizes["M"], _sizes["N"]
-    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, group=128, split=DEFAULT_SPLIT)
+    config = runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, _device, group=COLUMN_GROUP, split=DEFAULT_SPLIT)
     return (
         dz if dz is not None else torch.empty((M, N), dtype=_t_dtype, device=_device),
         torch.empty((M, triton.cdiv(N, config.epilogue_n)), dtype=torch.float32, device=_device),
@@ -253,7 +256,7 @@ def _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=Non
 
 
 def _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None):
-    dz, zdz_part, dwn_qk_part = _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz)
+    (dz, zdz_part, dwn_qk_part) = _allocate(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz)
     launch(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, dz=dz, zdz_part=zdz_part, dwn_qk_part=dwn_qk_part)
     return dz, zdz_part, dwn_qk_part
 
@@ -266,19 +269,17 @@ def _fake(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def qk_norm_rope_bwd_op(
-    z: torch.Tensor, grad_qkv: torch.Tensor, head_rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-    wn_qk: torch.Tensor, v_pass: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qk_norm_rope_bwd_op(z: torch.Tensor, grad_qkv: torch.Tensor, head_rstd: torch.Tensor, positions: torch.Tensor,
+                        freqs: torch.Tensor, wn_qk: torch.Tensor,
+                        v_pass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of RoPE and of the per-head RMSNorm of q and k, with the row partials of z . dz and the head-norm weight
     partials.
     """
     return _run(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)
 
 
-def qk_norm_rope_bwd(
-    z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *, dz=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qk_norm_rope_bwd(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *,
+                     dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of RoPE and of the per-head RMSNorm of q and k, with the row partials of z . dz and the head-norm weight
     partials.
 

@@ -207,9 +207,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
@@ -240,9 +239,8 @@ def _fake(h, w_qkv, rstd, positions, freqs):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def qkv_norm_rope_op(
-    h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-) -> torch.Tensor:
+def qkv_norm_rope_op(h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
+                     freqs: torch.Tensor) -> torch.Tensor:
     """QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs."""
     return _run(h, w_qkv, rstd, positions, freqs)
 

@@ -266,12 +266,13 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
 
 def _make_plan(tensors, config) -> runtime.LaunchPlan:
     values = dict(zip((d.name for d in DECLS), tensors))
-    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=128)
+    sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=COLUMN_GROUP)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=128, split=DEFAULT_SPLIT)
-    runtime.configs.check_group(NAME, config, 128, N)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=COLUMN_GROUP,
+                                           split=DEFAULT_SPLIT)
+    runtime.configs.check_group(NAME, config, COLUMN_GROUP, N)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
@@ -281,7 +282,7 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
 def _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
     """Empty outputs of the right shapes (partial-reduction buffers depend on the tile shape)."""
     _values = dict(h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs, wn_qk=wn_qk, v_pass=v_pass)
-    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:7], _values, group=128)
+    _sizes, _t_dtype, _device = runtime.bind_once(_BOUND, NAME, DECLS[:7], _values, group=COLUMN_GROUP)
     M, N, K = _sizes["M"], _sizes["N"], _sizes["K"]
     return (
         torch.empty((M, N), dtype=_t_dtype, device=_device),
@@ -291,7 +292,7 @@ def _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
 
 
 def _run(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
-    qkv, z, head_rstd = _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
+    (qkv, z, head_rstd) = _allocate(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
     launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, qkv=qkv, z=z, head_rstd=head_rstd)
     return qkv, z, head_rstd
 
@@ -304,17 +305,15 @@ def _fake(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def qkv_qk_norm_rope_op(
-    h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-    wn_qk: torch.Tensor, v_pass: torch.Tensor, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_qk_norm_rope_op(h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
+                        freqs: torch.Tensor, wn_qk: torch.Tensor, v_pass: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QKV projection with the RMSNorm row scale, an RMSNorm of each q and k head, and rotary position embedding."""
     return _run(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)
 
 
-def qkv_qk_norm_rope(
-    h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_qk_norm_rope(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass,
+                     eps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QKV projection with the RMSNorm row scale, an RMSNorm of each q and k head, and rotary position embedding.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qkv_qk_norm_rope`,

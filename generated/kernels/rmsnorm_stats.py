@@ -49,7 +49,8 @@ def rmsnorm_stats_epilogue(
     # reduce: {op: sumsq, x: x, axis: cols, to: ss}
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     x = tile.widen(
-        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0))
+        tl.load(_x_ptr + _rows[:, None] * _stride_x_m + _cols[None, :] * _stride_x_n, mask=_tile_mask, other=0.0)
+    )
     if _pid_n * BLOCK_N < N:
         tl.store(_ss_ptr + _rows * _stride_ss_m + _pid_n * _stride_ss_t,
                  tile.partial_reduce(x, _col_mask[None, :], OP=tile.SUMSQ, AXIS=1), mask=_row_mask)
@@ -139,8 +140,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -159,7 +160,7 @@ def _allocate(x, wn, *, h=None):
 
 
 def _run(x, wn, *, h=None):
-    h, ss = _allocate(x, wn, h=h)
+    (h, ss) = _allocate(x, wn, h=h)
     launch(x, wn, h=h, ss=ss)
     return h, ss
 

@@ -55,7 +55,8 @@ def rope_bwd_rowdot_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_qkv = tile.widen(
         tl.load(_grad_qkv_ptr + _rows[:, None] * _stride_grad_qkv_m + _cols[None, :] * _stride_grad_qkv_n,
-                mask=_tile_mask, other=0.0))
+                mask=_tile_mask, other=0.0)
+    )
     positions = tl.load(_positions_ptr + _rows * _stride_positions_m, mask=_row_mask, other=0)
     _cols_half = _pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     _col_mask_half = _cols_half < N // 2
@@ -68,7 +69,8 @@ def rope_bwd_rowdot_epilogue(
 
     # mul: {x: qkv, y: grad_qkv, out: dot}
     qkv = tile.widen(
-        tl.load(_qkv_ptr + _rows[:, None] * _stride_qkv_m + _cols[None, :] * _stride_qkv_n, mask=_tile_mask, other=0.0))
+        tl.load(_qkv_ptr + _rows[:, None] * _stride_qkv_m + _cols[None, :] * _stride_qkv_n, mask=_tile_mask, other=0.0)
+    )
     dot = qkv * grad_qkv
 
     # reduce: {op: sum, x: dot, axis: cols, to: zdz_part}
@@ -159,8 +161,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -179,7 +181,7 @@ def _allocate(qkv, grad_qkv, positions, freqs, *, dz=None):
 
 
 def _run(qkv, grad_qkv, positions, freqs, *, dz=None):
-    dz, zdz_part = _allocate(qkv, grad_qkv, positions, freqs, dz=dz)
+    (dz, zdz_part) = _allocate(qkv, grad_qkv, positions, freqs, dz=dz)
     launch(qkv, grad_qkv, positions, freqs, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 
@@ -192,9 +194,8 @@ def _fake(qkv, grad_qkv, positions, freqs):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def rope_bwd_rowdot_op(
-    qkv: torch.Tensor, grad_qkv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_bwd_rowdot_op(qkv: torch.Tensor, grad_qkv: torch.Tensor, positions: torch.Tensor,
+                       freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv."""
     return _run(qkv, grad_qkv, positions, freqs)
 

@@ -58,7 +58,8 @@ def swiglu_bias_dgrad_epilogue(
     _tile_mask_double = _row_mask[:, None] & (_cols_double < 2 * N)[None, :]
     _z_even, _z_odd = tile.split_pairs(
         tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols_double[None, :] * _stride_z_n, mask=_tile_mask_double,
-                other=0.0).to(tl.float32))
+                other=0.0).to(tl.float32)
+    )
     _dzv_even, _dzv_odd = tile.swiglu_bwd_pairs(acc, _z_even, _z_odd)
 
     # store: {x: dzv, to: dz}
@@ -250,9 +251,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -275,7 +275,7 @@ def _allocate(grad_y, w_down, z, b_gate_up, *, dz=None):
 
 
 def _run(grad_y, w_down, z, b_gate_up, *, dz=None):
-    dz, zdz_part, db_part, y = _allocate(grad_y, w_down, z, b_gate_up, dz=dz)
+    (dz, zdz_part, db_part, y) = _allocate(grad_y, w_down, z, b_gate_up, dz=dz)
     launch(grad_y, w_down, z, b_gate_up, dz=dz, zdz_part=zdz_part, db_part=db_part, y=y)
     return dz, zdz_part, db_part, y
 
@@ -288,17 +288,15 @@ def _fake(grad_y, w_down, z, b_gate_up):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def swiglu_bias_dgrad_op(
-    grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor, b_gate_up: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_bias_dgrad_op(grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
+                         b_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward of biased pre-activations and the bias gradient.
     """
     return _run(grad_y, w_down, z, b_gate_up)
 
 
-def swiglu_bias_dgrad(
-    grad_y, w_down, z, b_gate_up, *, dz=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_bias_dgrad(grad_y, w_down, z, b_gate_up, *, dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward of biased pre-activations and the bias gradient.
 
     Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_bias_dgrad`,

@@ -50,13 +50,16 @@ def swiglu_bwd_rowdot_epilogue(
     _tile_mask = _row_mask[:, None] & _col_mask[None, :]
     grad_y = tile.widen(
         tl.load(_grad_y_ptr + _rows[:, None] * _stride_grad_y_m + _cols[None, :] * _stride_grad_y_n, mask=_tile_mask,
-                other=0.0))
+                other=0.0)
+    )
     _cols_double = _pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
     _tile_mask_double = _row_mask[:, None] & (_cols_double < 2 * N)[None, :]
     _z_even, _z_odd = tile.split_pairs(
         tile.widen(
             tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols_double[None, :] * _stride_z_n, mask=_tile_mask_double,
-                    other=0.0)))
+                    other=0.0)
+        )
+    )
     _dzv_even, _dzv_odd = tile.swiglu_bwd_pairs(grad_y, _z_even, _z_odd)
 
     # store: {x: dzv, to: dz}
@@ -153,8 +156,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     runtime.check_storage(NAME, values)
     M, N = sizes["M"], sizes["N"]
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c))
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, 0, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c))
     runtime.backends.check_tl_only(NAME, config, gemm=False)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, 0, tensors, runtime.Aliasing(NAME, DECLS, tensors))
@@ -173,7 +176,7 @@ def _allocate(grad_y, z, *, dz=None):
 
 
 def _run(grad_y, z, *, dz=None):
-    dz, zdz_part = _allocate(grad_y, z, dz=dz)
+    (dz, zdz_part) = _allocate(grad_y, z, dz=dz)
     launch(grad_y, z, dz=dz, zdz_part=zdz_part)
     return dz, zdz_part
 

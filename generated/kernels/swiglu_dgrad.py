@@ -53,7 +53,8 @@ def swiglu_dgrad_epilogue(
     _tile_mask_double = _row_mask[:, None] & (_cols_double < 2 * N)[None, :]
     _z_even, _z_odd = tile.split_pairs(
         tl.load(_z_ptr + _rows[:, None] * _stride_z_m + _cols_double[None, :] * _stride_z_n, mask=_tile_mask_double,
-                other=0.0).to(tl.float32))
+                other=0.0).to(tl.float32)
+    )
     _dzv_even, _dzv_odd = tile.swiglu_bwd_pairs(acc, _z_even, _z_odd)
 
     # store: {x: dzv, to: dz}
@@ -224,9 +225,8 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
-    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT,
-                                           decls=DECLS, values=values, run=lambda c: launch(**values, config=c),
-                                           package=__package__)
+    config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
+                                           values=values, run=lambda c: launch(**values, config=c), package=__package__)
     if chosen is None and config.backend == "gluon":
         config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
@@ -248,7 +248,7 @@ def _allocate(grad_y, w_down, z, *, dz=None):
 
 
 def _run(grad_y, w_down, z, *, dz=None):
-    dz, zdz_part, y = _allocate(grad_y, w_down, z, dz=dz)
+    (dz, zdz_part, y) = _allocate(grad_y, w_down, z, dz=dz)
     launch(grad_y, w_down, z, dz=dz, zdz_part=zdz_part, y=y)
     return dz, zdz_part, y
 
@@ -261,9 +261,8 @@ def _fake(grad_y, w_down, z):
 # one op per kernel name in a process: modules of this kernel (same FINGERPRINT) in other packages share it, and
 # a different kernel of this name is refused at import (codagen.runtime.ops)
 @runtime.kernel_op(NAME, FINGERPRINT, SPEC, __name__, mutates_args=(), fake=_fake)
-def swiglu_dgrad_op(
-    grad_y: torch.Tensor, w_down: torch.Tensor, z: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_dgrad_op(grad_y: torch.Tensor, w_down: torch.Tensor,
+                    z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward and the recomputed SwiGLU output."""
     return _run(grad_y, w_down, z)
 

@@ -30,28 +30,28 @@ Kernels that keep the tl path only, and why:
 
 - specs/gemma2/backward/gemma_post_norm_dgrad.yaml:4:1: gemma_post_norm_dgrad: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
-- specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules
-  GEMM mainloops only; it keeps the tl kernel only
-- specs/gemma2/backward/gemma_post_norm_rowdot.yaml:5:1: gemma_post_norm_rowdot: no GEMM; the Hopper backend
-  schedules GEMM mainloops only; it keeps the tl kernel only
-- specs/gemma2/gemma_rmsnorm_stats.yaml:3:1: gemma_rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM
+- specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules GEMM
   mainloops only; it keeps the tl kernel only
-- specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only;
-  it keeps the tl kernel only
-- specs/cross_entropy/lm_head_ce_dz_scaled.yaml:5:1: lm_head_ce_dz_scaled: no GEMM; the Hopper backend schedules
+- specs/gemma2/backward/gemma_post_norm_rowdot.yaml:5:1: gemma_post_norm_rowdot: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
-- specs/cross_entropy/lm_head_ce_dz_shifted.yaml:6:1: lm_head_ce_dz_shifted: no GEMM; the Hopper backend schedules
-  GEMM mainloops only; it keeps the tl kernel only
-- specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules
-  GEMM mainloops only; it keeps the tl kernel only
+- specs/gemma2/gemma_rmsnorm_stats.yaml:3:1: gemma_rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops
+  only; it keeps the tl kernel only
+- specs/backward/lm_head_ce_dz.yaml:5:1: lm_head_ce_dz: no GEMM; the Hopper backend schedules GEMM mainloops only; it
+  keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_scaled.yaml:5:1: lm_head_ce_dz_scaled: no GEMM; the Hopper backend schedules GEMM
+  mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_shifted.yaml:6:1: lm_head_ce_dz_shifted: no GEMM; the Hopper backend schedules GEMM
+  mainloops only; it keeps the tl kernel only
+- specs/cross_entropy/lm_head_ce_dz_softcap.yaml:4:1: lm_head_ce_dz_softcap: no GEMM; the Hopper backend schedules GEMM
+  mainloops only; it keeps the tl kernel only
 - specs/cross_entropy/lm_head_ce_dz_weighted.yaml:6:1: lm_head_ce_dz_weighted: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
-- specs/qwen3/backward/qk_norm_rope_bwd.yaml:7:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM
-  mainloops only; it keeps the tl kernel only
-- specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps
-  the tl kernel only
-- specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
+- specs/qwen3/backward/qk_norm_rope_bwd.yaml:7:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
+- specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps the
+  tl kernel only
+- specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops only;
+  it keeps the tl kernel only
 - specs/backward/swiglu_bwd_rowdot.yaml:5:1: swiglu_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
 """

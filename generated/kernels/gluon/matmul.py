@@ -155,15 +155,15 @@ def matmul_gluon_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (matmul_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
-                N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+                K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (matmul_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
-                N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+                K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (hopper.load_operands, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
@@ -172,21 +172,21 @@ def matmul_gluon_kernel(
     else:  # CONSUMERS == 3
         gl.warp_specialize([
             (matmul_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
-                N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+                K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 0, CONSUMERS,
             )),
             (matmul_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
-                N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+                K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 1, CONSUMERS,
             )),
             (matmul_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M,
-                N, K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                STAGES, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
+                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, out_tile_desc, out_tile_ptr, M, N,
+                K, stride_out_tile_m, stride_out_tile_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
                 2, CONSUMERS,
             )),
             (hopper.load_operands, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
