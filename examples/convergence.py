@@ -3,115 +3,36 @@ from the same weights: loss curves overlaid in a PNG (matplotlib, when installed
 with --bench-steps the training throughput of Hugging Face, Hugging Face + torch.compile, Hugging Face + Liger
 (when liger_kernel is installed) and codagen, in one markdown report.
 
-    python -m examples.convergence --preset tiny --steps 5 --out runs/tiny          # CPU, a few seconds
-    python -m examples.convergence --preset llama3.2-1b --out runs/llama3.2-1b       # GPU, bf16, < 6 min on an H200
+    python examples/convergence.py --preset tiny --steps 5 --out runs/tiny          # CPU, a few seconds
+    python examples/convergence.py --preset llama3.2-1b --out runs/llama3.2-1b       # GPU, bf16, < 6 min on an H200
 
-llama3.2-1b is Llama-3.2-1B's configuration (tied embeddings, llama3 rope scaling, GQA) with random weights. The data
-is synthetic but learnable: token sequences of a fixed random sparse bigram chain, drawn from --seed and the step.
+The models are codagen.training's: llama3.2-1b is Llama-3.2-1B's configuration (tied embeddings, llama3 rope scaling,
+GQA) with random weights, tiny the tiny preset, tied and scaled alike. The data is synthetic but learnable
+(codagen.training.BigramData): token sequences of a fixed random sparse bigram chain, drawn from --seed and the step.
 In bf16 the same unpatched model is also trained in fp32: the bf16-vs-fp32 difference of Hugging Face is the scale
 that codagen's difference from Hugging Face (both bf16) is measured against.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
 import time
 from pathlib import Path
 
-import codagen.hf
-import torch
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `python examples/convergence.py` puts examples/, not the repository, on the path
 
-PRESETS = {
-    "tiny": dict(vocab_size=97, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                 rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
-    # meta-llama/Llama-3.2-1B's config.json (rope_theta and rope_scaling: the spelling transformers 4 and 5 read)
-    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
-                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-}
+import torch  # noqa: E402
+
+import codagen.hf  # noqa: E402  (without a GPU: Triton's interpreter, on before anything imports triton)
+from codagen.training import MODELS, BigramData, hugging_face_kept, initial_state, liger, make_model, train  # noqa: E402
+
 NEARBY = 5  # steps either side over which Hugging Face's bf16-vs-fp32 difference sets a step's scale (bf16 runs)
-# per preset: batch, seq, steps, bench steps, dtype, learning rate
+# per model: batch, seq, steps, bench steps, dtype, learning rate
 DEFAULTS = {"tiny": (2, 16, 20, 0, "float32", 3e-3), "llama3.2-1b": (4, 1024, 100, 10, "bfloat16", 3e-4)}
-
-
-class BigramData:
-    """Sequences of a random sparse bigram chain (each token has `branches` successors): a loss that falls from
-    ln(vocab) towards ln(branches) as a model learns it."""
-
-    def __init__(self, vocab: int, seed: int, branches: int = 4):
-        g = torch.Generator().manual_seed(seed)
-        self.successors = torch.randint(0, vocab, (vocab, branches), generator=g)
-        self.vocab, self.seed = vocab, seed
-
-    def batch(self, step: int, batch: int, seq: int, device) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        tokens = torch.empty(batch, seq, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=g)
-        choices = torch.randint(0, self.successors.shape[1], (batch, seq), generator=g)
-        for t in range(1, seq):
-            tokens[:, t] = self.successors[tokens[:, t - 1], choices[:, t]]
-        return tokens.to(device)
-
-
-def make_model(transformers, config, initial_state, dtype, device):
-    with torch.device(device):  # Hugging Face's initialization on the device: seconds, not minutes, at 1B
-        model = transformers.LlamaForCausalLM(config)
-    model.load_state_dict(initial_state)
-    return model.to(dtype=dtype)
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def train(model, data: BigramData, args, steps: int, first_step: int = 0) -> tuple[list[float], float]:
-    """AdamW on the model's own parameters (made after patching): the losses, and the tokens/s of the steps after
-    the first (the first compiles kernels)."""
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    losses, start = [], None
-    for step in range(first_step, first_step + steps):
-        if step == first_step + 1:
-            sync(args.device)
-            start = time.perf_counter()
-        tokens = data.batch(step, args.batch, args.seq, args.device)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    sync(args.device)
-    timed = steps - 1
-    tokens_per_s = timed * args.batch * args.seq / (time.perf_counter() - start) if timed > 0 else float("nan")
-    return losses, tokens_per_s
-
-
-@contextlib.contextmanager
-def hugging_face_kept(transformers):
-    """Liger-Kernel's patch rebinds RoPE, LlamaRMSNorm and LlamaMLP in transformers' modeling_llama, for every model
-    made after it too: the module's names are put back on leaving, so that the next model is Hugging Face's own."""
-    module = transformers.models.llama.modeling_llama
-    names = dict(vars(module))
-    try:
-        yield
-    finally:
-        vars(module).update(names)
-
-
-def liger(model):
-    """Hugging Face + Liger-Kernel (optional: where liger_kernel is missing or refuses, its row is left out)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model)
-    return model
 
 
 def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
@@ -138,7 +59,7 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> bool:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--preset", choices=sorted(DEFAULTS), default="tiny", help="a model of codagen.training")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
@@ -155,21 +76,18 @@ def main(argv=None) -> dict:
     args.dtype, args.lr = args.dtype or dtype, args.lr or lr
     args.out.mkdir(parents=True, exist_ok=True)
 
-    import transformers
-
-    config = transformers.LlamaConfig(**PRESETS[args.preset], attn_implementation="sdpa", use_cache=False)
-    torch.manual_seed(args.seed)
-    with torch.device(args.device):
-        initial_state = transformers.LlamaForCausalLM(config).state_dict()
+    config = MODELS[args.preset].config()
+    state = initial_state(config, args.seed, args.device)
     data = BigramData(config.vocab_size, args.seed)
     dtype = getattr(torch, args.dtype)
+    run_args = dict(batch=args.batch, seq=args.seq, lr=args.lr, device=args.device)
 
     def run(label, dtype, patch=None):
-        model = make_model(transformers, config, initial_state, dtype, args.device)
+        model = make_model(config, state, dtype, args.device)
         model = patch(model) if patch else model
         print(f"{label}: {args.steps} steps", flush=True)
         start = time.perf_counter()
-        result = train(model, data, args, args.steps)
+        result = train(model, data, args.steps, **run_args)
         print(f"{label}: {time.perf_counter() - start:.1f} s", flush=True)
         del model
         if torch.device(args.device).type == "cuda":
@@ -205,13 +123,14 @@ def main(argv=None) -> dict:
         for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
                              ("Hugging Face + Liger-Kernel", liger), ("codagen", codagen.hf.apply_codagen)):
             print(f"throughput: {label}", flush=True)
-            model = make_model(transformers, config, initial_state, dtype, args.device)
+            model = make_model(config, state, dtype, args.device)
             try:
-                with hugging_face_kept(transformers):
+                with hugging_face_kept():
                     model = patch(model) if patch else model
                     # warm-up steps (compilation, autotuning), then the timed steps
-                    train(model, data, args, 2, first_step=args.steps)
-                    throughput[label] = train(model, data, args, args.bench_steps + 1, first_step=args.steps + 2)[1]
+                    train(model, data, 2, first_step=args.steps, **run_args)
+                    throughput[label] = train(model, data, args.bench_steps + 1, first_step=args.steps + 2,
+                                              **run_args)[1]
             except Exception as error:  # Liger-Kernel is optional: any failure of it only drops its row
                 if patch is not liger:
                     raise
