@@ -1,5 +1,5 @@
 """Where a training step's GPU time goes: a transformers Llama as it is, compiled, with Liger-Kernel and patched by
-codagen (examples/convergence.py's models and data), each profiled with torch.profiler over a few steps after
+codagen (codagen.training's models and data), each profiled with torch.profiler over a few steps after
 warm-up. Writes profile.md: per model, its step time split into GEMMs, codagen's kernels, attention, the optimizer
 and the rest, and its most expensive kernels.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples import convergence as C  # noqa: E402
+from codagen import training  # noqa: E402
 
 # kernel name -> category, first match wins (lower-cased substrings)
 CATEGORIES = [("optimizer", ("multi_tensor", "adam", "foreach")),
@@ -50,10 +50,11 @@ def kernel_events(prof, on_gpu: bool) -> list[tuple[object, float]]:
 def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str, float, int]]]:
     """Wall ms per step (profiled, so a little slower than unprofiled), kernel ms per step, and every kernel's
     (name, total ms per step, calls per step); on the CPU, the operators' own time."""
-    C.train(model, data, args, 3, first_step=0)  # warm-up: compilation, autotuning
+    run = dict(batch=args.batch, seq=args.seq, lr=args.lr, device=args.device)
+    training.train(model, data, 3, **run)  # warm-up: compilation, autotuning
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        _, tokens_per_s = C.train(model, data, args, steps + 1, first_step=3)  # the first step is not timed
+        _, tokens_per_s = training.train(model, data, steps + 1, first_step=3, **run)  # the first step is not timed
     kernels = {}
     for event, us in kernel_events(prof, torch.device(args.device).type == "cuda"):
         total, calls = kernels.get(event.name, (0.0, 0))
@@ -65,7 +66,8 @@ def profile(model, data, args, steps: int) -> tuple[float, float, list[tuple[str
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(C.PRESETS), default="llama3.2-1b")
+    ap.add_argument("--preset", choices=sorted(training.MODELS), default="llama3.2-1b",
+                    help="a model of codagen.training")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per model")
@@ -79,11 +81,9 @@ def main(argv=None):
     import codagen.hf
     import transformers
 
-    config = transformers.LlamaConfig(**C.PRESETS[args.preset], attn_implementation="sdpa", use_cache=False)
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        initial_state = transformers.LlamaForCausalLM(config).state_dict()
-    data = C.BigramData(config.vocab_size, 0)
+    config = training.MODELS[args.preset].config()
+    state = training.initial_state(config, 0, args.device)
+    data = training.BigramData(config.vocab_size, 0)
 
     def compiled(model):
         model.compile()
@@ -96,15 +96,15 @@ def main(argv=None):
              "steps after 3 warm-up steps; where the kernels' time is well below the wall time, the GPU waits for "
              "the host.", ""]
     for label, patch in (("Hugging Face", None), ("Hugging Face + torch.compile", compiled),
-                         ("Hugging Face + Liger-Kernel", C.liger), ("codagen", codagen.hf.apply_codagen)):
+                         ("Hugging Face + Liger-Kernel", training.liger), ("codagen", codagen.hf.apply_codagen)):
         print(label, flush=True)
-        model = C.make_model(transformers, config, initial_state, torch.bfloat16, args.device)
+        model = training.make_model(config, state, torch.bfloat16, args.device)
         try:
-            with C.hugging_face_kept(transformers):
+            with training.hugging_face_kept():
                 model = patch(model) if patch else model
                 wall, busy, rows = profile(model, data, args, args.steps)
         except Exception as error:  # Liger-Kernel is optional, as in examples/convergence.py
-            if patch is not C.liger:
+            if patch is not training.liger:
                 raise
             lines += [f"## {label}", "", f"left out: {error}", ""]
             continue

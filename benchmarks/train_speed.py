@@ -48,19 +48,12 @@ for _path in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, _path)
 
 import codagen.hf  # noqa: E402  (without a GPU: Triton's interpreter, on before anything imports triton)
-from examples import convergence as C  # noqa: E402
+from codagen import training  # noqa: E402
 from profile_train import category, kernel_events  # noqa: E402
 
-# Llama-3.1-8B's config.json, cut to 4 layers: its GEMM shapes at a size one GPU trains with AdamW
-LLAMA31_8B_4_LAYERS = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                           rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-MODELS = {"tiny": C.PRESETS["tiny"], "1b": C.PRESETS["llama3.2-1b"], "8b": LLAMA31_8B_4_LAYERS}
-MODEL_NOTES = {"tiny": "examples/convergence.py's tiny preset (the CPU test)",
-               "1b": "Llama-3.2-1B's configuration (16 layers, tied embeddings)",
-               "8b": "Llama-3.1-8B's configuration cut to 4 layers (untied embeddings)"}
+# a case's model (the first part of its name) -> codagen.training's
+MODELS = {"tiny": training.MODELS["tiny"], "1b": training.MODELS["llama3.2-1b"],
+          "8b": training.MODELS["llama3.1-8b-4-layers"]}
 PRECISIONS = ("bf16", "amp")
 LR = 3e-4
 # the kernels of the limit: what a step needs whatever else is fused away (profile_train's categories)
@@ -107,7 +100,7 @@ class Skipped(Exception):
 def with_liger(model):
     if importlib.util.find_spec("liger_kernel") is None:
         raise Skipped("liger_kernel not installed")
-    return C.liger(model)
+    return training.liger(model)
 
 
 def codagen_cudagraphs(model):
@@ -140,33 +133,10 @@ def gpu_name() -> str:
 
 # ---- one case ----
 
-def initial_state(transformers, config, seed: int) -> dict:
-    """The case's weights, drawn once: on the device (Hugging Face's init of 1B takes minutes on the CPU), kept on
-    the host so that no variant's peak memory holds them."""
-    torch.manual_seed(seed)
-    with torch.device(device()):
-        model = transformers.LlamaForCausalLM(config)
-    state = {name: t.cpu() for name, t in model.state_dict().items()}
-    del model
-    free()
-    return state
-
-
 def token_batches(case: Case, vocab: int, count: int, seed: int) -> list[torch.Tensor]:
     """Every step's input_ids (the labels too), the same for every variant; made before any timing."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (case.batch, case.seq), generator=generator).to(device()) for _ in range(count)]
-
-
-def train_step(model, optimizer, tokens: torch.Tensor, amp: bool, cudagraphs: bool) -> torch.Tensor:
-    if cudagraphs:  # the last step's outputs are dead: their memory is the graphs' again
-        torch.compiler.cudagraph_mark_step_begin()
-    with torch.autocast(tokens.device.type, torch.bfloat16, enabled=amp):
-        loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach().clone()  # a copy: CUDA graphs write their outputs over at the next replay
 
 
 def sync() -> None:
@@ -235,17 +205,17 @@ def limit_ms(kernels: list, steps: int) -> float:
     return sum(us for event, us in kernels if category(event.name) in LIMIT_PARTS) / 1e3 / steps
 
 
-def measure(case: Case, variant: str, transformers, config, state: dict, batches: list, args) -> tuple[dict, float]:
+def measure(case: Case, variant: str, config, state: dict, batches: list, args) -> tuple[dict, float]:
     """One variant trained on the case's batches: its row's measured fields, and its limit (GEMM, attention and
     optimizer kernels' ms per step)."""
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
-    model = VARIANTS[variant](C.make_model(transformers, config, state, dtype, device()).train())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=torch.cuda.is_available())
+    model = VARIANTS[variant](training.make_model(config, state, dtype, device()).train())
+    optimizer = training.adamw(model, LR, fused=torch.cuda.is_available())
     amp, cudagraphs = case.precision == "amp", variant.endswith("+cudagraphs")
 
     def steps(first: int, count: int) -> list:
-        return [train_step(model, optimizer, tokens, amp, cudagraphs) for tokens in batches[first:first + count]]
+        return [training.train_step(model, optimizer, tokens, amp, cudagraphs)
+                for tokens in batches[first:first + count]]
 
     dynamo = torch._dynamo.utils.counters
     dynamo.clear()
@@ -309,10 +279,8 @@ def over_time(signum, frame):
 def run_case(case: Case, args, report: dict) -> None:
     """Every variant of one case into the report's rows, the report written after each; Hugging Face's kernels give
     the case's limit."""
-    import transformers
-
-    config = transformers.LlamaConfig(**MODELS[case.model], attn_implementation="sdpa", use_cache=False)
-    state = initial_state(transformers, config, args.seed)
+    config = MODELS[case.model].config()
+    state = training.initial_state(config, args.seed, device())
     batches = token_batches(case, config.vocab_size, args.warmup + args.steps + args.profile_steps, args.seed)
     for variant in args.variants:
         row = {"case": case.name, "variant": variant, "tokens_per_s": None, "ms_per_step": None, "peak_mib": None,
@@ -322,8 +290,8 @@ def run_case(case: Case, args, report: dict) -> None:
             signal.alarm(args.variant_limit)  # 0: none
             if args.variant_limit > 2:  # where every thread was, into the log: what a variant over its limit waits on
                 faulthandler.dump_traceback_later(args.variant_limit - 2)
-            with C.hugging_face_kept(transformers):
-                fields, limit = measure(case, variant, transformers, config, state, batches, args)
+            with training.hugging_face_kept():
+                fields, limit = measure(case, variant, config, state, batches, args)
             signal.alarm(0)
             faulthandler.cancel_dump_traceback_later()
             row.update(fields)
@@ -445,7 +413,7 @@ def markdown(report: dict, chart: str | None) -> str:
              f"{report['date']}; torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}, "
              f"liger_kernel {v['liger_kernel'] or '-'}, driver {v['driver'] or '-'}.", "",
              METHOD, ""]
-    lines += [f"- `{m}`: {MODEL_NOTES[m]}" for m in models]
+    lines += [f"- `{m}`: {MODELS[m].note}" for m in models]
     lines += ["", "```sh", report["command"], "```", "", "## Summary", ""] + summary_table(by_case)
     for name, rows in by_case.items():
         lines += ["", f"## {name}", ""] + case_table(rows, report["limits"].get(name))

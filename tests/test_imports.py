@@ -1,5 +1,6 @@
 """The import graph of codagen/ has no circles: every module imports only modules that do not import it back,
-directly or through others, so that the package reads (and loads) bottom-up.
+directly or through others, so that the package reads (and loads) bottom-up. And nothing under codagen/, benchmarks/
+or tests/ imports the scripts of examples/ (test_nothing_imports_the_examples).
 
 The graph is read from the source with ast, without importing anything: every `import` and `from ... import`
 statement of a module, at module level and inside functions alike (an import inside a function is a dependency
@@ -162,3 +163,39 @@ def test_graph_reads_every_kind_of_import(tmp_path):
 def test_type_only_exceptions_are_type_only(importer, imported):
     run, typed = graph()
     assert imported in typed[importer] and imported not in run[importer]
+
+
+REPO = PACKAGE.parent
+EXAMPLES = REPO / "examples"
+
+
+def examples_imported(root: Path) -> list[str]:
+    """`file:line: module` for each import, in a .py file under root, of examples/ or of a script in it by its own
+    name (as after putting examples/ on sys.path)."""
+    scripts = {path.stem for path in EXAMPLES.glob("*.py")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node, _ in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue  # relative: inside root's own packages
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{path.relative_to(root.parent)}:{node.lineno}: {name}" for name in names
+                      if name.partition(".")[0] in {"examples", *scripts}]
+    return found
+
+
+@pytest.mark.parametrize("folder", ["codagen", "benchmarks", "tests"])
+def test_nothing_imports_the_examples(folder):
+    """examples/ holds scripts that use the library; the library, the benchmarks and the tests import the library
+    (codagen.*), never a script: what a script shares goes into codagen (codagen.training, for instance), and the
+    tests run the scripts as scripts."""
+    found = examples_imported(REPO / folder)
+    assert not found, "imports of examples/:\n" + "\n".join(found)
+
+
+def test_examples_imported_finds_each_kind_of_import(tmp_path):
+    (tmp_path / "a.py").write_text("import examples.convergence\nfrom examples import demo\n"
+                                   "def f():\n    from convergence import main\n    from . import examples\n")
+    assert examples_imported(tmp_path) == [f"{tmp_path.name}/a.py:1: examples.convergence",
+                                           f"{tmp_path.name}/a.py:2: examples",
+                                           f"{tmp_path.name}/a.py:4: convergence"]

@@ -52,18 +52,6 @@ def test_tiny_cases_run_report_and_merge(tmp_path):
     assert "## tiny-2x16-amp" in (tmp_path / "merged" / f"{merged['gpu']}-train-speed.md").read_text()
 
 
-def test_each_variant_gets_hugging_face_own_llama():
-    """Liger-Kernel's patch rebinds names in transformers' modeling_llama for every model made after it: they are put
-    back after each variant (examples/convergence.py's hugging_face_kept, used by its and profile_train's runs too)."""
-    import transformers
-
-    module = transformers.models.llama.modeling_llama
-    mlp, rope = module.LlamaMLP, module.apply_rotary_pos_emb
-    with train_speed.C.hugging_face_kept(transformers):
-        module.LlamaMLP = module.apply_rotary_pos_emb = None
-    assert module.LlamaMLP is mlp and module.apply_rotary_pos_emb is rope
-
-
 def test_a_variant_over_its_limit_is_an_error_row_and_the_run_goes_on(tmp_path, monkeypatch):
     """--variant-limit: a variant that never finishes (a compilation that hangs) ends with an error in its row, the
     report holding it is written, and the next variant runs."""
