@@ -1,7 +1,7 @@
-"""Model presets: the dimensions of the models that tuning, the benchmarks and the GPU tests run at, written
-once. Only dimensions and constants are here; where each kernel runs, and on how many rows, follows from the
-block specs (specs/blocks/, specs/<family>/blocks/) that the preset's model family runs (its module,
-codagen/models/<family>.py, lists them), whose int attrs these values fill in by name."""
+"""Model presets: the dimensions of the models that tuning, the benchmarks, the GPU tests and the training runs
+(codagen.training, examples/) run at, written once. Only dimensions and constants are here; where each kernel runs,
+and on how many rows, follows from the block specs (specs/blocks/, specs/<family>/blocks/) that the preset's model
+family runs (its module, codagen/models/<family>.py, lists them), whose int attrs these values fill in by name."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -78,6 +78,9 @@ PRESETS: dict[str, LlamaShape] = {
                              vocab=151936, rope_theta=1000000.0, eps=1e-6, family="qwen3"),
     "gemma2-2b": Gemma2Shape(dim=2304, ffn_dim=9216, n_heads=8, n_kv_heads=4, head_dim=256, n_layers=26,
                              vocab=256000, rope_theta=10000.0, eps=1e-6),
+    # 124.6M parameters (75.5M in the 12 layers, 24.6M each in the embedding and the untied LM head): the model
+    # that examples/train_llama.py trains on 1 and 2 GPUs
+    "llama-100m": LlamaShape(dim=768, ffn_dim=2048, n_heads=12, n_kv_heads=4, head_dim=64, n_layers=12, vocab=32000),
     # small and ragged (ffn_dim and vocab are not powers of two): smoke tests on the CPU. Qwen3's kernels
     # normalize heads of 128 columns; Gemma-2's attention width (96) is not dim.
     "tiny": LlamaShape(dim=64, ffn_dim=160, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=1000,

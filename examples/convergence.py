@@ -28,7 +28,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 import codagen.hf  # noqa: E402  (without a GPU: Triton's interpreter, on before anything imports triton)
-from codagen.training import MODELS, BigramData, hugging_face_kept, initial_state, liger, make_model, train  # noqa: E402
+from codagen.training import (MODELS, BigramData, hugging_face_kept, initial_state, liger,  # noqa: E402
+                              make_model, train)
 
 NEARBY = 5  # steps either side over which Hugging Face's bf16-vs-fp32 difference sets a step's scale (bf16 runs)
 # per model: batch, seq, steps, bench steps, dtype, learning rate

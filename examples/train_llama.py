@@ -3,7 +3,7 @@ in one process or data-parallel (DDP or FSDP2), and log loss and step time.
 
     python examples/train_llama.py --preset tiny --steps 3                                   # one process
     torchrun --nproc-per-node 2 examples/train_llama.py --mode ddp --preset tiny --steps 3
-    torchrun --nproc-per-node 2 examples/train_llama.py --mode fsdp2 --preset 100m --log-file run.jsonl
+    torchrun --nproc-per-node 2 examples/train_llama.py --mode fsdp2 --preset llama-100m --log-file run.jsonl
 
 Every world size trains on the same global batch (--global-batch sequences of --seq tokens, drawn from --seed and
 the step number); rank r takes the r-th contiguous chunk of --global-batch / world rows. The loss is each rank's
@@ -28,9 +28,12 @@ unshards a block's parameters only inside that block's forward, so at those read
 steps). Step time is zero_grad, forward, backward, gradient averaging and the optimizer step, between two CUDA
 synchronizations.
 
-The 2-GPU measurement (the ~100M preset in bf16, codagen against plain, 1 GPU against DDP and FSDP2):
+--preset names a Llama preset of codagen/presets.py (the one table of model dimensions); --dim, --layers, ... override
+its dimensions.
 
-    A="--preset 100m --dtype bfloat16 --steps 20 --warmup 5 --global-batch 16 --seq 2048 --lr 3e-4 --no-progress"
+The 2-GPU measurement (the llama-100m preset in bf16, codagen against plain, 1 GPU against DDP and FSDP2):
+
+    A="--preset llama-100m --dtype bfloat16 --steps 20 --warmup 5 --global-batch 16 --seq 2048 --lr 3e-4 --no-progress"
     for model in codagen plain; do
       CUDA_VISIBLE_DEVICES=0 python examples/train_llama.py --mode single --model $model $A --log-file 1gpu_$model.jsonl
       for mode in ddp fsdp2; do
@@ -49,6 +52,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -64,15 +68,11 @@ import torch.distributed as dist  # noqa: E402
 
 from codagen import runtime  # noqa: E402,F401  (before triton: the interpreter where there is no GPU)
 from codagen.convert import LlamaShape, from_hf  # noqa: E402
+from codagen.presets import PRESETS  # noqa: E402
 from codagen.models.llama import CodagenLlama, PlainLlama  # noqa: E402
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention  # noqa: E402
 
-PRESETS = {
-    # the shape of tests/test_llama.py: seconds per step on the CPU through Triton's interpreter
-    "tiny": dict(dim=64, ffn_dim=80, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=97),
-    # 124.6M parameters: 75.5M in the 12 layers, 24.6M each in the embedding and the (untied) LM head
-    "100m": dict(dim=768, ffn_dim=2048, n_heads=12, n_kv_heads=4, head_dim=64, n_layers=12, vocab=32000),
-}
+LLAMAS = sorted(name for name, shape in PRESETS.items() if shape.family == "llama")  # what CodagenLlama builds
 SHAPE_ARGS = ("dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim", "n_layers", "vocab")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,12 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mode", choices=("single", "ddp", "fsdp2"), default="single")
     p.add_argument("--model", choices=("codagen", "plain"), default="codagen")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--preset", choices=LLAMAS, default="tiny", help="a Llama preset of codagen/presets.py")
     aliases = {"n_layers": ["--layers"], "n_heads": ["--heads"], "n_kv_heads": ["--kv-heads"], "ffn_dim": ["--ffn"]}
     for name in SHAPE_ARGS:
         p.add_argument("--" + name.replace("_", "-"), *aliases.get(name, []), dest=name, type=int, default=None,
                        help=f"overrides the preset's {name}")
-    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-theta", type=float, default=None, help="overrides the preset's rope_theta")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks")
     p.add_argument("--seq", type=int, default=128)
@@ -110,9 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "weight is resharded between forward and backward")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    shape = dict(PRESETS[args.preset])
-    shape.update({k: getattr(args, k) for k in SHAPE_ARGS if getattr(args, k) is not None})
-    args.shape = LlamaShape(**shape, rope_theta=args.rope_theta)
+    overrides = {k: getattr(args, k) for k in (*SHAPE_ARGS, "rope_theta") if getattr(args, k) is not None}
+    args.shape = dataclasses.replace(PRESETS[args.preset], **overrides)
     return args
 
 
