@@ -146,6 +146,7 @@ def _api() -> types.SimpleNamespace:
     which would cost host time on every step and break torch.compile's graph."""
     _transformers()
     from transformers import masking_utils
+    from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -163,6 +164,11 @@ def _api() -> types.SimpleNamespace:
         attention_functions=ALL_ATTENTION_FUNCTIONS,
         model_output=BaseModelOutputWithPast,
         lm_output=CausalLMOutputWithPast,
+        # the KV cache a forward makes where it is asked for one and given none, as transformers' models make it;
+        # the name of the outputs' cache field (`cache`; `past_key_values` in older versions)
+        cache_class=DynamicCache,
+        output_cache_field=next(name for name in ("cache", "past_key_values")
+                                if name in BaseModelOutputWithPast.__dataclass_fields__),
         # FSDP2's sharded parameters (None where torch.distributed is not built)
         dtensor=_dtensor_class(),
     )
@@ -406,12 +412,13 @@ class CodagenDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, norm_stats: tuple[torch.Tensor, torch.Tensor] | None,
                 next_norm_weight: torch.Tensor, *, blocks, positions: torch.Tensor, rope_freqs: torch.Tensor,
                 attention, attention_mask, position_ids, score_scale: float = 1.0, dtype: torch.dtype | None = None,
-                **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                cache=None, **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """hidden_states [batch, seq, dim], the residual stream, and norm_stats, (h, rstd) of this layer's input norm
         as the previous layer's last epilogue made them (None: made here, from this layer's own norm weight, as for
         the first layer) -> the residual stream after the layer, [batch, seq, dim], and the next norm's (h, rstd),
         made with next_norm_weight. blocks: the generated blocks package; attention: Hugging Face's attention
-        function; dtype: the blocks' dtype under autocast (weights cast to it), else None."""
+        function; dtype: the blocks' dtype under autocast (weights cast to it), else None; cache: the KV cache
+        (a transformers Cache) that this layer's k and v go into and its attention reads, else None."""
         cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
         batch, seq, dim = hidden_states.shape
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
@@ -438,6 +445,10 @@ class CodagenDecoderLayer(nn.Module):
             if delta is not None:
                 qkv = qkv + _rotated(delta, positions, rope_freqs)
         q, k, v = attn.split(qkv.view(batch, seq, -1))
+        if cache is not None:
+            # k after RoPE, its heads' columns in codagen's interleaved order as q's are: scores are unchanged,
+            # and only the patched model reads this cache
+            k, v = cache.update(k, v, attn.layer_idx)
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
         y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                          scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
@@ -581,15 +592,15 @@ def _attention_interface(api, config, eager):
     return api.attention_functions[implementation]
 
 
-def _causal_masks(api, config, layer_types, inputs_embeds, attention_mask, position_ids) -> dict:
+def _causal_masks(api, config, layer_types, inputs_embeds, attention_mask, position_ids, cache, past: int) -> dict:
     """Hugging Face's own mask for these inputs, for each of the layers' attention types (full, sliding-window):
-    padding (left or right) and packed sequences (position_ids that restart at 0) as the unpatched model sees
-    them."""
+    padding (left or right), packed sequences (position_ids that restart at 0) and the KV cache's `past` positions
+    before them as the unpatched model sees them."""
     kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids)
     if api.mask_cache_argument:
-        kwargs[api.mask_cache_argument] = None
+        kwargs[api.mask_cache_argument] = cache
     if api.mask_takes_cache_position:
-        kwargs["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+        kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
     return {kind: api.mask_builders[kind](**kwargs) for kind in layer_types}
 
 
@@ -629,9 +640,11 @@ def _refuse_call(what: str) -> None:
 
 
 def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-           **attention_kwargs):
+           cache=None, **attention_kwargs):
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
-    (lm_head_loss makes the final norm's statistics itself), and (batch, seq)."""
+    (lm_head_loss makes the final norm's statistics itself), and (batch, seq). With a KV cache (a transformers
+    Cache: _cache), the tokens come after the cache's positions: each layer's k and v (after RoPE) go into it and
+    its attention reads all of them, as transformers' attention does."""
     config, patch = llama.config, llama.codagen_patch
     api = patch.api
     if (input_ids is None) == (inputs_embeds is None):
@@ -646,10 +659,11 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
     # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
     # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
+    past = 0 if cache is None else cache.get_seq_length()  # the shape of a cached tensor: no host sync
     masks = _causal_masks(api, config, dict.fromkeys(layer.self_attn.attention_type for layer in layers),
-                          inputs_embeds, attention_mask, position_ids)
+                          inputs_embeds, attention_mask, position_ids, cache, past)
     if position_ids is None:
-        position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0)
+        position_ids = torch.arange(past, past + seq, device=inputs_embeds.device).unsqueeze(0)
     positions = position_ids.expand(batch, seq).reshape(-1)
     freqs = patch.rope_freqs(llama)
     score_scale = _attention_scaling(llama)
@@ -664,6 +678,12 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     # gradient checkpointing (model.gradient_checkpointing_enable()): each layer's call (its hooks included) is
     # recomputed in the backward, as Hugging Face's layers are
     checkpointing = llama.gradient_checkpointing and llama.training and torch.is_grad_enabled()
+    if checkpointing and cache is not None:
+        # the recomputation in the backward would put each layer's k and v into the cache a second time
+        _refuse_call("a KV cache (cache / past_key_values) under gradient checkpointing in training is not "
+                     "supported; call it without one (use_cache=False), or without gradient checkpointing")
+    if cache is not None:
+        context["cache"] = cache
     with torch.autocast(inputs_embeds.device.type, enabled=False):
         x = inputs_embeds if dtype is None else inputs_embeds.to(dtype)
         stats = None  # the first layer makes its input norm's statistics itself
@@ -691,13 +711,28 @@ def _next_norm_weight(weight: torch.Tensor, dtype: torch.dtype, dtensor: type | 
 
 
 def _check_call(config, kwargs) -> None:
-    for name in ("cache", "past_key_values"):
-        if kwargs.pop(name, None) is not None:
-            _refuse_call(f"{name} is not supported (no KV cache); call it with use_cache=False")
-    kwargs.pop("use_cache", None)
     for name in ("output_hidden_states", "output_attentions"):
         if kwargs.pop(name, None) or getattr(config, name, False):
             _refuse_call(f"{name} is not supported")
+
+
+def _cache(llama: nn.Module, kwargs: dict):
+    """The KV cache of a call (popped from its kwargs): the caller's (`cache`, or `past_key_values` as older
+    transformers versions name it), else a new one (transformers' DynamicCache) where use_cache asks for one (the
+    argument, else config.use_cache, as transformers' models read it) outside a training step, else None. A
+    training step (train mode, gradients on) makes none: nothing reads it there, and the step's forward stays the
+    same with and without one (transformers makes none there either under gradient checkpointing)."""
+    given = [kwargs.pop(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None]
+    use_cache = kwargs.pop("use_cache", None)
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    if given:
+        return given[0]
+    if use_cache is None:
+        use_cache = getattr(llama.config, "use_cache", False)
+    if not use_cache or (llama.training and torch.is_grad_enabled()):
+        return None
+    return llama.codagen_patch.api.cache_class(config=llama.config)
 
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
@@ -705,8 +740,10 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     _check_call(self.config, kwargs)
     self.codagen_patch.check(self)
     kwargs.pop("return_dict", None)
-    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
-    return self.codagen_patch.api.model_output(last_hidden_state=self.norm(x.view(batch, seq, -1)))
+    cache = _cache(self, kwargs)
+    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, **kwargs)
+    api = self.codagen_patch.api
+    return api.model_output(last_hidden_state=self.norm(x.view(batch, seq, -1)), **{api.output_cache_field: cache})
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
@@ -723,7 +760,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     llama = self.model
-    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+    cache = _cache(llama, kwargs)
+    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache, **kwargs)
     loss = logits = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:
@@ -750,7 +788,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         logits = self.lm_head(hidden[:, kept, :])
         if patch.hf.final_logits is not None:
             logits = patch.hf.final_logits(self.config, logits)
-    output = patch.api.lm_output(loss=loss, logits=logits)
+    output = patch.api.lm_output(loss=loss, logits=logits, **{patch.api.output_cache_field: cache})
     return output if return_dict else output.to_tuple()
 
 
