@@ -481,7 +481,10 @@ class CodagenDecoderLayer(nn.Module):
                                                                  eps)
             x = x + cast(mlp.down_proj.bias)
             h, rstd = blocks.NormStatsFunction.apply(x, wn_next, dim, eps)
-        return x.view(batch, seq, dim), (h, rstd)
+        # [batch, seq, dim] as a tensor of its own, not a view of the block's [M, dim] output, which nothing else
+        # holds (the block saves none of its outputs): a view would make FSDP2 warn that an in-place op on the
+        # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
+        return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:

@@ -3,12 +3,14 @@ transformers LlamaForCausalLM patched by codagen.hf, fully_shard on each decoder
 patched model unwrapped in one process on the whole batch. Rank r feeds row r of the batch (no ignored labels, so
 every rank has as many tokens and FSDP2's average of the ranks' gradients is the gradient of the whole batch's mean).
 Writes {"rank", "runs": [{"checkpointing", "loss", "ref_loss", "max_rel_grad", "layer_calls"}]} as JSON to argv[1]
-on rank 0; asserts that every layer's forward saw plain tensors only (parameters and arguments)."""
+on rank 0; asserts that every layer's forward saw plain tensors only (parameters and arguments), and that FSDP2 did
+not warn of a layer output that is a view."""
 from __future__ import annotations
 
 import copy
 import json
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -69,8 +71,13 @@ def main(out: str) -> None:
             m.train()
             if checkpointing:
                 m.gradient_checkpointing_enable()
-        loss = model(input_ids=ids[rank: rank + 1], labels=ids[rank: rank + 1]).loss
-        loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(input_ids=ids[rank: rank + 1], labels=ids[rank: rank + 1]).loss
+            loss.backward()
+        # FSDP2 warns of a layer that returns a view (an in-place op on it would drop the pre-backward hook)
+        views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+        assert not views, views
         ref_loss = reference(input_ids=ids, labels=ids).loss
         ref_loss.backward()
         mean_loss = loss.detach().clone()

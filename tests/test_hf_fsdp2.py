@@ -39,3 +39,26 @@ def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
         assert run["max_rel_grad"] < TOL, run
         # 3 layers per forward; with checkpointing each layer's call runs again in the backward
         assert run["layer_calls"] == (6 if run["checkpointing"] else 3), run
+
+
+def test_layer_output_is_the_block_s_output_and_not_a_view(monkeypatch):
+    """What removes FSDP2's warning (a wrapped module that returns a view: an in-place op on it would drop the
+    pre-backward hook) costs no copy: the layer's [batch, seq, dim] output is the PostAttention block's [M, dim]
+    output's own storage, as a tensor that is not a view (the block saves none of its outputs)."""
+    from codagen.hf import apply_codagen
+    from test_hf import tiny_llama
+
+    model = apply_codagen(tiny_llama())
+    blocks = model.model.codagen_patch.api.blocks
+    made = []
+    apply = blocks.PostAttentionFunction.apply
+    monkeypatch.setattr(blocks.PostAttentionFunction, "apply", lambda *a: made.append(apply(*a)) or made[-1])
+    returned = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda module, args, out: returned.append(out[0]))
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(returned) == len(made) == 2
+    for out, (x, _, _) in zip(returned, made):
+        assert out._base is None and not out._is_view()
+        assert out.shape == (2, 12, 64) and out.data_ptr() == x.data_ptr()
