@@ -51,6 +51,10 @@ def tokens_and_labels(seed=0):
     pytest.param({"num_key_value_heads": 2, "tie_word_embeddings": True,
                   "rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}},
                  id="mha-linear-rope"),
+    # layer 0 full attention, layer 1 over the last 4 of the 8 positions, as Qwen3Config makes layer_types
+    pytest.param({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, id="sliding-window"),
+    pytest.param({"use_sliding_window": True, "sliding_window": 3, "attn_implementation": "eager",
+                  "layer_types": ["sliding_attention", "full_attention"]}, id="sliding-window-given-layer-types"),
 ])
 def test_patched_qwen3_matches_transformers(overrides):
     torch.manual_seed(1)
@@ -61,6 +65,8 @@ def test_patched_qwen3_matches_transformers(overrides):
         assert patched.lm_head.weight is patched.model.embed_tokens.weight
     ids, labels = tokens_and_labels()
     compare(reference, patched, input_ids=ids, labels=labels)
+    with torch.no_grad():
+        assert rel(patched(input_ids=ids).logits, reference(input_ids=ids).logits) < TOL
 
 
 def test_left_padding_mask():
@@ -121,10 +127,9 @@ def test_save_and_load_in_transformers_layout(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"head_dim": 64}, "config.head_dim = 64 is not supported: the Qwen3 kernels normalize q and k heads of 128"),
     ({"attention_bias": True}, "config.attention_bias = True is not supported: Qwen3's q and k biases"),
-    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-     "config.use_sliding_window = True is not supported"),
-    ({"layer_types": ["full_attention", "sliding_attention"]},
-     "config.layer_types = ['full_attention', 'sliding_attention'] is not supported"),
+    ({"layer_types": ["full_attention", "sliding_attention"]},  # without use_sliding_window: no window
+     "config.sliding_window = None is not supported: layer_types ['full_attention', 'sliding_attention'] has "
+     "sliding_attention layers"),
     ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
      "config.rope_parameters['rope_type'] = 'dynamic' is not supported"),

@@ -65,9 +65,14 @@ def _llama_alike(name: str, layer_types) -> HfMapping:
                    layer_types=layer_types)
 
 
+def listed_layer_types(config) -> tuple[str, ...]:
+    """config.layer_types[i] for each decoder layer, as Qwen2Model and Qwen3Model read it (their configs make it
+    from use_sliding_window, sliding_window and max_window_layers where it is not given)."""
+    return tuple(config.layer_types[: config.num_hidden_layers])
+
+
 # Qwen2 and Qwen2.5: biases on q, k and v (not o_proj); each layer's attention type is config.layer_types[i]
-# (made from use_sliding_window, sliding_window and max_window_layers where not given), as Qwen2Model reads it
-QWEN2_HF = _llama_alike("Qwen2", lambda config: tuple(config.layer_types[: config.num_hidden_layers]))
+QWEN2_HF = _llama_alike("Qwen2", listed_layer_types)
 # Mistral: every layer slides over config.sliding_window positions where it is set (MistralModel ignores
 # layer_types), else attends to all of them
 MISTRAL_HF = _llama_alike("Mistral", lambda config: (

@@ -21,7 +21,7 @@ from torch import nn
 from ..convert import LlamaShape, from_hf, heads_to_halves, heads_to_interleaved, rope_freqs, to_hf
 from . import Family, HfMapping, generated_blocks
 from .llama import HF as LLAMA_HF
-from .llama import PlainLlama, RMSNorm, attention
+from .llama import PlainLlama, RMSNorm, attention, listed_layer_types
 
 # the block specs a Qwen3 chains (specs/qwen3/blocks/, and Llama's norm_stats and lm_head_loss)
 BLOCKS = ("norm_stats", "qwen3_pre_attention", "qwen3_post_attention", "lm_head_loss")
@@ -39,13 +39,6 @@ def hf_check_config(config, refuse) -> None:
     if getattr(config, "attention_bias", False):
         refuse("attention_bias", config.attention_bias, "Qwen3's q and k biases come before QK-norm, inside the "
                                                         "Qwen3PreAttention block, which has no bias")
-    if getattr(config, "use_sliding_window", False):
-        refuse("use_sliding_window", config.use_sliding_window, "the patched decoder builds Hugging Face's full "
-                                                                "causal mask only (no sliding window)")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        refuse("layer_types", layer_types, "the patched decoder runs full causal attention in every layer "
-                                           "(sliding_attention is not supported)")
 
 
 def hf_pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast):
@@ -95,6 +88,9 @@ HF = HfMapping(
     },
     check_config=hf_check_config,
     attention_modules=("q_norm", "k_norm"),
+    # sliding-window layers as Qwen2's (use_sliding_window, max_window_layers): the attention after the block is
+    # transformers' own, with its sliding-window mask and window
+    layer_types=listed_layer_types,
     pre_attention=hf_pre_attention,
     post_attention=hf_post_attention,
     lora_refused={name: "QK-norm, between the projection and RoPE, is not linear: the adapter's product cannot be "
