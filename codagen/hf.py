@@ -660,9 +660,13 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     batch, seq, dim = inputs_embeds.shape
     layers = list(llama.layers)[: config.num_hidden_layers]  # a slice of the ModuleList would be a new one: its
     # modules registered again, through the registration hooks, at every forward (and a trace would guard on them)
+    # the positions before these tokens, the cache's, read only where they are needed (as transformers' models read
+    # them: a static cache counts them in a device tensor)
+    past = 0
+    if cache is not None and (position_ids is None or api.mask_takes_cache_position):
+        past = cache.get_seq_length()
     # the caller's position_ids only: given, Hugging Face looks for packed sequences in them, a host sync (the GPU
     # waits for the host's whole next forward); positions made here are one sequence per row, nothing to find
-    past = 0 if cache is None else cache.get_seq_length()  # the shape of a cached tensor: no host sync
     masks = _causal_masks(api, config, dict.fromkeys(layer.self_attn.attention_type for layer in layers),
                           inputs_embeds, attention_mask, position_ids, cache, past)
     if position_ids is None:
@@ -725,12 +729,11 @@ def _cache(llama: nn.Module, kwargs: dict):
     argument, else config.use_cache, as transformers' models read it) outside a training step, else None. A
     training step (train mode, gradients on) makes none: nothing reads it there, and the step's forward stays the
     same with and without one (transformers makes none there either under gradient checkpointing)."""
-    given = [kwargs.pop(name) for name in ("cache", "past_key_values") if kwargs.get(name) is not None]
+    given = [kwargs.pop(name, None) for name in ("cache", "past_key_values")]
     use_cache = kwargs.pop("use_cache", None)
-    kwargs.pop("past_key_values", None)
-    kwargs.pop("cache", None)
-    if given:
-        return given[0]
+    cache = next((c for c in given if c is not None), None)
+    if cache is not None:
+        return cache
     if use_cache is None:
         use_cache = getattr(llama.config, "use_cache", False)
     if not use_cache or (llama.training and torch.is_grad_enabled()):

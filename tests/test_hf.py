@@ -183,8 +183,9 @@ def test_without_labels_logits_and_hidden_states_are_transformers():
         embeds = reference.get_input_embeddings()(ids)
         assert rel(patched(inputs_embeds=embeds, labels=labels).loss,
                    reference(inputs_embeds=embeds, labels=labels).loss) < TOL
-        # with labels no logits are made: the tuple holds the loss alone (ModelOutput.to_tuple drops None)
-        (loss,) = patched(input_ids=ids, labels=labels, return_dict=False)
+        # with labels no logits are made: the tuple holds the loss alone (ModelOutput.to_tuple drops None; and no
+        # KV cache with use_cache=False: config.use_cache makes one outside a training step, as in transformers)
+        (loss,) = patched(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
         assert torch.isfinite(loss)
 
 
@@ -532,10 +533,11 @@ def test_evaluation_with_labels_returns_the_logits_as_trainer_asks():
         out = patched(input_ids=ids, labels=labels)
         assert rel(out.loss, expected.loss) < 1e-5
         assert out.logits.shape == expected.logits.shape and rel(out.logits, expected.logits) < 1e-5
-        # as prediction_step collects them (ModelOutput.items() leaves out None)
-        (logits,) = tuple(v for k, v in out.items() if k != "loss")
+        # as prediction_step collects them (ModelOutput.items() leaves out None; Trainer leaves out the loss and,
+        # by default, the KV cache, which config.use_cache asks for outside a training step)
+        (logits,) = tuple(v for k, v in out.items() if k not in ("loss", "cache", "past_key_values"))
         assert logits is out.logits
-        loss, logits = patched(input_ids=ids, labels=labels, return_dict=False)
+        loss, logits, _ = patched(input_ids=ids, labels=labels, return_dict=False)
         assert rel(logits, expected.logits) < 1e-5
     patched.train()
     out = patched(input_ids=ids, labels=labels)

@@ -1,7 +1,8 @@
 """generate() on a patched model with transformers' KV cache: greedy tokens and every step's logits equal the unpatched
 model's (fp32, tiny, several layers, a batch with left padding), for Llama, Qwen2 and Qwen3 (sliding-window layers
 over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the prompt runs
-the new token only (the cache holds the rest); and a cache that the patched model cannot fill exactly is refused."""
+the new token only (the cache holds the rest), with a static cache too; and a cache that the patched model cannot
+fill exactly is refused."""
 import copy
 
 import pytest
@@ -68,6 +69,22 @@ def test_greedy_generate_with_the_kv_cache_is_transformers(make):
     # the prompt once, then one token per step: the cache holds the positions before it
     assert rows == [(3, PROMPT)] + [(3, 1)] * (NEW - 1)
     assert type(got.past_key_values if hasattr(got, "past_key_values") else got.cache).__name__ == "DynamicCache"
+
+
+def test_greedy_generate_with_a_static_cache_is_transformers():
+    """cache_implementation="static": transformers' StaticCache (preallocated, its length counted on the device),
+    filled through the same cache.update."""
+    torch.manual_seed(18)
+    reference = tiny_llama(num_hidden_layers=2, pad_token_id=0).eval()
+    patched = apply_codagen(copy.deepcopy(reference)).eval()
+    ids, mask = left_padded_prompts(19)
+    expected = greedy(reference, ids, mask, cache_implementation="static")
+    rows = layer_rows(patched)
+    got = greedy(patched, ids, mask, cache_implementation="static")
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
+        assert rel(a, b) < TOL, step
+    assert rows == [(3, PROMPT)] + [(3, 1)] * (NEW - 1)
 
 
 def test_generate_without_the_cache_recomputes_every_position_and_gives_the_same_tokens():
