@@ -1,8 +1,8 @@
 """generate() on a patched model with transformers' KV cache: greedy tokens and every step's logits equal the unpatched
 model's (fp32, tiny, several layers, a batch with left padding), for Llama, Qwen2 and Qwen3 (sliding-window layers
 over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the prompt runs
-the new token only (the cache holds the rest), with a static cache too; and a cache that the patched model cannot
-fill exactly is refused."""
+the new token only (the cache holds the rest), with a static cache too, and with PEFT's LoRA adapters; and a cache
+that the patched model cannot fill exactly is refused."""
 import copy
 
 import pytest
@@ -130,3 +130,19 @@ def test_a_cache_under_gradient_checkpointing_in_training_is_refused():
                                                   "supported; call it without one"):
         patched(input_ids=ids, labels=ids, cache=cache)
     assert patched(input_ids=ids, labels=ids).cache is None  # use_cache from the config: no cache, no refusal
+
+
+def test_greedy_generate_of_a_peft_lora_model_is_peft_s():
+    """LoRA on every projection (codagen.lora: q, k, v products added and rotated after PreAttention, before k and v
+    go into the cache): PeftModel.generate, patched and not."""
+    pytest.importorskip("peft")
+    from test_hf_peft import ATTENTION, MLP, peft_llama
+
+    torch.manual_seed(20)
+    reference = peft_llama(ATTENTION + MLP, tiny_llama(num_hidden_layers=2, pad_token_id=0)).eval()
+    patched = apply_codagen(copy.deepcopy(reference)).eval()
+    ids, mask = left_padded_prompts(21)
+    expected, got = greedy(reference, ids, mask), greedy(patched, ids, mask)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
+        assert rel(a, b) < TOL, step
