@@ -634,16 +634,18 @@ def test_launch_refused_off_hopper():
 
 def test_backend_recorded_in_tables(tmp_path):
     from codagen.runtime import autotune, tables
+    from codagen.tablefile import entry_of
     from codagen.tune.tables import write_table
 
     matmul = next(k for k, _ in _kernels(SPECS) if k.name == "matmul")
     chosen = Config(128, 128, 64, 16, 4, 5, backend="gluon")
     path = tmp_path / "nvidia-h200" / "matmul.json"
-    write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {"config": chosen.as_dict(), "ms": 0.4}})
+    write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {**entry_of(chosen), "ms": 0.4}})
     data = json.loads(path.read_text())
-    assert data["shapes"]["32768x2048x2048"]["config"]["backend"] == "gluon"
+    assert data["shapes"]["32768x2048x2048"]["backend"] == "gluon"
+    assert "backend" not in data["shapes"]["32768x2048x2048"]["config"]
     # a table written before the field existed: its configs are the tl kernel's
-    del data["shapes"]["32768x2048x2048"]["config"]["backend"]
+    del data["shapes"]["32768x2048x2048"]["backend"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
     autotune.clear_caches()
@@ -657,14 +659,14 @@ def test_backend_recorded_in_tables(tmp_path):
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
-    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, MM_CANDIDATES, candidates, gluon_candidates
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, CUBLAS_CANDIDATES, candidates, gluon_candidates
     from codagen.tune.harness import times_hopper
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
     tiles_and_quarters = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, 4))
-    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters + MM_CANDIDATES
+    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters + CUBLAS_CANDIDATES
     assert gluon_candidates(kernels["swiglu_dgrad"]) == GLUON_CANDIDATES  # and eighths
-    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + MM_CANDIDATES
+    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + CUBLAS_CANDIDATES
     assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
     assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
     tl_matmul = importlib.import_module("generated.kernels.matmul")

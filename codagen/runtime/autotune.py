@@ -178,8 +178,8 @@ def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, defau
                 group, split: int, package: str | None) -> list[Config]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
     pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
-    if k and backends.mm_pays(m, n, k):  # the default's tile, its epilogue after torch.mm's product
-        pool.append(dataclasses.replace(default, backend="mm", persistent=False, tma=False, flatten=False,
+    if k and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
+        pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,
                                         warp_specialize=False))
     if package is not None and backends.hopper_runs(device):
         pool += backends.hopper_candidates(package, kernel, default, tile_dependent, group, n)

@@ -1,7 +1,7 @@
 """The backends a tl kernel's launcher dispatches to by its config's `backend` (codagen.tileconfig.BACKENDS): "tl",
-the kernel itself; "gluon", the Hopper backend's kernel of the same spec (generated/kernels/gluon/<name>.py, for
-kernels it lowers); "mm", the tl kernel's epilogue after torch.mm's product. What generated launchers call to
-launch, check and fall back between them, and the candidates each adds to run-time tuning."""
+the kernel itself (with its own mainloop, or over torch.mm's product: Config.mainloop "cublas"); "gluon", the Hopper
+backend's kernel of the same spec (generated/kernels/gluon/<name>.py, for kernels it lowers). What generated
+launchers call to launch, check and fall back between them, and the candidates each adds to run-time tuning."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,25 +47,25 @@ def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
 
 def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
     """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel; and for a
-    kernel without a GEMM, one that asks for torch.mm's."""
+    kernel without a GEMM, one that asks for cuBLAS's product."""
     if config.backend == "gluon":
         raise ValueError(f"{kernel}: Config(backend='gluon'), but the Hopper backend does not lower this kernel "
                          "(generated/kernels/gluon/__init__.py says why); use backend='tl'")
-    if config.backend == "mm" and not gemm:
-        raise ValueError(f"{kernel}: Config(backend='mm') makes a GEMM's product with torch.mm, but this kernel has "
-                         "no GEMM; use backend='tl'")
+    if config.mainloop == "cublas" and not gemm:
+        raise ValueError(f"{kernel}: Config(mainloop='cublas') makes a GEMM's product with torch.mm, but this kernel "
+                         "has no GEMM; use mainloop='triton'")
 
 
-def mm_pays(m: int, n: int, k: int) -> bool:
-    """Whether backend "mm" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
+def cublas_pays(m: int, n: int, k: int) -> bool:
+    """Whether mainloop "cublas" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
     input gradient over a chunk of rows (1280 x 2048 x 128256), where the fp32 product's extra write and read are
     a few percent of the GEMM's time and memory, and cuBLAS's split-K fills SMs that one program per output tile
     leaves idle (norm_dgrad at 1280 x 2048: 80 tiles of 128x256 for the H200's 132 SMs)."""
     return k >= 8 * max(m, n)
 
 
-def mm_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 for backend "mm": bf16 and fp16 operands through cuBLAS with an fp32 output (no rounding
+def cublas_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for mainloop "cublas": bf16 and fp16 operands through cuBLAS with an fp32 output (no rounding
     of the product to their dtype before the epilogue, as in the fused kernel); elsewhere in fp32."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a, b, out_dtype=torch.float32)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import dims, reference
+from .. import dims, reference, tablefile
 from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
@@ -169,7 +169,7 @@ class Outcome:
     complete: bool = True  # False: the budget ran out before every candidate was tried
 
     def entry(self) -> dict:
-        e = {"config": self.best.as_dict(), "ms": _round(self.ms)}
+        e = {**tablefile.entry_of(self.best), "ms": _round(self.ms)}
         if self.cublas_ms is not None:
             e["cuBLAS_ms"] = _round(self.cublas_ms)
             e["rounds"] = CUBLAS_ROUNDS  # ms and cuBLAS_ms: medians of that many timings of each, in turn
@@ -240,7 +240,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.backend != "mm" or backends.mm_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.mainloop != "cublas" or backends.cublas_pays(shape.m, shape.n, shape.k)]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

@@ -72,7 +72,7 @@ def gate_up_swiglu_kernel(
     _h_ptr, _w_gate_up_ptr, _rstd_ptr, _z_ptr, _y_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _h_desc, _w_gate_up_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -109,7 +109,7 @@ def gate_up_swiglu_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = h @ w_gate_up^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -173,7 +173,7 @@ def launch(h, w_gate_up, rstd, *, z, y, config=None) -> None:
         runtime.backends.launch_hopper(__package__, NAME, h=h, w_gate_up=w_gate_up, rstd=rstd, z=z, y=y,
                                        config=_plan.config)
         return
-    acc = runtime.backends.mm_product(h, w_gate_up.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(h, w_gate_up.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(h, w_gate_up)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_gate_up_desc = runtime.descriptor(w_gate_up, _plan.config.block_n, _plan.config.block_k) if _tma else None

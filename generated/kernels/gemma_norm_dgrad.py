@@ -103,7 +103,7 @@ def gemma_norm_dgrad_kernel(
     _dz_ptr, _w_ptr, _x_ptr, _rstd_ptr, _wn_ptr, _zdz_ptr, _dx_ptr, _dwn_part_ptr, _normed_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _dz_desc, _w_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -144,7 +144,7 @@ def gemma_norm_dgrad_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = dz @ w, accumulated in fp32. Through TMA, edges read zeros;
@@ -210,7 +210,7 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
         runtime.backends.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, dx=dx,
                                        dwn_part=dwn_part, normed=normed, config=_plan.config)
         return
-    acc = runtime.backends.mm_product(dz, w) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(dz, w) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(dz, w)
     _dz_desc = runtime.descriptor(dz, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_desc = runtime.descriptor(w, _plan.config.block_k, _plan.config.block_n) if _tma else None

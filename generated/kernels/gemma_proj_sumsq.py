@@ -64,7 +64,7 @@ def gemma_proj_sumsq_kernel(
     _y_ptr, _w_ptr, _o_ptr, _ss_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _y_desc, _w_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -100,7 +100,7 @@ def gemma_proj_sumsq_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = y @ w^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -160,7 +160,7 @@ def launch(y, w, *, o, ss, config=None) -> None:
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/gemma_proj_sumsq.py
         runtime.backends.launch_hopper(__package__, NAME, y=y, w=w, o=o, ss=ss, config=_plan.config)
         return
-    acc = runtime.backends.mm_product(y, w.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(y, w.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(y, w)
     _y_desc = runtime.descriptor(y, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_desc = runtime.descriptor(w, _plan.config.block_n, _plan.config.block_k) if _tma else None

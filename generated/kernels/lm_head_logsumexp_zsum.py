@@ -77,7 +77,7 @@ def lm_head_logsumexp_zsum_kernel(
     _h_ptr, _w_vocab_ptr, _rstd_ptr, _target_ptr, _lse_part_ptr, _zsum_part_ptr, _target_logit_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _h_desc, _w_vocab_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -116,7 +116,7 @@ def lm_head_logsumexp_zsum_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = h @ w_vocab^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -181,7 +181,7 @@ def launch(h, w_vocab, rstd, target, *, lse_part, zsum_part, target_logit, confi
                                        lse_part=lse_part, zsum_part=zsum_part, target_logit=target_logit,
                                        config=_plan.config)
         return
-    acc = runtime.backends.mm_product(h, w_vocab.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(h, w_vocab.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(h, w_vocab)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_vocab_desc = runtime.descriptor(w_vocab, _plan.config.block_n, _plan.config.block_k) if _tma else None

@@ -54,7 +54,7 @@ def matmul_kernel(
     _a_ptr, _b_ptr, _out_tile_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _a_desc, _b_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -89,7 +89,7 @@ def matmul_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = a @ b^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -148,7 +148,7 @@ def launch(a, b, *, out_tile, config=None) -> None:
     if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/matmul.py
         runtime.backends.launch_hopper(__package__, NAME, a=a, b=b, out_tile=out_tile, config=_plan.config)
         return
-    acc = runtime.backends.mm_product(a, b.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(a, b.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(a, b)
     _a_desc = runtime.descriptor(a, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _b_desc = runtime.descriptor(b, _plan.config.block_n, _plan.config.block_k) if _tma else None

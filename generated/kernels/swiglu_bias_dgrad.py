@@ -109,7 +109,7 @@ def swiglu_bias_dgrad_kernel(
     _grad_y_ptr, _w_down_ptr, _z_ptr, _b_gate_up_ptr, _dz_ptr, _zdz_part_ptr, _db_part_ptr, _y_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _grad_y_desc, _w_down_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -149,7 +149,7 @@ def swiglu_bias_dgrad_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = grad_y @ w_down, accumulated in fp32. Through TMA, edges read zeros;
@@ -214,7 +214,7 @@ def launch(grad_y, w_down, z, b_gate_up, *, dz, zdz_part, db_part, y, config=Non
         runtime.backends.launch_hopper(__package__, NAME, grad_y=grad_y, w_down=w_down, z=z, b_gate_up=b_gate_up, dz=dz,
                                        zdz_part=zdz_part, db_part=db_part, y=y, config=_plan.config)
         return
-    acc = runtime.backends.mm_product(grad_y, w_down) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(grad_y, w_down) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(grad_y, w_down)
     _grad_y_desc = runtime.descriptor(grad_y, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_down_desc = runtime.descriptor(w_down, _plan.config.block_k, _plan.config.block_n) if _tma else None
