@@ -555,9 +555,9 @@ def test_a_table_s_hopper_choice_runs_the_tl_kernel_on_a_view_tma_cannot_address
     chosen = runtime.backends.hopper_default("generated.kernels", "gate_up_swiglu")
     monkeypatch.setattr(module, "_PLANS", {})
     monkeypatch.setattr(runtime, "pick_config", lambda *a, **k: chosen)
-    hoppers, launch_hopper = [], runtime.backends.launch_hopper
-    monkeypatch.setattr(runtime.backends, "launch_hopper",
-                        lambda *a, **kw: hoppers.append(kw["config"]) or launch_hopper(*a, **kw))
+    hoppers, launch_other = [], runtime.backends.launch
+    monkeypatch.setattr(runtime.backends, "launch",
+                        lambda *a, **kw: hoppers.append(kw["config"]) or launch_other(*a, **kw))
     m, n, k = 1037, 1040, 872
     g = generator("misaligned")
     storage = (torch.randn(m * k + 8, device=DEVICE, generator=g) * k ** -0.25).bfloat16()

@@ -711,7 +711,8 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     the default's tile, as its tl candidates. Elsewhere, and for kernels the backend does not lower, the tl
     candidates alone."""
     hopper_gpu = {"yes": False}
-    monkeypatch.setattr(backends, "hopper_runs", lambda device: hopper_gpu["yes"])
+    gluon = dataclasses.replace(backends.GLUON, runs=lambda device: hopper_gpu["yes"])
+    monkeypatch.setattr(backends, "BACKENDS", tuple(gluon if b is backends.GLUON else b for b in backends.BACKENDS))
     swiglu, norm = module("gate_up_swiglu"), module("out_proj_residual_norm")
     own = backends.hopper_default(swiglu.__package__, swiglu.NAME)
     assert (own.backend, own.block_m, own.block_n, own.num_warps) == ("gluon", 128, 128, 4)

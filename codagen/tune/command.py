@@ -19,7 +19,7 @@ from ..runtime import tables as runtime_tables
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
-from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, times_hopper, tune_shape
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, other_backends, tune_shape
 from .precompile import precompile
 from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
@@ -96,7 +96,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
-        j.checked.kernel, times_hopper(j.module, device))) for j in selected}
+        j.checked.kernel, other_backends(j.module, device))) for j in selected}
     if only is not None:
         pool_of = {name: tuple(c for c in pool if only in c.label()) for name, pool in pool_of.items()}
         for j in [j for j in selected if not pool_of[j.checked.kernel.name]]:

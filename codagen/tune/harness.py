@@ -143,11 +143,15 @@ def load_module(out: Path, name: str):
     return importlib.import_module(f"{pkg.name}.kernels.{name}")
 
 
+def other_backends(module, device: torch.device) -> tuple[str, ...]:
+    """The backends besides tl whose kernels are candidates: they lower this kernel (its module of theirs exists)
+    and this GPU runs them (runtime.backends.running)."""
+    return tuple(b.name for b in backends.running(module.__package__, module.NAME, device))
+
+
 def times_hopper(module, device: torch.device) -> bool:
-    """Whether the Hopper kernel is a candidate: the Hopper backend lowers this kernel (its module
-    <package>.gluon.<name> exists) and this GPU runs it."""
-    return (backends.hopper_runs(device)
-            and importlib.util.find_spec(f"{module.__package__}.gluon.{module.NAME}") is not None)
+    """Whether the Hopper kernel is a candidate (benchmarks/ asks by this name)."""
+    return "gluon" in other_backends(module, device)
 
 
 # -- one kernel at one shape -----------------------------------------------------------------------------------
@@ -234,10 +238,10 @@ def shape_candidates(kernel: Kernel, pool, n: int) -> list[Config]:
 def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
                timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
                deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
-    """Check and time every candidate of `pool` (default: candidates(kernel), with the Hopper kernel's where
-    it runs) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
+    """Check and time every candidate of `pool` (default: candidates(kernel), with those of the other backends
+    that lower it and run here) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
-    pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
+    pool = candidates(kernel, other_backends(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
     pool = [c for c in pool if c.mainloop != "cublas" or backends.cublas_pays(shape.m, shape.n, shape.k)]

@@ -203,9 +203,9 @@ def launch(dz, w, x, rstd, wn, zdz, *, dx, dwn_part, normed, config=None) -> Non
     if _plan.empty:
         return
     _plan.aliasing.check(_tensors)
-    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/norm_dgrad.py
-        runtime.backends.launch_hopper(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, dx=dx,
-                                       dwn_part=dwn_part, normed=normed, config=_plan.config)
+    if _plan.config.backend != "tl":  # another backend's kernel of this spec, generated/kernels/<backend>/norm_dgrad.py
+        runtime.backends.launch(__package__, NAME, dz=dz, w=w, x=x, rstd=rstd, wn=wn, zdz=zdz, dx=dx, dwn_part=dwn_part,
+                                normed=normed, config=_plan.config)
         return
     acc = runtime.backends.cublas_product(dz, w) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(dz, w)
@@ -243,12 +243,12 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
+    chosen = config  # None: the tuning table's choice, whose kernel of another backend falls back to tl if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
                                            values=values, run=lambda c: launch(**values, config=c), package=__package__)
-    if chosen is None and config.backend == "gluon":
-        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
+    if chosen is None and config.backend != "tl":
+        config = runtime.backends.or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
