@@ -11,7 +11,6 @@ from .blockmodel import Block, CheckedBlock
 from .blockspec import parse_block
 from .emit import backends
 from .emit.block import class_name, render_block
-from .emit.gluon import unlowered
 from .emit.package import render_package
 from .errors import SpecError, ValidationFailed
 from .quoting import quoted, showable
@@ -209,20 +208,26 @@ def check(paths: list[str | Path], out: str | Path = "generated") -> Compared:
     return Compared(generated.specs, diff(generated.output, Path(out)))
 
 
-def hopper_fallbacks(specs: Specs) -> list[str]:
-    """Each step (file:line:col) the Hopper backend cannot lower yet, and why: its kernel keeps the tl path only."""
-    return [str(f) for c in specs if isinstance(c, Checked) for f in unlowered(c.kernel, c.types)]
+def _unlowered(c: Checked):
+    """Why each backend besides tl (the Hopper backend's today) cannot lower a kernel: its Fallbacks."""
+    return [f for b in backends.BACKENDS if b is not backends.TL for f in b.unlowered(c.kernel, c.types)]
 
 
-def hopper_notes(specs: Specs, gpu: bool = True) -> list[str]:
-    """What `codagen build` notes of the Hopper backend: each step it cannot lower yet (file:line:col), and in one
-    line per reason the kernels it cannot take as a whole (no GEMM, ...), which keep the tl kernel only; that line
-    only where the machine has a GPU (`gpu`), since it only says where the Hopper kernels will not run."""
+def fallbacks(specs: Specs) -> list[str]:
+    """Each step (file:line:col) that a backend besides tl cannot lower yet, and why: its kernel keeps the tl path
+    only."""
+    return [str(f) for c in specs if isinstance(c, Checked) for f in _unlowered(c)]
+
+
+def backend_notes(specs: Specs, gpu: bool = True) -> list[str]:
+    """What `codagen build` notes of the backends besides tl: each step one cannot lower yet (file:line:col), and in
+    one line per reason the kernels it cannot take as a whole (no GEMM, ...), which keep the tl kernel only; that
+    line only where the machine has a GPU (`gpu`), since it only says where their kernels will not run."""
     notes: list[str] = []
     whole: dict[str, list[str]] = {}
     for c in specs:
         if isinstance(c, Checked):
-            for f in unlowered(c.kernel, c.types):
+            for f in _unlowered(c):
                 if f.step is None:
                     whole.setdefault(f.reason, []).append(c.kernel.name)
                 else:

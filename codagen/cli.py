@@ -98,7 +98,7 @@ def build(paths: tuple[str, ...], out: str, check_only: bool) -> None:
     for rel in built.removed:
         click.echo(f"removed {out}/{rel}")
     click.echo(f"{out}/: {len(built.written)} file(s) written, {len(built.removed)} removed")
-    for note in api.hopper_notes(built.specs, gpu=_gpu_present()):
+    for note in api.backend_notes(built.specs, gpu=_gpu_present()):
         click.echo(f"note: {note}", err=True)
 
 

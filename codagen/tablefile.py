@@ -110,7 +110,7 @@ def table_gpu(path: Path, data: dict) -> str | None:
 
 def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None,
                  gpu: str | None = None) -> Config:
-    """The configuration of a table's entry {"config": {...}} at shape `key`; ValueError, saying why, when the key
+    """The configuration of a table's entry at shape `key` (entry_fields: either form); ValueError, saying why, when the key
     is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
     would cut its column groups (`group`), operand tiles larger than the shared memory of a program on `gpu`
     (tileconfig.SHARED_BYTES_BY_GPU; any GPU's for None or a name it lacks)."""
@@ -122,12 +122,7 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
     has_gemm = k > 0 if gemm is None else gemm
     if gemm is not None and (k > 0) != gemm:
         raise ValueError(f"K must be {'positive: the kernel has a GEMM' if gemm else '0: the kernel has no GEMM'}")
-    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
-        raise ValueError('expected {"config": {...}}, the configuration\'s fields')
-    given = entry["config"]
-    unknown = sorted(set(given) - _CONFIG_FIELDS)
-    if unknown:  # named here: Config's own TypeError would show the name unquoted
-        raise ValueError(f"the configuration has no field {', '.join(_shown(u) for u in unknown)}")
+    given = entry_fields(entry)
     try:
         config = Config(**given)
     except (TypeError, ValueError, RecursionError) as e:  # RecursionError: showing a deeply nested value
@@ -140,6 +135,32 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
                          f"{stage_bytes(config)} bytes of shared memory, more than a program may use on "
                          f"{_shown(gpu) if gpu else 'any GPU'} ({shared_bytes(gpu)} bytes)")
     return config
+
+
+def entry_of(config: Config) -> dict:
+    """A configuration as a table's entry holds it: {"backend": <name>, "config": {<its other fields>}}, so that
+    an entry says first which backend's kernel runs (entry_fields reads it, and the flat form of older tables)."""
+    fields_ = config.as_dict()
+    return {"backend": fields_.pop("backend"), "config": fields_}
+
+
+def entry_fields(entry) -> dict:
+    """The keyword arguments of Config of a table's entry: {"backend": ..., "config": {...}} as entry_of writes it,
+    or the flat form of the tables written before it, {"config": {..., "backend": ...}}, where backend "mm" (the
+    tl kernel over torch.mm's product) reads as mainloop "cublas". ValueError, saying why, for anything else."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        raise ValueError('expected {"backend": ..., "config": {...}}, the backend and its configuration\'s fields')
+    given = dict(entry["config"])
+    if "backend" in entry:
+        if "backend" in given:
+            raise ValueError("the backend is named twice, beside the configuration and in it")
+        given["backend"] = entry["backend"]
+    elif given.get("backend") == "mm":  # the flat form's cuBLAS mainloop
+        given.update(backend="tl", mainloop="cublas")
+    unknown = sorted(set(given) - _CONFIG_FIELDS)
+    if unknown:  # named here: Config's own TypeError would show the name unquoted
+        raise ValueError(f"the configuration has no field {', '.join(_shown(u) for u in unknown)}")
+    return given
 
 
 def read_bytes(path: str | Path) -> bytes:

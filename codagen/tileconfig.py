@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-BACKENDS = ("tl", "gluon", "mm")
+BACKENDS = ("tl", "gluon")
+MAINLOOPS = ("triton", "cublas")
 MIN_BLOCK, MAX_BLOCK = 16, 512  # tile sizes: tl.dot needs 16 or more, and larger tiles do not fit on chip
 
 
@@ -52,11 +53,13 @@ class Config:
     consumers: int = 2
     # the kernel that runs: "tl" (generated/kernels/<name>.py) or "gluon", the Hopper backend's kernel
     # (generated/kernels/gluon/<name>.py: sm_90 only, for kernels it lowers), with this config's tile shape,
-    # group_m and num_stages (its operand stages); the other fields are the tl kernel's. "mm": the GEMM by
-    # torch.mm (cuBLAS on NVIDIA GPUs) into an fp32 product, then the tl kernel with this tile shape runs the
-    # epilogue over it, reading the product in place of its mainloop: two passes, for shapes of a long K and
-    # few output tiles, where cuBLAS splits K across the SMs and a kernel of one program per tile cannot (mm_pays)
+    # group_m and num_stages (its operand stages); the other fields are the tl kernel's
     backend: str = "tl"
+    # the tl kernel's GEMM: "triton", its own mainloop; "cublas", the product by torch.mm (cuBLAS on NVIDIA GPUs)
+    # in fp32, which the tl kernel with this tile shape reads in place of its mainloop before its epilogue: two
+    # passes, for shapes of a long K and few output tiles, where cuBLAS splits K across the SMs and a kernel of
+    # one program per tile cannot (runtime.backends.cublas_pays)
+    mainloop: str = "triton"
 
     def __post_init__(self):
         """Refuse, when it is made, a config no kernel can launch with (Triton would fail deep inside)."""
@@ -84,8 +87,12 @@ class Config:
             fail(f"group_m and num_stages must be at least 1, got {self.group_m} and {self.num_stages}")
         if self.flatten and not self.persistent:
             fail("flatten pipelines a persistent program's loop over tiles: it needs persistent=True")
+        if self.backend == "mm":  # the flat tables of before the mainloop field: tablefile reads them as it
+            fail("backend 'mm' is the tl kernel over cuBLAS's product now: Config(backend='tl', mainloop='cublas')")
         if self.backend not in BACKENDS:
             fail(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.mainloop not in MAINLOOPS:
+            fail(f"mainloop must be one of {', '.join(MAINLOOPS)}, got {self.mainloop!r}")
         if self.epilogue_stages is not None and (
                 type(self.epilogue_stages) is not int or self.epilogue_stages not in (1, 2, 4, 8)
                 or self.epilogue_split % self.epilogue_stages or self.backend != "gluon"):
@@ -106,8 +113,9 @@ class Config:
             fail(f"slice_unroll is slice_loop's: 2 or 4 slices per step of the loop, dividing epilogue_split "
                  f"({self.epilogue_split}) and less than it, got {self.slice_unroll} with slice_loop "
                  f"{self.slice_loop}")
-        if self.backend == "mm" and (self.tma or self.flatten or self.warp_specialize):
-            fail("backend 'mm' has no mainloop to load through TMA, flatten or warp-specialize: tma, flatten and "
+        if self.mainloop == "cublas" and (self.backend != "tl" or self.tma or self.flatten or self.warp_specialize):
+            fail(f"mainloop 'cublas' is the tl kernel's (backend 'tl', got {self.backend!r}), which then has no "
+                 "mainloop of its own to load through TMA, flatten or warp-specialize: tma, flatten and "
                  "warp_specialize must be False")
         if self.warp_specialize and not (self.persistent and self.tma and not self.flatten):
             fail("warp_specialize needs persistent=True and tma=True (Triton specializes the loop over tiles "
@@ -132,7 +140,8 @@ class Config:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
                 + (" persistent" if self.persistent else "") + (" tma" if self.tma else "")
                 + (" flatten" if self.flatten else "") + (" ws" if self.warp_specialize else "")
-                + epilogue_label(self) + (f" {self.backend}" if self.backend != "tl" else ""))
+                + epilogue_label(self) + (f" {self.backend}" if self.backend != "tl" else "")
+                + (f" {self.mainloop}" if self.mainloop != "triton" else ""))
 
 
 def epilogue_label(config) -> str:
@@ -188,5 +197,5 @@ def stage_bytes(config: Config, element_size: int = 2) -> int:
 
 def fits_shared(config: Config, gemm: bool = True, gpu: str | None = None) -> bool:
     """Whether the config's operand tiles fit a program's shared memory on `gpu` (shared_bytes; any GPU codagen
-    tunes for when None); without a GEMM, or with backend "mm" (torch.mm makes the product), there are none."""
-    return not gemm or config.backend == "mm" or stage_bytes(config) <= shared_bytes(gpu)
+    tunes for when None); without a GEMM, or with mainloop "cublas" (torch.mm makes the product), there are none."""
+    return not gemm or config.mainloop == "cublas" or stage_bytes(config) <= shared_bytes(gpu)

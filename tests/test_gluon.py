@@ -70,7 +70,7 @@ def test_unlowered_steps_named_and_kept_on_tl():
     files = render_gluon(list(kernels.values()), "codagen build tests/specs/")
     assert "kernels/gluon/t_select_accumulate.py" not in files
     assert "t_select_accumulate keeps" in files["kernels/gluon/__init__.py"]
-    assert any("t_select_accumulate.yaml:" in line for line in api.hopper_fallbacks(api.load([TEST_SPECS])))
+    assert any("t_select_accumulate.yaml:" in line for line in api.fallbacks(api.load([TEST_SPECS])))
 
 
 def test_pairs_of_the_accumulator_are_lowered():
@@ -186,7 +186,7 @@ def test_epilogue_stages():
     with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
         Config(epilogue_split=2, epilogue_stages=4, backend="gluon")
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", epilogue_stages=None)
 
 
@@ -218,7 +218,7 @@ def test_direct_stores():
     with pytest.raises(ValueError, match="direct_stores must be True or False"):
         Config(direct_stores=1, backend="gluon")
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", direct_stores=False)
 
 
@@ -257,7 +257,7 @@ def test_slice_loop():
         Config(backend="gluon", slice_loop=True)
     a, b, out = (t.bfloat16() for t in _matmul_args())
     loop_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True)
-    assert backends.hopper_or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
+    assert backends.or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
         loop_matmul, backend="tl", slice_loop=False)
 
 
@@ -283,7 +283,7 @@ def test_slice_loop_by_steps_of_slices():
             Config(backend="gluon", epilogue_split=split, slice_loop=loop, slice_unroll=unroll)
     a, b, out = (t.bfloat16() for t in _matmul_args())
     by_two_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2)
-    assert backends.hopper_or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
+    assert backends.or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
         by_two_matmul, backend="tl", slice_loop=False, slice_unroll=1)
 
 
@@ -311,7 +311,7 @@ def test_three_consumers():
     with pytest.raises(ValueError, match="got 3 with backend 'tl' and block_m 64"):
         Config(block_m=64, consumers=3)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.hopper_or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
         chosen, backend="tl", slice_loop=False, consumers=2)
 
 
@@ -554,7 +554,7 @@ def test_a_read_in_either_memory_order(monkeypatch):
 
 def test_a_base_tma_cannot_address_is_refused_and_planned_apart(monkeypatch):
     """A view at an offset that is no multiple of 16 bytes: the Hopper kernel's checks refuse it (so that a tuning
-    table's Hopper choice falls back to the tl kernel, backends.hopper_or_tl, rather than fail in the descriptor at
+    table's Hopper choice falls back to the tl kernel, backends.or_tl, rather than fail in the descriptor at
     launch), and the tl launcher's plans key on alignment, so that such a call gets a plan of its own."""
     from codagen import runtime
 
@@ -634,16 +634,18 @@ def test_launch_refused_off_hopper():
 
 def test_backend_recorded_in_tables(tmp_path):
     from codagen.runtime import autotune, tables
+    from codagen.tablefile import entry_of
     from codagen.tune.tables import write_table
 
     matmul = next(k for k, _ in _kernels(SPECS) if k.name == "matmul")
     chosen = Config(128, 128, 64, 16, 4, 5, backend="gluon")
     path = tmp_path / "nvidia-h200" / "matmul.json"
-    write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {"config": chosen.as_dict(), "ms": 0.4}})
+    write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {**entry_of(chosen), "ms": 0.4}})
     data = json.loads(path.read_text())
-    assert data["shapes"]["32768x2048x2048"]["config"]["backend"] == "gluon"
+    assert data["shapes"]["32768x2048x2048"]["backend"] == "gluon"
+    assert "backend" not in data["shapes"]["32768x2048x2048"]["config"]
     # a table written before the field existed: its configs are the tl kernel's
-    del data["shapes"]["32768x2048x2048"]["config"]["backend"]
+    del data["shapes"]["32768x2048x2048"]["backend"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
     autotune.clear_caches()
@@ -657,18 +659,18 @@ def test_backend_recorded_in_tables(tmp_path):
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
-    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, MM_CANDIDATES, candidates, gluon_candidates
-    from codagen.tune.harness import times_hopper
+    from codagen.tune.candidates import GEMM_CANDIDATES, GLUON_CANDIDATES, CUBLAS_CANDIDATES, candidates, gluon_candidates
+    from codagen.tune.harness import other_backends
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
     tiles_and_quarters = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, 4))
-    assert candidates(kernels["matmul"], hopper=True) == GEMM_CANDIDATES + tiles_and_quarters + MM_CANDIDATES
+    assert candidates(kernels["matmul"], ("gluon",)) == GEMM_CANDIDATES + tiles_and_quarters + CUBLAS_CANDIDATES
     assert gluon_candidates(kernels["swiglu_dgrad"]) == GLUON_CANDIDATES  # and eighths
-    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + MM_CANDIDATES
+    assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + CUBLAS_CANDIDATES
     assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
-    assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], hopper=True))
+    assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], ("gluon",)))
     tl_matmul = importlib.import_module("generated.kernels.matmul")
-    assert not times_hopper(tl_matmul, torch.device("cpu"))  # the interpreter runs no Gluon kernel
+    assert other_backends(tl_matmul, torch.device("cpu")) == ()  # the interpreter runs no Gluon kernel
 
 
 def test_every_hopper_kernel_has_a_candidate_that_fits():
@@ -700,7 +702,7 @@ def test_tl_launcher_dispatches_on_the_configs_backend(monkeypatch):
 
     tl_matmul = importlib.import_module("generated.kernels.matmul")
     calls = []
-    monkeypatch.setattr(backends, "launch_hopper", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
+    monkeypatch.setattr(backends, "launch", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
     a, b, out = _matmul_args()
     gluon = Config(64, 64, 32, 8, 4, 4, backend="gluon")
     tl_matmul.launch(a, b, out_tile=out, config=gluon)
@@ -721,9 +723,10 @@ def test_gluon_config_refused_off_hopper_and_where_not_lowered():
     with pytest.raises(ValueError, match="sm_90 GPU only"):  # the Hopper module's own refusal
         importlib.import_module("generated.kernels.matmul").launch(a, b, out_tile=out, config=gluon)
     # a table's choice falls back to the tl kernel where the Hopper kernel refuses the arguments
-    assert backends.hopper_or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
+    assert backends.or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
     x = torch.randn(5, 8)
-    with pytest.raises(ValueError, match="the Hopper backend does not lower this kernel"):
+    with pytest.raises(ValueError, match=r"Config\(backend='gluon'\), but that backend does not lower this kernel "
+                                         r"\(generated/kernels/gluon/__init__.py says why\)"):
         importlib.import_module("generated.kernels.rmsnorm_stats").launch(
             x, torch.randn(8), h=torch.empty(5, 8), ss=torch.empty(5, 1), config=gluon)
 

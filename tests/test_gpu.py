@@ -555,9 +555,9 @@ def test_a_table_s_hopper_choice_runs_the_tl_kernel_on_a_view_tma_cannot_address
     chosen = runtime.backends.hopper_default("generated.kernels", "gate_up_swiglu")
     monkeypatch.setattr(module, "_PLANS", {})
     monkeypatch.setattr(runtime, "pick_config", lambda *a, **k: chosen)
-    hoppers, launch_hopper = [], runtime.backends.launch_hopper
-    monkeypatch.setattr(runtime.backends, "launch_hopper",
-                        lambda *a, **kw: hoppers.append(kw["config"]) or launch_hopper(*a, **kw))
+    hoppers, launch_other = [], runtime.backends.launch
+    monkeypatch.setattr(runtime.backends, "launch",
+                        lambda *a, **kw: hoppers.append(kw["config"]) or launch_other(*a, **kw))
     m, n, k = 1037, 1040, 872
     g = generator("misaligned")
     storage = (torch.randn(m * k + 8, device=DEVICE, generator=g) * k ** -0.25).bfloat16()
@@ -607,14 +607,14 @@ def test_untuned_shape_tries_the_hopper_kernel_at_run_time(name, monkeypatch, tm
 
 
 @pytest.mark.parametrize("dtype", list(LOW))
-def test_mm_backend_at_the_lm_head_s_input_gradient(dtype):
-    """Backend "mm" (cuBLAS's fp32 product, then the tl kernel's epilogue over it) on norm_dgrad over a ragged
+def test_cublas_mainloop_at_the_lm_head_s_input_gradient(dtype):
+    """Mainloop "cublas" (cuBLAS's fp32 product, then the tl kernel's epilogue over it) on norm_dgrad over a ragged
     chunk of rows of the LM head (K = vocab), where codagen tune times it."""
     start = time.perf_counter()
     module = importlib.import_module("generated.kernels.norm_dgrad")
-    config = runtime.Config(64, 128, 64, 8, 4, 1, backend="mm")
+    config = runtime.Config(64, 128, 64, 8, 4, 1, mainloop="cublas")
     m, n, k = 1280 + 37, D, VOCAB
-    assert runtime.backends.mm_pays(m, n, k)
+    assert runtime.backends.cublas_pays(m, n, k)
     check_launch(f"gpu mm norm_dgrad {dtype}", KERNELS["norm_dgrad"], ViaConfig(module, config),
                  {"M": m, "N": n, "K": k}, LOW[dtype], lambda: config, f"mm/norm_dgrad/{dtype}", start)
 

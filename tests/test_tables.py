@@ -22,7 +22,7 @@ from codagen.runtime import autotune, configs
 from codagen.runtime import tables as runtime_tables
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from codagen.tune import tables
-from conftest import ERROR_LINE, SCALED_SPEC, TEST_SPECS, within_seconds
+from conftest import ERROR_LINE, REPO, SCALED_SPEC, TEST_SPECS, within_seconds
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 CPU = torch.device("cpu")
@@ -33,7 +33,7 @@ TOO_BIG = Config(512, 512, 512, 8, 8, 2)  # one stage of its operand tiles: 1 Mi
 
 
 def entry(config: Config) -> dict:
-    return {"config": config.as_dict(), "ms": 1.0}
+    return {**tablefile.entry_of(config), "ms": 1.0}
 
 
 @pytest.fixture
@@ -103,6 +103,40 @@ def test_shape_keys_are_read_in_ascii_digits_only():
         "8192x8x8", "32768x8x8", "abc", "\u00b2x1x1"]
 
 
+# -- the two forms of an entry ------------------------------------------------------------------------------------
+def test_an_entry_names_its_backend_beside_its_configuration_and_the_flat_form_still_reads():
+    """Tables are written {"backend": ..., "config": {...}}; the flat form of the tables written before, with the
+    backend among the fields (or none: the tl kernel) and backend "mm" for the tl kernel over cuBLAS's product,
+    reads as the same configuration."""
+    hopper = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon")
+    written = tablefile.entry_of(hopper)
+    assert written["backend"] == "gluon" and "backend" not in written["config"]
+    assert Config(**tablefile.entry_fields(written)) == hopper
+    assert Config(**tablefile.entry_fields({"config": hopper.as_dict()})) == hopper
+    flat = {k: v for k, v in GOOD.as_dict().items() if k not in ("backend", "mainloop")}
+    assert Config(**tablefile.entry_fields({"config": flat})) == GOOD
+    cublas = Config(**tablefile.entry_fields({"config": {**flat, "backend": "mm"}}))
+    assert (cublas.backend, cublas.mainloop) == ("tl", "cublas") and "cublas" in cublas.label()
+    assert tablefile.entry_of(cublas) == {"backend": "tl", "config": {**flat, "mainloop": "cublas"}}
+
+
+def test_every_committed_table_reads_and_writes_in_the_new_form_to_the_same_configurations(tmp_path):
+    """Each committed table (generated/tuning/, written in the flat form) has no entry a launch would skip, and its
+    entries rewritten as `codagen tune` writes them now read back as the same configurations."""
+    committed = sorted((REPO / "generated" / "tuning").glob("*/*.json"))
+    assert committed
+    for path in committed:
+        table = tablefile.read_table(path)
+        assert not table.bad, table.bad[0].located()
+        rewritten = tmp_path / path.parent.name / path.name
+        rewritten.parent.mkdir(exist_ok=True)
+        shapes = {key: {**entry, **tablefile.entry_of(table.entries[key])} for key, entry in table.shapes.items()}
+        assert all("backend" not in e["config"] for e in shapes.values())
+        rewritten.write_text(json.dumps({**table.data, "shapes": shapes}, indent=1, sort_keys=True))
+        again = tablefile.read_table(rewritten)
+        assert again.entries == table.entries and not again.bad, path
+
+
 # -- corrupt tables: build --check and the launcher -------------------------------------------------------------
 def huge(path):
     path.write_bytes(b'{"shapes": {}}' + b" " * tablefile.MAX_BYTES)
@@ -136,7 +170,10 @@ CORRUPT = [
     ("fifo", fifo, "(not a regular file)", False),
     ("dev-zero", dev_zero, "(a link to a file outside its folder)", False),
     ("folder", folder, "(not a regular file)", False),
-    ("bogus-entry", {"64x40x24": {"bogus_field": 1}}, "entry '64x40x24': expected {\"config\"", True),
+    ("bogus-entry", {"64x40x24": {"bogus_field": 1}}, "entry '64x40x24': expected {\"backend\": ..., \"config\"",
+     True),
+    ("backend-twice", {"64x40x24": {"backend": "tl", "config": GOOD.as_dict()}},
+     "entry '64x40x24': the backend is named twice", True),
     ("bogus-field", {"64x40x24": {"config": {**GOOD.as_dict(), "bogus_field": 1}}},
      "entry '64x40x24': the configuration has no field 'bogus_field'", True),
     ("wrong-type", {"64x40x24": {"config": {**GOOD.as_dict(), "block_m": "64"}}},

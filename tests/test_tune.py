@@ -29,6 +29,7 @@ from codagen.tune import TuneError, command, harness, precompile, shapes, tables
 from codagen.runtime import autotune, backends, configs
 from codagen.runtime import tables as runtime_tables
 from codagen.runtime.configs import GPU_DEFAULT, Config
+from codagen.tablefile import entry_fields, entry_of
 from conftest import REPO, draw_args
 
 SPECS = REPO / "specs"
@@ -390,31 +391,35 @@ def test_every_generated_kernel_passes_its_check():
         assert check(config, shape) is None, c.kernel.name
 
 
-def test_mm_backend_passes_the_check_of_every_gemm_kernel():
-    """Backend "mm" (torch.mm's product, then the tl kernel's epilogue over it in place of its mainloop) gives
+def test_cublas_mainloop_passes_the_check_of_every_gemm_kernel():
+    """Mainloop "cublas" (torch.mm's product, then the tl kernel's epilogue over it in place of its mainloop) gives
     every GEMM kernel of specs/ what the float64 reference gives, with tiles ragged against the shape; a kernel
     without a GEMM refuses it, naming why."""
     for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked) and c.kernel.gemm):
         mod = module(c.kernel.name)
         group = c.kernel.column_group
         shape = shapes.Shape(45, 3 * group if group else 40, 24)
-        config = Config(16, 2 * group if group else 32, 16, 8, 4, 1, backend="mm")
+        config = Config(16, 2 * group if group else 32, 16, 8, 4, 1, mainloop="cublas")
         inputs = harness.make_inputs(c.kernel, mod, shape, CPU)
         assert harness.Checker(c, mod, inputs, 37, CPU)(config, shape) is None, c.kernel.name
     stats = module("rmsnorm_stats")
     x, wn = torch.randn(5, 8), torch.randn(8)
-    with pytest.raises(ValueError, match="rmsnorm_stats: Config.backend='mm'. makes a GEMM's product with "
+    with pytest.raises(ValueError, match="rmsnorm_stats: Config.mainloop='cublas'. makes a GEMM's product with "
                                          "torch.mm, but this kernel has no GEMM"):
-        stats.launch(x, wn, h=torch.empty(5, 8), ss=torch.empty(5, 1), config=Config(backend="mm"))
-    with pytest.raises(ValueError, match="backend 'mm' has no mainloop"):
-        Config(backend="mm", tma=True)
+        stats.launch(x, wn, h=torch.empty(5, 8), ss=torch.empty(5, 1), config=Config(mainloop="cublas"))
+    with pytest.raises(ValueError, match="mainloop 'cublas' is the tl kernel's"):
+        Config(mainloop="cublas", tma=True)
+    with pytest.raises(ValueError, match="mainloop 'cublas' is the tl kernel's .backend 'tl', got 'gluon'"):
+        Config(mainloop="cublas", backend="gluon")
+    with pytest.raises(ValueError, match="Config.backend='tl', mainloop='cublas'."):
+        Config(backend="mm")
 
 
-def test_mm_backend_is_timed_only_where_k_is_long(as_gpu, tmp_path):
-    """The tuner times backend "mm" where backends.mm_pays (K at least 8 times M and N: the LM head's input
+def test_cublas_mainloop_is_timed_only_where_k_is_long(as_gpu, tmp_path):
+    """The tuner times mainloop "cublas" where backends.cublas_pays (K at least 8 times M and N: the LM head's input
     gradient over a chunk of rows), and leaves it out elsewhere; run-time tuning tries it there too, with the
     default's tile."""
-    mm = Config(16, 16, 16, 8, 4, 1, backend="mm")
+    mm = Config(16, 16, 16, 8, 4, 1, mainloop="cublas")
     norm = checked("norm_dgrad")
     mod = module("norm_dgrad")
     for shape, timed in ((shapes.Shape(45, 40, 24), False), (shapes.Shape(20, 24, 200), True)):
@@ -424,7 +429,7 @@ def test_mm_backend_is_timed_only_where_k_is_long(as_gpu, tmp_path):
         as_gpu.trials.clear()
         autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, k, CPU, decls=mod.DECLS, run=lambda c: None,
                              split=mod.DEFAULT_SPLIT)
-        ran = [c for c in as_gpu.trials if c.backend == "mm"]
+        ran = [c for c in as_gpu.trials if c.mainloop == "cublas"]
         assert len(ran) == tried
         default = configs.gpu_default(split=mod.DEFAULT_SPLIT)
         assert all((c.block_m, c.block_n, c.persistent, c.tma) == (default.block_m, default.block_n, False, False)
@@ -439,7 +444,7 @@ def test_budget_stops_cleanly():
 
 # -- tables -----------------------------------------------------------------------------------------------
 def entry(config: Config, ms: float) -> dict:
-    return {"config": config.as_dict(), "ms": ms}
+    return {**entry_of(config), "ms": ms}
 
 
 def test_table_is_deterministic_merges_and_touches_nothing_else(tmp_path):
@@ -706,7 +711,8 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     the default's tile, as its tl candidates. Elsewhere, and for kernels the backend does not lower, the tl
     candidates alone."""
     hopper_gpu = {"yes": False}
-    monkeypatch.setattr(backends, "hopper_runs", lambda device: hopper_gpu["yes"])
+    gluon = dataclasses.replace(backends.GLUON, runs=lambda device: hopper_gpu["yes"])
+    monkeypatch.setattr(backends, "BACKENDS", tuple(gluon if b is backends.GLUON else b for b in backends.BACKENDS))
     swiglu, norm = module("gate_up_swiglu"), module("out_proj_residual_norm")
     own = backends.hopper_default(swiglu.__package__, swiglu.NAME)
     assert (own.backend, own.block_m, own.block_n, own.num_warps) == ("gluon", 128, 128, 4)
@@ -866,14 +872,14 @@ def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=timer,
                 check_rows=37, pools={"matmul": POOL[:1]}, log=lambda _: None)
     entry, log = run("persistent", {})
-    assert Config(**entry["config"]) == present and entry["ms"] == 1.0  # the challenger is slower
+    assert Config(**entry_fields(entry)) == present and entry["ms"] == 1.0  # the challenger is slower
     assert "rmsnorm_stats: no candidate's label contains 'persistent'; skipped" in log
     assert "(2 timed, 0 discarded" in log
     assert f"\n  2.0000 ms  {slow.label()}" in log  # the runner-up, with its time
     entry, _ = run("tma", {})
-    assert Config(**entry["config"]) == fast and entry["ms"] == 0.5
+    assert Config(**entry_fields(entry)) == fast and entry["ms"] == 0.5
     entry, _ = run("persistent", {fast: 3.0})  # the present choice, re-timed, now slower than the challenger
-    assert Config(**entry["config"]) == slow and entry["ms"] == 2.0
+    assert Config(**entry_fields(entry)) == slow and entry["ms"] == 2.0
 
 
 def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_path):
@@ -889,7 +895,7 @@ def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_pa
     assert work[0][0] == job.checked.kernel.source
     work = command._compile_work([job], pool_of, None, True, 1072, triton.__version__)  # --missing-only
     assert {shape for _, _, shape, _ in work} == {shapes.Shape(1072, 40, 24)} and len(work) == 2
-    mm = Config(16, 16, 16, 8, 4, 1, backend="mm")  # compiled only for a run with a shape that times it
+    mm = Config(16, 16, 16, 8, 4, 1, mainloop="cublas")  # compiled only for a run with a shape that times it
     work = command._compile_work([job], {"matmul": (POOL[0], mm)}, None, False, 1072, triton.__version__)
     assert [c for _, _, _, c in work] == [POOL[0]]
     (long_k,) = command.jobs([SPECS / "matmul.yaml"], "45x40x24,20x40x400", kernels="matmul", tuning_dir=tmp_path,
@@ -944,10 +950,10 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     entry = json.loads(written[0].read_text())["shapes"]["2048x1024x512"]
     assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
     mm = module("matmul")
-    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry["config"])
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry_fields(entry))
     # another token count of the same widths: the tuned entry, no run-time tuning
     assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
-                                run=lambda c: pytest.fail("tuned at run time")) == Config(**entry["config"])
+                                run=lambda c: pytest.fail("tuned at run time")) == Config(**entry_fields(entry))
 
     # widths the table lacks: tuned at run time on the caller's arguments
     g = torch.Generator(device=dev).manual_seed(0)

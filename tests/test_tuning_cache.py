@@ -15,6 +15,7 @@ import pytest
 import torch
 import triton
 
+from codagen import tablefile
 from codagen.runtime import autotune, configs, tables, tuning_cache
 from codagen.runtime.configs import GPU_DEFAULT, Config
 from conftest import REPO, within_seconds
@@ -62,7 +63,7 @@ def table(shapes: dict, fingerprint: str = FINGERPRINT, triton_version: str = tr
 
 
 def entry(config: Config) -> dict:
-    return {"config": config.as_dict()}
+    return tablefile.entry_of(config)
 
 
 CHILD = """

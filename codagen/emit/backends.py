@@ -38,8 +38,8 @@ class Backend:
 TL = Backend(
     name="tl", emitter=EpilogueEmitter, folder="kernels/",
     unlowered=lambda k, types: [],
-    # the tl launcher runs the Hopper module where the config's backend is "gluon"
-    render=lambda k, types, regenerate, lowering: render_kernel(k, types, regenerate, hopper="gluon" in lowering))
+    # the tl launcher runs the module of another backend that lowers the kernel where the config names it
+    render=lambda k, types, regenerate, lowering: render_kernel(k, types, regenerate, others=bool(lowering - {"tl"})))
 
 GLUON = Backend(
     name="gluon", emitter=gluon.GluonEpilogueEmitter, folder="kernels/gluon/",

@@ -10,9 +10,9 @@ from .launch import LaunchSignature
 from .templates import render
 
 
-def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hopper: bool = False) -> str:
-    """The tl kernel's module; `hopper`: the Hopper backend lowers the kernel too, and the launcher runs that
-    kernel when its config says so (backend "gluon")."""
+def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, others: bool = False) -> str:
+    """The tl kernel's module; `others`: other backends lower the kernel too, and the launcher runs the kernel
+    of the backend its config names (runtime.backends.launch)."""
     sig = LaunchSignature(k)
     operands = (k.gemm.a, k.gemm.b) if k.gemm else ()
     epilogue_tensors = [t for t in sig.tensors if t.name not in operands]
@@ -29,7 +29,7 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, hoppe
         epilogue_tensors=epilogue_tensors,
         epilogue_pointers=epilogue_pointers,
         epilogue=emit_epilogue(k, types),
-        hopper=hopper,
+        others=others,
         even_n=any(t.width is Width.HALF for t in types.values()),
         regenerate=regenerate,
         fingerprint=fingerprint(k),

@@ -120,8 +120,8 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     no tuning). `group`: the kernel's column_group, which every epilogue slice must hold whole (defaults are
     widened to it); "N": one slice must span the n columns. `split`: the epilogue split of the kernel's default
     and of its run-time candidates on a GPU (codagen.emit.kernel.gpu_default_split: 4 where the whole tile's
-    epilogue would spill). `package`: the generated package of a kernel the Hopper backend lowers; on an sm_90
-    GPU, run-time tuning tries its Hopper kernel's default too (backends.hopper_default)."""
+    epilogue would spill). `package`: the generated package of a kernel that other backends lower; run-time
+    tuning tries the default of each that runs here too (backends.candidates)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
@@ -178,9 +178,9 @@ def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, defau
                 group, split: int, package: str | None) -> list[Config]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
     pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
-    if k and backends.mm_pays(m, n, k):  # the default's tile, its epilogue after torch.mm's product
-        pool.append(dataclasses.replace(default, backend="mm", persistent=False, tma=False, flatten=False,
+    if k and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
+        pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,
                                         warp_specialize=False))
-    if package is not None and backends.hopper_runs(device):
-        pool += backends.hopper_candidates(package, kernel, default, tile_dependent, group, n)
+    if package is not None:
+        pool += backends.candidates(package, kernel, device, default, tile_dependent, group, n)
     return pool

@@ -1,13 +1,18 @@
-"""The backends a tl kernel's launcher dispatches to by its config's `backend` (codagen.tileconfig.BACKENDS): "tl",
-the kernel itself; "gluon", the Hopper backend's kernel of the same spec (generated/kernels/gluon/<name>.py, for
-kernels it lowers); "mm", the tl kernel's epilogue after torch.mm's product. What generated launchers call to
-launch, check and fall back between them, and the candidates each adds to run-time tuning."""
+"""The backends a tl kernel's launcher dispatches to by its config's `backend`, as launches and tuning see them: a
+`Backend` record each in BACKENDS. "tl", the kernel itself (with its own mainloop, or over cuBLAS's product:
+Config.mainloop "cublas", cublas_product); "gluon", the Hopper backend's kernel of the same spec
+(generated/kernels/gluon/<name>.py, for kernels it lowers). What generated launchers call to launch (`launch`),
+check (`check_tl_only`) and fall back between them (`or_tl`), and what run-time tuning and `codagen tune` ask of
+each: whether it lowers a kernel and runs on this device (`running`), its run-time candidate (`candidates`)."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import importlib.util
 import logging
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -16,63 +21,31 @@ from .configs import Config, fits_group
 log = logging.getLogger("codagen.tune")
 
 
-def launch_hopper(package: str, kernel: str, /, **arguments) -> None:
-    """Launch a kernel's Hopper module, <package>.gluon.<kernel>, for a config whose backend is "gluon". The
-    module is imported at the first such launch only: it imports Triton's Gluon (and refuses all but sm_90)."""
-    importlib.import_module(f"{package}.gluon.{kernel}").launch(**arguments)
+@dataclass(frozen=True)
+class Backend:
+    """A backend at run time; its generator side is the record of the same name in codagen/emit/backends.py."""
+
+    name: str  # as Config.backend names it (codagen.tileconfig.BACKENDS)
+    # the subpackage of a generated kernels package that holds its modules, <package>.<folder>.<kernel>, each with
+    # `launch` (the tl launcher's arguments) and `check_launch(tensors, config)`; None: the tl modules themselves
+    folder: str | None
+    runs: Callable[[torch.device], bool]  # whether this device runs its kernels
+    # its kernel's default for one of its modules, as a tl launcher's Config of this backend: its run-time candidate
+    default: Callable[[ModuleType], Config] | None = None
+    # the Config fields only its kernel reads, set back to their defaults where a launch falls back to tl
+    own_fields: tuple[str, ...] = ()
+
+    def module(self, package: str, kernel: str) -> ModuleType:
+        """A kernel's module of this backend, imported at its first use (a backend's modules may import what only
+        its devices have, as the Hopper modules import Triton's Gluon)."""
+        return importlib.import_module(f"{package}.{self.folder}.{kernel}")
+
+    def lowers(self, package: str, kernel: str) -> bool:
+        """Whether the generator wrote a module of this kernel for this backend (it lowers the kernel)."""
+        return self.folder is None or importlib.util.find_spec(f"{package}.{self.folder}.{kernel}") is not None
 
 
-def hopper_default(package: str, kernel: str) -> Config:
-    """The Hopper kernel's own default configuration (gluon_hopper.default_config of its epilogue: 128x128 tiles,
-    as many operand stages as fit), as a tl launcher's Config whose backend is "gluon"."""
-    from . import gluon_hopper
-
-    h = gluon_hopper.default_config(importlib.import_module(f"{package}.gluon.{kernel}").EPILOGUE)
-    return Config(h.block_m, h.block_n, h.block_k, h.group_m, num_warps=4, num_stages=h.stages,
-                  epilogue_split=h.epilogue_split, backend="gluon")
-
-
-def hopper_or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
-    """A tuning table's choice of the Hopper kernel, or the tl kernel with the same tile shape where the Hopper
-    kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
-    try:
-        importlib.import_module(f"{package}.gluon.{kernel}").check_launch(tensors, config)
-    except ValueError as e:
-        log.info("codagen: %s: the tuning table chose the Hopper kernel, which refuses these arguments (%s); "
-                 "running the tl kernel", kernel, e)
-        return dataclasses.replace(config, backend="tl", epilogue_stages=None, direct_stores=False,
-                                   slice_loop=False, slice_unroll=1, consumers=2)
-    return config
-
-
-def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
-    """Refuse, for a kernel that the Hopper backend does not lower, a config that asks for its kernel; and for a
-    kernel without a GEMM, one that asks for torch.mm's."""
-    if config.backend == "gluon":
-        raise ValueError(f"{kernel}: Config(backend='gluon'), but the Hopper backend does not lower this kernel "
-                         "(generated/kernels/gluon/__init__.py says why); use backend='tl'")
-    if config.backend == "mm" and not gemm:
-        raise ValueError(f"{kernel}: Config(backend='mm') makes a GEMM's product with torch.mm, but this kernel has "
-                         "no GEMM; use backend='tl'")
-
-
-def mm_pays(m: int, n: int, k: int) -> bool:
-    """Whether backend "mm" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
-    input gradient over a chunk of rows (1280 x 2048 x 128256), where the fp32 product's extra write and read are
-    a few percent of the GEMM's time and memory, and cuBLAS's split-K fills SMs that one program per output tile
-    leaves idle (norm_dgrad at 1280 x 2048: 80 tiles of 128x256 for the H200's 132 SMs)."""
-    return k >= 8 * max(m, n)
-
-
-def mm_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 for backend "mm": bf16 and fp16 operands through cuBLAS with an fp32 output (no rounding
-    of the product to their dtype before the epilogue, as in the fused kernel); elsewhere in fp32."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
-
-
-def hopper_runs(device: torch.device) -> bool:
+def _hopper_runs(device: torch.device) -> bool:
     """Whether the Hopper kernels can run here: an sm_90 GPU, not the interpreter, and a Triton with Gluon."""
     from . import INTERPRETED
 
@@ -80,16 +53,108 @@ def hopper_runs(device: torch.device) -> bool:
             and importlib.util.find_spec("triton.experimental.gluon") is not None)
 
 
-def hopper_candidates(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
-    """The Hopper kernel's default as a run-time candidate (none where its slices would split column groups);
-    for a kernel whose outputs depend on the tile shape, with the default's tile and epilogue split, as the tl
-    candidates (runtime_candidates)."""
+def _hopper_default(module: ModuleType) -> Config:
+    """The Hopper kernel's own default configuration (gluon_hopper.default_config of its epilogue: 128x128 tiles,
+    as many operand stages as fit), as a tl launcher's Config whose backend is "gluon"."""
+    from . import gluon_hopper
+
+    h = gluon_hopper.default_config(module.EPILOGUE)
+    return Config(h.block_m, h.block_n, h.block_k, h.group_m, num_warps=4, num_stages=h.stages,
+                  epilogue_split=h.epilogue_split, backend="gluon")
+
+
+TL = Backend("tl", folder=None, runs=lambda device: True)
+GLUON = Backend("gluon", folder="gluon", runs=_hopper_runs, default=_hopper_default,
+                own_fields=("epilogue_stages", "direct_stores", "slice_loop", "slice_unroll", "consumers"))
+BACKENDS: tuple[Backend, ...] = (TL, GLUON)
+
+
+def backend(name: str) -> Backend:
+    return next(b for b in BACKENDS if b.name == name)
+
+
+def launch(package: str, kernel: str, /, **arguments) -> None:
+    """Launch a kernel's module of the backend its config names (a config of a backend other than tl), with the
+    tl launcher's arguments."""
+    backend(arguments["config"].backend).module(package, kernel).launch(**arguments)
+
+
+def or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
+    """A tuning table's choice of another backend's kernel, or the tl kernel with the same tile shape where that
+    kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
+    chosen = backend(config.backend)
     try:
-        config = hopper_default(package, kernel)
+        chosen.module(package, kernel).check_launch(tensors, config)
+    except ValueError as e:
+        log.info("codagen: %s: the tuning table chose the %s kernel, which refuses these arguments (%s); "
+                 "running the tl kernel", kernel, chosen.name, e)
+        tl_fields = {f.name: f.default for f in dataclasses.fields(Config) if f.name in chosen.own_fields}
+        return dataclasses.replace(config, backend="tl", **tl_fields)
+    return config
+
+
+def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
+    """Refuse, for a kernel that no other backend lowers, a config that asks for another backend's kernel; and
+    for a kernel without a GEMM, one that asks for cuBLAS's product."""
+    if config.backend != "tl":
+        raise ValueError(f"{kernel}: Config(backend={config.backend!r}), but that backend does not lower this kernel "
+                         f"(generated/kernels/{backend(config.backend).folder}/__init__.py says why); use "
+                         "backend='tl'")
+    if config.mainloop == "cublas" and not gemm:
+        raise ValueError(f"{kernel}: Config(mainloop='cublas') makes a GEMM's product with torch.mm, but this kernel "
+                         "has no GEMM; use mainloop='triton'")
+
+
+def running(package: str, kernel: str, device: torch.device) -> tuple[Backend, ...]:
+    """The backends besides tl that lower this kernel (of the generated `package`) and that this device runs:
+    whose kernels run-time tuning and `codagen tune` time beside the tl kernel's."""
+    return tuple(b for b in BACKENDS if b is not TL and b.runs(device) and b.lowers(package, kernel))
+
+
+def candidates(package: str, kernel: str, device: torch.device, default: Config, tile_dependent: bool, group,
+               n) -> list[Config]:
+    """The run-time candidates of the other backends that run this kernel here (`running`): each one's default
+    (none where its slices would split column groups); for a kernel whose outputs depend on the tile shape, with
+    the tl default's tile and epilogue split, as the tl candidates (configs.runtime_candidates)."""
+    return [c for b in running(package, kernel, device)
+            for c in [_candidate(b, package, kernel, default, tile_dependent, group, n)] if c is not None]
+
+
+def _candidate(b: Backend, package: str, kernel: str, default: Config, tile_dependent: bool, group,
+               n) -> Config | None:
+    try:
+        config = b.default(b.module(package, kernel))
     except Exception as e:  # noqa: BLE001 - as a candidate that fails to compile: the tl candidates remain
-        log.info("codagen: %s: the Hopper kernel is not a run-time candidate: %s", kernel, e)
-        return []
+        log.info("codagen: %s: the %s kernel is not a run-time candidate: %s", kernel, b.name, e)
+        return None
     if tile_dependent:
         config = dataclasses.replace(config, block_m=default.block_m, block_n=default.block_n,
                                      epilogue_split=default.epilogue_split)
-    return [config] if fits_group(config, group, n) else []
+    return config if fits_group(config, group, n) else None
+
+
+def hopper_candidates(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
+    """The Hopper kernel's run-time candidate, on a device that runs it (benchmarks/ asks for it by this name)."""
+    return [c for c in [_candidate(GLUON, package, kernel, default, tile_dependent, group, n)] if c is not None]
+
+
+def hopper_default(package: str, kernel: str) -> Config:
+    """The Hopper kernel's default of a kernel, as a Config whose backend is "gluon" (benchmarks/ asks for it by
+    this name)."""
+    return GLUON.default(GLUON.module(package, kernel))
+
+
+def cublas_pays(m: int, n: int, k: int) -> bool:
+    """Whether mainloop "cublas" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
+    input gradient over a chunk of rows (1280 x 2048 x 128256), where the fp32 product's extra write and read are
+    a few percent of the GEMM's time and memory, and cuBLAS's split-K fills SMs that one program per output tile
+    leaves idle (norm_dgrad at 1280 x 2048: 80 tiles of 128x256 for the H200's 132 SMs)."""
+    return k >= 8 * max(m, n)
+
+
+def cublas_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for mainloop "cublas": bf16 and fp16 operands through cuBLAS with an fp32 output (no rounding
+    of the product to their dtype before the epilogue, as in the fused kernel); elsewhere in fp32."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())

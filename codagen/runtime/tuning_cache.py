@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 from .. import tablefile
@@ -88,8 +87,8 @@ def write(path: Path, kernel: str, gpu: str, fingerprint: str, triton_version: s
     (stale ones are dropped). Written to a temporary file in the same folder and renamed over it, so that a
     reader, or a process writing at the same time, never sees half a file (one of two such writes may lose the
     other's new entry: that bucket is tuned again later)."""
-    shapes = {b: {"config": asdict(c)} for b, c in read(path, fingerprint, triton_version).items()}
-    shapes[bucket] = {"config": asdict(config)}
+    shapes = {b: tablefile.entry_of(c) for b, c in read(path, fingerprint, triton_version).items()}
+    shapes[bucket] = tablefile.entry_of(config)
     text = json.dumps({"kernel": kernel, "gpu": gpu, "fingerprint": fingerprint, "triton": triton_version,
                        "shapes": shapes}, indent=1, sort_keys=True) + "\n"
     tmp = None

@@ -148,11 +148,12 @@ GLUON_CANDIDATES = (
 )
 
 
-# Backend "mm": torch.mm's product (cuBLAS), then the tl kernel's epilogue over it, timed where backends.mm_pays
+# Mainloop "cublas": torch.mm's product (cuBLAS), then the tl kernel's epilogue over it, timed where
+# backends.cublas_pays
 # (a long K, few output tiles: the LM head's input gradient over a chunk of rows). The tile shape and warps are
 # those of the epilogue's pass alone, as for the kernels without a GEMM (ELEMENTWISE_CANDIDATES).
-MM_CANDIDATES = tuple(
-    Config(bm, bn, 64, 8, w, 1, epilogue_split=split, backend="mm")
+CUBLAS_CANDIDATES = tuple(
+    Config(bm, bn, 64, 8, w, 1, epilogue_split=split, mainloop="cublas")
     for bm, bn, w, split in ((128, 128, 8, 1), (128, 128, 8, 2), (64, 128, 4, 1), (32, 128, 4, 1))
 )
 
@@ -174,13 +175,20 @@ def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
                  ) + (GLUON_GROUP_CANDIDATES if kernel.column_group else ())
 
 
-def candidates(kernel: Kernel, hopper: bool = False) -> tuple[Config, ...]:
-    """The configs `codagen tune` tries; `hopper`: the kernel has a Hopper module and this GPU runs it (backend
-    "mm" only at the shapes where backends.mm_pays: the tuner leaves it out at others). For a
+# The candidates of each backend besides tl, by its name (runtime.backends.BACKENDS), for a kernel it lowers
+BACKEND_CANDIDATES = {"gluon": gluon_candidates}
+
+
+def candidates(kernel: Kernel, backends: tuple[str, ...] = (), *, hopper: bool = False) -> tuple[Config, ...]:
+    """The configs `codagen tune` tries; `backends`: the other backends that lower the kernel and that this GPU
+    runs (harness.other_backends), whose candidates (BACKEND_CANDIDATES) come after the tl kernel's and before
+    those of the cuBLAS mainloop (timed only at the shapes where backends.cublas_pays). `hopper=True` is
+    backends=("gluon",), as benchmarks/ passes it. For a
     kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
     at the spec's column_group."""
+    backends = (*backends, "gluon") if hopper and "gluon" not in backends else backends  # benchmarks/ passes hopper
     pool = (ELEMENTWISE_CANDIDATES if not kernel.gemm
-            else GEMM_CANDIDATES + (gluon_candidates(kernel) if hopper else ()) + MM_CANDIDATES)
+            else GEMM_CANDIDATES + sum((BACKEND_CANDIDATES[b](kernel) for b in backends), ()) + CUBLAS_CANDIDATES)
     fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))
     if not fitting:
         widest = max(c.epilogue_n for c in pool)

@@ -13,12 +13,13 @@ import torch
 from .. import api
 from ..api import Checked
 from ..fingerprint import fingerprint
+from ..tablefile import entry_fields
 from ..runtime import autotune, backends
 from ..runtime import tables as runtime_tables
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
-from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, times_hopper, tune_shape
+from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, other_backends, tune_shape
 from .precompile import precompile
 from .shapes import TOKENS, Shape, parse_attrs, parse_shapes, parse_tokens
 from .tables import read_table, write_table
@@ -95,7 +96,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
-        j.checked.kernel, times_hopper(j.module, device))) for j in selected}
+        j.checked.kernel, other_backends(j.module, device))) for j in selected}
     if only is not None:
         pool_of = {name: tuple(c for c in pool if only in c.label()) for name, pool in pool_of.items()}
         for j in [j for j in selected if not pool_of[j.checked.kernel.name]]:
@@ -124,7 +125,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
                 break
             pool = pool_of[kernel.name]
             if only is not None and shape.key in table:  # the present choice, to beat
-                present = Config(**table[shape.key]["config"])
+                present = Config(**entry_fields(table[shape.key]))
                 pool = pool if present in pool else (present, *pool)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 outcome = tune_shape(job.checked, job.module, shape, device, pool=pool, timer=timer,
@@ -162,10 +163,10 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
         shapes = [s for s in job.shapes if not (missing_only and s.key in table)]
         if not shapes:
             continue
-        present = [Config(**table[s.key]["config"]) for s in shapes if only is not None and s.key in table]
+        present = [Config(**entry_fields(table[s.key])) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
-        mm = any(backends.mm_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times no "mm" candidate
-        pool = [c for c in pool_of[kernel.name] if c.backend != "mm" or mm]
+        cublas = any(backends.cublas_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times none of them
+        pool = [c for c in pool_of[kernel.name] if c.mainloop != "cublas" or cublas]
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import dims, reference
+from .. import dims, reference, tablefile
 from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
@@ -143,11 +143,15 @@ def load_module(out: Path, name: str):
     return importlib.import_module(f"{pkg.name}.kernels.{name}")
 
 
+def other_backends(module, device: torch.device) -> tuple[str, ...]:
+    """The backends besides tl whose kernels are candidates: they lower this kernel (its module of theirs exists)
+    and this GPU runs them (runtime.backends.running)."""
+    return tuple(b.name for b in backends.running(module.__package__, module.NAME, device))
+
+
 def times_hopper(module, device: torch.device) -> bool:
-    """Whether the Hopper kernel is a candidate: the Hopper backend lowers this kernel (its module
-    <package>.gluon.<name> exists) and this GPU runs it."""
-    return (backends.hopper_runs(device)
-            and importlib.util.find_spec(f"{module.__package__}.gluon.{module.NAME}") is not None)
+    """Whether the Hopper kernel is a candidate (benchmarks/ asks by this name)."""
+    return "gluon" in other_backends(module, device)
 
 
 # -- one kernel at one shape -----------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ class Outcome:
     complete: bool = True  # False: the budget ran out before every candidate was tried
 
     def entry(self) -> dict:
-        e = {"config": self.best.as_dict(), "ms": _round(self.ms)}
+        e = {**tablefile.entry_of(self.best), "ms": _round(self.ms)}
         if self.cublas_ms is not None:
             e["cuBLAS_ms"] = _round(self.cublas_ms)
             e["rounds"] = CUBLAS_ROUNDS  # ms and cuBLAS_ms: medians of that many timings of each, in turn
@@ -234,13 +238,13 @@ def shape_candidates(kernel: Kernel, pool, n: int) -> list[Config]:
 def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, pool=None,
                timer: Callable[[Callable[[], None]], float] = do_bench_timer, check_rows: int = CHECK_ROWS,
                deadline: float | None = None, dtype=torch.bfloat16, seed: int = 0) -> Outcome:
-    """Check and time every candidate of `pool` (default: candidates(kernel), with the Hopper kernel's where
-    it runs) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
+    """Check and time every candidate of `pool` (default: candidates(kernel), with those of the other backends
+    that lower it and run here) at `shape`; stop early, with an incomplete outcome, once time.monotonic() passes `deadline`."""
     kernel = checked.kernel
-    pool = candidates(kernel, times_hopper(module, device)) if pool is None else pool
+    pool = candidates(kernel, other_backends(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.backend != "mm" or backends.mm_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.mainloop != "cublas" or backends.cublas_pays(shape.m, shape.n, shape.k)]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

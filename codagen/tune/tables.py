@@ -26,7 +26,8 @@ def table_text(kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> s
 
 def read_table(path: Path, kernel: Kernel, triton_version: str, log=None) -> dict:
     """The valid entries (shape -> entry) of an existing table that is still valid: same kernel, fingerprint and
-    Triton version; none when there is no table. Entries that no launch of the kernel can use are left out (each
+    Triton version; none when there is no table. Each entry's configuration is given as a table is written now
+    (tablefile.entry_of), whichever form the file holds, so that a write after it holds one form throughout. Entries that no launch of the kernel can use are left out (each
     reported to `log` when given: the next write drops them); a file that is no tuning table raises TuneError,
     so that tuning never overwrites what it cannot read without saying so."""
     try:
@@ -41,7 +42,8 @@ def read_table(path: Path, kernel: Kernel, triton_version: str, log=None) -> dic
         return {}
     for bad in table.bad if log is not None else ():
         log(f"{bad.located()}; dropped at the next write")
-    return dict(table.shapes)
+    return {key: {**{k: v for k, v in entry.items() if k not in ("backend", "config")},
+                  **tablefile.entry_of(table.entries[key])} for key, entry in table.shapes.items()}
 
 
 def write_table(path: Path, kernel: Kernel, gpu: str, triton_version: str, shapes: dict) -> bool:

@@ -77,7 +77,7 @@ def lm_head_logsumexp_zsum_kernel(
     _h_ptr, _w_vocab_ptr, _rstd_ptr, _target_ptr, _lse_part_ptr, _zsum_part_ptr, _target_logit_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _h_desc, _w_vocab_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # sizes
     M, N, K,
@@ -116,7 +116,7 @@ def lm_head_logsumexp_zsum_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = h @ w_vocab^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -176,12 +176,12 @@ def launch(h, w_vocab, rstd, target, *, lse_part, zsum_part, target_logit, confi
     if _plan.empty:
         return
     _plan.aliasing.check(_tensors)
-    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/lm_head_logsumexp_zsum.py
-        runtime.backends.launch_hopper(__package__, NAME, h=h, w_vocab=w_vocab, rstd=rstd, target=target,
-                                       lse_part=lse_part, zsum_part=zsum_part, target_logit=target_logit,
-                                       config=_plan.config)
+    # another backend's kernel of this spec, generated/kernels/<backend>/lm_head_logsumexp_zsum.py
+    if _plan.config.backend != "tl":
+        runtime.backends.launch(__package__, NAME, h=h, w_vocab=w_vocab, rstd=rstd, target=target, lse_part=lse_part,
+                                zsum_part=zsum_part, target_logit=target_logit, config=_plan.config)
         return
-    acc = runtime.backends.mm_product(h, w_vocab.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(h, w_vocab.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(h, w_vocab)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_vocab_desc = runtime.descriptor(w_vocab, _plan.config.block_n, _plan.config.block_k) if _tma else None
@@ -215,12 +215,12 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
+    chosen = config  # None: the tuning table's choice, whose kernel of another backend falls back to tl if it must
     # an untuned shape is tuned once, on these arguments (every output is overwritten by each trial)
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, split=DEFAULT_SPLIT, decls=DECLS,
                                            values=values, run=lambda c: launch(**values, config=c), package=__package__)
-    if chosen is None and config.backend == "gluon":
-        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
+    if chosen is None and config.backend != "tl":
+        config = runtime.backends.or_tl(__package__, NAME, config, tensors)
     runtime.check_tiles(NAME, DECLS, values, triton.cdiv(M, config.block_m), triton.cdiv(N, config.epilogue_n))
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))

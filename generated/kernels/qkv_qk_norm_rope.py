@@ -117,7 +117,7 @@ def qkv_qk_norm_rope_kernel(
     _head_rstd_ptr,
     # TMA descriptors of the GEMM operands (None: the mainloop loads through pointers)
     _h_desc, _w_qkv_desc,
-    # the product made by torch.mm in fp32, read in place of the mainloop (backend "mm"; None otherwise)
+    # the product made by torch.mm in fp32, read in place of the mainloop (mainloop "cublas"; None otherwise)
     _acc_ptr, _stride_acc_m, _stride_acc_n,
     # host scalars
     eps,
@@ -161,7 +161,7 @@ def qkv_qk_norm_rope_kernel(
         _rows = _pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         _cols = _pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        if ACC_IN:  # backend "mm": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
+        if ACC_IN:  # mainloop "cublas": torch.mm made the product (cuBLAS, which may split K), here only the epilogue
             acc = tl.load(_acc_ptr + (_rows % M)[:, None] * _stride_acc_m + (_cols % N)[None, :] * _stride_acc_n)
         else:
             # mainloop: acc = h @ w_qkv^T, accumulated in fp32. Through TMA, edges read zeros;
@@ -226,12 +226,13 @@ def launch(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps, *, qkv, z, head
     if _plan.empty:
         return
     _plan.aliasing.check(_tensors)
-    if _plan.config.backend == "gluon":  # the Hopper kernel, generated/kernels/gluon/qkv_qk_norm_rope.py
-        runtime.backends.launch_hopper(__package__, NAME, h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs,
-                                       wn_qk=wn_qk, v_pass=v_pass, eps=eps, qkv=qkv, z=z, head_rstd=head_rstd,
-                                       config=_plan.config)
+    # another backend's kernel of this spec, generated/kernels/<backend>/qkv_qk_norm_rope.py
+    if _plan.config.backend != "tl":
+        runtime.backends.launch(__package__, NAME, h=h, w_qkv=w_qkv, rstd=rstd, positions=positions, freqs=freqs,
+                                wn_qk=wn_qk, v_pass=v_pass, eps=eps, qkv=qkv, z=z, head_rstd=head_rstd,
+                                config=_plan.config)
         return
-    acc = runtime.backends.mm_product(h, w_qkv.T) if _plan.config.backend == "mm" else None
+    acc = runtime.backends.cublas_product(h, w_qkv.T) if _plan.config.mainloop == "cublas" else None
     _tma = _plan.tma and runtime.aligned(h, w_qkv)
     _h_desc = runtime.descriptor(h, _plan.config.block_m, _plan.config.block_k) if _tma else None
     _w_qkv_desc = runtime.descriptor(w_qkv, _plan.config.block_n, _plan.config.block_k) if _tma else None
@@ -269,12 +270,12 @@ def _make_plan(tensors, config) -> runtime.LaunchPlan:
     sizes, t_dtype, device = runtime.bind(NAME, DECLS, values, even_n=True, group=COLUMN_GROUP)
     runtime.check_storage(NAME, values)
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    chosen = config  # None: the tuning table's choice, whose Hopper kernel falls back to tl below if it must
+    chosen = config  # None: the tuning table's choice, whose kernel of another backend falls back to tl if it must
     config = config or runtime.pick_config(NAME, FINGERPRINT, TUNING, M, N, K, device, group=COLUMN_GROUP,
                                            split=DEFAULT_SPLIT)
     runtime.configs.check_group(NAME, config, COLUMN_GROUP, N)
-    if chosen is None and config.backend == "gluon":
-        config = runtime.backends.hopper_or_tl(__package__, NAME, config, tensors)
+    if chosen is None and config.backend != "tl":
+        config = runtime.backends.or_tl(__package__, NAME, config, tensors)
     return runtime.LaunchPlan.make(config, device, t_dtype, M, N, K, tensors, runtime.Aliasing(NAME, DECLS, tensors),
                                    gemm=(0, 1))
 
