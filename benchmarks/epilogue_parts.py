@@ -123,7 +123,7 @@ def measure(args) -> list[str]:
         if args.config:
             from codagen.tune.candidates import candidates
 
-            pool = {c.label(): c for c in candidates(checked[args.kernel].kernel, hopper=True)}
+            pool = {c.label(): c for c in candidates(checked[args.kernel].kernel, ("gluon",))}
             if args.config not in pool:
                 raise SystemExit(f"--config: no candidate labelled {args.config!r}; the candidates: "
                                  + "; ".join(pool))

@@ -79,12 +79,12 @@ def _measured(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtyp
 
 def _hopper_default(c: api.Checked, module, shape: Shape, device) -> runtime.Config | None:
     """The Hopper kernel's default at this shape, as run-time tuning tries it; None where there is none."""
-    if device.type != "cuda" or not harness.times_hopper(module, device):
+    if device.type != "cuda" or "gluon" not in harness.other_backends(module, device):
         return None
     kernel = c.kernel
     default = runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
-    found = runtime.backends.hopper_candidates(module.__package__, module.NAME, default, kernel.tile_dependent,
-                                               kernel.column_group, shape.n)
+    found = runtime.backends.candidates(module.__package__, module.NAME, device, default, kernel.tile_dependent,
+                                        kernel.column_group, shape.n)
     return found[0] if found else None
 
 

@@ -36,7 +36,7 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
     kernel = checked[kernel_name].kernel
     module = load_module(ROOT / "generated", kernel_name)
     if config_label:
-        pool = {c.label(): c for c in candidates(kernel, hopper=True)}
+        pool = {c.label(): c for c in candidates(kernel, ("gluon",))}
         if config_label not in pool:
             raise SystemExit(f"--config: no candidate labelled {config_label!r}; the candidates: " + "; ".join(pool))
         config = pool[config_label]

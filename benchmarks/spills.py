@@ -44,7 +44,7 @@ def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict
     strides: dict[str, list[str]] = {}
     for p in params:
         if p.startswith("stride_"):
-            tensor = max((name for name in [*(d.name for d in module.DECLS), "acc"]  # acc: backend "mm"'s product
+            tensor = max((name for name in [*(d.name for d in module.DECLS), "acc"]  # acc: the cuBLAS mainloop's product
                           if p.startswith(f"stride_{name}_")), key=len)
             strides.setdefault(tensor, []).append(p)
     unit = {names[-1] for names in strides.values()}
@@ -67,8 +67,8 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     descs = [p for p in params if p.endswith("_desc")]
     sig = {}
     for p in params:
-        if p == "acc_ptr":  # the fp32 product of backend "mm"; None (a constexpr) for the others
-            sig[p] = "*fp32" if config.backend == "mm" else "constexpr"
+        if p == "acc_ptr":  # the fp32 product of mainloop "cublas"; None (a constexpr) for the others
+            sig[p] = "*fp32" if config.mainloop == "cublas" else "constexpr"
         elif p.endswith("_ptr"):
             sig[p] = POINTER[decls[p[:-4]].dtype]
         elif p in descs:  # the GEMM's a, then b, as the launcher builds them

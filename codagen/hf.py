@@ -859,8 +859,8 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
     """<Family>ForCausalLM.from_pretrained(name_or_path, *args, **kwargs), patched by apply_codagen: the family whose
     configuration class the checkpoint's config is (config.model_type: LlamaForCausalLM for "llama",
     Qwen2ForCausalLM for "qwen2", MistralForCausalLM for "mistral", Qwen3ForCausalLM for "qwen3", Gemma2ForCausalLM
-    for "gemma2"), LlamaForCausalLM for any other, as before families. A checkpoint of a class that a family refuses
-    (Gemma3ForCausalLM) is refused before its weights load."""
+    for "gemma2"). A checkpoint of any other model type, or of a class that a family refuses (Gemma3ForCausalLM), is
+    refused before its weights load: loaded as another family's class, its weights would not fit."""
     transformers = _transformers()
     config = kwargs.get("config")
     if not isinstance(config, transformers.PretrainedConfig):
@@ -869,8 +869,12 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
         config = transformers.AutoConfig.from_pretrained(config if isinstance(config, (str, Path)) else name_or_path,
                                                          **config_kwargs)
     classes = [getattr(transformers, m.model_class) for m in _mappings()] + [cls for cls, _ in _refused()]
-    model_class = next((cls for cls in classes if cls.config_class.model_type == getattr(config, "model_type", None)),
-                       getattr(transformers, LLAMA.model_class))
+    model_type = getattr(config, "model_type", None)
+    model_class = next((cls for cls in classes if cls.config_class.model_type == model_type), None)
+    if model_class is None:
+        known = ", ".join(repr(m.config_class.model_type) for m in classes[:len(_mappings())])
+        raise TypeError(f"codagen.hf.from_pretrained: {name_or_path} is a {model_type!r} model; codagen patches "
+                        f"the model types {known}")
     _refuse_class(model_class)  # before loading its weights
     return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
                          return_logits=return_logits)

@@ -212,6 +212,15 @@ def test_save_and_load_in_transformers_layout(tmp_path):
         assert torch.equal(dict(other.named_parameters())[name], p), name
 
 
+def test_from_pretrained_refuses_another_model_type_before_loading(tmp_path):
+    """A checkpoint of a model type no family patches (here GPT-2's) is refused from its config: loaded as a Llama,
+    its weights would not fit and be initialized at random. The folder holds no weights, so a load would fail
+    with another error."""
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(TypeError, match="'gpt2' model; codagen patches the model types 'llama', "):
+        AutoCodagenForCausalLM.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"hidden_act": "gelu"}, "config.hidden_act = 'gelu' is not supported: the MLP kernels compute SwiGLU with silu"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},

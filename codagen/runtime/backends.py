@@ -133,14 +133,8 @@ def _candidate(b: Backend, package: str, kernel: str, default: Config, tile_depe
     return config if fits_group(config, group, n) else None
 
 
-def hopper_candidates(package: str, kernel: str, default: Config, tile_dependent: bool, group, n) -> list[Config]:
-    """The Hopper kernel's run-time candidate, on a device that runs it (benchmarks/ asks for it by this name)."""
-    return [c for c in [_candidate(GLUON, package, kernel, default, tile_dependent, group, n)] if c is not None]
-
-
 def hopper_default(package: str, kernel: str) -> Config:
-    """The Hopper kernel's default of a kernel, as a Config whose backend is "gluon" (benchmarks/ asks for it by
-    this name)."""
+    """The Hopper kernel's default of a kernel, as a Config whose backend is "gluon"."""
     return GLUON.default(GLUON.module(package, kernel))
 
 

@@ -179,14 +179,12 @@ def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
 BACKEND_CANDIDATES = {"gluon": gluon_candidates}
 
 
-def candidates(kernel: Kernel, backends: tuple[str, ...] = (), *, hopper: bool = False) -> tuple[Config, ...]:
+def candidates(kernel: Kernel, backends: tuple[str, ...] = ()) -> tuple[Config, ...]:
     """The configs `codagen tune` tries; `backends`: the other backends that lower the kernel and that this GPU
     runs (harness.other_backends), whose candidates (BACKEND_CANDIDATES) come after the tl kernel's and before
-    those of the cuBLAS mainloop (timed only at the shapes where backends.cublas_pays). `hopper=True` is
-    backends=("gluon",), as benchmarks/ passes it. For a
-    kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located
-    at the spec's column_group."""
-    backends = (*backends, "gluon") if hopper and "gluon" not in backends else backends  # benchmarks/ passes hopper
+    those of the cuBLAS mainloop (timed only at the shapes where backends.cublas_pays). For a kernel with column
+    groups, only those whose epilogue slices hold whole groups; none is an error located at the spec's
+    column_group."""
     pool = (ELEMENTWISE_CANDIDATES if not kernel.gemm
             else GEMM_CANDIDATES + sum((BACKEND_CANDIDATES[b](kernel) for b in backends), ()) + CUBLAS_CANDIDATES)
     fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))

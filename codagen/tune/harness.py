@@ -149,11 +149,6 @@ def other_backends(module, device: torch.device) -> tuple[str, ...]:
     return tuple(b.name for b in backends.running(module.__package__, module.NAME, device))
 
 
-def times_hopper(module, device: torch.device) -> bool:
-    """Whether the Hopper kernel is a candidate (benchmarks/ asks by this name)."""
-    return "gluon" in other_backends(module, device)
-
-
 # -- one kernel at one shape -----------------------------------------------------------------------------------
 def do_bench_timer(fn: Callable[[], None]) -> float:
     """Median milliseconds of fn through triton.testing.do_bench (which flushes L2 between runs)."""
