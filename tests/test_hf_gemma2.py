@@ -31,7 +31,8 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_l
 
 def tiny_gemma2(**overrides):
     """A random fp32 Gemma2ForCausalLM; norm weights random too (Hugging Face starts them at zero: a scale of 1)."""
-    return random_model(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(**{**BASE, **overrides}), norm_center=0.0)
+    return random_model(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(**{**BASE, **overrides}),
+                        norm_center=0.0)
 
 
 def tokens_and_labels(seed=0):
