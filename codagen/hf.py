@@ -412,13 +412,14 @@ class CodagenDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, norm_stats: tuple[torch.Tensor, torch.Tensor] | None,
                 next_norm_weight: torch.Tensor, *, blocks, positions: torch.Tensor, rope_freqs: torch.Tensor,
                 attention, attention_mask, position_ids, score_scale: float = 1.0, dtype: torch.dtype | None = None,
-                cache=None, **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                cache=None, attentions: list | None = None, **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """hidden_states [batch, seq, dim], the residual stream, and norm_stats, (h, rstd) of this layer's input norm
         as the previous layer's last epilogue made them (None: made here, from this layer's own norm weight, as for
         the first layer) -> the residual stream after the layer, [batch, seq, dim], and the next norm's (h, rstd),
         made with next_norm_weight. blocks: the generated blocks package; attention: Hugging Face's attention
         function; dtype: the blocks' dtype under autocast (weights cast to it), else None; cache: the KV cache
-        (a transformers Cache) that this layer's k and v go into and its attention reads, else None."""
+        (a transformers Cache) that this layer's k and v go into and its attention reads, else None; attentions: a
+        list that the attention weights go into, where the attention function returns them (output_attentions)."""
         cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
         batch, seq, dim = hidden_states.shape
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
@@ -450,9 +451,15 @@ class CodagenDecoderLayer(nn.Module):
             # and only the patched model reads this cache
             k, v = cache.update(k, v, attn.layer_idx)
         # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
-        y, _ = attention(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                         scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
-                         position_ids=position_ids, **attn.attention_args, **attention_kwargs)
+        if attentions is not None:  # as transformers passes it: SDPA warns that it returns no weights
+            attention_kwargs["output_attentions"] = True
+        # the weights q . k: q's and k's columns in the same (interleaved) order leave them Hugging Face's
+        y, weights = attention(attn, q, k, v, attention_mask,
+                               dropout=attn.attention_dropout if attn.training else 0.0,
+                               scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
+                               position_ids=position_ids, **attn.attention_args, **attention_kwargs)
+        if attentions is not None and weights is not None:
+            attentions.append(weights)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
@@ -643,11 +650,13 @@ def _refuse_call(what: str) -> None:
 
 
 def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-           cache=None, **attention_kwargs):
+           cache=None, collected: Collected | None = None, **attention_kwargs):
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
     (lm_head_loss makes the final norm's statistics itself), and (batch, seq). With a KV cache (a transformers
     Cache: _cache), the tokens come after the cache's positions: each layer's k and v (after RoPE) go into it and
-    its attention reads all of them, as transformers' attention does."""
+    its attention reads all of them, as transformers' attention does. `collected` (_collected: what
+    output_hidden_states and output_attentions ask for) gets the decoder's input and each layer's output, and each
+    layer's attention weights."""
     config, patch = llama.config, llama.codagen_patch
     api = patch.api
     if (input_ids is None) == (inputs_embeds is None):
@@ -691,6 +700,10 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
                      "supported; call it without one (use_cache=False), or without gradient checkpointing")
     if cache is not None:
         context["cache"] = cache
+    if collected is not None:
+        collected.hidden(inputs_embeds)
+        if collected.attentions is not None:
+            context["attentions"] = collected.attentions
     with torch.autocast(inputs_embeds.device.type, enabled=False):
         x = inputs_embeds if dtype is None else inputs_embeds.to(dtype)
         stats = None  # the first layer makes its input norm's statistics itself
@@ -703,6 +716,8 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
                                                              attention_mask=mask, **context)
             else:
                 x, stats = layer(x, stats, wn_next, attention_mask=mask, **context)
+            if collected is not None:
+                collected.hidden(x)
     return x.reshape(batch * seq, dim), (batch, seq)
 
 
@@ -717,10 +732,53 @@ def _next_norm_weight(weight: torch.Tensor, dtype: torch.dtype, dtensor: type | 
     return weight.detach()
 
 
-def _check_call(config, kwargs) -> None:
+class Collected:
+    """What a call's output_hidden_states and output_attentions ask to be returned, collected as transformers'
+    capture_outputs collects them from its decoder layers: the hidden states, the decoder's input (inputs_embeds)
+    then each layer's output, the last one replaced by the final norm's output (last_hidden_state), None where an
+    index selection (output_hidden_states=[0, -1]) leaves one out; and each layer's attention weights, where its
+    attention function returns them (eager; SDPA returns none, and warns, as in transformers)."""
+
+    def __init__(self, selected: set[int] | None, hidden_states: bool, attentions: bool):
+        self.selected = selected  # the hidden states' indices kept; None: all
+        self.hidden_states = [] if hidden_states else None
+        self.attentions = [] if attentions else None
+
+    def hidden(self, x: torch.Tensor) -> None:
+        if self.hidden_states is not None:
+            keep = self.selected is None or len(self.hidden_states) in self.selected
+            self.hidden_states.append(x if keep else None)
+
+    def outputs(self, config, last_hidden_state: torch.Tensor | None) -> dict:
+        """The output fields: hidden_states and attentions, tuples, where they were asked for."""
+        out = {}
+        if self.hidden_states is not None:
+            states = self.hidden_states
+            if getattr(config, "tie_last_hidden_states", None) is not False and states and states[-1] is not None:
+                states[-1] = last_hidden_state
+            out["hidden_states"] = tuple(states)
+        if self.attentions is not None:
+            out["attentions"] = tuple(self.attentions)
+        return out
+
+
+def _collected(config, kwargs) -> Collected | None:
+    """What the call asks to be returned besides the output (popped from its kwargs: output_hidden_states,
+    output_attentions, else the config's), as transformers reads it: output_hidden_states True, or the indices of
+    the hidden states to keep (negative ones from the end of the num_hidden_layers + 1)."""
+    wanted = {}
     for name in ("output_hidden_states", "output_attentions"):
-        if kwargs.pop(name, None) or getattr(config, name, False):
-            _refuse_call(f"{name} is not supported")
+        value = kwargs.pop(name, None)
+        wanted[name] = getattr(config, name, False) if value is None else value
+    hidden, attentions = wanted["output_hidden_states"], wanted["output_attentions"]
+    if not hidden and not attentions:
+        return None
+    selected = None
+    if hidden and not isinstance(hidden, bool):
+        count = config.num_hidden_layers + 1
+        indices = [hidden] if isinstance(hidden, numbers.Integral) else list(hidden)
+        selected = {int(i) % count for i in indices if -count <= i < count}
+    return Collected(selected, bool(hidden), bool(attentions))
 
 
 def _cache(llama: nn.Module, kwargs: dict):
@@ -742,14 +800,19 @@ def _cache(llama: nn.Module, kwargs: dict):
 
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
-    """LlamaModel.forward, patched: last_hidden_state is the final norm's output, as in Hugging Face."""
-    _check_call(self.config, kwargs)
+    """LlamaModel.forward, patched: last_hidden_state is the final norm's output, as in Hugging Face; hidden_states
+    and attentions where output_hidden_states and output_attentions ask for them (Collected)."""
+    collected = _collected(self.config, kwargs)
     self.codagen_patch.check(self)
-    kwargs.pop("return_dict", None)
+    return_dict = kwargs.pop("return_dict", None) is not False
     cache = _cache(self, kwargs)
-    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, **kwargs)
+    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, collected,
+                             **kwargs)
     api = self.codagen_patch.api
-    return api.model_output(last_hidden_state=self.norm(x.view(batch, seq, -1)), **{api.output_cache_field: cache})
+    hidden = self.norm(x.view(batch, seq, -1))
+    fields = {} if collected is None else collected.outputs(self.config, hidden)
+    output = api.model_output(last_hidden_state=hidden, **fields, **{api.output_cache_field: cache})
+    return output if return_dict else output.to_tuple()
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
@@ -758,7 +821,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     logits are made only where they are asked for (apply_codagen's return_logits: by default in evaluation, the model
     in eval mode and gradients off, as Trainer's prediction_step calls it), else logits is None; without labels, the
     logits are Hugging Face's."""
-    _check_call(self.config, kwargs)
+    collected = _collected(self.config, kwargs)
     patch = self.model.codagen_patch
     patch.check(self.model, self)
     return_dict = kwargs.pop("return_dict", None) is not False  # PEFT's forward passes None
@@ -767,8 +830,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     ignore_index = kwargs.pop("ignore_index", -100)
     llama = self.model
     cache = _cache(llama, kwargs)
-    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache, **kwargs)
-    loss = logits = None
+    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache, collected,
+                             **kwargs)
+    loss = logits = hidden = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:
             # Hugging Face's shift: position t predicts labels[t + 1], the last position nothing
@@ -788,13 +852,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                               self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
-    if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
+    if collected is not None and collected.hidden_states is not None:
         hidden = llama.norm(x.view(batch, seq, -1))
+    if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
+        if hidden is None:
+            hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, kept, :])
         if patch.hf.final_logits is not None:
             logits = patch.hf.final_logits(self.config, logits)
-    output = patch.api.lm_output(loss=loss, logits=logits, **{patch.api.output_cache_field: cache})
+    fields = {} if collected is None else collected.outputs(self.config, hidden)
+    output = patch.api.lm_output(loss=loss, logits=logits, **fields, **{patch.api.output_cache_field: cache})
     return output if return_dict else output.to_tuple()
 
 
