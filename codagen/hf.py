@@ -84,14 +84,26 @@ def _mappings() -> tuple[HfMapping, ...]:
     return tuple(m for f in map(family, FAMILY_NAMES) for m in (f.hf, *f.hf_alike) if m is not None)
 
 
-def _mapping_of(model) -> HfMapping | None:
-    """The mapping whose transformers class `model` is an instance of, else None."""
+# the transformers classes besides a family's causal LM whose decoder apply_codagen patches, their head (and loss)
+# left as transformers' own: <Family>Model, the decoder itself, and the heads that call it as `model` and read its
+# last_hidden_state (transformers' GenericForSequenceClassification, GenericForTokenClassification)
+DECODER_CLASSES = ("Model", "ForSequenceClassification", "ForTokenClassification")
+
+
+def _family_prefix(mapping: HfMapping) -> str:
+    return mapping.model_class.removesuffix("ForCausalLM")
+
+
+def _mapping_of(model) -> tuple[HfMapping, str] | tuple[None, None]:
+    """The mapping of the family whose transformers class `model` is an instance of, and which class: "ForCausalLM"
+    (the family's causal LM, HfMapping.model_class) or one of DECODER_CLASSES; else (None, None)."""
     transformers = _transformers()
     for mapping in _mappings():
-        cls = getattr(transformers, mapping.model_class, None)
-        if cls is not None and isinstance(model, cls):
-            return mapping
-    return None
+        for kind in ("ForCausalLM", *DECODER_CLASSES):
+            cls = getattr(transformers, _family_prefix(mapping) + kind, None)
+            if cls is not None and isinstance(model, cls):
+                return mapping, kind
+    return None, None
 
 
 def _refused() -> list[tuple[type, str]]:
@@ -880,7 +892,10 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
     """Patch a transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM or
     Gemma2ForCausalLM in place to run codagen's generated blocks (its family's: its mapping in
-    codagen.models.<family>), and return it.
+    codagen.models.<family>), and return it. A family's <Family>ForSequenceClassification or
+    <Family>ForTokenClassification (LlamaForSequenceClassification, ...), or its decoder alone (<Family>Model), is
+    patched in its decoder: the decoder layers run the blocks, the final norm, the head and its loss stay
+    transformers' own (chunk_rows and return_logits, which concern the LM head's loss, do not apply there).
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -896,29 +911,44 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     if lora.is_peft(model) and hasattr(model, "get_base_model"):  # a PeftModel: LoRA's layers are in its base model
         apply_codagen(model.get_base_model(), chunk_rows=chunk_rows, return_logits=return_logits)
         return model
-    mapping = _mapping_of(model)
+    mapping, kind = _mapping_of(model)
     if mapping is None:
         _refuse_class(type(model))
         *others, last = (m.model_class for m in _mappings())
-        raise TypeError(f"apply_codagen: expected a transformers {', '.join(others)} or {last}, "
-                        f"got {type(model).__name__}")
-    llama = model.model
+        raise TypeError(f"apply_codagen: expected a transformers {', '.join(others)} or {last}, the family's "
+                        f"{' or '.join('<Family>' + k for k in DECODER_CLASSES[1:])} (the head left as "
+                        f"transformers' own) or its decoder (<Family>Model: {_family_prefix(_mappings()[0])}Model, "
+                        f"...), got {type(model).__name__}")
+    causal_lm = kind == "ForCausalLM"
+    if kind == "Model":
+        llama = model
+    else:
+        # the heads call their decoder as `model` (GenericFor*'s base_model_prefix): the family's <Family>Model
+        decoder = getattr(_modeling(mapping), _family_prefix(mapping) + "Model")
+        llama = getattr(model, "model", None)
+        _check_type("model", llama, decoder, _family_prefix(mapping))
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
         raise ValueError("apply_codagen: this model is already patched")
     check_config(model.config, mapping)
-    check_modules(llama, mapping=mapping)
-    _check_lm_head(model.lm_head)
+    check_modules(llama, mapping=mapping, prefix="" if kind == "Model" else "model.")
+    if causal_lm:
+        _check_lm_head(model.lm_head)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     if not (return_logits is True or return_logits is False or return_logits == "eval"):
         raise ValueError(f"apply_codagen: return_logits must be 'eval', True or False, got {return_logits!r}")
     for i, layer in enumerate(llama.layers):
         llama.layers[i] = CodagenDecoderLayer(layer, model.config, mapping)
+    llama.codagen_patch = CodagenPatch(mapping)
+    llama.forward = types.MethodType(_model_forward, llama)
+    if not causal_lm:
+        # a head (sequence or token classification) or the decoder alone: the decoder runs the blocks and returns
+        # its last_hidden_state (the final norm's output), which the head, transformers' own forward, reads
+        llama.codagen_patch.check(llama)
+        return model
     model.codagen_chunk_rows = int(chunk_rows)
     model.codagen_return_logits = return_logits
-    llama.codagen_patch = CodagenPatch(mapping)
     llama.codagen_patch.check(llama, model)
-    llama.forward = types.MethodType(_model_forward, llama)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
 

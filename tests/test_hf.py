@@ -246,8 +246,9 @@ def test_refused_configurations_name_the_field(overrides, message):
 
 def test_refused_models_and_calls():
     with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, Qwen2ForCausalLM, "
-                                        "MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, got LlamaModel"):
-        apply_codagen(transformers.LlamaModel(transformers.LlamaConfig(**BASE)))
+                                        "MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, .* got "
+                                        "LlamaForQuestionAnswering"):
+        apply_codagen(transformers.LlamaForQuestionAnswering(transformers.LlamaConfig(**BASE)))
     patched = apply_codagen(tiny_llama())
     with pytest.raises(ValueError, match="already patched"):
         apply_codagen(patched)

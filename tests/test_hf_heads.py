@@ -1,0 +1,199 @@
+"""apply_codagen on the families' classification heads (<Family>ForSequenceClassification,
+<Family>ForTokenClassification) and on their decoder alone (<Family>Model): the decoder layers run codagen's blocks,
+the head and its loss stay transformers' own. Against the same model unpatched, fp32: loss, logits and every
+parameter gradient within 1e-4 relative, with padding (sequence classification pools the last token that is not
+padding), regression and multi-label losses, three AdamW steps alike, a PEFT LoRA classifier (task_type SEQ_CLS,
+the score head trained whole), and the heads that are refused."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the test extra installs it; the package never needs it
+
+from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
+from codagen.hf import CodagenDecoderLayer, apply_codagen  # noqa: E402
+from test_hf import BASE, hf_layout_grads, random_model, rel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB, BATCH, SEQ, PAD, LABELS = 97, 3, 10, 0, 3
+TOL = 1e-4
+# each family's config (class prefix -> its config's overrides of test_hf's BASE, its norms' center)
+FAMILIES = {
+    "Llama": ({"attention_bias": True}, 1.0),
+    "Qwen2": ({"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, 1.0),
+    "Mistral": ({"sliding_window": 4}, 1.0),
+    "Qwen3": ({"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}, 1.0),
+    "Gemma2": ({"num_hidden_layers": 3, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 4,
+                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "attn_implementation": "eager"}, 0.0),
+}
+
+
+def tiny(family: str, head: str = "ForSequenceClassification", **overrides):
+    config_overrides, norm_center = FAMILIES[family]
+    config = getattr(transformers, family + "Config")(**{**BASE, "pad_token_id": PAD, "num_labels": LABELS,
+                                                         **config_overrides, **overrides})
+    return random_model(getattr(transformers, family + head), config, norm_center=norm_center)
+
+
+def padded_batch(seed: int, labels: str = "sequence"):
+    """Rows of 10, 6 and 8 tokens: right, left and right padding with the pad token, masked; labels per sequence
+    (a class), per token (-100 on padding), "regression" (one float) or "multi_label" (floats, one per class)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)  # 0 is the pad token
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, 8:] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    if labels == "sequence":
+        y = torch.randint(0, LABELS, (BATCH,), generator=g)
+    elif labels == "token":
+        y = torch.randint(0, LABELS, (BATCH, SEQ), generator=g).masked_fill(mask == 0, -100)
+    elif labels == "regression":
+        y = torch.randn(BATCH, 1, generator=g)
+    else:
+        y = (torch.rand(BATCH, LABELS, generator=g) > 0.5).float()
+    return dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), labels=y.to(DEVICE))
+
+
+def compare(reference, patched, inputs, seed=0):
+    """Loss, logits and every parameter's gradient (Hugging Face's names and layout) within TOL."""
+    outputs = []
+    for model in (reference, patched):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)  # the token classifier's dropout: the same mask
+        out = model(**inputs)
+        out.loss.backward()
+        outputs.append(out)
+    (expected, got) = outputs
+    assert rel(got.loss, expected.loss) < TOL, (got.loss.item(), expected.loss.item())
+    assert got.logits.shape == expected.logits.shape and rel(got.logits, expected.logits) < TOL
+    grads = hf_layout_grads(patched)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel(grads[name], g) < TOL, name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sequence_classification_matches_transformers(family):
+    torch.manual_seed(1)
+    reference = tiny(family)
+    patched = apply_codagen(copy.deepcopy(reference))
+    assert all(isinstance(layer, CodagenDecoderLayer) for layer in patched.model.layers)
+    assert type(patched.score) is torch.nn.Linear and patched.forward.__func__ is type(reference).forward
+    compare(reference, patched, padded_batch(1))
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Gemma2"])
+def test_token_classification_matches_transformers(family):
+    torch.manual_seed(2)
+    reference = tiny(family, "ForTokenClassification")
+    patched = apply_codagen(copy.deepcopy(reference))
+    for model in (reference, patched):
+        model.train()  # the classifier's dropout (0.1) on
+    compare(reference, patched, padded_batch(2, "token"))
+
+
+@pytest.mark.parametrize("problem", ["regression", "multi_label"])
+def test_regression_and_multi_label_losses(problem):
+    torch.manual_seed(3)
+    overrides = {"num_labels": 1} if problem == "regression" else {"problem_type": "multi_label_classification"}
+    reference = tiny("Llama", **overrides)
+    patched = apply_codagen(copy.deepcopy(reference))
+    compare(reference, patched, padded_batch(3, problem))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_steps_match_transformers(checkpointing):
+    """Three AdamW steps on fresh batches: the losses and then every parameter alike (the fused projections' in
+    Hugging Face's layout, through state_dict)."""
+    torch.manual_seed(4)
+    reference = tiny("Llama")
+    patched = apply_codagen(copy.deepcopy(reference))
+    losses = {}
+    for key, model in (("reference", reference), ("patched", patched)):
+        if checkpointing:
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            loss = model(**padded_batch(10 + step), use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.setdefault(key, []).append(loss.item())
+    for got, expected in zip(losses["patched"], losses["reference"]):
+        assert abs(got - expected) / abs(expected) < TOL
+    assert losses["reference"][0] != losses["reference"][-1]  # the steps changed the model
+    expected = reference.state_dict()
+    state = patched.state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        assert rel(state[name], value) < TOL, name
+
+
+def test_the_decoder_alone():
+    """<Family>Model patched by itself: last_hidden_state and the gradients of a loss on it are transformers'."""
+    torch.manual_seed(5)
+    reference = tiny("Llama", "Model")
+    patched = apply_codagen(copy.deepcopy(reference))
+    inputs = padded_batch(5)
+    del inputs["labels"]
+    outputs = []
+    for model in (reference, patched):
+        out = model(**inputs)
+        out.last_hidden_state.square().mean().backward()
+        outputs.append(out.last_hidden_state)
+    assert rel(outputs[1], outputs[0]) < TOL
+
+    class Wrapped(torch.nn.Module):  # hf_layout_grads reads model.model
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+    grads = hf_layout_grads(Wrapped(patched))
+    for name, p in reference.named_parameters():
+        assert rel(grads["model." + name], p.grad) < TOL, name
+
+
+def test_peft_lora_sequence_classifier():
+    """PEFT's LoRA for sequence classification (task_type SEQ_CLS: adapters on the projections, the score head
+    trained whole as a module to save): patched, the loss and every trainable gradient are the unpatched PEFT
+    model's."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(6)
+    config = peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                             target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    reference = peft.get_peft_model(tiny("Llama"), config)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    patched = apply_codagen(copy.deepcopy(reference))
+    assert all(isinstance(layer, CodagenDecoderLayer) for layer in patched.get_base_model().model.layers)
+    inputs = padded_batch(6)
+    losses = []
+    for model in (reference, patched):
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    assert rel(losses[1], losses[0]) < TOL
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    got = {n: p.grad for n, p in patched.named_parameters() if p.requires_grad}
+    assert got.keys() == expected.keys() and any("score" in n for n in got) and any("lora_" in n for n in got)
+    for name, g in expected.items():
+        assert rel(got[name], g) < TOL, name
+
+
+def test_other_heads_are_refused_by_name():
+    """A head whose decoder the patch does not find where the classification heads keep it (question answering
+    keeps it as `transformer`), and one whose decoder is not the family's, are refused, not run unpatched."""
+    config = transformers.LlamaConfig(**BASE)
+    with pytest.raises(TypeError, match=r"^apply_codagen: expected a transformers LlamaForCausalLM, .*"
+                                        r"<Family>ForSequenceClassification or <Family>ForTokenClassification .*"
+                                        r"got LlamaForQuestionAnswering$"):
+        apply_codagen(transformers.LlamaForQuestionAnswering(config))
+    model = transformers.LlamaForSequenceClassification(config)
+    model.model = transformers.MistralModel(transformers.MistralConfig(**BASE))
+    with pytest.raises(TypeError, match=r"^apply_codagen: model is a .*MistralModel, not LlamaModel"):
+        apply_codagen(model)
