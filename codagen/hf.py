@@ -424,7 +424,8 @@ class CodagenDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, norm_stats: tuple[torch.Tensor, torch.Tensor] | None,
                 next_norm_weight: torch.Tensor, *, blocks, positions: torch.Tensor, rope_freqs: torch.Tensor,
                 attention, attention_mask, position_ids, score_scale: float = 1.0, dtype: torch.dtype | None = None,
-                cache=None, attentions: list | None = None, **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                cache=None, attentions: list | None = None,
+                **attention_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """hidden_states [batch, seq, dim], the residual stream, and norm_stats, (h, rstd) of this layer's input norm
         as the previous layer's last epilogue made them (None: made here, from this layer's own norm weight, as for
         the first layer) -> the residual stream after the layer, [batch, seq, dim], and the next norm's (h, rstd),
