@@ -2,7 +2,9 @@
 (torch.distributed.run) runs a patched tiny transformers Llama with fully_shard on each decoder layer and on the root,
 and compares loss and every gradient with the same model unwrapped in one process, without and with gradient
 checkpointing. Each layer's forward reads its own (gathered) parameters, and the next norm's weight, which the
-layer's last epilogue applies, is gathered whole by the decoder loop (codagen.hf._next_norm_weight)."""
+layer's last epilogue applies, is gathered whole by the decoder loop (codagen.hf._next_norm_weight). And
+tests/hf_fsdp2_lora_worker.py: a PEFT LoRA model patched and wrapped alike, three AdamW steps on its adapters against
+the unpatched PEFT model in one process."""
 from __future__ import annotations
 
 import json
@@ -18,19 +20,24 @@ if not torch.distributed.is_available():
 from test_distributed import REPO, _free_port, _run  # noqa: E402
 
 WORKER = REPO / "tests" / "hf_fsdp2_worker.py"
+LORA_WORKER = REPO / "tests" / "hf_fsdp2_lora_worker.py"
 TOL = 1e-5
 
 
-def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
-    out = tmp_path / "fsdp2.json"
+def run_worker(worker, out):
+    """Run a worker in 2 CPU processes (torch.distributed.run, gloo); its JSON result, which rank 0 wrote to out."""
     for _attempt in range(3):  # the free port may be taken between _free_port and torchrun's bind
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), str(out)]
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(worker), str(out)]
         code, log = _run(cmd)
         if code == 0 or "address already in use" not in log.lower():
             break
     assert code == 0, f"{' '.join(cmd)} failed ({code}):\n{log[-6000:]}"
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
+    result = run_worker(WORKER, tmp_path / "fsdp2.json")
     assert result["world"] == 2
     assert [r["checkpointing"] for r in result["runs"]] == [False, True]
     for run in result["runs"]:
@@ -39,6 +46,26 @@ def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
         assert run["max_rel_grad"] < TOL, run
         # 3 layers per forward; with checkpointing each layer's call runs again in the backward
         assert run["layer_calls"] == (6 if run["checkpointing"] else 3), run
+
+
+def test_fsdp2_lora_training_matches_unpatched_peft_in_one_process(tmp_path):
+    """A PEFT LoRA model (adapters on every projection) patched by codagen, fully_shard on each layer and the root:
+    three AdamW steps on the adapters, with and without gradient checkpointing, give the losses, the adapters'
+    gradients and then their weights of the unpatched PEFT model trained in one process on the whole batches; the
+    frozen base weights get no gradient."""
+    pytest.importorskip("peft")
+    result = run_worker(LORA_WORKER, tmp_path / "fsdp2_lora.json")
+    assert result["world"] == 2
+    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    for run in result["runs"]:
+        assert run["trainable"] == 3 * 7 * 2, run  # lora_A and lora_B of 7 projections in each of 3 layers
+        for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), run
+        assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
+        assert run["max_rel_grad"] < TOL and run["max_rel_weight"] < TOL, run
+        assert run["frozen_grads"] == [], run
+        # 3 layers, 3 steps; with checkpointing each layer's call runs again in the backward
+        assert run["layer_calls"] == (18 if run["checkpointing"] else 9), run
 
 
 def test_layer_output_is_the_block_s_output_and_not_a_view(monkeypatch):

@@ -1,0 +1,112 @@
+"""Worker of tests/test_hf_fsdp2.py's LoRA test, run by torch.distributed.run in 2 CPU processes over gloo: a tiny
+random transformers LlamaForCausalLM wrapped by PEFT's get_peft_model (LoRA on every projection, adapters random),
+patched by codagen.hf, fully_shard on each decoder layer and on the root (the frozen base weights and the trainable
+adapters in the same groups), trained three AdamW steps on the adapters; against the same PEFT model unpatched and
+unwrapped in one process on the whole batch. Rank r feeds row r of each batch (no ignored labels: FSDP2's average
+of the ranks' gradients is the gradient of the whole batch's mean). Writes {"world", "runs": [{"checkpointing",
+"losses", "ref_losses", "max_rel_grad", "max_rel_weight", "trainable", "frozen_grads", "layer_calls"}]} as JSON to
+argv[1] on rank 0."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import peft
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from codagen.hf import CodagenDecoderLayer, apply_codagen
+
+VOCAB, BATCH, SEQ, STEPS = 97, 2, 12, 3
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model() -> torch.nn.Module:
+    """The same random PEFT model on every rank (and for the reference): norm weights and lora_B random too."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)
+    model = peft.get_peft_model(model, peft.LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == BATCH
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    runs = []
+    for checkpointing in (False, True):
+        reference = peft_model()  # unpatched, unwrapped, one process, the whole batch
+        model = apply_codagen(copy.deepcopy(reference))
+        decoder = model.get_base_model().model
+        assert all(isinstance(layer, CodagenDecoderLayer) for layer in decoder.layers)
+        calls = [0]
+        for layer in decoder.layers:
+            fully_shard(layer, mesh=mesh)
+            layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        fully_shard(model, mesh=mesh)
+        assert isinstance(decoder.layers[0].self_attn.q_proj.lora_A["default"].weight, DTensor)
+        optimizers = []
+        for m in (model, reference):
+            m.train()
+            if checkpointing:
+                (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+            optimizers.append(torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2))
+        assert decoder.gradient_checkpointing == checkpointing
+        losses, ref_losses, worst_grad = [], [], 0.0
+        for ids in batches:
+            loss = model(input_ids=ids[rank: rank + 1], labels=ids[rank: rank + 1], use_cache=False).loss
+            loss.backward()
+            ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+            ref_loss.backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world)
+            ref_losses.append(ref_loss.item())
+            expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+            got = {n: full(p.grad) for n, p in model.named_parameters() if p.requires_grad}
+            assert got.keys() == expected.keys(), sorted(got.keys() ^ expected.keys())
+            worst_grad = max([worst_grad] + [rel(got[n], expected[n]) for n in expected])
+            frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        weights = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+        worst_weight = max(rel(full(p.detach()), weights[n].detach())
+                           for n, p in model.named_parameters() if p.requires_grad)
+        runs.append(dict(checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
+                         max_rel_weight=worst_weight, trainable=len(weights), frozen_grads=frozen_grads,
+                         layer_calls=calls[0]))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"world": world, "runs": runs}, f)
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
