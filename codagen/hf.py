@@ -1,5 +1,7 @@
 """Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen2ForCausalLM,
-MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM.
+MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, or in the decoder of such a family's sequence or token
+classification head (LlamaForSequenceClassification, ...; the head itself stays transformers') or of its bare
+<Family>Model.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)

@@ -85,6 +85,21 @@ def test_sequence_classification_matches_transformers(family):
     compare(reference, patched, padded_batch(1))
 
 
+def test_hidden_states_through_the_head():
+    """output_hidden_states, which the head passes to its decoder, comes back as transformers'."""
+    torch.manual_seed(7)
+    reference = tiny("Qwen2")
+    patched = apply_codagen(copy.deepcopy(reference))
+    inputs = padded_batch(7)
+    with torch.no_grad():
+        expected = reference(**inputs, output_hidden_states=True)
+        got = patched(**inputs, output_hidden_states=True)
+    assert rel(got.logits, expected.logits) < TOL
+    assert len(got.hidden_states) == len(expected.hidden_states) == 4
+    for a, b in zip(got.hidden_states, expected.hidden_states):
+        assert rel(a, b) < TOL
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen2", "Gemma2"])
 def test_token_classification_matches_transformers(family):
     torch.manual_seed(2)
