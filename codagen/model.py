@@ -57,6 +57,8 @@ class DType(enum.Enum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    FLOAT8_E4M3FN = "float8_e4m3fn"  # outputs only, written from `quantize` values (docs/fp8.md)
+    FLOAT8_E5M2 = "float8_e5m2"
     INDEX = "index"  # int32 or int64
 
 

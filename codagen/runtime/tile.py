@@ -438,3 +438,31 @@ def accumulate(ptrs, x, mask):
     """Read-modify-write: ptrs += x, adding in fp32."""
     total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + x
     tl.store(ptrs, total.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_scale(amax, MAX: tl.constexpr):
+    """amax / MAX, correctly rounded (div_rn: `/` may be approximate on the GPU); 1 where that is 0 (a zero group,
+    or amax so small that the quotient underflows), whose values are then 0 however they are scaled."""
+    scale = tl.div_rn(amax, MAX)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def round_fp8(q, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """q saturated to ±MAX and rounded to the nearest value of an FP8 format (MANTISSA bits, smallest normal
+    2^MIN_EXPONENT), ties to even, in fp32 arithmetic: an fp32 on the FP8 grid, which a cast to the format keeps
+    exactly. Written out rather than cast because the interpreter's cast to FP8 truncates and does not saturate;
+    the same arithmetic runs on the GPU, so both agree bit for bit. NaN stays NaN, the sign of a zero is kept."""
+    magnitude = tl.minimum(tl.abs(q), MAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # the grid's spacing at this magnitude, 2^(exponent - MANTISSA); subnormals share the smallest normal's
+    exponent = tl.maximum((bits >> 23) & 0xFF, MIN_EXPONENT + 127)
+    inverse = ((254 - exponent + MANTISSA) << 23).to(tl.float32, bitcast=True)
+    spacing = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
+    # magnitude / spacing < 2^(MANTISSA + 1) is exact; adding and removing 1.5 * 2^23 rounds it to an integer,
+    # ties to even (fp32's spacing is 1 there)
+    units = magnitude * inverse
+    rounded = ((units + 12582912.0) - 12582912.0) * spacing
+    sign = q.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

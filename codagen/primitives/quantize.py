@@ -1,0 +1,124 @@
+"""FP8 quantization of a tile, per column group (DeepSeek-V3's 1 x 128 tile-wise scaling with column_group: 128):
+`fp8_scale` is each group's scale, amax / FP8_MAX, and `quantize` the tile divided by it and rounded to the FP8
+grid. The next GEMM reads the stored FP8 values and scales; x ≈ quantized · scale. docs/fp8.md states the exact
+semantics (rounding, saturation, a zero amax) that the float64 reference and the emitters share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import Kind, ValueType, Width
+from .base import OUT, X, Arg, Primitive, torch
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    dtype: str  # the output dtype and torch's name of the type
+    max: float  # the largest finite value: the saturation bound
+    mantissa: int  # mantissa bits
+    min_exponent: int  # the exponent of the smallest normal value
+
+    @property
+    def args(self) -> str:
+        """tile.round_fp8's constants of the format."""
+        return f"MAX={self.max}, MANTISSA={self.mantissa}, MIN_EXPONENT={self.min_exponent}"
+
+
+FORMATS = (
+    Fp8Format("float8_e4m3fn", 448.0, 3, -6),  # activations and weights
+    Fp8Format("float8_e5m2", 57344.0, 2, -14),  # gradients: range over precision
+)
+BY_DTYPE = {f.dtype: f for f in FORMATS}
+DTYPE = Arg("dtype", "enum", choices=tuple(BY_DTYPE))
+
+
+def _check_scale(c) -> ValueType | None:
+    x = c.typed("x")
+    if c.kernel.column_group is None:
+        c.error(None, "fp8_scale scales each column group, and the kernel declares none; add 'column_group: 128' "
+                      "(DeepSeek-V3's 1 x 128 groups; any power of two the epilogue slice holds whole) at the "
+                      "top level")
+        return None
+    if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
+        return None
+    if x.width is not Width.FULL:
+        c.error("x", f"fp8_scale.x must be a tile of width N (column groups are groups of N's columns), got {x} "
+                     f"'{c.step.args['x']}'")
+        return None
+    return ValueType(Kind.ROW) if c.kernel.whole_rows else ValueType(Kind.GROUP)
+
+
+def _emit_scale(e, s):
+    x, fmt = s.args["x"], BY_DTYPE[s.args["dtype"]]
+    e.need_width(Width.FULL, tile=True)
+    magnitude, mask = f"{e.lang}.abs({e.ref(x)})", e.tile_mask(Width.FULL)
+    if e.kernel.whole_rows:  # the tile spans the row: its group is the row
+        amax = f"tile.partial_reduce({magnitude}, {mask}, OP=tile.MAX, AXIS=1)"
+    else:
+        amax = f"tile.group_reduce({magnitude}, {mask}, GROUP={e.kernel.column_group}, OP=tile.MAX)"
+    e.assign(s, f"tile.fp8_scale({amax}, MAX={fmt.max})")
+
+
+def fp8_scale(amax, fmt: Fp8Format):
+    """amax / FP8_MAX, correctly rounded to fp32 (a float64 quotient of fp32 numbers rounds to fp32 exactly);
+    1 where it is 0 (a zero group, or one whose quotient underflows fp32)."""
+    scale = (amax.to(torch.float32).double() / fmt.max).to(torch.float32)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _reference_scale(r, s):
+    x, fmt = r.value(s.args["x"]).to(torch.float32), BY_DTYPE[s.args["dtype"]]
+    rows, cols = x.shape
+    group = cols if r.kernel.whole_rows else r.kernel.column_group
+    amax = x.abs().reshape(rows, cols // group, group).amax(-1)
+    scale = fp8_scale(amax, fmt)
+    return (scale[:, 0] if r.kernel.whole_rows else scale).to(r.dtype)
+
+
+def _check_quantize(c) -> ValueType | None:
+    x, scale = c.typed("x"), c.typed("scale")
+    if not (c.need("x", x, (Kind.TILE,), "a tile")
+            & c.need("scale", scale, (Kind.GROUP, Kind.ROW, Kind.SCALAR), "the scale of its group (fp8_scale's "
+                                                                          "value), a row vector or a scalar")):
+        return None
+    result = c.broadcast(x, scale)
+    if result is None:
+        c.error("scale", f"quantize.scale: {scale} '{c.step.args['scale']}' does not match {x} '{c.step.args['x']}'")
+    return result
+
+
+def _emit_quantize(e, s):
+    fmt = BY_DTYPE[s.args["dtype"]]
+    e.elementwise(s, f"tile.round_fp8({e.lang}.div_rn({{x}}, {{scale}}), {fmt.args})",
+                  {"x": s.args["x"], "scale": s.args["scale"]})
+
+
+def round_fp8(q, fmt: Fp8Format):
+    """q (fp32) saturated to ±FP8_MAX and rounded to the nearest FP8 value, ties to even; NaN stays NaN."""
+    return q.clamp(-fmt.max, fmt.max).to(getattr(torch, fmt.dtype))
+
+
+def _reference_quantize(r, s):
+    into = r.types[s.out]
+    x, scale = (r.tensor(s.args[n], into).to(torch.float32) for n in ("x", "scale"))
+    quotient = (x.double() / scale.double()).to(torch.float32)  # fp32's correctly rounded x / scale
+    return round_fp8(quotient, BY_DTYPE[s.args["dtype"]]).to(r.dtype)
+
+
+PRIMITIVES = (
+    Primitive(
+        "fp8_scale", (X, DTYPE, OUT),
+        "The FP8 scale of each group of column_group columns of a tile: amax / FP8_MAX (448 for float8_e4m3fn, "
+        "57344 for float8_e5m2), amax = max |x| over the group, rounded to fp32; 1 where that is 0 (docs/fp8.md).",
+        "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)], or a row "
+        "vector [M] with column_group N.",
+        "fp8_scale: {x: h, dtype: float8_e4m3fn, out: h_scale}",
+        check=_check_scale, reference=_reference_scale, emitters={"tl": _emit_scale}),
+    Primitive(
+        "quantize", (X, Arg("scale", "value", number=True), DTYPE, OUT),
+        "out = x / scale (fp32, correctly rounded), saturated to ±FP8_MAX and rounded to the nearest value of "
+        "dtype, ties to even: FP8 values held in fp32, which a store to an output of that dtype writes exactly.",
+        "x: a tile; scale: its group's scale (fp8_scale's value), a row vector, a scalar or a number; out: a tile "
+        "of x's width.",
+        "quantize: {x: h, scale: h_scale, dtype: float8_e4m3fn, out: h_q}",
+        check=_check_quantize, reference=_reference_quantize, emitters={"tl": _emit_quantize}),
+)
