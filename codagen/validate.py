@@ -11,6 +11,7 @@ from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, 
                     ValueType, Width, dims_type)
 from .names import kernel_functions
 from .primitives import PRIMITIVES
+from .primitives.quantize import FP8_DTYPES
 
 _SCALAR = ValueType(Kind.SCALAR)
 _ROW = ValueType(Kind.ROW)
@@ -105,11 +106,19 @@ def _check_declarations(k, sink, types, defined_at):
             continue
         if i.dtype is DType.INDEX and t != _ROW:
             sink.add(i.loc, f"input '{i.name}' has dtype index, which only row vectors [M] may have")
+        if i.dtype in FP8_DTYPES:
+            sink.add(i.loc, f"input '{i.name}' has dtype {i.dtype.value}; FP8 is an output dtype (written by "
+                            "quantize, docs/fp8.md), and kernels do not read FP8 inputs yet")
         types[i.name] = t
         defined_at[i.name] = i.loc
     for o in k.outputs:
         if o.dtype is DType.INDEX:
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
+        if o.dtype in FP8_DTYPES and (o.inplace or dims_type(o.dims) is None
+                                      or dims_type(o.dims).kind is not Kind.TILE):
+            sink.add(o.loc, f"output '{o.name}' has dtype {o.dtype.value}: FP8 outputs hold quantized tiles "
+                            f"[M, N] (or N/2, 2*N), written once by a store of a quantize value; got shape "
+                            f"{_fmt(o.dims)}{', inplace' if o.inplace else ''}")
         if any(dims.is_tiles(d.value) for d in o.dims):
             if o.dtype is not DType.FLOAT32:
                 sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32, got "

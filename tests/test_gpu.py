@@ -124,7 +124,7 @@ SEQ = 4096  # positions are drawn below this
 EPS = LLAMA_1B.eps
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {t: name for name, t in LOW.items()}
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from codagen.runtime.checks import FLOATS  # noqa: E402
 KERNEL_FLOOR = 1e-5  # absolute slack: fp32 outputs of the fused kernel carry fp32 arithmetic (~1e-7)
 BLOCK_FLOOR = 1e-4  # as in tests/test_blocks.py
 LLAMA_DTYPE = torch.bfloat16  # of the Llama training test

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..model import Kind, type_dims
 from .base import X, Arg, Primitive
+from .quantize import check_store
 
 WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL, Kind.GROUP)
 
@@ -14,6 +15,7 @@ def _check(inplace: bool):
         x = c.typed("x")
         ok = c.need("x", x, WRITABLE, "a tile, row vector, column vector or group value")
         c.target(type_dims(x) if ok else None, inplace=inplace)
+        check_store(c)
     return check
 
 

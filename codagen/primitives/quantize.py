@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import Kind, ValueType, Width
+from ..model import DType, Kind, ValueType, Width
 from .base import OUT, X, Arg, Primitive, torch
 
 
@@ -28,6 +28,7 @@ FORMATS = (
     Fp8Format("float8_e5m2", 57344.0, 2, -14),  # gradients: range over precision
 )
 BY_DTYPE = {f.dtype: f for f in FORMATS}
+FP8_DTYPES = frozenset(DType(f.dtype) for f in FORMATS)
 DTYPE = Arg("dtype", "enum", choices=tuple(BY_DTYPE))
 
 
@@ -90,6 +91,20 @@ def _emit_quantize(e, s):
     fmt = BY_DTYPE[s.args["dtype"]]
     e.elementwise(s, f"tile.round_fp8({e.lang}.div_rn({{x}}, {{scale}}), {fmt.args})",
                   {"x": s.args["x"], "scale": s.args["scale"]})
+
+
+def check_store(c) -> None:
+    """A store to an FP8 output writes a quantize value of that dtype: anything else would be rounded by a
+    cast that differs between the interpreter and the GPU, and unscaled."""
+    out = c.kernel.output(c.step.target)
+    if out is None or out.dtype not in FP8_DTYPES:
+        return
+    name = c.step.args["x"]
+    source = next((s for s in c.kernel.steps if s.out == name), None)
+    if source is None or source.op != "quantize" or source.args["dtype"] != out.dtype.value:
+        c.error("x", f"store.x: output '{out.name}' has dtype {out.dtype.value}, and '{name}' is not a quantize "
+                     f"value of that dtype; store '- quantize: {{x: {name}, scale: ..., dtype: {out.dtype.value}, "
+                     "out: ...}' instead (docs/fp8.md)")
 
 
 def round_fp8(q, fmt: Fp8Format):

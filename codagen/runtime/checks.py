@@ -11,7 +11,8 @@ import torch
 
 from .. import dims
 
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}  # FP8: outputs only
 INDEX = (torch.int32, torch.int64)
 
 
@@ -19,7 +20,7 @@ INDEX = (torch.int32, torch.int64)
 class Decl:
     name: str
     dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)", "groups(N)"
-    dtype: str  # "T", "float32", "float16", "bfloat16", "index"
+    dtype: str  # "T", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "index"
     output: bool = False
     # the inputs this output may be, as the very same view, to update that input in place: tile inputs that
     # every value stored to the output is computed from, so that each element is read before it is written

@@ -19,12 +19,12 @@ from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import backends, configs
+from ..runtime.checks import FLOATS
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
 from .shapes import Shape
 
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_ROWS = 1024 + 48  # ragged for every BM of 64, 128 and 256, yet a multiple of 16: Triton specializes
 # integer arguments on divisibility by 16, so the check compiles the very kernel that the full shape times
 TOLERANCE = 1e-2  # relative norm error vs float64: a few bf16 roundings (2**-8 each); wrong tiles give O(1)
