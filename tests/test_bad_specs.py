@@ -174,7 +174,7 @@ CASES = [
     c("three_dims", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N, N], wn: [N]}"), (4, "[M, N, N]"),
       "3 dimensions", "at most 2"),
     c("unknown_dtype", spec(inputs="{y: [M, K], w_o: [N, K], x: [M, N], wn: {shape: [N], dtype: float64}}"),
-      (4, "float64"), "dtype must be one of: T, float32, float16, bfloat16, index, got 'float64'"),
+      (4, "float64"), "dtype must be one of: T, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, index, got 'float64'"),
     c("inplace_not_bool", ab_spec("", "{o: {shape: [M, N], inplace: yes please}}", ["accumulate: {x: acc, into: o}"]),
       (5, "yes please"), "inplace must be true or false", "got 'yes please'"),
     c("doc_not_text", spec(doc="3"), (2, "3"), "doc must be a sentence", "got a number (3)"),
