@@ -85,3 +85,28 @@ def test_reference_is_the_recipe(dtype):
     assert (error[normal] <= 2.0 ** -(fmt.mantissa + 1) * x.double().abs()[normal]).all()
     subnormal_step = 2.0 ** (fmt.min_exponent - fmt.mantissa)
     assert (error[~normal] <= subnormal_step / 2 * wide.double()[~normal]).all()
+
+
+def test_kernel_compiles_for_sm90(test_kernels):
+    """The GPU takes another path than the interpreter (tl.div_rn, the bitcasts of tile.round_fp8, stores to FP8
+    pointers): t_quantize compiles to PTX for sm_90, in a subprocess (the compiler needs the interpreter off),
+    and the PTX divides with IEEE rounding (div.rn.f32), keeps the rounding to the FP8 grid (the add of 1.5 · 2^23,
+    fused into an FMA, and its subtraction) and converts to both formats. Not run: no GPU here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_groups import _COMPILE
+
+    module = test_kernels("t_quantize")
+    built = Path(module.__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), str(built)])}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, module.__name__, "--ptx"], capture_output=True, text=True,
+                         env=env, cwd=repo)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(f"{module.__name__} ") == 2 and "False" not in run.stdout.split()
+    assert "div.rn.f32" in run.stdout and "e4m3x2.f32" in run.stdout and "e5m2x2.f32" in run.stdout
+    assert "0f4B400000" in run.stdout and "0fCB400000" in run.stdout

@@ -461,7 +461,8 @@ def round_fp8(q, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.con
     inverse = ((254 - exponent + MANTISSA) << 23).to(tl.float32, bitcast=True)
     spacing = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
     # magnitude / spacing < 2^(MANTISSA + 1) is exact; adding and removing 1.5 * 2^23 rounds it to an integer,
-    # ties to even (fp32's spacing is 1 there)
+    # ties to even (fp32's spacing is 1 there). The compiler fuses the product and the add into an FMA, the
+    # same number since the product is exact, and keeps the subtraction (checked in the PTX for sm_90)
     units = magnitude * inverse
     rounded = ((units + 12582912.0) - 12582912.0) * spacing
     sign = q.to(tl.int32, bitcast=True) & -2147483648
