@@ -39,9 +39,8 @@ def edge_rows(m: int, n: int, seed: int) -> torch.Tensor:
 
 def _run(module, x: torch.Tensor, config: Config) -> dict[str, torch.Tensor]:
     m, n = x.shape
-    outs = {"x_e4m3": torch.empty(m, n, dtype=torch.float8_e4m3fn), "x_e5m2": torch.empty(m, n, dtype=torch.float8_e5m2),
-            "x_e4m3_scale": torch.full((m, n // GROUP), float("nan")),
-            "x_e5m2_scale": torch.full((m, n // GROUP), float("nan"))}
+    outs = {values: torch.empty(m, n, dtype=getattr(torch, dtype)) for dtype, (values, _) in OUTPUTS.items()}
+    outs |= {scales: torch.full((m, n // GROUP), float("nan")) for _, scales in OUTPUTS.values()}
     outs = {k: v.to(DEVICE) for k, v in outs.items()}
     module.launch(x=x.to(DEVICE), **outs, config=config)
     return {k: v.cpu() for k, v in outs.items()}
@@ -55,8 +54,8 @@ def test_kernel_is_the_reference_bit_for_bit(test_kernels, shape):
     kernel = kernel_model("t_quantize")
     want = reference.run(kernel, kernel_types("t_quantize"), {"x": x}, config.block_m, config.epilogue_n)
     for dtype, (values, scales) in OUTPUTS.items():
-        assert torch.equal(got[values].view(torch.uint8), want[values].to(getattr(torch, dtype)).view(torch.uint8)), \
-            f"{values}: {(got[values].view(torch.uint8) != want[values].to(getattr(torch, dtype)).view(torch.uint8)).sum()} differ"
+        bits, want_bits = got[values].view(torch.uint8), want[values].to(getattr(torch, dtype)).view(torch.uint8)
+        assert torch.equal(bits, want_bits), f"{values}: {(bits != want_bits).sum().item()} of {bits.numel()} differ"
         assert torch.equal(got[scales], want[scales].float()), scales
 
 

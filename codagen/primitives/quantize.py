@@ -78,8 +78,8 @@ def _reference_scale(r, s):
 def _check_quantize(c) -> ValueType | None:
     x, scale = c.typed("x"), c.typed("scale")
     if not (c.need("x", x, (Kind.TILE,), "a tile")
-            & c.need("scale", scale, (Kind.GROUP, Kind.ROW, Kind.SCALAR), "the scale of its group (fp8_scale's "
-                                                                          "value), a row vector or a scalar")):
+            & c.need("scale", scale, (Kind.GROUP, Kind.ROW), "the scale of its group, fp8_scale's value (a group "
+                                                             "value, or a row vector with column_group N)")):
         return None
     result = c.broadcast(x, scale)
     if result is None:
@@ -95,12 +95,17 @@ def _emit_quantize(e, s):
 
 def check_store(c) -> None:
     """A store to an FP8 output writes a quantize value of that dtype: anything else would be rounded by a
-    cast that differs between the interpreter and the GPU, and unscaled."""
+    cast that differs between the interpreter and the GPU, and unscaled. A scale is stored in float32: rounded
+    to a narrower type, it would not be the scale the values were divided by."""
     out = c.kernel.output(c.step.target)
-    if out is None or out.dtype not in FP8_DTYPES or len(out.dims) != 2:  # not a tile: reported at the output
-        return
     name = c.step.args["x"]
     source = next((s for s in c.kernel.steps if s.out == name), None)
+    if out is not None and source is not None and source.op == "fp8_scale" and out.dtype is not DType.FLOAT32:
+        c.error("to", f"store.to: '{name}' is an FP8 scale, which must be stored in float32 (the values were "
+                      f"divided by it in fp32), and output '{out.name}' has dtype {out.dtype.value}; declare it "
+                      f"'{out.name}: {{shape: [...], dtype: float32}}'")
+    if out is None or out.dtype not in FP8_DTYPES or len(out.dims) != 2:  # not a tile: reported at the output
+        return
     if source is None or source.op != "quantize" or source.args["dtype"] != out.dtype.value:
         c.error("x", f"store.x: output '{out.name}' has dtype {out.dtype.value}, and '{name}' is not a quantize "
                      f"value of that dtype; store '- quantize: {{x: {name}, scale: ..., dtype: {out.dtype.value}, "
@@ -129,11 +134,11 @@ PRIMITIVES = (
         "fp8_scale: {x: h, dtype: float8_e4m3fn, out: h_scale}",
         check=_check_scale, reference=_reference_scale, emitters={"tl": _emit_scale}),
     Primitive(
-        "quantize", (X, Arg("scale", "value", number=True), DTYPE, OUT),
+        "quantize", (X, Arg("scale", "value"), DTYPE, OUT),
         "out = x / scale (fp32, correctly rounded), saturated to ±FP8_MAX and rounded to the nearest value of "
         "dtype, ties to even: FP8 values held in fp32, which a store to an output of that dtype writes exactly.",
-        "x: a tile; scale: its group's scale (fp8_scale's value), a row vector, a scalar or a number; out: a tile "
-        "of x's width.",
+        "x: a tile; scale: its group's scale, fp8_scale's value (a group value, or a row vector with column_group "
+        "N); out: a tile of x's width.",
         "quantize: {x: h, scale: h_scale, dtype: float8_e4m3fn, out: h_q}",
         check=_check_quantize, reference=_reference_quantize, emitters={"tl": _emit_quantize}),
 )
