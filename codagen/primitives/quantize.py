@@ -39,23 +39,24 @@ def _check_scale(c) -> ValueType | None:
                       "(DeepSeek-V3's 1 x 128 groups; any power of two the epilogue slice holds whole) at the "
                       "top level")
         return None
+    if c.kernel.whole_rows:
+        c.error(None, "fp8_scale with column_group N (one scale per whole row) is not implemented; use groups of "
+                      "a power of two columns, e.g. 'column_group: 128'")
+        return None
     if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
         return None
     if x.width is not Width.FULL:
         c.error("x", f"fp8_scale.x must be a tile of width N (column groups are groups of N's columns), got {x} "
                      f"'{c.step.args['x']}'")
         return None
-    return ValueType(Kind.ROW) if c.kernel.whole_rows else ValueType(Kind.GROUP)
+    return ValueType(Kind.GROUP)
 
 
 def _emit_scale(e, s):
     x, fmt = s.args["x"], BY_DTYPE[s.args["dtype"]]
     e.need_width(Width.FULL, tile=True)
-    magnitude, mask = f"{e.lang}.abs({e.ref(x)})", e.tile_mask(Width.FULL)
-    if e.kernel.whole_rows:  # the tile spans the row: its group is the row
-        amax = f"tile.partial_reduce({magnitude}, {mask}, OP=tile.MAX, AXIS=1)"
-    else:
-        amax = f"tile.group_reduce({magnitude}, {mask}, GROUP={e.kernel.column_group}, OP=tile.MAX)"
+    amax = (f"tile.group_reduce({e.lang}.abs({e.ref(x)}), {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
+            "OP=tile.MAX)")
     e.assign(s, f"tile.fp8_scale({amax}, MAX={fmt.max})")
 
 
@@ -69,17 +70,14 @@ def fp8_scale(amax, fmt: Fp8Format):
 def _reference_scale(r, s):
     x, fmt = r.value(s.args["x"]).to(torch.float32), BY_DTYPE[s.args["dtype"]]
     rows, cols = x.shape
-    group = cols if r.kernel.whole_rows else r.kernel.column_group
-    amax = x.abs().reshape(rows, cols // group, group).amax(-1)
-    scale = fp8_scale(amax, fmt)
-    return (scale[:, 0] if r.kernel.whole_rows else scale).to(r.dtype)
+    group = r.kernel.column_group
+    return fp8_scale(x.abs().reshape(rows, cols // group, group).amax(-1), fmt).to(r.dtype)
 
 
 def _check_quantize(c) -> ValueType | None:
     x, scale = c.typed("x"), c.typed("scale")
     if not (c.need("x", x, (Kind.TILE,), "a tile")
-            & c.need("scale", scale, (Kind.GROUP, Kind.ROW), "the scale of its group, fp8_scale's value (a group "
-                                                             "value, or a row vector with column_group N)")):
+            & c.need("scale", scale, (Kind.GROUP,), "the scale of its group, a group value (fp8_scale's)")):
         return None
     result = c.broadcast(x, scale)
     if result is None:
@@ -129,16 +127,15 @@ PRIMITIVES = (
         "fp8_scale", (X, DTYPE, OUT),
         "The FP8 scale of each group of column_group columns of a tile: amax / FP8_MAX (448 for float8_e4m3fn, "
         "57344 for float8_e5m2), amax = max |x| over the group, rounded to fp32; 1 where that is 0 (docs/fp8.md).",
-        "x: a tile of width N, in a kernel that declares column_group; out: a group value [M, groups(N)], or a row "
-        "vector [M] with column_group N.",
+        "x: a tile of width N, in a kernel that declares a column_group of a power of two columns; out: a group "
+        "value [M, groups(N)].",
         "fp8_scale: {x: h, dtype: float8_e4m3fn, out: h_scale}",
         check=_check_scale, reference=_reference_scale, emitters={"tl": _emit_scale}),
     Primitive(
         "quantize", (X, Arg("scale", "value"), DTYPE, OUT),
         "out = x / scale (fp32, correctly rounded), saturated to ±FP8_MAX and rounded to the nearest value of "
         "dtype, ties to even: FP8 values held in fp32, which a store to an output of that dtype writes exactly.",
-        "x: a tile; scale: its group's scale, fp8_scale's value (a group value, or a row vector with column_group "
-        "N); out: a tile of x's width.",
+        "x: a tile of width N; scale: its group's scale, a group value (fp8_scale's); out: a tile of width N.",
         "quantize: {x: h, scale: h_scale, dtype: float8_e4m3fn, out: h_q}",
         check=_check_quantize, reference=_reference_quantize, emitters={"tl": _emit_quantize}),
 )
