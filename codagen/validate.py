@@ -114,10 +114,9 @@ def _check_declarations(k, sink, types, defined_at):
     for o in k.outputs:
         if o.dtype is DType.INDEX:
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
-        if o.dtype in FP8_DTYPES and (o.inplace or dims_type(o.dims) is None
-                                      or dims_type(o.dims).kind is not Kind.TILE):
+        if o.dtype in FP8_DTYPES and (o.inplace or o.dims != (Dim.M, Dim.N)):
             sink.add(o.loc, f"output '{o.name}' has dtype {o.dtype.value}: FP8 outputs hold quantized tiles "
-                            f"[M, N] (or N/2, 2*N), written once by a store of a quantize value; got shape "
+                            f"[M, N], written once by a store of a quantize value; got shape "
                             f"{_fmt(o.dims)}{', inplace' if o.inplace else ''}")
         if any(dims.is_tiles(d.value) for d in o.dims):
             if o.dtype is not DType.FLOAT32:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import DType, Kind, ValueType, Width
+from ..model import Dim, DType, Kind, ValueType, Width
 from .base import OUT, X, Arg, Primitive, torch
 
 
@@ -102,7 +102,7 @@ def check_store(c) -> None:
         c.error("to", f"store.to: '{name}' is an FP8 scale, which must be stored in float32 (the values were "
                       f"divided by it in fp32), and output '{out.name}' has dtype {out.dtype.value}; declare it "
                       f"'{out.name}: {{shape: [...], dtype: float32}}'")
-    if out is None or out.dtype not in FP8_DTYPES or len(out.dims) != 2:  # not a tile: reported at the output
+    if out is None or out.dtype not in FP8_DTYPES or out.dims != (Dim.M, Dim.N):  # else reported at the output
         return
     if source is None or source.op != "quantize" or source.args["dtype"] != out.dtype.value:
         c.error("x", f"store.x: output '{out.name}' has dtype {out.dtype.value}, and '{name}' is not a quantize "
