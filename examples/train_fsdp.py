@@ -127,6 +127,7 @@ def main(argv=None) -> list[dict]:
                 log.flush()
     if log:
         log.close()
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
     dist.destroy_process_group()
     return records
 

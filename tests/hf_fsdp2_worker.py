@@ -94,6 +94,7 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world": world, "runs": runs}, f)
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

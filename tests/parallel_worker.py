@@ -231,6 +231,7 @@ def main(case: str, out: str, seed: int) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

@@ -22,17 +22,31 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 
 
-def tiny_llama(**overrides):
-    """A random fp32 LlamaForCausalLM; norm weights random too (Hugging Face starts them at one)."""
-    config = transformers.LlamaConfig(**{**BASE, **overrides})
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+def random_model(model_class, config, norm_center: float = 1.0):
+    """A random fp32 model of a transformers causal-LM class (the tests of every family make theirs here): norm
+    weights random too, around norm_center (Hugging Face starts them at one; Gemma's, scales of 1 + w, at zero)."""
+    model = model_class(config).to(DEVICE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.08)
     return model
+
+
+def labelled_tokens(vocab: int, batch: int, seq: int, seed: int = 0):
+    """Random token ids and their labels, one of them ignored (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def tiny_llama(**overrides):
+    """A random fp32 LlamaForCausalLM; norm weights random too (Hugging Face starts them at one)."""
+    return random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**{**BASE, **overrides}))
 
 
 def rel(a, b):
@@ -77,11 +91,7 @@ def compare(reference, patched, seed=0, **inputs):
 
 
 def tokens_and_labels(generator_seed=0):
-    g = torch.Generator().manual_seed(generator_seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return labelled_tokens(VOCAB, BATCH, SEQ, generator_seed)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -16,7 +16,7 @@ if not hasattr(transformers, "Gemma2ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, rel  # noqa: E402
+from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ, WINDOW = 97, 2, 12, 4
@@ -31,23 +31,12 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_l
 
 def tiny_gemma2(**overrides):
     """A random fp32 Gemma2ForCausalLM; norm weights random too (Hugging Face starts them at zero: a scale of 1)."""
-    config = transformers.Gemma2Config(**{**BASE, **overrides})
-    model = transformers.Gemma2ForCausalLM(config).to(DEVICE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
+    return random_model(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(**{**BASE, **overrides}),
+                        norm_center=0.0)
 
 
 def tokens_and_labels(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return labelled_tokens(VOCAB, BATCH, SEQ, seed)
 
 
 def test_layers_of_both_types_and_sequences_longer_than_the_window():

@@ -15,7 +15,7 @@ if not hasattr(transformers, "MistralForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, rel  # noqa: E402
+from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
 from test_hf_qwen2 import (  # noqa: E402
     assert_mapping_names_transformers_modules_and_weights, compare_with_logits, recording_attention)
 
@@ -30,23 +30,11 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_l
 
 def tiny_mistral(**overrides):
     """A random fp32 MistralForCausalLM; norm weights random too."""
-    config = transformers.MistralConfig(**{**BASE, **overrides})
-    model = transformers.MistralForCausalLM(config).to(DEVICE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
+    return random_model(transformers.MistralForCausalLM, transformers.MistralConfig(**{**BASE, **overrides}))
 
 
 def tokens_and_labels(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return labelled_tokens(VOCAB, BATCH, SEQ, seed)
 
 
 @pytest.mark.parametrize("overrides", [

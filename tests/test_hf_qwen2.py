@@ -14,7 +14,7 @@ if not hasattr(transformers, "Qwen2ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, rel  # noqa: E402
+from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 97, 2, 12
@@ -28,23 +28,11 @@ SLIDING = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
 
 def tiny_qwen2(**overrides):
     """A random fp32 Qwen2ForCausalLM; norm weights and the q/k/v biases random too."""
-    config = transformers.Qwen2Config(**{**BASE, **overrides})
-    model = transformers.Qwen2ForCausalLM(config).to(DEVICE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
+    return random_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**{**BASE, **overrides}))
 
 
 def tokens_and_labels(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return labelled_tokens(VOCAB, BATCH, SEQ, seed)
 
 
 def compare_with_logits(reference, patched, **inputs):

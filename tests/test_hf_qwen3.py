@@ -13,7 +13,7 @@ if not hasattr(transformers, "Qwen3ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, rel  # noqa: E402
+from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 300, 2, 8
@@ -26,23 +26,11 @@ BASE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=96, num_hidden_
 
 def tiny_qwen3(**overrides):
     """A random fp32 Qwen3ForCausalLM; norm weights (q_norm and k_norm included) random too."""
-    config = transformers.Qwen3Config(**{**BASE, **overrides})
-    model = transformers.Qwen3ForCausalLM(config).to(DEVICE)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.08)
-    return model
+    return random_model(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**{**BASE, **overrides}))
 
 
 def tokens_and_labels(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    return ids.to(DEVICE), labels.to(DEVICE)
+    return labelled_tokens(VOCAB, BATCH, SEQ, seed)
 
 
 @pytest.mark.parametrize("overrides", [
