@@ -90,7 +90,8 @@ def test_kernel_compiles_for_sm90(test_kernels):
     """The GPU takes another path than the interpreter (tl.div_rn, the bitcasts of tile.round_fp8, stores to FP8
     pointers): t_quantize compiles to PTX for sm_90, in a subprocess (the compiler needs the interpreter off),
     and the PTX divides with IEEE rounding (div.rn.f32), keeps the rounding to the FP8 grid (the add of 1.5 · 2^23,
-    fused into an FMA, and its subtraction) and converts to both formats. Not run: no GPU here."""
+    fused into an FMA, and its subtraction), converts to both formats, and keeps tile.to_fp8's code for a NaN
+    (the test for NaN, and the or with 0x7F) after the conversion. Not run: no GPU here."""
     import os
     import subprocess
     import sys
@@ -109,3 +110,4 @@ def test_kernel_compiles_for_sm90(test_kernels):
     assert run.stdout.count(f"{module.__name__} ") == 2 and "False" not in run.stdout.split()
     assert "div.rn.f32" in run.stdout and "e4m3x2.f32" in run.stdout and "e5m2x2.f32" in run.stdout
     assert "0f4B400000" in run.stdout and "0fCB400000" in run.stdout
+    assert "setp.nan.f32" in run.stdout and ", 127;" in run.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..model import Kind, type_dims
 from .base import X, Arg, Primitive
-from .quantize import check_store
+from .quantize import check_store, store_value
 
 WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL, Kind.GROUP)
 
@@ -20,7 +20,8 @@ def _check(inplace: bool):
 
 
 def _emit_store(e, s):
-    e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({e.ptr(s.target)}.dtype.element_ty), mask={{mask}})",
+    value = store_value(e, s) or f"{{x}}.to({e.ptr(s.target)}.dtype.element_ty)"
+    e.write(s, f"{e.lang}.store({{ptr}}, {value}, mask={{mask}})",
             rounded=f"{e.lang}.store({{ptr}}, {{x}}, mask={{mask}})")
 
 

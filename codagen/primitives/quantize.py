@@ -13,6 +13,7 @@ from .base import OUT, X, Arg, Primitive, torch
 @dataclass(frozen=True)
 class Fp8Format:
     dtype: str  # the output dtype and torch's name of the type
+    triton: str  # Triton's name of the type
     max: float  # the largest finite value: the saturation bound
     mantissa: int  # mantissa bits
     min_exponent: int  # the exponent of the smallest normal value
@@ -24,8 +25,8 @@ class Fp8Format:
 
 
 FORMATS = (
-    Fp8Format("float8_e4m3fn", 448.0, 3, -6),  # activations and weights
-    Fp8Format("float8_e5m2", 57344.0, 2, -14),  # gradients: range over precision
+    Fp8Format("float8_e4m3fn", "float8e4nv", 448.0, 3, -6),  # activations and weights
+    Fp8Format("float8_e5m2", "float8e5", 57344.0, 2, -14),  # gradients: range over precision
 )
 BY_DTYPE = {f.dtype: f for f in FORMATS}
 FP8_DTYPES = frozenset(DType(f.dtype) for f in FORMATS)
@@ -108,6 +109,14 @@ def check_store(c) -> None:
         c.error("x", f"store.x: output '{out.name}' has dtype {out.dtype.value}, and '{name}' is not a quantize "
                      f"value of that dtype; store '- quantize: {{x: {name}, scale: ..., dtype: {out.dtype.value}, "
                      "out: ...}' instead (docs/fp8.md)")
+
+
+def store_value(e, s) -> str | None:
+    """The value a store to an FP8 output writes: the quantize value converted by tile.to_fp8, which gives a
+    NaN torch's code on the interpreter and the GPU alike (their own conversions do not); None for other
+    outputs."""
+    fmt = BY_DTYPE.get(e.kernel.output(s.target).dtype.value)
+    return None if fmt is None else f"tile.to_fp8({{x}}, {e.lang}.{fmt.triton})"
 
 
 def round_fp8(q, fmt: Fp8Format):

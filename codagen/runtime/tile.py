@@ -467,3 +467,14 @@ def round_fp8(q, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.con
     rounded = ((units + 12582912.0) - 12582912.0) * spacing
     sign = q.to(tl.int32, bitcast=True) & -2147483648
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_fp8(q, FP8: tl.constexpr):
+    """q, a value on the FP8 grid (round_fp8's) or NaN, converted to FP8 (tl.float8e4nv or tl.float8e5) as torch
+    converts it: a grid value exactly, a NaN to 0x7F with its sign (a NaN in both formats). The conversion of a
+    grid value is exact everywhere, but the interpreter's makes a number of a NaN (384 in float8e4nv) and the
+    GPU's gives PTX's code for it, so a NaN's code is set here, on the bits."""
+    code = q.to(FP8).to(tl.uint8, bitcast=True)
+    sign = (q.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8) & 0x80
+    return tl.where(q != q, sign | 0x7F, code).to(FP8, bitcast=True)
