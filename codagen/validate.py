@@ -86,8 +86,22 @@ def _check_declarations(k, sink, types, defined_at):
             elif inp.dims != want:
                 layout = f" with b_layout '{g.b_layout.value}'" if role == "b" else ""
                 sink.add(inp.loc, f"gemm.{role} '{name}' must have shape {_fmt(want)}{layout}, got {_fmt(inp.dims)}")
-            elif inp.dtype is not DType.T:
-                sink.add(inp.loc, f"gemm.{role} '{name}' takes the kernel's type T; remove its dtype")
+            elif k.fp8_gemm and inp.dtype not in FP8_DTYPES:
+                sink.add(inp.loc, f"gemm.{role} '{name}' must be FP8 like gemm.a '{g.a}' "
+                                  f"({k.input(g.a).dtype.value}): both operands are FP8 (float8_e4m3fn or "
+                                  f"float8_e5m2), or both the kernel's type T; got {inp.dtype.value}")
+            elif not k.fp8_gemm and inp.dtype is not DType.T:
+                sink.add(inp.loc, f"gemm.{role} '{name}' takes the kernel's type T; remove its dtype"
+                                  + (" (an FP8 gemm.b needs an FP8 gemm.a)" if inp.dtype in FP8_DTYPES else ""))
+        if k.fp8_gemm and g.b_layout is not BLayout.NK:
+            sink.add(g.loc, f"gemm: FP8 operands take b_layout 'nk' (b [N, K], K contiguous, as FP8 MMAs read "
+                            f"it); got '{g.b_layout.value}'")
+        if k.fp8_gemm:
+            for d in (*k.inputs, *k.outputs):
+                if d.dtype is DType.T and d.name not in (g.a, g.b):  # an operand's dtype is reported above
+                    sink.add(d.loc, f"'{d.name}' has the kernel's type T, and a kernel with FP8 gemm operands has "
+                                    "none; give it a dtype (float32, bfloat16, float16), e.g. "
+                                    f"'{d.name}: {{shape: {_fmt(d.dims)}, dtype: bfloat16}}'")
         if g.a == g.b:
             sink.add(g.loc, "gemm.a and gemm.b must be different inputs")
         types[ACC] = ValueType(Kind.TILE, Width.FULL)
@@ -107,8 +121,8 @@ def _check_declarations(k, sink, types, defined_at):
         if i.dtype is DType.INDEX and t != _ROW:
             sink.add(i.loc, f"input '{i.name}' has dtype index, which only row vectors [M] may have")
         if i.dtype in FP8_DTYPES:
-            sink.add(i.loc, f"input '{i.name}' has dtype {i.dtype.value}; FP8 is an output dtype (written by "
-                            "quantize, docs/fp8.md), and kernels do not read FP8 inputs yet")
+            sink.add(i.loc, f"input '{i.name}' has dtype {i.dtype.value}; the only FP8 inputs are the gemm's "
+                            "operands (docs/fp8.md), and the epilogue reads none")
         types[i.name] = t
         defined_at[i.name] = i.loc
     for o in k.outputs:

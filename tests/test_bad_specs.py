@@ -38,6 +38,7 @@ INPUTS = "{y: [M, K], w_o: [N, K], x: [M, N], wn: [N]}"
 OUTPUTS = "{x_out: [M, N], h: [M, N], ss: [M, tiles(N)]}"
 ROPE_STEPS = ["rope: {x: acc, positions: pos, freqs: freqs, out: r}", "store: {x: r, to: q}"]
 AB = "{a: [M, K], b: [N, K]"  # inputs of the smaller kernels below, to be closed with more inputs and '}'
+E4M3_MK, E4M3_NK, E4M3_KN = ("{shape: [%s], dtype: float8_e4m3fn}" % s for s in ("M, K", "N, K", "K, N"))
 
 
 def spec(kernel="k1", doc="Out-projection with the residual add and the RMSNorm statistics.",
@@ -387,10 +388,36 @@ CASES = [
       (9, "q,"), "output 'o' has dtype float8_e5m2, and 'q' is not a quantize value of that dtype"),
     c("fp8_input", ab_spec("x8: {shape: [M, N], dtype: float8_e4m3fn}", "{o: [M, N]}",
                            ["add: {x: acc, y: x8, out: t}", "store: {x: t, to: o}"]), (4, "x8:"),
-      "input 'x8' has dtype float8_e4m3fn; FP8 is an output dtype"),
+      "input 'x8' has dtype float8_e4m3fn; the only FP8 inputs are the gemm's operands"),
     c("fp8_row_output", ab_spec("r: [M]", "{o: {shape: [M], dtype: float8_e4m3fn}, t: [M, N]}",
                                 ["store: {x: r, to: o}", "store: {x: acc, to: t}"]),
       (5, "o:"), "output 'o' has dtype float8_e4m3fn: FP8 outputs hold quantized tiles", "got shape [M]"),
+    # -- FP8 GEMM operands (docs/fp8.md) ---------------------------------------------------------------------
+    c("fp8_gemm_a_with_a_t_b", spec(gemm="{a: a, b: b}", inputs=f"{{a: {E4M3_MK}, b: [N, K]}}",
+                                    outputs="{o: {shape: [M, N], dtype: float32}}", steps=["store: {x: acc, to: o}"]),
+      (4, "b: ["), "gemm.b 'b' must be FP8 like gemm.a 'a' (float8_e4m3fn)", "got T"),
+    c("fp8_gemm_a_with_a_float32_b",
+      spec(gemm="{a: a, b: b}", inputs=f"{{a: {E4M3_MK}, b: {{shape: [N, K], dtype: float32}}}}",
+           outputs="{o: {shape: [M, N], dtype: float32}}", steps=["store: {x: acc, to: o}"]),
+      (4, "b: {"), "gemm.b 'b' must be FP8 like gemm.a 'a'", "got float32"),
+    c("fp8_gemm_b_only", spec(gemm="{a: a, b: b}", inputs="{a: [M, K], b: {shape: [N, K], dtype: float8_e4m3fn}}",
+                              outputs="{o: [M, N]}", steps=["store: {x: acc, to: o}"]),
+      (4, "b: {"), "gemm.b 'b' takes the kernel's type T", "an FP8 gemm.b needs an FP8 gemm.a"),
+    c("fp8_gemm_kn", spec(gemm="{a: a, b: b, b_layout: kn}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_KN}}}",
+                          outputs="{o: {shape: [M, N], dtype: float32}}", steps=["store: {x: acc, to: o}"]),
+      (3, "{"), "FP8 operands take b_layout 'nk'", "got 'kn'"),
+    c("fp8_gemm_output_of_type_t", spec(gemm="{a: a, b: b}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}}}",
+                                        outputs="{o: [M, N]}", steps=["store: {x: acc, to: o}"]),
+      (5, "o:"), "'o' has the kernel's type T, and a kernel with FP8 gemm operands has none",
+      "'o: {shape: [M, N], dtype: bfloat16}'"),
+    c("fp8_gemm_input_of_type_t", spec(gemm="{a: a, b: b}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, r: [M]}}",
+                                       outputs="{o: {shape: [M, N], dtype: float32}}",
+                                       steps=["scale: {x: acc, by: r, out: t}", "store: {x: t, to: o}"]),
+      (4, "r:"), "'r' has the kernel's type T, and a kernel with FP8 gemm operands has none"),
+    c("fp8_gemm_cast_to_t", spec(gemm="{a: a, b: b}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}}}",
+                                 outputs="{o: {shape: [M, N], dtype: float32}}",
+                                 steps=["cast: {x: acc, dtype: T, out: t}", "store: {x: t, to: o}"]),
+      (7, "T,"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none"),
     # -- select ----------------------------------------------------------------------------------------------
     c("select_with_non_index_input", ab_spec("target: [M]", "{picked: [M]}",
                                              ["select: {x: acc, index: target, to: picked}"]), (7, "target"),

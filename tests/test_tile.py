@@ -108,3 +108,22 @@ def test_round_fp8_is_torchs_rounding_bit_for_bit(dtype):
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     nan = q.isnan()
     assert held[nan].isnan().all() and set(out.view(torch.uint8)[nan].tolist()) == {0x7F, 0xFF}
+
+
+@triton.jit
+def _fp8_to_float(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tile.fp8_to_float(tl.load(x_ptr + offsets)))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_to_float_is_torchs_on_every_code(dtype):
+    """tile.fp8_to_float, which the interpreter's FP8 mainloop upcasts with, on all 256 codes: torch's values,
+    NaNs and infinities included (the interpreter's own conversion makes 480 of float8_e4m3fn's NaN and 65536
+    of float8_e5m2's infinity)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype))
+    out = torch.empty(256)
+    _fp8_to_float[(1,)](codes, out, BLOCK=256)
+    want = codes.float()
+    assert torch.equal(out.isnan(), want.isnan()) and want.isnan().any()
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])

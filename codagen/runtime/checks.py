@@ -12,7 +12,8 @@ import torch
 from .. import dims
 
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}  # FP8: outputs only
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}  # FP8: declared, never T
+T_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernel's type T may be
 INDEX = (torch.int32, torch.int64)
 
 
@@ -33,7 +34,8 @@ def _fail(kernel: str, message: str):
 
 def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False, group: int | None = None
          ) -> tuple[dict, torch.dtype, torch.device]:
-    """Check the tensors against their declarations; return the sizes {M, N, K}, the type T and the device.
+    """Check the tensors against their declarations; return the sizes {M, N, K}, the type T (None for a kernel
+    without T tensors: one with FP8 GEMM operands) and the device.
     `even_n`: the epilogue splits columns into pairs; `group`: the kernel's column groups have this many
     columns (N must be whole groups; a groups(N) dimension of size g means N = g * group). Tile-count
     dimensions are checked later, by check_tiles, once the tile shape is known."""
@@ -53,7 +55,7 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
             _bind_dim(kernel, d.name, sizes, dim, size, group)
         if d.dtype == "T":
             if t_dtype is None:
-                if t.dtype not in FLOATS.values():
+                if t.dtype not in T_FLOATS:
                     _fail(kernel, f"'{d.name}' must be float16, bfloat16 or float32, got {t.dtype}")
                 t_dtype = t.dtype
             elif t.dtype != t_dtype:

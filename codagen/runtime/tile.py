@@ -478,3 +478,18 @@ def to_fp8(q, FP8: tl.constexpr):
     code = q.to(FP8).to(tl.uint8, bitcast=True)
     sign = (q.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8) & 0x80
     return tl.where(q != q, sign | 0x7F, code).to(FP8, bitcast=True)
+
+
+@triton.jit
+def fp8_to_float(x):
+    """FP8 values (tl.float8e4nv or tl.float8e5) in fp32, exactly, NaN and infinities included: the interpreter's
+    conversion makes numbers of those (480 of float8e4nv's NaN, 65536 of float8e5's infinity), so where a code is
+    one of them the value is set from the bits. For the interpreter's upcast of FP8 GEMM operands (UPCAST_DOT)."""
+    value = x.to(tl.float32)
+    code = x.to(tl.uint8, bitcast=True)
+    magnitude = code & 0x7F
+    if x.dtype == tl.float8e5:  # the exponent's bits all ones: infinity (mantissa 0) or NaN
+        infinity = tl.where(code >= 0x80, float("-inf"), float("inf"))
+        return tl.where(magnitude >= 0x7C, tl.where(magnitude == 0x7C, infinity, float("nan")), value)
+    else:  # float8e4nv (e4m3fn): no infinity; NaN is S.1111.111
+        return tl.where(magnitude == 0x7F, float("nan"), value)
