@@ -150,3 +150,36 @@ def test_kernels_compile_for_sm90(test_kernels):
     assert ".f32.e4m3.e4m3" in run.stdout and ".f32.e5m2.e4m3" in run.stdout
     assert "wgmma.mma_async" in run.stdout
 
+
+
+def test_tuning_table_entry_with_cublas_is_refused_at_its_place(tmp_path):
+    """A tuning table's entry that asks an FP8 kernel for mainloop "cublas" is reported at its line and column
+    by `codagen build --check` (tune.tables.check_tables) and skipped at a launch (runtime.tables.entries), like
+    every entry no launch can use; the same entry with mainloop "triton" is used."""
+    import json
+
+    import triton
+
+    from codagen import tablefile
+    from codagen.fingerprint import fingerprint
+    from codagen.runtime import tables as runtime_tables
+    from codagen.tune import tables
+
+    kernel = kernel_model("t_fp8_gemm")
+    path = tmp_path / "tuning" / "h100" / "t_fp8_gemm.json"
+    path.parent.mkdir(parents=True)
+    entry = {"backend": "tl", "config": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 8,
+                                          "num_warps": 8, "num_stages": 3}}
+    cublas = {"backend": "tl", "config": {**entry["config"], "mainloop": "cublas"}}
+    path.write_text(json.dumps({"kernel": "t_fp8_gemm", "spec": kernel.source, "fingerprint": fingerprint(kernel),
+                                "triton": triton.__version__, "gpu": "h100",
+                                "shapes": {"4096x4096x4096": entry, "8192x4096x65536": cublas}}, indent=1))
+    line = path.read_text().split("\n").index('  "8192x4096x65536": {') + 1
+    _, errors = tables.check_tables(tmp_path / "tuning", [kernel])
+    (error,) = errors
+    assert (error.line, error.col) == (line, 3)
+    assert "entry '8192x4096x65536': mainloop 'cublas' makes the GEMM's product with torch.mm, which takes no FP8" \
+        in error.located()
+    used = runtime_tables.entries(str(path), fingerprint(kernel), triton.__version__, None, True, False)
+    assert list(used) == ["4096x4096x4096"]
+    assert len(tablefile.read_table(path, None, True).entries) == 2  # a kernel whose GEMM torch.mm makes: both

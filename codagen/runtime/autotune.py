@@ -138,7 +138,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     gpu = tables.gpu_key(device)
     tile_dependent = decls is None or _tile_dependent(decls)
     hit = tables.lookup(kernel, fingerprint, tuning_dir, gpu, int(m), int(n), int(k), group, tile_dependent,
-                        triton.__version__)
+                        triton.__version__, cublas)
     if hit is not None:
         _picked[launch] = hit
         return hit
