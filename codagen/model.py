@@ -57,6 +57,9 @@ class DType(enum.Enum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    # FP8: outputs written from `quantize` values, and the GEMM's operands (docs/fp8.md)
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+    FLOAT8_E5M2 = "float8_e5m2"
     INDEX = "index"  # int32 or int64
 
 
@@ -179,10 +182,17 @@ class Kernel:
         return next((o for o in self.outputs if o.name == name), None)
 
     @property
+    def fp8_gemm(self) -> bool:
+        """Whether the GEMM's operands are FP8 (declared so; the kernel then has no type T)."""
+        a = self.input(self.gemm.a) if self.gemm else None
+        return a is not None and a.dtype in (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
+
+    @property
     def t_input(self) -> str | None:
-        """The input whose dtype is the kernel's type T at a launch: the GEMM's `a`, else the first T matrix."""
+        """The input whose dtype is the kernel's type T at a launch: the GEMM's `a`, else the first T matrix;
+        none where the GEMM's operands are FP8 (every other tensor then declares its dtype)."""
         if self.gemm:
-            return self.gemm.a
+            return None if self.fp8_gemm else self.gemm.a
         return next((i.name for i in self.inputs
                      if i.dtype is DType.T and i.type is not None and i.type.kind is Kind.TILE), None)
 

@@ -77,10 +77,11 @@ class Table:
     bad: list[TableError]  # the entries skipped, each at its line
 
 
-def read_table(path: str | Path, group: int | str | None = None, gemm: bool | None = None) -> Table:
+def read_table(path: str | Path, group: int | str | None = None, gemm: bool | None = None,
+               cublas: bool = True) -> Table:
     """The table at `path`, its entries checked (entry_config) for a kernel of column_group `group` that has a GEMM
-    or not (`gemm`; None: as each key's K says). Raises as read_json does, and TableError when the object has no
-    shapes."""
+    or not (`gemm`; None: as each key's K says), and whose GEMM torch.mm can make (`cublas`: not FP8 operands).
+    Raises as read_json does, and TableError when the object has no shapes."""
     path = Path(path)
     text, data = _read(path)
     shapes = data.get("shapes")
@@ -90,7 +91,7 @@ def read_table(path: str | Path, group: int | str | None = None, gemm: bool | No
     gpu = table_gpu(path, data)
     for key, entry in shapes.items():
         try:
-            config = entry_config(key, entry, group, gemm, gpu)
+            config = entry_config(key, entry, group, gemm, gpu, cublas)
         except ValueError as e:
             table.bad.append(TableError(path, f"tuning table {quoted(path)}: entry {_shown(key)}: {e}",
                                         *_where(text, key), entry=True))
@@ -109,11 +110,12 @@ def table_gpu(path: Path, data: dict) -> str | None:
 
 
 def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None,
-                 gpu: str | None = None) -> Config:
+                 gpu: str | None = None, cublas: bool = True) -> Config:
     """The configuration of a table's entry at shape `key` (entry_fields: either form); ValueError, saying why, when the key
     is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
     would cut its column groups (`group`), operand tiles larger than the shared memory of a program on `gpu`
-    (tileconfig.SHARED_BYTES_BY_GPU; any GPU's for None or a name it lacks)."""
+    (tileconfig.SHARED_BYTES_BY_GPU; any GPU's for None or a name it lacks), mainloop "cublas" for a kernel whose
+    GEMM torch.mm cannot make (`cublas` False: FP8 operands)."""
     numbers = shape_numbers(key)
     if numbers is None:
         raise ValueError("the key is not a shape MxNxK of positive numbers in ASCII digits (K 0 without a GEMM), "
@@ -127,6 +129,9 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
         config = Config(**given)
     except (TypeError, ValueError, RecursionError) as e:  # RecursionError: showing a deeply nested value
         raise ValueError(_shorter(str(e) if not isinstance(e, RecursionError) else "a field is nested too deep"))
+    if config.mainloop == "cublas" and not cublas:
+        raise ValueError("mainloop 'cublas' makes the GEMM's product with torch.mm, which takes no FP8 operands, and "
+                         "the kernel's GEMM has them; use mainloop 'triton'")
     if not fits_group(config, group, n):
         raise ValueError(f"its epilogue runs on {config.epilogue_n} columns at a time, which cuts the kernel's "
                          f"column groups ({group}) at N = {n}")

@@ -11,6 +11,7 @@ from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, 
                     ValueType, Width, dims_type)
 from .names import kernel_functions
 from .primitives import PRIMITIVES
+from .primitives.quantize import FP8_DTYPES
 
 _SCALAR = ValueType(Kind.SCALAR)
 _ROW = ValueType(Kind.ROW)
@@ -85,8 +86,22 @@ def _check_declarations(k, sink, types, defined_at):
             elif inp.dims != want:
                 layout = f" with b_layout '{g.b_layout.value}'" if role == "b" else ""
                 sink.add(inp.loc, f"gemm.{role} '{name}' must have shape {_fmt(want)}{layout}, got {_fmt(inp.dims)}")
-            elif inp.dtype is not DType.T:
-                sink.add(inp.loc, f"gemm.{role} '{name}' takes the kernel's type T; remove its dtype")
+            elif k.fp8_gemm and inp.dtype not in FP8_DTYPES:
+                sink.add(inp.loc, f"gemm.{role} '{name}' must be FP8 like gemm.a '{g.a}' "
+                                  f"({k.input(g.a).dtype.value}): both operands are FP8 (float8_e4m3fn or "
+                                  f"float8_e5m2), or both the kernel's type T; got {inp.dtype.value}")
+            elif not k.fp8_gemm and inp.dtype is not DType.T:
+                sink.add(inp.loc, f"gemm.{role} '{name}' takes the kernel's type T; remove its dtype"
+                                  + (" (an FP8 gemm.b needs an FP8 gemm.a)" if inp.dtype in FP8_DTYPES else ""))
+        if k.fp8_gemm and g.b_layout is not BLayout.NK:
+            sink.add(g.loc, f"gemm: FP8 operands take b_layout 'nk' (b [N, K], K contiguous, as FP8 MMAs read "
+                            f"it); got '{g.b_layout.value}'")
+        if k.fp8_gemm:
+            for d in (*k.inputs, *k.outputs):
+                if d.dtype is DType.T and d.name not in (g.a, g.b):  # an operand's dtype is reported above
+                    sink.add(d.loc, f"'{d.name}' has the kernel's type T, and a kernel with FP8 gemm operands has "
+                                    "none; give it a dtype (float32, bfloat16, float16), e.g. "
+                                    f"'{d.name}: {{shape: {_fmt(d.dims)}, dtype: bfloat16}}'")
         if g.a == g.b:
             sink.add(g.loc, "gemm.a and gemm.b must be different inputs")
         types[ACC] = ValueType(Kind.TILE, Width.FULL)
@@ -105,11 +120,18 @@ def _check_declarations(k, sink, types, defined_at):
             continue
         if i.dtype is DType.INDEX and t != _ROW:
             sink.add(i.loc, f"input '{i.name}' has dtype index, which only row vectors [M] may have")
+        if i.dtype in FP8_DTYPES:
+            sink.add(i.loc, f"input '{i.name}' has dtype {i.dtype.value}; the only FP8 inputs are the gemm's "
+                            "operands (docs/fp8.md), and the epilogue reads none")
         types[i.name] = t
         defined_at[i.name] = i.loc
     for o in k.outputs:
         if o.dtype is DType.INDEX:
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
+        if o.dtype in FP8_DTYPES and (o.inplace or o.dims != (Dim.M, Dim.N)):
+            sink.add(o.loc, f"output '{o.name}' has dtype {o.dtype.value}: FP8 outputs hold quantized tiles "
+                            f"[M, N], written once by a store of a quantize value; got shape "
+                            f"{_fmt(o.dims)}{', inplace' if o.inplace else ''}")
         if any(dims.is_tiles(d.value) for d in o.dims):
             if o.dtype is not DType.FLOAT32:
                 sink.add(o.loc, f"output '{o.name}' holds partial reductions and must be float32, got "

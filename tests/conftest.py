@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 
 from codagen import api  # noqa: E402
 from codagen.runtime import Config  # noqa: E402
+from codagen.runtime.checks import FLOATS  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -44,7 +45,6 @@ epilogue:
   - store: {x: s, to: o}
 """
 PACKAGE = "cg_test_generated"
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Where the kernels run: the GPU when there is one (compiled Triton), else the CPU (the interpreter).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -96,6 +96,7 @@ import triton.language as tl
 from codagen import api, reference, runtime
 from codagen.convert import LlamaShape, from_hf, interleave_rows, rope_freqs
 from codagen.runtime import tile
+from codagen.runtime.checks import FLOATS
 from codagen.runtime.configs import fits_group
 from codagen.tune.candidates import gluon_candidates
 from codagen.blockmodel import CheckedBlock
@@ -124,7 +125,6 @@ SEQ = 4096  # positions are drawn below this
 EPS = LLAMA_1B.eps
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {t: name for name, t in LOW.items()}
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KERNEL_FLOOR = 1e-5  # absolute slack: fp32 outputs of the fused kernel carry fp32 arithmetic (~1e-7)
 BLOCK_FLOOR = 1e-4  # as in tests/test_blocks.py
 LLAMA_DTYPE = torch.bfloat16  # of the Llama training test

@@ -110,8 +110,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
-for path in sys.argv[1:]:
+POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64",
+           "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+for path in [a for a in sys.argv[1:] if a != "--ptx"]:
     module = importlib.import_module(path)
     fn, decls = getattr(module, module.NAME + "_kernel"), {d.name: d for d in module.DECLS}
     for split in (1, 2):
@@ -126,6 +127,8 @@ for path in sys.argv[1:]:
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
         print(path, split, "ptx" in compiled.asm)
+        if "--ptx" in sys.argv:
+            print(compiled.asm["ptx"])
 """
 
 

@@ -55,11 +55,15 @@ def assert_same_specials(name: str, out: torch.Tensor, ref: torch.Tensor, tol: f
     them: fp32 arithmetic can round a value to 0 or infinity that float64 keeps finite and nonzero (gelu of
     -10 is 0 in fp32, and 0 times inf is NaN). Finite elements within `tol` of `ref`."""
     ref = ref.to(out.dtype)  # what the kernel stores: the reference's overflow rounds the same way
+    if ref32 is not None:
+        ref32 = ref32.to(out.dtype)
+    if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # torch's isposinf does not take FP8; fp32 holds it
+        out, ref, ref32 = out.float(), ref.float(), None if ref32 is None else ref32.float()
     for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
         got, want = test(out), test(ref)
         wrong = got != want
         if ref32 is not None:
-            wrong &= got != test(ref32.to(out.dtype))
+            wrong &= got != test(ref32)
         if wrong.any():
             raise AssertionError(f"{name}: {what} in {got.sum().item()} elements, the reference has it in "
                                  f"{want.sum().item()}; they differ at {wrong.nonzero()[:4].tolist()}")

@@ -37,7 +37,11 @@ from conftest import DEVICE, all_test_kernels, draw_args, kernel_model, kernel_t
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                         "ignore:divide by zero encountered:RuntimeWarning")
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# FP8 outputs: one step of the FP8 grid (2^-3, 2^-2 relative), the most an element can differ by where the kernel's
+# fp32 value and the reference's float64 one fall on either side of a rounding boundary. The quantize test kernel
+# reads its tile from an fp32 input, which both see alike, and test_quantize.py compares it bit for bit.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float8_e4m3fn: 2.0**-3,
+       torch.float8_e5m2: 2.0**-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -160,8 +164,10 @@ def test_pipelines_match_reference(test_kernels, monkeypatch, name, pipeline):
     jit = getattr(module, f"{module.NAME}_kernel")
     run, passed = jit.run, {}
     monkeypatch.setattr(jit, "run", lambda *a, **kw: passed.update(kw, programs=kw["grid"]) or run(*a, **kw))
-    # N = 72: ragged for 32-wide tiles, yet rows of a [K, N] operand are 16-byte aligned, as TMA needs
-    run_and_check(module, kernel, {"M": 45, "N": 72, "K": 40}, torch.bfloat16, config, False,
+    # N = 72: ragged for 32-wide tiles, yet rows of a [K, N] operand are 16-byte aligned, as TMA needs; so are
+    # those of 40 bf16 elements, and of 48 FP8 ones (ragged for 32-deep K steps)
+    k = 48 if kernel.fp8_gemm else 40
+    run_and_check(module, kernel, {"M": 45, "N": 72, "K": k}, torch.bfloat16, config, False,
                   zlib.crc32(f"{name}/{pipeline}".encode()))
     assert passed["programs"] == (4,)
     if kernel.gemm:

@@ -73,3 +73,57 @@ def test_partial_reduce_refuses_an_op_it_does_not_know(pairs):
     torch.testing.assert_close(out.double(), x.double().sum(1), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="OP must be SUM, SUMSQ, MAX or LOGSUMEXP"):
         _row_reduce[(1,)](x, out, PAIRS=pairs, OP=7, BLOCK=16)
+
+
+@triton.jit
+def _round_fp8(q_ptr, out_ptr, held_ptr, FP8: tl.constexpr, MAX: tl.constexpr, MANTISSA: tl.constexpr,
+               MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    q = tl.load(q_ptr + offsets)
+    rounded = tile.round_fp8(q, MAX, MANTISSA, MIN_EXPONENT)
+    tl.store(out_ptr + offsets, tile.to_fp8(rounded, FP8))
+    tl.store(held_ptr + offsets, rounded)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_round_fp8_is_torchs_rounding_bit_for_bit(dtype):
+    """Every FP8 value and every midpoint between neighbours (the ties, to even), each nudged by one fp32 ulp
+    either way, past the largest value, subnormals, signed zeros and NaNs of either sign: tile.round_fp8 then
+    tile.to_fp8 to the FP8 output equals torch's round-to-nearest-even cast of the value clamped to ±FP8_MAX,
+    bit for bit, a NaN's code (0x7F with its sign) included (the interpreter's own cast makes 384 of a NaN)."""
+    from codagen.primitives.quantize import BY_DTYPE, round_fp8
+    fmt, fp8 = BY_DTYPE[dtype], getattr(torch, dtype)
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    specials = [fmt.max * 1.01, 1e30, -1e30, 2.0 ** -30, -0.0, float("nan"), -float("nan")]
+    base = torch.cat([grid, mids, torch.tensor(specials)])
+    q = torch.cat([base, base.nextafter(torch.tensor(float("inf"))), base.nextafter(torch.tensor(-float("inf"))),
+                   torch.randn(4096) * fmt.max / 4])
+    q = torch.cat([q, q.new_zeros(-q.numel() % 1024)])
+    out, held = torch.empty(q.shape, dtype=fp8), torch.empty_like(q)
+    _round_fp8[(q.numel() // 1024,)](q, out, held, getattr(tl, fmt.triton), fmt.max, fmt.mantissa,
+                                     fmt.min_exponent, BLOCK=1024)
+    want = round_fp8(q, fmt)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    nan = q.isnan()
+    assert held[nan].isnan().all() and set(out.view(torch.uint8)[nan].tolist()) == {0x7F, 0xFF}
+
+
+@triton.jit
+def _fp8_to_float(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tile.fp8_to_float(tl.load(x_ptr + offsets)))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_to_float_is_torchs_on_every_code(dtype):
+    """tile.fp8_to_float, which the interpreter's FP8 mainloop upcasts with, on all 256 codes: torch's values,
+    NaNs and infinities included (the interpreter's own conversion makes 480 of float8_e4m3fn's NaN and 65536
+    of float8_e5m2's infinity)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype))
+    out = torch.empty(256)
+    _fp8_to_float[(1,)](codes, out, BLOCK=256)
+    want = codes.float()
+    assert torch.equal(out.isnan(), want.isnan()) and want.isnan().any()
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])

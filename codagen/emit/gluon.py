@@ -142,6 +142,9 @@ def unlowered(k: Kernel, types: dict[str, ValueType]) -> list[Fallback]:
     if clashes:
         return [Fallback(k, None, f"the Hopper module uses {', '.join(repr(n) for n in clashes)} for names of its "
                                   "own (x_ptr, x_desc, stride_x_m, ... of a tensor x among them); rename to lower it")]
+    if k.fp8_gemm:
+        return [Fallback(k, None, f"FP8 GEMM operands ({k.input(k.gemm.a).dtype.value} '{k.gemm.a}'); the Hopper "
+                                  "kernel's mainloop takes bfloat16 or float16, and the tl kernel's runs FP8")]
     if k.whole_rows:
         return [Fallback(k, None, "column_group N (a tile as wide as the row); the Hopper kernels' tiles are "
                                   "128 columns wide")]

@@ -25,6 +25,8 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, other
         sig=sig,
         gemm=k.gemm,
         nk=k.gemm is not None and k.gemm.b_layout is BLayout.NK,
+        fp8_note=fp8_note(k),
+        fp8_gemm_at=str(k.gemm.loc) if k.fp8_gemm else None,
         pointers=[f"_{n}_ptr" for n in sig.names],
         epilogue_tensors=epilogue_tensors,
         epilogue_pointers=epilogue_pointers,
@@ -36,6 +38,14 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, other
         tune_at_launch=tunes_at_launch(k),
         default_split=gpu_default_split(k),
     )
+
+
+def fp8_note(k: Kernel) -> str:
+    """What the module's docstring says of FP8 GEMM operands: their dtypes."""
+    if not k.fp8_gemm:
+        return ""
+    a, b = (k.input(n).dtype.value for n in (k.gemm.a, k.gemm.b))
+    return f" from FP8 operands ({a})" if a == b else f" from FP8 operands ({a} by {b})"
 
 
 def gpu_default_split(k: Kernel) -> int:

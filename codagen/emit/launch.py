@@ -13,7 +13,8 @@ from ..validate import in_place_inputs
 
 AXIS = {Dim.M: "m", Dim.K: "k", Dim.N: "n", Dim.N_HALF: "n", Dim.N_DOUBLE: "n", Dim.TILES_M: "t",
         Dim.TILES_N: "t", Dim.GROUPS_N: "n"}  # the axis of a dim, as stride names spell it (stride_x_m)
-TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.FLOAT16: "torch.float16", DType.BFLOAT16: "torch.bfloat16"}
+TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.FLOAT16: "torch.float16", DType.BFLOAT16: "torch.bfloat16",
+                DType.FLOAT8_E4M3FN: "torch.float8_e4m3fn", DType.FLOAT8_E5M2: "torch.float8_e5m2"}
 
 
 @dataclass(frozen=True)

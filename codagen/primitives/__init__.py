@@ -4,6 +4,7 @@
     pairwise.py     swiglu, geglu and their backward, rope and rope_bwd (interleaved pairs)
     reduce.py       reduce (per-tile partial reductions), group_reduce (whole column groups, read back)
     indexing.py     select, one_hot (a column index per row)
+    quantize.py     fp8_scale, quantize (FP8 values and their scales per column group)
     memory.py       store, accumulate
 
 Each primitive is a `Primitive` (base.py) holding
@@ -43,10 +44,10 @@ Adding a primitive: docs/contributing.md."""
 from __future__ import annotations
 
 from ..model import Kernel, Literal, Step
-from . import elementwise, indexing, memory, pairwise, reduce
+from . import elementwise, indexing, memory, pairwise, quantize, reduce
 from .base import Arg, Primitive
 
-FAMILIES = (elementwise, pairwise, reduce, indexing, memory)
+FAMILIES = (elementwise, pairwise, reduce, indexing, quantize, memory)
 PRIMITIVES: dict[str, Primitive] = {p.name: p for family in FAMILIES for p in family.PRIMITIVES}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..model import Kind, type_dims
 from .base import X, Arg, Primitive
+from .quantize import check_store, store_value
 
 WRITABLE = (Kind.TILE, Kind.ROW, Kind.COL, Kind.GROUP)
 
@@ -14,11 +15,13 @@ def _check(inplace: bool):
         x = c.typed("x")
         ok = c.need("x", x, WRITABLE, "a tile, row vector, column vector or group value")
         c.target(type_dims(x) if ok else None, inplace=inplace)
+        check_store(c)
     return check
 
 
 def _emit_store(e, s):
-    e.write(s, f"{e.lang}.store({{ptr}}, {{x}}.to({e.ptr(s.target)}.dtype.element_ty), mask={{mask}})",
+    value = store_value(e, s) or f"{{x}}.to({e.ptr(s.target)}.dtype.element_ty)"
+    e.write(s, f"{e.lang}.store({{ptr}}, {value}, mask={{mask}})",
             rounded=f"{e.lang}.store({{ptr}}, {{x}}, mask={{mask}})")
 
 

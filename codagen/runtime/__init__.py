@@ -245,11 +245,12 @@ class LaunchPlan:
     def make(cls, config: Config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
              aliasing: Aliasing, gemm: tuple[int, int] | None = None) -> "LaunchPlan":
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        dot = dot_settings(t_dtype)
+        operands = t_dtype if gemm is None else tensors[gemm[0]].dtype  # T, or FP8 (a kernel without T)
+        dot = dot_settings(operands)
         if gemm is None:  # no K loop and no operand to share: no BLOCK_K, FLATTEN or GROUP_M
             meta = {k: v for k, v in config.meta().items() if k not in ("BLOCK_K", "FLATTEN", "GROUP_M")}
         else:
-            meta = {**config.meta(), "num_stages": fitting_stages(config, t_dtype, device)}
+            meta = {**config.meta(), "num_stages": fitting_stages(config, operands, device)}
         return cls(
             config, device, m, n, k,
             programs=min(tiles, sm_count(device)) if config.persistent else tiles,

@@ -105,7 +105,7 @@ def _aliased(decls, values: dict) -> bool:
 
 def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
                 run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None,
-                split: int = 1, package: str | None = None) -> Config:
+                split: int = 1, package: str | None = None, cublas: bool = True) -> Config:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
@@ -121,7 +121,8 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     widened to it); "N": one slice must span the n columns. `split`: the epilogue split of the kernel's default
     and of its run-time candidates on a GPU (codagen.emit.kernel.gpu_default_split: 4 where the whole tile's
     epilogue would spill). `package`: the generated package of a kernel that other backends lower; run-time
-    tuning tries the default of each that runs here too (backends.candidates)."""
+    tuning tries the default of each that runs here too (backends.candidates). `cublas`: whether mainloop
+    "cublas" is a candidate where it may pay (not for FP8 operands, which torch.mm does not take)."""
     if not _on_gpu(device):
         return widened(INTERPRETER_DEFAULT, group, n)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
@@ -137,14 +138,15 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     gpu = tables.gpu_key(device)
     tile_dependent = decls is None or _tile_dependent(decls)
     hit = tables.lookup(kernel, fingerprint, tuning_dir, gpu, int(m), int(n), int(k), group, tile_dependent,
-                        triton.__version__)
+                        triton.__version__, cublas)
     if hit is not None:
         _picked[launch] = hit
         return hit
     default = gpu_default(group, n, split)
     bucket = tables.shape_bucket(m, n, k)
     key = (kernel, fingerprint, gpu, bucket)
-    pool = functools.partial(_candidates, kernel, m, n, k, device, default, tile_dependent, group, split, package)
+    pool = functools.partial(_candidates, kernel, m, n, k, device, default, tile_dependent, group, split, package,
+                             cublas)
     saved = tuning_cache.cache_file(gpu, kernel)
     hit = _tuned.get(key)
     if hit is None and saved is not None:
@@ -175,10 +177,10 @@ def _tile_dependent(decls) -> bool:
 
 
 def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: Config, tile_dependent: bool,
-                group, split: int, package: str | None) -> list[Config]:
+                group, split: int, package: str | None, cublas: bool = True) -> list[Config]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
     pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
-    if k and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
+    if k and cublas and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
         pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,
                                         warp_specialize=False))
     if package is not None:

@@ -93,9 +93,10 @@ def or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
     return config
 
 
-def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
+def check_tl_only(kernel: str, config: Config, gemm: bool = True, fp8_gemm: str | None = None) -> None:
     """Refuse, for a kernel that no other backend lowers, a config that asks for another backend's kernel; and
-    for a kernel without a GEMM, one that asks for cuBLAS's product."""
+    for a kernel without a GEMM, or whose GEMM has FP8 operands (`fp8_gemm`: where the spec declares that GEMM,
+    file:line:col), one that asks for cuBLAS's product."""
     if config.backend != "tl":
         raise ValueError(f"{kernel}: Config(backend={config.backend!r}), but that backend does not lower this kernel "
                          f"(generated/kernels/{backend(config.backend).folder}/__init__.py says why); use "
@@ -103,6 +104,10 @@ def check_tl_only(kernel: str, config: Config, gemm: bool = True) -> None:
     if config.mainloop == "cublas" and not gemm:
         raise ValueError(f"{kernel}: Config(mainloop='cublas') makes a GEMM's product with torch.mm, but this kernel "
                          "has no GEMM; use mainloop='triton'")
+    if config.mainloop == "cublas" and fp8_gemm:
+        raise ValueError(f"{kernel}: Config(mainloop='cublas') makes the GEMM's product with torch.mm, which takes no "
+                         f"FP8 operands, and the GEMM at {fp8_gemm} has FP8 operands (torch._scaled_mm is not "
+                         "used yet); use mainloop='triton'")
 
 
 def running(package: str, kernel: str, device: torch.device) -> tuple[Backend, ...]:

@@ -11,7 +11,9 @@ import torch
 
 from .. import dims
 
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}  # FP8: declared, never T
+T_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernel's type T may be
 INDEX = (torch.int32, torch.int64)
 
 
@@ -19,7 +21,7 @@ INDEX = (torch.int32, torch.int64)
 class Decl:
     name: str
     dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)", "groups(N)"
-    dtype: str  # "T", "float32", "float16", "bfloat16", "index"
+    dtype: str  # "T", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "index"
     output: bool = False
     # the inputs this output may be, as the very same view, to update that input in place: tile inputs that
     # every value stored to the output is computed from, so that each element is read before it is written
@@ -32,7 +34,8 @@ def _fail(kernel: str, message: str):
 
 def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False, group: int | None = None
          ) -> tuple[dict, torch.dtype, torch.device]:
-    """Check the tensors against their declarations; return the sizes {M, N, K}, the type T and the device.
+    """Check the tensors against their declarations; return the sizes {M, N, K}, the type T (None for a kernel
+    without T tensors: one with FP8 GEMM operands) and the device.
     `even_n`: the epilogue splits columns into pairs; `group`: the kernel's column groups have this many
     columns (N must be whole groups; a groups(N) dimension of size g means N = g * group). Tile-count
     dimensions are checked later, by check_tiles, once the tile shape is known."""
@@ -52,7 +55,7 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
             _bind_dim(kernel, d.name, sizes, dim, size, group)
         if d.dtype == "T":
             if t_dtype is None:
-                if t.dtype not in FLOATS.values():
+                if t.dtype not in T_FLOATS:
                     _fail(kernel, f"'{d.name}' must be float16, bfloat16 or float32, got {t.dtype}")
                 t_dtype = t.dtype
             elif t.dtype != t_dtype:

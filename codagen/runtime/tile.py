@@ -438,3 +438,58 @@ def accumulate(ptrs, x, mask):
     """Read-modify-write: ptrs += x, adding in fp32."""
     total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + x
     tl.store(ptrs, total.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_scale(amax, MAX: tl.constexpr):
+    """amax / MAX, correctly rounded (div_rn: `/` may be approximate on the GPU); 1 where that is 0 (a zero group,
+    or amax so small that the quotient underflows), whose values are then 0 however they are scaled."""
+    scale = tl.div_rn(amax, MAX)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def round_fp8(q, MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """q saturated to ±MAX and rounded to the nearest value of an FP8 format (MANTISSA bits, smallest normal
+    2^MIN_EXPONENT), ties to even, in fp32 arithmetic: an fp32 on the FP8 grid, which a cast to the format keeps
+    exactly. Written out rather than cast because the interpreter's cast to FP8 truncates and does not saturate;
+    the same arithmetic runs on the GPU, so both agree bit for bit. NaN stays NaN, the sign of a zero is kept."""
+    magnitude = tl.minimum(tl.abs(q), MAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # the grid's spacing at this magnitude, 2^(exponent - MANTISSA); subnormals share the smallest normal's
+    exponent = tl.maximum((bits >> 23) & 0xFF, MIN_EXPONENT + 127)
+    inverse = ((254 - exponent + MANTISSA) << 23).to(tl.float32, bitcast=True)
+    spacing = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
+    # magnitude / spacing < 2^(MANTISSA + 1) is exact; adding and removing 1.5 * 2^23 rounds it to an integer,
+    # ties to even (fp32's spacing is 1 there). The compiler fuses the product and the add into an FMA, the
+    # same number since the product is exact, and keeps the subtraction (checked in the PTX for sm_90)
+    units = magnitude * inverse
+    rounded = ((units + 12582912.0) - 12582912.0) * spacing
+    sign = q.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_fp8(q, FP8: tl.constexpr):
+    """q, a value on the FP8 grid (round_fp8's) or NaN, converted to FP8 (tl.float8e4nv or tl.float8e5) as torch
+    converts it: a grid value exactly, a NaN to 0x7F with its sign (a NaN in both formats). The conversion of a
+    grid value is exact everywhere, but the interpreter's makes a number of a NaN (384 in float8e4nv) and the
+    GPU's gives PTX's code for it, so a NaN's code is set here, on the bits."""
+    code = q.to(FP8).to(tl.uint8, bitcast=True)
+    sign = (q.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8) & 0x80
+    return tl.where(q != q, sign | 0x7F, code).to(FP8, bitcast=True)
+
+
+@triton.jit
+def fp8_to_float(x):
+    """FP8 values (tl.float8e4nv or tl.float8e5) in fp32, exactly, NaN and infinities included: the interpreter's
+    conversion makes numbers of those (480 of float8e4nv's NaN, 65536 of float8e5's infinity), so where a code is
+    one of them the value is set from the bits. For the interpreter's upcast of FP8 GEMM operands (UPCAST_DOT)."""
+    value = x.to(tl.float32)
+    code = x.to(tl.uint8, bitcast=True)
+    magnitude = code & 0x7F
+    if x.dtype == tl.float8e5:  # the exponent's bits all ones: infinity (mantissa 0) or NaN
+        infinity = tl.where(code >= 0x80, float("-inf"), float("inf"))
+        return tl.where(magnitude >= 0x7C, tl.where(magnitude == 0x7C, infinity, float("nan")), value)
+    else:  # float8e4nv (e4m3fn): no infinity; NaN is S.1111.111
+        return tl.where(magnitude == 0x7F, float("nan"), value)

@@ -165,7 +165,8 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
             continue
         present = [Config(**entry_fields(table[s.key])) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
-        cublas = any(backends.cublas_pays(s.m, s.n, s.k) for s in shapes)  # else tune_shape times none of them
+        # else tune_shape times none of them (nor any for FP8 operands, which torch.mm does not take)
+        cublas = not kernel.fp8_gemm and any(backends.cublas_pays(s.m, s.n, s.k) for s in shapes)
         pool = [c for c in pool_of[kernel.name] if c.mainloop != "cublas" or cublas]
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work

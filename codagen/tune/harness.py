@@ -19,12 +19,12 @@ from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import backends, configs
+from ..runtime.checks import FLOATS
 from ..runtime.configs import Config
 from . import TuneError
 from .candidates import candidates
 from .shapes import Shape
 
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECK_ROWS = 1024 + 48  # ragged for every BM of 64, 128 and 256, yet a multiple of 16: Triton specializes
 # integer arguments on divisibility by 16, so the check compiles the very kernel that the full shape times
 TOLERANCE = 1e-2  # relative norm error vs float64: a few bf16 roundings (2**-8 each); wrong tiles give O(1)
@@ -239,7 +239,8 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, other_backends(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.mainloop != "cublas" or backends.cublas_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.mainloop != "cublas"
+            or (not kernel.fp8_gemm and backends.cublas_pays(shape.m, shape.n, shape.k))]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

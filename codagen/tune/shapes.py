@@ -189,7 +189,8 @@ _POSITIVE = re.compile(r"[0-9]{1,10}")
 # allocation failure in the middle of a run.
 MAX_SHAPE_BYTES = 2**37
 _MIN_TILE = 16  # the smallest tile of any configuration: tiles(M) and tiles(N) are at most M/16 and N/16
-_BYTES = {DType.T: 2, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.INDEX: 8}  # T: bf16, as tuned
+_BYTES = {DType.T: 2, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT8_E4M3FN: 1,
+          DType.FLOAT8_E5M2: 1, DType.INDEX: 8}  # T: bf16, as tuned
 
 
 def operand_elements(kernel: Kernel, shape: Shape) -> dict[str, tuple[int, int]]:
