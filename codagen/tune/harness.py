@@ -239,7 +239,7 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, other_backends(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.mainloop != "cublas" or backends.cublas_pays(shape.m, shape.n, shape.k)]
+    pool = [c for c in pool if c.pays(shape.m, shape.n, shape.k)]  # each config says where it is worth timing
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)
