@@ -851,6 +851,25 @@ def test_cli_names_bad_arguments_instead_of_a_traceback_or_tuning_nothing(tune_o
     assert words in result.output and "wrote" not in result.output
 
 
+def test_candidates_beyond_the_gpus_shared_memory_are_not_timed(tmp_path, monkeypatch):
+    """Each candidate's resource model (its config type's operand_bytes) against the GPU's shared memory: one that
+    its table would refuse (tileconfig.fits_shared) is left out before any launch, and the run says so; a kernel
+    left with none is skipped."""
+    timer = FakeTimer()
+    timer.watch(monkeypatch, module("matmul"))
+    big = Config(256, 256, 128, 8, 4, 1)  # one stage: 128 KiB, more than a T4's 64 KiB
+    log = []
+    command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="nvidia-tesla-t4", tuning_dir=tmp_path,
+                timer=timer, check_rows=37, pools={"matmul": (POOL[0], big)}, log=log.append)
+    text = "\n".join(log)
+    assert ("matmul: 1 candidate(s) need more shared memory than a program has on nvidia-tesla-t4 (65536 bytes); "
+            "not timed") in text and "(1 timed, 0 discarded" in text
+    log.clear()
+    assert command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="nvidia-tesla-t4", tuning_dir=tmp_path,
+                       timer=timer, check_rows=37, pools={"matmul": (big,)}, log=log.append) == []
+    assert "none left: skipped" in log[0] and "tuning 0 kernel(s)" in log[1]
+
+
 def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     """--only: the candidates whose label contains the text are timed against the table's present choice,
     re-timed; the table keeps that choice where it is faster, takes a challenger where one is; a kernel with

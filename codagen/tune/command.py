@@ -16,7 +16,7 @@ from ..fingerprint import fingerprint
 from ..tablefile import config_of_entry
 from ..runtime import autotune
 from ..runtime import tables as runtime_tables
-from ..tileconfig import TileConfig
+from ..tileconfig import TileConfig, fits_shared, shared_bytes
 from . import TuneError
 from .candidates import candidates
 from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, other_backends, tune_shape
@@ -97,6 +97,14 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
         j.checked.kernel, other_backends(j.module, device))) for j in selected}
+    for j in list(selected):  # each candidate's resource model (its config type's): what this GPU's table would refuse
+        name, pool = j.checked.kernel.name, pool_of[j.checked.kernel.name]
+        pool_of[name] = tuple(c for c in pool if fits_shared(c, j.checked.kernel.gemm is not None, gpu))
+        if len(pool_of[name]) < len(pool):
+            log(f"{name}: {len(pool) - len(pool_of[name])} candidate(s) need more shared memory than a program has "
+                f"on {gpu} ({shared_bytes(gpu)} bytes); not timed" + ("" if pool_of[name] else ", none left: skipped"))
+        if not pool_of[name]:
+            selected.remove(j)
     if only is not None:
         pool_of = {name: tuple(c for c in pool if only in c.label()) for name, pool in pool_of.items()}
         for j in [j for j in selected if not pool_of[j.checked.kernel.name]]:
