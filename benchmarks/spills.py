@@ -88,8 +88,8 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     consts = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
               "GROUP_M": config.group_m, "EVEN_K": True, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
               "TMA": config.tma, "FLATTEN": config.flatten, "WARP_SPECIALIZE": config.warp_specialize,
-              "EPILOGUE_SPLIT": config.epilogue_split, "INT64": False, "ACC_IN": config.backend == "mm"}
-    if config.backend != "mm":
+              "EPILOGUE_SPLIT": config.epilogue_split, "INT64": False, "ACC_IN": config.mainloop == "cublas"}
+    if config.mainloop != "cublas":
         consts["acc_ptr"] = None
     return sig, {k: v for k, v in consts.items() if k in params}
 

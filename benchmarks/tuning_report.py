@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from codagen import api, tablefile  # noqa: E402
 from codagen.presets import PRESETS  # noqa: E402
-from codagen.runtime.configs import Config  # noqa: E402
 from codagen.tune.shapes import block_uses  # noqa: E402
 
 
@@ -64,7 +63,7 @@ def cells(name: str, entry: dict) -> str:
         ratio += " *"
     if name == "matmul" and ms and cublas:
         ratio += f" (throughput {cublas / ms:.2f})"
-    return (f"{Config(**entry['config']).label()} | {f'{ms:.4g}' if ms else '-'} | {cublas if cublas else '-'} | "
+    return (f"{tablefile.config_of_entry(entry).label()} | {f'{ms:.4g}' if ms else '-'} | {cublas if cublas else '-'} | "
             f"{ratio}")
 
 

@@ -13,18 +13,17 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from .quoting import quoted
-from .tileconfig import Config, fits_group, fits_shared, shared_bytes, stage_bytes
+from .tileconfig import TileConfig, config_of, fits_group, fits_shared, shared_bytes
 
 # A table holds a few hundred bytes per shape tuned (the largest committed one, 12 KB): a larger file is no table.
 MAX_BYTES = 1 << 20
 # ASCII digits only: \d and int() also take '²' or Arabic-Indic digits, which no shape key holds. Ten digits at most:
 # int() refuses a few thousand, and no dimension has more than ten.
 _SHAPE = re.compile(r"([0-9]{1,10})x([0-9]{1,10})x([0-9]{1,10})")
-_CONFIG_FIELDS = frozenset(f.name for f in fields(Config))
 _SHOWN = 200  # characters of a value from a file that a message shows at most
 
 
@@ -72,7 +71,7 @@ def read_json(path: str | Path) -> dict:
 class Table:
     path: Path
     data: dict  # the file's JSON object: fingerprint, triton, kernel, gpu, shapes
-    entries: dict[str, Config]  # shape key (as shape_text writes it) -> the entry's configuration: the valid ones
+    entries: dict[str, TileConfig]  # shape key (as shape_text writes it) -> the entry's configuration: the valid ones
     shapes: dict[str, dict]  # the same keys -> the entries as the file holds them (config, ms, cuBLAS_ms)
     bad: list[TableError]  # the entries skipped, each at its line
 
@@ -110,7 +109,7 @@ def table_gpu(path: Path, data: dict) -> str | None:
 
 
 def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None,
-                 gpu: str | None = None, cublas: bool = True) -> Config:
+                 gpu: str | None = None, cublas: bool = True) -> TileConfig:
     """The configuration of a table's entry at shape `key` (entry_fields: either form); ValueError, saying why, when the key
     is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
     would cut its column groups (`group`), operand tiles larger than the shared memory of a program on `gpu`
@@ -124,12 +123,8 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
     has_gemm = k > 0 if gemm is None else gemm
     if gemm is not None and (k > 0) != gemm:
         raise ValueError(f"K must be {'positive: the kernel has a GEMM' if gemm else '0: the kernel has no GEMM'}")
-    given = entry_fields(entry)
-    try:
-        config = Config(**given)
-    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: showing a deeply nested value
-        raise ValueError(_shorter(str(e) if not isinstance(e, RecursionError) else "a field is nested too deep"))
-    if config.mainloop == "cublas" and not cublas:
+    config = config_of_entry(entry)
+    if getattr(config, "mainloop", "triton") == "cublas" and not cublas:
         raise ValueError("mainloop 'cublas' makes the GEMM's product with torch.mm, which takes no FP8 operands, and "
                          "the kernel's GEMM has them; use mainloop 'triton'")
     if not fits_group(config, group, n):
@@ -137,35 +132,45 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
                          f"column groups ({group}) at N = {n}")
     if not fits_shared(config, has_gemm, gpu):
         raise ValueError(f"one stage of its {config.block_m}x{config.block_n}x{config.block_k} operand tiles takes "
-                         f"{stage_bytes(config)} bytes of shared memory, more than a program may use on "
+                         f"{config.operand_bytes()} bytes of shared memory, more than a program may use on "
                          f"{_shown(gpu) if gpu else 'any GPU'} ({shared_bytes(gpu)} bytes)")
     return config
 
 
-def entry_of(config: Config) -> dict:
-    """A configuration as a table's entry holds it: {"backend": <name>, "config": {<its other fields>}}, so that
-    an entry says first which backend's kernel runs (entry_fields reads it, and the flat form of older tables)."""
-    fields_ = config.as_dict()
-    return {"backend": fields_.pop("backend"), "config": fields_}
+def entry_of(config: TileConfig) -> dict:
+    """A configuration as a table's entry holds it: {"backend": <name>, "config": {<its fields>}}, so that an entry
+    says first which backend's kernel runs, and of which config type its fields are (config_of_entry reads it, and
+    the flat form of older tables)."""
+    return {"backend": config.backend, "config": config.as_dict()}
 
 
-def entry_fields(entry) -> dict:
-    """The keyword arguments of Config of a table's entry: {"backend": ..., "config": {...}} as entry_of writes it,
-    or the flat form of the tables written before it, {"config": {..., "backend": ...}}, where backend "mm" (the
-    tl kernel over torch.mm's product) reads as mainloop "cublas". ValueError, saying why, for anything else."""
+def entry_fields(entry) -> tuple[str, dict]:
+    """The backend and the configuration's fields of a table's entry: {"backend": ..., "config": {...}} as entry_of
+    writes it, or the flat form of the tables written before it, {"config": {..., "backend": ...}} (backend "tl"
+    where it names none), where backend "mm" (the tl kernel over torch.mm's product) reads as mainloop "cublas".
+    ValueError, saying why, for anything else."""
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
         raise ValueError('expected {"backend": ..., "config": {...}}, the backend and its configuration\'s fields')
     given = dict(entry["config"])
     if "backend" in entry:
         if "backend" in given:
             raise ValueError("the backend is named twice, beside the configuration and in it")
-        given["backend"] = entry["backend"]
-    elif given.get("backend") == "mm":  # the flat form's cuBLAS mainloop
-        given.update(backend="tl", mainloop="cublas")
-    unknown = sorted(set(given) - _CONFIG_FIELDS)
-    if unknown:  # named here: Config's own TypeError would show the name unquoted
-        raise ValueError(f"the configuration has no field {', '.join(_shown(u) for u in unknown)}")
-    return given
+        backend = entry["backend"]
+    else:
+        backend = given.pop("backend", "tl")
+        if backend == "mm":  # the flat form's cuBLAS mainloop
+            backend, given["mainloop"] = "tl", "cublas"
+    return backend, given
+
+
+def config_of_entry(entry) -> TileConfig:
+    """The configuration of a table's entry (entry_fields: either form), of its backend's config type
+    (tileconfig.config_of); ValueError, saying why, where it does not construct."""
+    backend, given = entry_fields(entry)
+    try:
+        return config_of(backend, given)
+    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: showing a deeply nested value
+        raise ValueError(_shorter(str(e) if not isinstance(e, RecursionError) else "a field is nested too deep"))
 
 
 def read_bytes(path: str | Path) -> bytes:

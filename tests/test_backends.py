@@ -24,15 +24,16 @@ def test_registered_backends_are_whole():
 
 def test_the_runtime_registry_names_the_generators_backends():
     """Each backend is one entry on each side: the runtime's (codagen/runtime/backends.py) names the generator's
-    backends, in the same order, with the folder of their modules; a Config names one of them."""
+    backends, in the same order, with the folder of their modules and its config type (tileconfig.CONFIGS)."""
     from codagen import tileconfig
     from codagen.runtime import backends as runtime_backends
 
     assert [b.name for b in runtime_backends.BACKENDS] == [b.name for b in backends.BACKENDS] == list(
         tileconfig.BACKENDS)
+    for b in runtime_backends.BACKENDS:  # each with its config type, which names it
+        assert b.config is tileconfig.CONFIGS[b.name] and b.config.backend == b.name
     for b in runtime_backends.BACKENDS[1:]:
         assert f"kernels/{b.folder}/" == backends.backend(b.name).folder
-        assert set(b.own_fields) <= {f.name for f in dataclasses.fields(tileconfig.Config)}
         assert b.default is not None and b.lowers("generated.kernels", "matmul")
         assert not b.lowers("generated.kernels", "rmsnorm_stats")  # no GEMM: the tl kernel only
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from codagen import api
 from codagen.emit.gluon import render_gluon, unlowered
 from codagen.primitives import PRIMITIVES
-from codagen.runtime import Config, tile
+from codagen.runtime import Config, HopperConfig, tile
 
 LOWERED = {p.name for p in PRIMITIVES.values() if "gluon" in p.emitters}  # primitives with a Gluon emitter
 
@@ -158,8 +158,8 @@ def test_epilogue_slices_that_tma_cannot_copy_refused():
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_m=64, block_n=256))
     with pytest.raises(ValueError, match="epilogue slices of 8 columns; they need 16 or more"):
         m.check_launch((*args, *outs.values()), hopper.HopperConfig(block_n=64, epilogue_split=8))
-    with pytest.raises(ValueError, match="epilogue_stages 4 does not divide epilogue_split 2"):
-        m.check_launch((*args, *outs.values()), hopper.HopperConfig(epilogue_split=2, epilogue_stages=4))
+    with pytest.raises(ValueError, match=r"epilogue_stages must be None, or 1, 2, 4 or 8 dividing epilogue_split \(2\)"):
+        hopper.HopperConfig(epilogue_split=2, epilogue_stages=4)  # refused when made
 
 
 def test_epilogue_stages():
@@ -175,19 +175,19 @@ def test_epilogue_stages():
     assert whole.smem_bytes(2, pairs) - streamed.smem_bytes(2, pairs) == 2 * 128 * 2 * 16 * 6 * 2  # 6 slices fewer
     assert dataclasses.replace(streamed, stages=6).smem_bytes(2, pairs) <= hopper.SMEM_LIMIT
     assert whole.meta()["EPILOGUE_STAGES"] == 8 and streamed.meta()["EPILOGUE_STAGES"] == 2
-    assert streamed.label() == "128x128x64 s3 g8 r232 epilogue/8 in 2"
-    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon")
-    assert hopper.launch_config(chosen, pairs) == dataclasses.replace(streamed, stages=6)
-    for bad in (3, 16, 0):
-        with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
-            Config(epilogue_split=8, epilogue_stages=bad, backend="gluon")
-    with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
-        Config(epilogue_split=8, epilogue_stages=2)  # a tl config
-    with pytest.raises(ValueError, match="epilogue_stages is the Hopper"):
-        Config(epilogue_split=2, epilogue_stages=4, backend="gluon")
+    assert streamed.label() == "128x128x64 s3 g8 r232 epilogue/8 in 2 gluon"
+    chosen = HopperConfig(128, 128, 64, stages=6, epilogue_split=8, epilogue_stages=2)
+    assert hopper.launch_config(chosen, pairs) == dataclasses.replace(streamed, stages=6) == chosen
+    for bad in (3, 16, 0, 2.0):
+        with pytest.raises(ValueError, match="HopperConfig: epilogue_stages must be None, or 1, 2, 4 or 8"):
+            HopperConfig(epilogue_split=8, epilogue_stages=bad)
+    with pytest.raises(TypeError, match="epilogue_stages"):
+        Config(epilogue_split=8, epilogue_stages=2)  # the tl kernel has none
+    with pytest.raises(ValueError, match=r"dividing epilogue_split \(2\), got 4"):
+        HopperConfig(epilogue_split=2, epilogue_stages=4)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
-        chosen, backend="tl", epilogue_stages=None)
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == Config(
+        128, 128, 64, 8, 4, 6, epilogue_split=8)
 
 
 def test_direct_stores():
@@ -206,20 +206,19 @@ def test_direct_stores():
     assert dataclasses.replace(direct, stages=6).smem_bytes(2, stores_only) <= hopper.SMEM_LIMIT
     assert tma.smem_bytes(2, pairs) == direct.smem_bytes(2, pairs)  # its buffers hold the pairs it loads
     assert direct.meta()["DIRECT_STORES"] is True and tma.meta()["DIRECT_STORES"] is False
-    assert direct.label() == "128x128x64 s5 g8 r232 epilogue/4 direct"
-    chosen = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True)
-    assert chosen.label() == "128x128x64 g8 w4 s5 epilogue/4 direct gluon"
+    assert direct.label() == "128x128x64 s5 g8 r232 epilogue/4 direct gluon"
+    chosen = HopperConfig(128, 128, 64, stages=5, epilogue_split=4, direct_stores=True)
     assert hopper.launch_config(chosen, stores_only) == direct
     y = torch.empty(64, 32).bfloat16()
     assert hopper.store_descriptor(y, [128, 16], direct) is None
     assert hopper.store_descriptor(y, [128, 16], tma).block_shape == [128, 16]
-    with pytest.raises(ValueError, match="direct_stores is the Hopper"):
-        Config(direct_stores=True)  # a tl config
-    with pytest.raises(ValueError, match="direct_stores must be True or False"):
-        Config(direct_stores=1, backend="gluon")
+    with pytest.raises(TypeError, match="direct_stores"):
+        Config(direct_stores=True)  # the tl kernels always store from registers
+    with pytest.raises(ValueError, match="HopperConfig: direct_stores must be True or False"):
+        HopperConfig(direct_stores=1)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
-        chosen, backend="tl", direct_stores=False)
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == Config(
+        128, 128, 64, 8, 4, 5, epilogue_split=4)
 
 
 def test_direct_stores_lower_to_ttgir_for_sm90():
@@ -244,21 +243,20 @@ def test_slice_loop():
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
     from codagen.runtime import backends
 
-    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True)
-    assert chosen.label() == "128x128x64 g8 w4 s6 epilogue/8 in 2 loop gluon"
+    chosen = HopperConfig(128, 128, 64, stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True)
     loop = hopper.launch_config(chosen, _module("swiglu_dgrad").EPILOGUE)
     assert loop == hopper.HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True)
     assert loop.meta()["SLICE_LOOP"] is True and hopper.HopperConfig().meta()["SLICE_LOOP"] is False
-    assert loop.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop"
-    with pytest.raises(ValueError, match="slice_loop is the Hopper \\(gluon\\) kernel's, for an epilogue_split of 2 or "
-                       "more, got backend 'tl' and epilogue_split 4"):
-        Config(epilogue_split=4, slice_loop=True)
-    with pytest.raises(ValueError, match="got backend 'gluon' and epilogue_split 1"):
-        Config(backend="gluon", slice_loop=True)
+    assert loop.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop gluon"
+    with pytest.raises(TypeError, match="slice_loop"):
+        Config(epilogue_split=4, slice_loop=True)  # the tl kernels have none
+    with pytest.raises(ValueError, match="HopperConfig: slice_loop is for an epilogue_split of 2 or more, got "
+                       "epilogue_split 1"):
+        HopperConfig(slice_loop=True)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    loop_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True)
-    assert backends.or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == dataclasses.replace(
-        loop_matmul, backend="tl", slice_loop=False)
+    loop_matmul = HopperConfig(128, 128, 64, stages=5, epilogue_split=4, slice_loop=True)
+    assert backends.or_tl("generated.kernels", "matmul", loop_matmul, (a, b, out)) == Config(
+        128, 128, 64, 8, 4, 5, epilogue_split=4)
 
 
 def test_slice_loop_by_steps_of_slices():
@@ -268,23 +266,22 @@ def test_slice_loop_by_steps_of_slices():
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
     from codagen.runtime import backends
 
-    chosen = Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
-                    slice_unroll=2)
-    assert chosen.label() == "128x128x64 g8 w4 s6 epilogue/8 in 2 loop by 2 gluon"
+    chosen = HopperConfig(128, 128, 64, stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True,
+                          slice_unroll=2)
     by_two = hopper.launch_config(chosen, _module("swiglu_dgrad").EPILOGUE)
     assert by_two == hopper.HopperConfig(stages=6, epilogue_split=8, epilogue_stages=2, slice_loop=True,
                                          slice_unroll=2)
     assert by_two.meta()["SLICE_UNROLL"] == 2 and hopper.HopperConfig().meta()["SLICE_UNROLL"] == 1
-    assert by_two.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop by 2"
+    assert by_two.label() == "128x128x64 s6 g8 r232 epilogue/8 in 2 loop by 2 gluon"
     for split, unroll, loop in ((8, 2, False), (8, 3, True), (4, 4, True), (2, 4, True), (8, 8, True)):
         with pytest.raises(ValueError, match=f"slice_unroll is slice_loop's: 2 or 4 slices per step of the loop, "
                            f"dividing epilogue_split \\({split}\\) and less than it, got {unroll} with slice_loop "
                            f"{loop}"):
-            Config(backend="gluon", epilogue_split=split, slice_loop=loop, slice_unroll=unroll)
+            HopperConfig(epilogue_split=split, slice_loop=loop, slice_unroll=unroll)
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    by_two_matmul = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2)
-    assert backends.or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == dataclasses.replace(
-        by_two_matmul, backend="tl", slice_loop=False, slice_unroll=1)
+    by_two_matmul = HopperConfig(128, 128, 64, stages=5, epilogue_split=4, slice_loop=True, slice_unroll=2)
+    assert backends.or_tl("generated.kernels", "matmul", by_two_matmul, (a, b, out)) == Config(
+        128, 128, 64, 8, 4, 5, epilogue_split=4)
 
 
 def test_three_consumers():
@@ -294,25 +291,24 @@ def test_three_consumers():
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
     from codagen.runtime import backends
 
-    chosen = Config(64, 128, 64, 8, 4, 7, epilogue_split=4, backend="gluon", slice_loop=True, consumers=3)
-    assert chosen.label() == "64x128x64 g8 w4 s7 epilogue/4 loop c3 gluon"
+    chosen = HopperConfig(64, 128, 64, stages=7, epilogue_split=4, slice_loop=True, consumers=3)
     stores_only = _module("gate_up_swiglu").EPILOGUE
     three = hopper.launch_config(chosen, stores_only)
     assert (three.consumers, three.consumer_regs, three.meta()["CONSUMERS"]) == (3, 160, 3)
-    assert three.label() == "64x128x64 s7 g8 r160 epilogue/4 loop c3"
+    assert three.label() == "64x128x64 s7 g8 r160 epilogue/4 loop c3 gluon"
     two = dataclasses.replace(three, consumers=2, consumer_regs=232)
     assert three.smem_bytes(2, stores_only) - two.smem_bytes(2, stores_only) == 64 * 32 * 4 * 2  # a third's buffers
     with pytest.raises(ValueError, match="consumers must be 2 or 3, each with consumer_regs registers, within the "
                        "512 per thread of a warpgroup .* got 3 consumers of 232"):
-        hopper.HopperConfig(block_m=64, consumers=3)
-    with pytest.raises(ValueError, match="consumers is the Hopper \\(gluon\\) kernel's: 2, or 3 with block_m 64 "
-                       ".* got 3 with backend 'gluon' and block_m 128"):
-        Config(backend="gluon", consumers=3)
-    with pytest.raises(ValueError, match="got 3 with backend 'tl' and block_m 64"):
-        Config(block_m=64, consumers=3)
+        hopper.HopperConfig(block_m=64, consumers=3, consumer_regs=232)
+    with pytest.raises(ValueError, match="HopperConfig: consumers must be 2, or 3 with block_m 64 .* got 3 with block_m "
+                       "128"):
+        HopperConfig(consumers=3)
+    with pytest.raises(TypeError, match="consumers"):
+        Config(block_m=64, consumers=3)  # the tl kernels have none
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == dataclasses.replace(
-        chosen, backend="tl", slice_loop=False, consumers=2)
+    assert backends.or_tl("generated.kernels", "matmul", chosen, (a, b, out)) == Config(
+        64, 128, 64, 8, 4, 7, epilogue_split=4)
 
 
 def test_three_consumers_lower_to_ttgir_for_sm90():
@@ -633,12 +629,13 @@ def test_launch_refused_off_hopper():
 # ---- the Hopper kernel as a tuning candidate, and the tl launcher's dispatch to it --------------------------
 
 def test_backend_recorded_in_tables(tmp_path):
+    from codagen import tablefile
     from codagen.runtime import autotune, tables
     from codagen.tablefile import entry_of
     from codagen.tune.tables import write_table
 
     matmul = next(k for k, _ in _kernels(SPECS) if k.name == "matmul")
-    chosen = Config(128, 128, 64, 16, 4, 5, backend="gluon")
+    chosen = HopperConfig(128, 128, 64, stages=5, group_m=16)
     path = tmp_path / "nvidia-h200" / "matmul.json"
     write_table(path, matmul, "nvidia-h200", "3.6.0", {"32768x2048x2048": {**entry_of(chosen), "ms": 0.4}})
     data = json.loads(path.read_text())
@@ -650,12 +647,12 @@ def test_backend_recorded_in_tables(tmp_path):
     old.write_text(json.dumps(data))
     autotune.clear_caches()
     assert tables.entries(str(path), data["fingerprint"], "3.6.0")["32768x2048x2048"] == chosen
-    assert tables.entries(str(old), data["fingerprint"], "3.6.0")["32768x2048x2048"].backend == "tl"
+    assert tables.entries(str(old), data["fingerprint"], "3.6.0") == {}  # a tl config of no field stages: skipped
     with pytest.raises(ValueError, match="backend must be one of tl, gluon"):
-        Config(backend="cuda")
-    assert Config(backend="gluon", epilogue_split=8).epilogue_n == 16  # the epilogue on slices of 16 columns
+        tablefile.config_of_entry({"backend": "cuda", "config": {}})
+    assert HopperConfig(epilogue_split=8).epilogue_n == 16  # the epilogue on slices of 16 columns
     # where the Hopper kernel refuses the arguments, the tl kernel runs with the same slices
-    assert dataclasses.replace(Config(backend="gluon", epilogue_split=8), backend="tl").epilogue_n == 16
+    assert HopperConfig(epilogue_split=8).as_tl().epilogue_n == 16
 
 
 def test_gluon_candidates_only_where_the_hopper_kernel_runs():
@@ -664,10 +661,10 @@ def test_gluon_candidates_only_where_the_hopper_kernel_runs():
 
     kernels = {k.name: k for k, _ in _kernels(SPECS)}
     tiles_and_quarters = tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in (1, 4))
-    assert candidates(kernels["matmul"], ("gluon",)) == GEMM_CANDIDATES + tiles_and_quarters + CUBLAS_CANDIDATES
+    assert candidates(kernels["matmul"], ("gluon",)) == GEMM_CANDIDATES + CUBLAS_CANDIDATES + tiles_and_quarters
     assert gluon_candidates(kernels["swiglu_dgrad"]) == GLUON_CANDIDATES  # and eighths
     assert candidates(kernels["matmul"]) == GEMM_CANDIDATES + CUBLAS_CANDIDATES
-    assert all(c.backend == "gluon" for c in GLUON_CANDIDATES)
+    assert all(type(c) is HopperConfig and c.backend == "gluon" for c in GLUON_CANDIDATES)
     assert all(c.backend == "tl" for c in candidates(kernels["rmsnorm_stats"], ("gluon",)))
     tl_matmul = importlib.import_module("generated.kernels.matmul")
     assert other_backends(tl_matmul, torch.device("cpu")) == ()  # the interpreter runs no Gluon kernel
@@ -704,7 +701,7 @@ def test_tl_launcher_dispatches_on_the_configs_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(backends, "launch", lambda package, kernel, /, **kw: calls.append((package, kernel, kw)))
     a, b, out = _matmul_args()
-    gluon = Config(64, 64, 32, 8, 4, 4, backend="gluon")
+    gluon = HopperConfig(64, 64, 32, stages=4)
     tl_matmul.launch(a, b, out_tile=out, config=gluon)
     assert [(p, k, sorted(kw)) for p, k, kw in calls] == [("generated.kernels", "matmul", ["a", "b", "config",
                                                                                         "out_tile"])]
@@ -719,26 +716,27 @@ def test_gluon_config_refused_off_hopper_and_where_not_lowered():
     from codagen.runtime import backends
 
     a, b, out = (t.bfloat16() for t in _matmul_args())
-    gluon = Config(backend="gluon")
+    gluon = HopperConfig()
     with pytest.raises(ValueError, match="sm_90 GPU only"):  # the Hopper module's own refusal
         importlib.import_module("generated.kernels.matmul").launch(a, b, out_tile=out, config=gluon)
     # a table's choice falls back to the tl kernel where the Hopper kernel refuses the arguments
-    assert backends.or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(backend="tl")
+    assert backends.or_tl("generated.kernels", "matmul", gluon, (a, b, out)) == Config(num_warps=4, num_stages=4)
     x = torch.randn(5, 8)
-    with pytest.raises(ValueError, match=r"Config\(backend='gluon'\), but that backend does not lower this kernel "
-                                         r"\(generated/kernels/gluon/__init__.py says why\)"):
+    with pytest.raises(ValueError, match=r"HopperConfig, the gluon backend's config, but that backend does not lower "
+                                         r"this kernel \(generated/kernels/gluon/__init__.py says why\)"):
         importlib.import_module("generated.kernels.rmsnorm_stats").launch(
             x, torch.randn(8), h=torch.empty(5, 8), ss=torch.empty(5, 1), config=gluon)
 
 
-def test_hopper_config_from_a_tl_launchers_config():
+def test_hopper_config_of_a_launch():
     hopper = pytest.importorskip("codagen.runtime.gluon_hopper")
     epilogue = hopper.Epilogue(buffers=1)
     assert hopper.launch_config(None, epilogue) == hopper.default_config(epilogue)
-    assert hopper.launch_config(Config(128, 128, 64, 16, 4, 5, backend="gluon"), epilogue) == hopper.HopperConfig(
-        128, 128, 64, stages=5, group_m=16)
-    split = hopper.launch_config(Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"), epilogue)
-    assert split == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8) and split.epilogue_n == 16
+    assert hopper.HopperConfig is HopperConfig  # the one config type of the Hopper kernel, tables' and launches'
+    chosen = HopperConfig(128, 128, 64, stages=5, group_m=16)
+    assert hopper.launch_config(chosen, epilogue) is chosen
+    split = hopper.launch_config(HopperConfig(128, 128, 64, stages=3, epilogue_split=8), epilogue)
+    assert split.epilogue_n == 16
     pairs = hopper.Epilogue(buffers=1, columns=2, split=8)
     assert hopper.default_config(pairs) == hopper.HopperConfig(128, 128, 64, stages=3, epilogue_split=8)
     with pytest.raises(ValueError, match="tl backend given to a Hopper"):

@@ -529,13 +529,13 @@ class ViaConfig:
 
 
 def test_tl_launcher_runs_the_hopper_kernel_its_config_names(monkeypatch):
-    """What a tuning table that picks the Hopper kernel runs: the tl module's launch with a Config whose
-    backend is "gluon" launches generated/kernels/gluon/<name>.py, and the result passes the same checks."""
+    """What a tuning table that picks the Hopper kernel runs: the tl module's launch with a HopperConfig (backend
+    "gluon") launches generated/kernels/gluon/<name>.py, and the result passes the same checks."""
     start = time.perf_counter()
     hopper_runtime()
     name = "out_proj_residual_norm"
     gluon_module = importlib.import_module(f"generated.kernels.gluon.{name}")
-    chosen = runtime.Config(128, 128, 64, 8, 4, 4, backend="gluon")
+    chosen = runtime.HopperConfig(128, 128, 64, stages=4)
     launches, gluon_launch = [], gluon_module.launch
     monkeypatch.setattr(gluon_module, "launch",
                         lambda *a, **kw: launches.append(kw["config"]) or gluon_launch(*a, **kw))

@@ -200,7 +200,8 @@ def test_invalid_configs_are_refused_when_made(bad, message):
 
 def test_a_config_that_is_not_a_config_is_named():
     a, b = randn(M, K).float().to(DEVICE), randn(N, K).float().to(DEVICE)
-    with pytest.raises(TypeError, match="config must be a codagen.runtime.Config or None, got dict"):
+    with pytest.raises(TypeError, match=r"config must be a codagen.runtime.Config \(TlConfig\), a config of another "
+                                        r"backend \(HopperConfig\) or None, got dict"):
         matmul.launch(a, b, out_tile=torch.empty(M, N, device=DEVICE), config={"block_m": 64})
 
 

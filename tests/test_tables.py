@@ -20,7 +20,7 @@ from codagen import api, tablefile, tileconfig
 from codagen.cli import main
 from codagen.runtime import autotune, configs
 from codagen.runtime import tables as runtime_tables
-from codagen.runtime.configs import GPU_DEFAULT, Config
+from codagen.runtime.configs import GPU_DEFAULT, Config, HopperConfig
 from codagen.tune import tables
 from conftest import ERROR_LINE, REPO, SCALED_SPEC, TEST_SPECS, within_seconds
 
@@ -105,19 +105,62 @@ def test_shape_keys_are_read_in_ascii_digits_only():
 
 # -- the two forms of an entry ------------------------------------------------------------------------------------
 def test_an_entry_names_its_backend_beside_its_configuration_and_the_flat_form_still_reads():
-    """Tables are written {"backend": ..., "config": {...}}; the flat form of the tables written before, with the
-    backend among the fields (or none: the tl kernel) and backend "mm" for the tl kernel over cuBLAS's product,
-    reads as the same configuration."""
-    hopper = Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon")
+    """Tables are written {"backend": ..., "config": {...}}, the config's fields of its backend's type; the flat form
+    of the tables written before, with the backend among the fields (or none: the tl kernel) and backend "mm" for
+    the tl kernel over cuBLAS's product, reads as the same configuration."""
+    hopper = HopperConfig(128, 128, 64, stages=5, epilogue_split=4)
     written = tablefile.entry_of(hopper)
-    assert written["backend"] == "gluon" and "backend" not in written["config"]
-    assert Config(**tablefile.entry_fields(written)) == hopper
-    assert Config(**tablefile.entry_fields({"config": hopper.as_dict()})) == hopper
-    flat = {k: v for k, v in GOOD.as_dict().items() if k not in ("backend", "mainloop")}
-    assert Config(**tablefile.entry_fields({"config": flat})) == GOOD
-    cublas = Config(**tablefile.entry_fields({"config": {**flat, "backend": "mm"}}))
+    assert written == {"backend": "gluon", "config": hopper.as_dict()} and "backend" not in written["config"]
+    assert tablefile.entry_fields(written) == ("gluon", hopper.as_dict())
+    assert tablefile.config_of_entry(written) == hopper
+    assert tablefile.config_of_entry({"config": {**hopper.as_dict(), "backend": "gluon"}}) == hopper
+    flat = {k: v for k, v in GOOD.as_dict().items() if k != "mainloop"}
+    assert tablefile.config_of_entry({"config": flat}) == GOOD
+    cublas = tablefile.config_of_entry({"config": {**flat, "backend": "mm"}})
     assert (cublas.backend, cublas.mainloop) == ("tl", "cublas") and "cublas" in cublas.label()
     assert tablefile.entry_of(cublas) == {"backend": "tl", "config": {**flat, "mainloop": "cublas"}}
+
+
+# what the one Config of before each backend had a config type wrote for each (the committed tables' entries)
+OLD_HOPPER_OF_TL = {"epilogue_stages": None, "direct_stores": False, "slice_loop": False, "slice_unroll": 1,
+                    "consumers": 2}
+OLD_TL_OF_HOPPER = {"num_warps": 4, "persistent": False, "tma": False, "flatten": False, "warp_specialize": False}
+
+
+@pytest.mark.parametrize("form", ["flat", "backend beside"])
+def test_entries_of_the_one_config_of_before_read_as_their_backends_config(form):
+    """Entries written while one Config held every backend's fields (the committed tables, flat, and those written
+    {"backend": ..., "config": {...}} before each backend had its type) read as the config of their backend: the
+    other backend's fields are dropped where that Config took them, the Hopper kernel's num_stages are its stages;
+    where that Config refused them, so does the reader, naming why."""
+    def read(backend, fields):
+        e = {"config": {**fields, "backend": backend}} if form == "flat" else {"backend": backend, "config": fields}
+        return tablefile.config_of_entry(e)
+
+    tl = {**GOOD.as_dict(), **OLD_HOPPER_OF_TL}
+    assert read("tl", tl) == GOOD
+    hopper = {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, "num_stages": 7, "epilogue_split": 4,
+              "epilogue_stages": None, "direct_stores": False, "slice_loop": True, "slice_unroll": 1, "consumers": 3,
+              "mainloop": "triton", **OLD_TL_OF_HOPPER}
+    three = read("gluon", hopper)
+    assert three == HopperConfig(64, 128, 64, stages=7, epilogue_split=4, slice_loop=True, consumers=3)
+    assert three.consumer_regs == tileconfig.CONSUMER_REGS[3]
+    for name, value, words in (("direct_stores", True, "direct_stores is the Hopper .gluon. kernel's"),
+                               ("consumers", 3, "consumers is the Hopper .gluon. kernel's"),
+                               ("slice_unroll", True, "slice_unroll is the Hopper .gluon. kernel's"),
+                               ("epilogue_stages", 2, "epilogue_stages is the Hopper .gluon. kernel's")):
+        with pytest.raises(ValueError, match=words):
+            read("tl", {**tl, name: value})
+    with pytest.raises(ValueError, match="mainloop 'cublas' is the tl kernel's"):
+        read("gluon", {**hopper, "mainloop": "cublas"})
+    with pytest.raises(ValueError, match="Config: num_warps must be a power of two"):
+        read("gluon", {**hopper, "num_warps": 3})
+    with pytest.raises(ValueError, match="stages are named twice"):
+        read("gluon", {**hopper, "stages": 7})
+    with pytest.raises(ValueError, match="the configuration has no field 'stages'"):
+        read("tl", {**tl, "stages": 7})
+    with pytest.raises(ValueError, match="backend must be one of tl, gluon, got 'cuda'"):
+        read("cuda", tl)
 
 
 def test_every_committed_table_reads_and_writes_in_the_new_form_to_the_same_configurations(tmp_path):
@@ -172,7 +215,7 @@ CORRUPT = [
     ("folder", folder, "(not a regular file)", False),
     ("bogus-entry", {"64x40x24": {"bogus_field": 1}}, "entry '64x40x24': expected {\"backend\": ..., \"config\"",
      True),
-    ("backend-twice", {"64x40x24": {"backend": "tl", "config": GOOD.as_dict()}},
+    ("backend-twice", {"64x40x24": {"backend": "tl", "config": {**GOOD.as_dict(), "backend": "tl"}}},
      "entry '64x40x24': the backend is named twice", True),
     ("bogus-field", {"64x40x24": {"config": {**GOOD.as_dict(), "bogus_field": 1}}},
      "entry '64x40x24': the configuration has no field 'bogus_field'", True),

@@ -28,8 +28,8 @@ from codagen.presets import PRESETS
 from codagen.tune import TuneError, command, harness, precompile, shapes, tables
 from codagen.runtime import autotune, backends, configs
 from codagen.runtime import tables as runtime_tables
-from codagen.runtime.configs import GPU_DEFAULT, Config
-from codagen.tablefile import entry_fields, entry_of
+from codagen.runtime.configs import GPU_DEFAULT, Config, HopperConfig
+from codagen.tablefile import config_of_entry, entry_of
 from conftest import REPO, draw_args
 
 SPECS = REPO / "specs"
@@ -409,10 +409,10 @@ def test_cublas_mainloop_passes_the_check_of_every_gemm_kernel():
         stats.launch(x, wn, h=torch.empty(5, 8), ss=torch.empty(5, 1), config=Config(mainloop="cublas"))
     with pytest.raises(ValueError, match="mainloop 'cublas' is the tl kernel's"):
         Config(mainloop="cublas", tma=True)
-    with pytest.raises(ValueError, match="mainloop 'cublas' is the tl kernel's .backend 'tl', got 'gluon'"):
-        Config(mainloop="cublas", backend="gluon")
-    with pytest.raises(ValueError, match="Config.backend='tl', mainloop='cublas'."):
-        Config(backend="mm")
+    with pytest.raises(TypeError, match="mainloop"):
+        HopperConfig(mainloop="cublas")  # the Hopper kernel has its own mainloop only
+    with pytest.raises(ValueError, match="Config.mainloop='cublas'."):
+        config_of_entry({"backend": "mm", "config": {}})
 
 
 def test_cublas_mainloop_is_timed_only_where_k_is_long(as_gpu, tmp_path):
@@ -715,7 +715,7 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     monkeypatch.setattr(backends, "BACKENDS", tuple(gluon if b is backends.GLUON else b for b in backends.BACKENDS))
     swiglu, norm = module("gate_up_swiglu"), module("out_proj_residual_norm")
     own = backends.hopper_default(swiglu.__package__, swiglu.NAME)
-    assert (own.backend, own.block_m, own.block_n, own.num_warps) == ("gluon", 128, 128, 4)
+    assert (type(own), own.backend, own.block_m, own.block_n) == (HopperConfig, "gluon", 128, 128)
 
     def pick(mod, m, package):
         return autotune.pick_config(mod.NAME, mod.FINGERPRINT, tmp_path, m, 40, 24, CPU, decls=mod.DECLS,
@@ -734,7 +734,7 @@ def test_untuned_shapes_try_the_hopper_kernel_on_sm90(tmp_path, as_gpu, monkeypa
     default = configs.gpu_default(split=norm.DEFAULT_SPLIT)
     assert (hopper.block_m, hopper.block_n, hopper.epilogue_split) == (
         default.block_m, default.block_n, default.epilogue_split)
-    assert hopper.num_stages == backends.hopper_default(norm.__package__, norm.NAME).num_stages
+    assert hopper.stages == backends.hopper_default(norm.__package__, norm.NAME).stages
 
 
 def test_epilogue_split_halves_what_tiles_n_counts_in():
@@ -851,6 +851,25 @@ def test_cli_names_bad_arguments_instead_of_a_traceback_or_tuning_nothing(tune_o
     assert words in result.output and "wrote" not in result.output
 
 
+def test_candidates_beyond_the_gpus_shared_memory_are_not_timed(tmp_path, monkeypatch):
+    """Each candidate's resource model (its config type's operand_bytes) against the GPU's shared memory: one that
+    its table would refuse (tileconfig.fits_shared) is left out before any launch, and the run says so; a kernel
+    left with none is skipped."""
+    timer = FakeTimer()
+    timer.watch(monkeypatch, module("matmul"))
+    big = Config(256, 256, 128, 8, 4, 1)  # one stage: 128 KiB, more than a T4's 64 KiB
+    log = []
+    command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="nvidia-tesla-t4", tuning_dir=tmp_path,
+                timer=timer, check_rows=37, pools={"matmul": (POOL[0], big)}, log=log.append)
+    text = "\n".join(log)
+    assert ("matmul: 1 candidate(s) need more shared memory than a program has on nvidia-tesla-t4 (65536 bytes); "
+            "not timed") in text and "(1 timed, 0 discarded" in text
+    log.clear()
+    assert command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="nvidia-tesla-t4", tuning_dir=tmp_path,
+                       timer=timer, check_rows=37, pools={"matmul": (big,)}, log=log.append) == []
+    assert "none left: skipped" in log[0] and "tuning 0 kernel(s)" in log[1]
+
+
 def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     """--only: the candidates whose label contains the text are timed against the table's present choice,
     re-timed; the table keeps that choice where it is faster, takes a challenger where one is; a kernel with
@@ -872,14 +891,14 @@ def test_only_some_candidates_against_the_present_choice(tmp_path, monkeypatch):
     command.run([SPECS / "matmul.yaml"], "45x40x24", device=CPU, gpu="test-gpu", tuning_dir=tmp_path, timer=timer,
                 check_rows=37, pools={"matmul": POOL[:1]}, log=lambda _: None)
     entry, log = run("persistent", {})
-    assert Config(**entry_fields(entry)) == present and entry["ms"] == 1.0  # the challenger is slower
+    assert config_of_entry(entry) == present and entry["ms"] == 1.0  # the challenger is slower
     assert "rmsnorm_stats: no candidate's label contains 'persistent'; skipped" in log
     assert "(2 timed, 0 discarded" in log
     assert f"\n  2.0000 ms  {slow.label()}" in log  # the runner-up, with its time
     entry, _ = run("tma", {})
-    assert Config(**entry_fields(entry)) == fast and entry["ms"] == 0.5
+    assert config_of_entry(entry) == fast and entry["ms"] == 0.5
     entry, _ = run("persistent", {fast: 3.0})  # the present choice, re-timed, now slower than the challenger
-    assert Config(**entry_fields(entry)) == slow and entry["ms"] == 2.0
+    assert config_of_entry(entry) == slow and entry["ms"] == 2.0
 
 
 def test_compile_work_is_each_kernels_candidates_and_present_choices_once(tmp_path):
@@ -909,11 +928,11 @@ def test_precompile_launches_each_candidate_once_in_workers():
     one that fails is reported and left to the run, which compiles and reports it again."""
     source = str(SPECS / "matmul.yaml")
     for shape in (shapes.Shape(45, 40, 24), shapes.Shape(45, 40, 24, a_km=True)):
-        assert precompile.compile_candidate(source, str(REPO / "generated"), "matmul", shape, POOL[0].as_dict(),
+        assert precompile.compile_candidate(source, str(REPO / "generated"), "matmul", shape, entry_of(POOL[0]),
                                             "float32", 0) is None
-    gluon = dataclasses.replace(POOL[0], backend="gluon")
+    gluon = HopperConfig(POOL[0].block_m, POOL[0].block_n, POOL[0].block_k, stages=POOL[0].num_stages)
     assert "Hopper" in precompile.compile_candidate(source, str(REPO / "generated"), "matmul",
-                                                    shapes.Shape(45, 40, 24), gluon.as_dict(), "float32", 0)
+                                                    shapes.Shape(45, 40, 24), entry_of(gluon), "float32", 0)
     log = []
     precompile.precompile([(source, "matmul", shapes.Shape(45, 40, 24), c) for c in (POOL[0], gluon)],
                           REPO / "generated", torch.device("cuda", 0), 2, log.append, torch.float32)
@@ -950,10 +969,10 @@ def test_gpu_tune_writes_what_pick_config_uses(tmp_path, monkeypatch):
     entry = json.loads(written[0].read_text())["shapes"]["2048x1024x512"]
     assert entry["ms"] > 0 and entry["cuBLAS_ms"] > 0
     mm = module("matmul")
-    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == Config(**entry_fields(entry))
+    assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 2000, 1024, 512, dev) == config_of_entry(entry)
     # another token count of the same widths: the tuned entry, no run-time tuning
     assert autotune.pick_config(mm.NAME, mm.FINGERPRINT, tmp_path, 3000, 1024, 512, dev, decls=mm.DECLS,
-                                run=lambda c: pytest.fail("tuned at run time")) == Config(**entry_fields(entry))
+                                run=lambda c: pytest.fail("tuned at run time")) == config_of_entry(entry)
 
     # widths the table lacks: tuned at run time on the caller's arguments
     g = torch.Generator(device=dev).manual_seed(0)

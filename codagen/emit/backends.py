@@ -4,7 +4,8 @@ modules of those it does, and writes its folder's __init__.py where it has one.
 
 The "tl" backend (Triton's language: emit/kernel.py, templates/kernel.py.j2) lowers every kernel, and its module
 is the one users import: its launcher runs another backend's module of the same kernel where the config says so
-(`Config.backend`, codagen/runtime/backends.py). docs/design.md ("Backends") lists what a new backend touches."""
+(the `backend` of its config type, codagen/tileconfig.py CONFIGS; codagen/runtime/backends.py). docs/design.md
+("Backends") lists what a new backend touches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ Types = dict[str, ValueType]
 
 @dataclass(frozen=True)
 class Backend:
-    name: str  # as Config.backend and each primitive's `emitters` name it
+    name: str  # as its config type's `backend` (codagen.tileconfig.CONFIGS) and each primitive's `emitters` name it
     emitter: type[EpilogueEmitter]  # its epilogue emitter (emitter.backend is `name`)
     folder: str  # where its modules go, under the output folder
     # why it cannot lower a kernel: a Fallback (file:line:col, reason) per step or for the kernel; none: it lowers it

@@ -47,11 +47,12 @@ from dataclasses import dataclass  # noqa: E402
 from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
 from . import backends  # noqa: E402,F401 (generated launchers call runtime.backends)
 from .autotune import pick_config  # noqa: E402
-from .configs import Config  # noqa: E402
+from .configs import CONFIGS, Config, HopperConfig, TlConfig  # noqa: E402
 from .launcher import Launcher  # noqa: E402
 from .ops import kernel_op, no_backward  # noqa: E402
 
-__all__ = ["INTERPRETED", "Config", "Decl", "bind", "check_tiles", "host_scalar", "Aliasing", "pick_config",
+__all__ = ["INTERPRETED", "Config", "TlConfig", "HopperConfig", "Decl", "bind", "check_tiles", "host_scalar",
+           "Aliasing", "pick_config",
            "dot_settings", "needs_int64", "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned",
            "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "kernel_op", "no_backward",
            "row_chunks", "ChunkSum", "Launcher"]
@@ -170,13 +171,17 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+_CONFIG_TYPES = tuple(CONFIGS.values())  # TlConfig first
+
+
 def signature(tensors, config) -> tuple | None:
     """What a launch plan depends on: types, shapes, strides, dtypes and devices of the arguments, whether their
     addresses are all 16-byte aligned (a tuning table's Hopper kernel reads through TMA, which needs it: a view at
     an odd offset gets a plan of its own, with the tl kernel), and the config. None when an argument is not a
     tensor: no plan has that key, and making one says which."""
-    if config is not None and type(config) is not Config:
-        raise TypeError(f"config must be a codagen.runtime.Config or None, got {type(config).__name__}")
+    if config is not None and type(config) not in _CONFIG_TYPES:
+        raise TypeError(f"config must be a codagen.runtime.Config (TlConfig), a config of another backend "
+                        f"({', '.join(t.__name__ for t in _CONFIG_TYPES[1:])}) or None, got {type(config).__name__}")
     try:
         return (config, _all_aligned(tensors), *[(type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
     except AttributeError:
@@ -223,7 +228,7 @@ def check_storage(kernel: str, values: dict) -> None:
 class LaunchPlan:
     """Everything about a launch that follows from the arguments' signature."""
 
-    config: Config
+    config: object  # the launch's config, of any backend (codagen.tileconfig.CONFIGS)
     device: torch.device
     m: int
     n: int
@@ -242,8 +247,11 @@ class LaunchPlan:
         return self.m == 0 or self.n == 0
 
     @classmethod
-    def make(cls, config: Config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
+    def make(cls, config, device: torch.device, t_dtype: torch.dtype, m: int, n: int, k: int, tensors,
              aliasing: Aliasing, gemm: tuple[int, int] | None = None) -> "LaunchPlan":
+        if config.backend != "tl":  # the tl launcher hands the launch to that backend's module (backends.launch)
+            return cls(config, device, m, n, k, programs=0, tma=False, even_k=False, upcast_dot=False,
+                       dot_precision="", int64=False, meta={}, aliasing=aliasing)
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         operands = t_dtype if gemm is None else tensors[gemm[0]].dtype  # T, or FP8 (a kernel without T)
         dot = dot_settings(operands)

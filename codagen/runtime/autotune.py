@@ -19,19 +19,19 @@ import torch
 
 from .. import dims
 from . import backends, tables, tuning_cache
-from .configs import INTERPRETER_DEFAULT, Config, gpu_default, runtime_candidates, widened
+from .configs import INTERPRETER_DEFAULT, TileConfig, gpu_default, runtime_candidates, widened
 
 log = logging.getLogger("codagen.tune")
 
 
 @functools.lru_cache(maxsize=None)
 def _saved(path: str, fingerprint: str, triton_version: str) -> dict:
-    """What earlier processes' run-time tuning chose (bucket -> Config), read once per process."""
+    """What earlier processes' run-time tuning chose (bucket -> config), read once per process."""
     return tuning_cache.read(Path(path), fingerprint, triton_version)
 
 
-_tuned: dict[tuple, Config] = {}  # (kernel, fingerprint, gpu, bucket) -> what run-time tuning chose
-_picked: dict[tuple, Config] = {}  # pick_config's arguments -> its final answer for them
+_tuned: dict[tuple, TileConfig] = {}  # (kernel, fingerprint, gpu, bucket) -> what run-time tuning chose
+_picked: dict[tuple, TileConfig] = {}  # pick_config's arguments -> its final answer for them
 _tuning = threading.Lock()
 
 
@@ -59,7 +59,7 @@ def _may_tune() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def measure(run: Callable[[Config], None], config: Config) -> float:
+def measure(run: Callable[[TileConfig], None], config: TileConfig) -> float:
     """Milliseconds per launch of `run(config)` on the current stream: one launch to compile and warm up,
     one to size the loop, then about 10 ms of launches. Replaced by a fake timer in tests."""
     run(config)
@@ -77,7 +77,8 @@ def measure(run: Callable[[Config], None], config: Config) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _tune(kernel: str, bucket: str, candidates: list[Config], run: Callable[[Config], None]) -> Config | None:
+def _tune(kernel: str, bucket: str, candidates: list[TileConfig],
+          run: Callable[[TileConfig], None]) -> TileConfig | None:
     """The fastest candidate, timed by `measure` on the caller's own arguments; a candidate that fails
     (does not compile, needs more shared memory than there is) is skipped. None if all fail."""
     timings = []
@@ -104,8 +105,8 @@ def _aliased(decls, values: dict) -> bool:
 
 
 def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
-                run: Callable[[Config], None] | None = None, decls=None, values: dict | None = None,
-                split: int = 1, package: str | None = None, cublas: bool = True) -> Config:
+                run: Callable[[TileConfig], None] | None = None, decls=None, values: dict | None = None,
+                split: int = 1, package: str | None = None, cublas: bool = True) -> TileConfig:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
@@ -176,8 +177,9 @@ def _tile_dependent(decls) -> bool:
     return any(dims.is_tiles(d) for decl in decls for d in decl.dims)
 
 
-def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: Config, tile_dependent: bool,
-                group, split: int, package: str | None, cublas: bool = True) -> list[Config]:
+def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: TileConfig,
+                tile_dependent: bool, group, split: int, package: str | None, cublas: bool = True
+                ) -> list[TileConfig]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
     pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
     if k and cublas and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product

@@ -1,7 +1,8 @@
 """The backends a tl kernel's launcher dispatches to by its config's `backend`, as launches and tuning see them: a
-`Backend` record each in BACKENDS. "tl", the kernel itself (with its own mainloop, or over cuBLAS's product:
-Config.mainloop "cublas", cublas_product); "gluon", the Hopper backend's kernel of the same spec
-(generated/kernels/gluon/<name>.py, for kernels it lowers). What generated launchers call to launch (`launch`),
+`Backend` record each in BACKENDS, with its config type (codagen.tileconfig.CONFIGS). "tl", the kernel itself
+(TlConfig: with its own mainloop, or over cuBLAS's product, mainloop "cublas", cublas_product); "gluon", the Hopper
+backend's kernel of the same spec (HopperConfig; generated/kernels/gluon/<name>.py, for kernels it lowers). What
+generated launchers call to launch (`launch`),
 check (`check_tl_only`) and fall back between them (`or_tl`), and what run-time tuning and `codagen tune` ask of
 each: whether it lowers a kernel and runs on this device (`running`), its run-time candidate (`candidates`)."""
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from .configs import Config, fits_group
+from ..tileconfig import cublas_pays  # noqa: F401 (re-exported: what tuning asks of mainloop "cublas")
+from .configs import CONFIGS, TileConfig, TlConfig, fits_group
 
 log = logging.getLogger("codagen.tune")
 
@@ -25,15 +27,20 @@ log = logging.getLogger("codagen.tune")
 class Backend:
     """A backend at run time; its generator side is the record of the same name in codagen/emit/backends.py."""
 
-    name: str  # as Config.backend names it (codagen.tileconfig.BACKENDS)
+    name: str  # as its config type's `backend` names it (codagen.tileconfig.CONFIGS)
     # the subpackage of a generated kernels package that holds its modules, <package>.<folder>.<kernel>, each with
     # `launch` (the tl launcher's arguments) and `check_launch(tensors, config)`; None: the tl modules themselves
     folder: str | None
     runs: Callable[[torch.device], bool]  # whether this device runs its kernels
-    # its kernel's default for one of its modules, as a tl launcher's Config of this backend: its run-time candidate
-    default: Callable[[ModuleType], Config] | None = None
-    # the Config fields only its kernel reads, set back to their defaults where a launch falls back to tl
-    own_fields: tuple[str, ...] = ()
+    # its kernel's default for one of its modules, a config of its type: its run-time candidate
+    default: Callable[[ModuleType], TileConfig] | None = None
+
+    @property
+    def config(self) -> type:
+        """Its config type (codagen.tileconfig.CONFIGS), which checks its own fields and says what its kernel
+        needs of a GPU (operand_bytes), whether it pays at a shape (pays), and the tl kernel's config of the same
+        tile (as_tl)."""
+        return CONFIGS[self.name]
 
     def module(self, package: str, kernel: str) -> ModuleType:
         """A kernel's module of this backend, imported at its first use (a backend's modules may import what only
@@ -53,19 +60,16 @@ def _hopper_runs(device: torch.device) -> bool:
             and importlib.util.find_spec("triton.experimental.gluon") is not None)
 
 
-def _hopper_default(module: ModuleType) -> Config:
+def _hopper_default(module: ModuleType) -> TileConfig:
     """The Hopper kernel's own default configuration (gluon_hopper.default_config of its epilogue: 128x128 tiles,
-    as many operand stages as fit), as a tl launcher's Config whose backend is "gluon"."""
+    as many operand stages as fit)."""
     from . import gluon_hopper
 
-    h = gluon_hopper.default_config(module.EPILOGUE)
-    return Config(h.block_m, h.block_n, h.block_k, h.group_m, num_warps=4, num_stages=h.stages,
-                  epilogue_split=h.epilogue_split, backend="gluon")
+    return gluon_hopper.default_config(module.EPILOGUE)
 
 
 TL = Backend("tl", folder=None, runs=lambda device: True)
-GLUON = Backend("gluon", folder="gluon", runs=_hopper_runs, default=_hopper_default,
-                own_fields=("epilogue_stages", "direct_stores", "slice_loop", "slice_unroll", "consumers"))
+GLUON = Backend("gluon", folder="gluon", runs=_hopper_runs, default=_hopper_default)
 BACKENDS: tuple[Backend, ...] = (TL, GLUON)
 
 
@@ -79,28 +83,28 @@ def launch(package: str, kernel: str, /, **arguments) -> None:
     backend(arguments["config"].backend).module(package, kernel).launch(**arguments)
 
 
-def or_tl(package: str, kernel: str, config: Config, tensors) -> Config:
-    """A tuning table's choice of another backend's kernel, or the tl kernel with the same tile shape where that
-    kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not tuned on)."""
+def or_tl(package: str, kernel: str, config: TileConfig, tensors) -> TileConfig:
+    """A tuning table's choice of another backend's kernel, or the tl kernel with the same tile shape (the config's
+    as_tl) where that kernel refuses these tensors (a dtype, or strides TMA cannot address, that the table was not
+    tuned on)."""
     chosen = backend(config.backend)
     try:
         chosen.module(package, kernel).check_launch(tensors, config)
     except ValueError as e:
         log.info("codagen: %s: the tuning table chose the %s kernel, which refuses these arguments (%s); "
                  "running the tl kernel", kernel, chosen.name, e)
-        tl_fields = {f.name: f.default for f in dataclasses.fields(Config) if f.name in chosen.own_fields}
-        return dataclasses.replace(config, backend="tl", **tl_fields)
+        return config.as_tl()
     return config
 
 
-def check_tl_only(kernel: str, config: Config, gemm: bool = True, fp8_gemm: str | None = None) -> None:
+def check_tl_only(kernel: str, config: TileConfig, gemm: bool = True, fp8_gemm: str | None = None) -> None:
     """Refuse, for a kernel that no other backend lowers, a config that asks for another backend's kernel; and
     for a kernel without a GEMM, or whose GEMM has FP8 operands (`fp8_gemm`: where the spec declares that GEMM,
     file:line:col), one that asks for cuBLAS's product."""
     if config.backend != "tl":
-        raise ValueError(f"{kernel}: Config(backend={config.backend!r}), but that backend does not lower this kernel "
-                         f"(generated/kernels/{backend(config.backend).folder}/__init__.py says why); use "
-                         "backend='tl'")
+        raise ValueError(f"{kernel}: {type(config).__name__}, the {config.backend} backend's config, but that backend "
+                         f"does not lower this kernel (generated/kernels/{backend(config.backend).folder}/__init__.py "
+                         "says why); use a Config (TlConfig)")
     if config.mainloop == "cublas" and not gemm:
         raise ValueError(f"{kernel}: Config(mainloop='cublas') makes a GEMM's product with torch.mm, but this kernel "
                          "has no GEMM; use mainloop='triton'")
@@ -116,8 +120,8 @@ def running(package: str, kernel: str, device: torch.device) -> tuple[Backend, .
     return tuple(b for b in BACKENDS if b is not TL and b.runs(device) and b.lowers(package, kernel))
 
 
-def candidates(package: str, kernel: str, device: torch.device, default: Config, tile_dependent: bool, group,
-               n) -> list[Config]:
+def candidates(package: str, kernel: str, device: torch.device, default: TlConfig, tile_dependent: bool, group,
+               n) -> list[TileConfig]:
     """The run-time candidates of the other backends that run this kernel here (`running`): each one's default
     (none where its slices would split column groups); for a kernel whose outputs depend on the tile shape, with
     the tl default's tile and epilogue split, as the tl candidates (configs.runtime_candidates)."""
@@ -125,8 +129,8 @@ def candidates(package: str, kernel: str, device: torch.device, default: Config,
             for c in [_candidate(b, package, kernel, default, tile_dependent, group, n)] if c is not None]
 
 
-def _candidate(b: Backend, package: str, kernel: str, default: Config, tile_dependent: bool, group,
-               n) -> Config | None:
+def _candidate(b: Backend, package: str, kernel: str, default: TlConfig, tile_dependent: bool, group,
+               n) -> TileConfig | None:
     try:
         config = b.default(b.module(package, kernel))
     except Exception as e:  # noqa: BLE001 - as a candidate that fails to compile: the tl candidates remain
@@ -138,17 +142,9 @@ def _candidate(b: Backend, package: str, kernel: str, default: Config, tile_depe
     return config if fits_group(config, group, n) else None
 
 
-def hopper_default(package: str, kernel: str) -> Config:
-    """The Hopper kernel's default of a kernel, as a Config whose backend is "gluon"."""
+def hopper_default(package: str, kernel: str) -> TileConfig:
+    """The Hopper kernel's default of a kernel (a HopperConfig)."""
     return GLUON.default(GLUON.module(package, kernel))
-
-
-def cublas_pays(m: int, n: int, k: int) -> bool:
-    """Whether mainloop "cublas" is worth timing at an [m, n] x k GEMM: K at least 8 times M and N, as the LM head's
-    input gradient over a chunk of rows (1280 x 2048 x 128256), where the fp32 product's extra write and read are
-    a few percent of the GEMM's time and memory, and cuBLAS's split-K fills SMs that one program per output tile
-    leaves idle (norm_dgrad at 1280 x 2048: 80 tiles of 128x256 for the H200's 132 SMs)."""
-    return k >= 8 * max(m, n)
 
 
 def cublas_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Tile configurations: the Config type (codagen.tileconfig), the defaults a launch falls back to, the few
+"""Tile configurations: each backend's config type (codagen.tileconfig: TlConfig, also named Config, and
+HopperConfig), the tl kernel's defaults a launch falls back to, the few
 candidates run-time tuning tries, and a config fitted to a kernel's column groups. Which config a launch runs:
 codagen.runtime.autotune.pick_config; the committed tables it reads: tables; the kernels a config's backend names:
 backends."""
@@ -7,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..tileconfig import BACKENDS, MAX_BLOCK, MIN_BLOCK, Config, epilogue_label, fits_group  # noqa: F401 (re-exported)
+from ..tileconfig import (BACKENDS, CONFIGS, CONSUMER_REGS, MAX_BLOCK, MIN_BLOCK, PRODUCER_REGS,  # noqa: F401
+                          REGISTERS, Config, HopperConfig, TileConfig, TlConfig, epilogue_label, fits_group)
+# (re-exported)
 
 
 def _row_width(n: int) -> int:
@@ -15,7 +18,7 @@ def _row_width(n: int) -> int:
     return max(MIN_BLOCK, 1 << max(n - 1, 0).bit_length())
 
 
-def widened(config: Config, group: int | str | None, n: int | None = None) -> Config:
+def widened(config: TileConfig, group: int | str | None, n: int | None = None) -> TileConfig:
     """A default config made wide enough for column groups: block_n the smallest multiple of the group width
     per epilogue slice that is at least its own; for group "N", the narrowest that spans the row (unchanged
     when none does: the launch then says so)."""
@@ -30,7 +33,7 @@ def widened(config: Config, group: int | str | None, n: int | None = None) -> Co
     return dataclasses.replace(config, block_n=block_n)
 
 
-def check_group(kernel: str, config: Config, group: int | str, n: int) -> None:
+def check_group(kernel: str, config: TileConfig, group: int | str, n: int) -> None:
     """Refuse a config whose epilogue slices would cut a column group in two (or, for group "N", the row)."""
     if fits_group(config, group, n):
         return

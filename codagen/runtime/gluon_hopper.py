@@ -23,7 +23,7 @@ import torch
 from . import sm_count  # first: codagen.runtime decides whether Triton interprets before triton loads
 from . import tile
 from .checks import Aliasing
-from .configs import Config, epilogue_label
+from .configs import CONSUMER_REGS, PRODUCER_REGS, REGISTERS, HopperConfig  # noqa: F401 (re-exported)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -60,83 +60,6 @@ class Epilogue:
     column_group: int | None = None  # the kernel's column_group: each epilogue slice must hold whole groups
 
 
-REGISTERS = 512  # registers per thread of a warpgroup that the register file holds (64K for 128 threads)
-PRODUCER_REGS = 24  # the producer warp's setmaxnreg (its warpgroup's)
-# each consumer's setmaxnreg by how many there are: two hold 128x128 accumulators; three (3 * 160 + 24 <= 512)
-# hold 64-row tiles' epilogues
-CONSUMER_REGS = {2: 232, 3: 160}
-
-
-@dataclass(frozen=True)
-class HopperConfig:
-    """One consumer's tile is BLOCK_M x BLOCK_N with its fp32 accumulator in one warpgroup's registers
-    (BLOCK_M * BLOCK_N / 128 per thread: 128 at 128x128), so tiles are half the width the tl kernels use.
-    Shared memory holds `stages` operand stages and the epilogue's buffers, within the 227 KiB a program has
-    on an H200; 128x128 tiles need 4 stages or more to keep the tensor cores fed (measured). The epilogue
-    runs on `epilogue_split` column slices of the tile in turn (its inputs and outputs cross by TMA in
-    slices too), so that fewer values are live at a time. `epilogue_stages` of those slices have buffers of
-    their own (None: all of them): the first that many slices' inputs load while the mainloop runs, and each
-    later slice's once an earlier slice's stores are done with its buffers, so that a tile's inputs stream
-    through a ring of small buffers and more operand stages fit beside them. `direct_stores`: tile outputs go
-    from registers to global memory (masked stores, as the tl kernels make them) instead of through the
-    epilogue's buffers by TMA, so that no store waits for an earlier one to have left a buffer, a slice's
-    buffers take the next slice's inputs as soon as they are read, and buffers for the stores alone are not
-    needed (more operand stages fit). `slice_loop`: the consumer runs its slices in a loop, not unrolled, so
-    that a long epilogue's code is there once per consumer and fits the instruction cache; the loop selects
-    each slice of the accumulator at run time and keeps all of it live throughout; `slice_unroll` slices per step
-    of the loop, unrolled, so that each is selected among epilogue_split / slice_unroll. `consumers`: 2, or 3 with
-    fewer registers each (64-row tiles), so that a consumer's epilogue may take up to twice a mainloop and still
-    be covered by the others' MMAs."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    stages: int = 4
-    group_m: int = 8
-    consumer_regs: int = CONSUMER_REGS[2]  # setmaxnreg of the worker consumers; the default one gets the rest
-    epilogue_split: int = 1
-    epilogue_stages: int | None = None
-    direct_stores: bool = False
-    slice_loop: bool = False
-    slice_unroll: int = 1
-    consumers: int = 2
-
-    def __post_init__(self):
-        if self.consumers not in (2, 3) or self.consumers * self.consumer_regs + PRODUCER_REGS > REGISTERS:
-            raise ValueError(f"HopperConfig: consumers must be 2 or 3, each with consumer_regs registers, within the "
-                             f"{REGISTERS} per thread of a warpgroup that the register file holds beside the "
-                             f"producer's {PRODUCER_REGS}; got {self.consumers} consumers of {self.consumer_regs}")
-
-    @property
-    def epilogue_n(self) -> int:
-        """Columns that one partial reduction covers (tiles(N) counts these), as Config.epilogue_n."""
-        return self.block_n // self.epilogue_split
-
-    @property
-    def slices_in_flight(self) -> int:
-        """The epilogue slices with buffers of their own, per consumer."""
-        return self.epilogue_stages or self.epilogue_split
-
-    def meta(self) -> dict:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "STAGES": self.stages,
-                "GROUP_M": self.group_m, "CONSUMER_REGS": self.consumer_regs, "EPILOGUE_SPLIT": self.epilogue_split,
-                "EPILOGUE_STAGES": self.slices_in_flight, "SLICE_LOOP": self.slice_loop,
-                "SLICE_UNROLL": self.slice_unroll, "DIRECT_STORES": self.direct_stores, "CONSUMERS": self.consumers}
-
-    def smem_bytes(self, element_size: int, epilogue: Epilogue) -> int:
-        """Shared memory of a program: the ring, the consumers' epilogue buffers and scratch, and barriers."""
-        stage = (self.block_m + self.block_n) * self.block_k * element_size
-        held = epilogue.inputs if self.direct_stores else epilogue.buffers
-        buffers = (self.consumers * held * self.block_m * epilogue.columns * self.epilogue_n * self.slices_in_flight
-                   * element_size)
-        scratch = epilogue.scratch * self.block_m * self.epilogue_n // (128 * 128)
-        return self.stages * stage + buffers + scratch + 512
-
-    def label(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} g{self.group_m} r{self.consumer_regs}"
-                + epilogue_label(self))
-
-
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on sm_90 (227 KiB)
 MAX_STAGES = 6
 TMA_BOX = 256  # the most elements a TMA copy's block spans in each dimension
@@ -154,21 +77,14 @@ def default_config(epilogue: Epilogue, block_k: int = 64) -> HopperConfig:
     return config
 
 
-def launch_config(config: HopperConfig | Config | None, epilogue: Epilogue) -> HopperConfig:
-    """The config of a launch: the default for None; a tl launcher's Config whose backend is "gluon" (a tuning
-    table chose this kernel) gives its tile shape, group_m, epilogue_split, epilogue_stages, direct_stores,
-    slice_loop, slice_unroll, consumers (with CONSUMER_REGS each) and num_stages as this kernel's stages."""
+def launch_config(config: HopperConfig | None, epilogue: Epilogue) -> HopperConfig:
+    """The config of a launch: the default for None (default_config), else the HopperConfig given (a tuning
+    table's, or the caller's); a config of another backend is refused."""
     if config is None:
         return default_config(epilogue)
-    if isinstance(config, Config):
-        if config.backend != "gluon":
-            raise ValueError(f"a Config of the {config.backend} backend given to a Hopper (gluon) kernel")
-        return HopperConfig(config.block_m, config.block_n, config.block_k, stages=config.num_stages,
-                            group_m=config.group_m, epilogue_split=config.epilogue_split,
-                            epilogue_stages=config.epilogue_stages, direct_stores=config.direct_stores,
-                            slice_loop=config.slice_loop, slice_unroll=config.slice_unroll,
-                            consumers=config.consumers,
-                            consumer_regs=CONSUMER_REGS[config.consumers])
+    if not isinstance(config, HopperConfig):
+        raise ValueError(f"a config of the {getattr(config, 'backend', type(config).__name__)} backend given to a "
+                         "Hopper (gluon) kernel, which takes a HopperConfig")
     return config
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import tablefile
-from ..tileconfig import Config, fits_group
+from ..tileconfig import TileConfig, fits_group
 
 log = logging.getLogger("codagen.tune")
 
@@ -36,7 +36,8 @@ def shape_bucket(m: int, n: int, k: int) -> str:
     return f"{1 << max(int(m) - 1, 0).bit_length()}x{int(n)}x{int(k)}"
 
 
-def nearest_tuned(table: dict, key: str, other_widths: bool = False, fits=lambda config: True) -> Config | None:
+def nearest_tuned(table: dict, key: str, other_widths: bool = False,
+                  fits=lambda config: True) -> TileConfig | None:
     """For a shape that was not tuned: the entry of the same N and K whose M is nearest (by ratio; between two
     as near, the larger), or with `other_widths`, the entry nearest in M, N and K together; only entries
     for which fits(config) holds. Tables hold a few token counts per model width, and a configuration tuned
@@ -58,7 +59,7 @@ def table_path(tuning_dir: Path, gpu: str, kernel: str) -> Path:
 @functools.lru_cache(maxsize=None)
 def entries(path: str, fingerprint: str, triton_version: str, group=None, gemm: bool | None = None,
             cublas: bool = True) -> dict:
-    """The committed table's entries (shape -> Config) when it was tuned for this computation and Triton, else none.
+    """The committed table's entries (shape -> config) when it was tuned for this computation and Triton, else none.
     A file that is no tuning table, and entries that no launch of a kernel of column_group `group` (with a GEMM or
     not; `cublas`: whose GEMM torch.mm can make) can use, are skipped with one warning naming the file (read once
     per process): the launch runs as without them."""
@@ -79,7 +80,7 @@ def entries(path: str, fingerprint: str, triton_version: str, group=None, gemm: 
 
 @functools.lru_cache(maxsize=None)
 def lookup(kernel: str, fingerprint: str, tuning_dir: Path, gpu: str, m: int, n: int, k: int, group,
-           tile_dependent: bool, triton_version: str, cublas: bool = True) -> Config | None:
+           tile_dependent: bool, triton_version: str, cublas: bool = True) -> TileConfig | None:
     """The committed table's configuration for this launch (pick_config), or None: looked up once per launch shape,
     also where the answer is none (a shape run-time tuning has not chosen for yet asks again at every launch)."""
     table = entries(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton_version, group, k > 0, cublas)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import tablefile
 from ..quoting import quoted
-from .configs import Config
+from .configs import TileConfig
 
 log = logging.getLogger("codagen.tune")
 
@@ -57,8 +57,8 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-def read(path: Path, fingerprint: str, triton_version: str) -> dict[str, Config]:
-    """The valid entries (bucket -> Config) of the cache file at `path`, when it was written for this computation
+def read(path: Path, fingerprint: str, triton_version: str) -> dict[str, TileConfig]:
+    """The valid entries (bucket -> config) of the cache file at `path`, when it was written for this computation
     (`fingerprint`) with this Triton; otherwise none. Entries whose key or config is not valid are skipped."""
     data = _load(path)
     if data is None:
@@ -82,7 +82,7 @@ def read(path: Path, fingerprint: str, triton_version: str) -> dict[str, Config]
 
 
 def write(path: Path, kernel: str, gpu: str, fingerprint: str, triton_version: str, bucket: str,
-          config: Config) -> None:
+          config: TileConfig) -> None:
     """Add `bucket`'s choice to the cache file at `path`, keeping its valid entries of this computation and Triton
     (stale ones are dropped). Written to a temporary file in the same folder and renamed over it, so that a
     reader, or a process writing at the same time, never sees half a file (one of two such writes may lose the

@@ -7,11 +7,15 @@ from ..emit.gluon import default_split, tma_inputs, tma_outputs
 from ..errors import SpecError, ValidationFailed
 from ..model import Kernel
 from ..runtime import configs
-from ..runtime.configs import Config
+from ..tileconfig import Config, HopperConfig, TileConfig
 
 
 def _c(bm, bn, bk, warps, stages, persistent, tma) -> Config:
     return Config(bm, bn, bk, 8, warps, stages, persistent=persistent, tma=tma)
+
+
+def _h(bm, bn, bk, group_m, stages, **fields) -> HopperConfig:
+    return HopperConfig(bm, bn, bk, stages=stages, group_m=group_m, **fields)
 
 
 # For Hopper (H100/H200: 228 KB of shared memory per SM, wgmma on 64-row warpgroups) and bf16 operands.
@@ -88,63 +92,59 @@ ELEMENTWISE_CANDIDATES = tuple(
 # tiles of pairs (2*N columns) cross by TMA have buffers twice as wide: 3 stages of BK 64 fit beside them, or
 # 5 of BK 32; their epilogue runs on 8 slices (a whole tile's pairs spill).
 GLUON_CANDIDATES = (
-    Config(128, 128, 64, 8, 4, 5, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 4, backend="gluon"),
-    Config(128, 128, 64, 16, 4, 5, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
-    Config(128, 128, 32, 8, 4, 5, epilogue_split=4, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 3, epilogue_split=8, backend="gluon"),
-    Config(128, 128, 32, 8, 4, 5, epilogue_split=8, backend="gluon"),
+    _h(128, 128, 64, 8, 5),
+    _h(128, 128, 64, 8, 4),
+    _h(128, 128, 64, 16, 5),
+    _h(128, 128, 64, 8, 5, epilogue_split=4),
+    _h(128, 128, 32, 8, 5, epilogue_split=4),
+    _h(128, 128, 64, 8, 3, epilogue_split=8),
+    _h(128, 128, 32, 8, 5, epilogue_split=8),
     # 64-row tiles per consumer: half the epilogue buffers, so tiles of pairs fit 5 stages (188 KB) where
     # 128-row ones fit 3; on quarters swiglu_dgrad and norm_dgrad_residual do not spill
-    Config(64, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon"),
+    _h(64, 128, 64, 8, 5, epilogue_split=4),
     # tile inputs streamed through 2 or 4 slices' buffers instead of the whole tile's (epilogue_stages): at
     # 128x128 tiles, 6 or 5 stages of BK 64 fit beside tiles of pairs (swiglu_dgrad, 229,720-229,752 bytes,
     # compiled for sm_90), and 4-6 beside the RMSNorm backward's two inputs (197,272 bytes at 5 stages); on the
     # H200 they won 7 of the 12 shapes of swiglu_dgrad and norm_dgrad_residual (2026-12-03)
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon"),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon"),
+    _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2),
+    _h(128, 128, 64, 8, 5, epilogue_split=8, epilogue_stages=4),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, epilogue_stages=2),
     # tile outputs stored from registers (direct_stores): no store waits for an earlier one to leave a buffer,
     # a slice's buffers load the next inputs once read, and kernels without tile inputs need no buffers (6
     # stages fit, 197 KB); compiled for sm_90, none spills (benchmarks/results/h200-gluon-compile.md)
-    Config(128, 128, 64, 8, 4, 6, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=4, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=8, epilogue_stages=4, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=4, epilogue_stages=2, backend="gluon", direct_stores=True),
+    _h(128, 128, 64, 8, 6, direct_stores=True),
+    _h(128, 128, 64, 8, 6, epilogue_split=4, direct_stores=True),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, direct_stores=True),
+    _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2, direct_stores=True),
+    _h(128, 128, 64, 8, 5, epilogue_split=8, epilogue_stages=4, direct_stores=True),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, epilogue_stages=2, direct_stores=True),
+    _h(128, 128, 64, 8, 6, epilogue_split=4, epilogue_stages=2, direct_stores=True),
     # 64-row tiles, which won swiglu_dgrad at 1B, with direct stores: 6 stages beside a whole tile of pairs
     # (213,384 bytes; norm_dgrad_residual 214,200), no stack
-    Config(64, 128, 64, 8, 4, 6, epilogue_split=4, backend="gluon", direct_stores=True),
+    _h(64, 128, 64, 8, 6, epilogue_split=4, direct_stores=True),
     # the slices in a loop (slice_loop): one copy of the epilogue's code per consumer, not one per slice.
     # swiglu_dgrad on 8 unrolled slices is 186 KB of code, and ncu found its warps waiting for instructions
     # 38% of the time; in a loop it is 46 KB and 10-33% faster (H200, 2026-12-04). The loop keeps the whole
     # accumulator live: on quarters of tiles of pairs it spills (272 bytes of stack), on eighths not (compiled
     # for sm_90 after the epilogue changes of 2026-12-04 night; 736 and 24 bytes before)
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True),
+    _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2, slice_loop=True),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, slice_loop=True),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, direct_stores=True, slice_loop=True),
     # the loop by steps of 2 or 4 slices (slice_unroll): picking each slice out of the accumulator takes
     # fewer selects (swiglu_dgrad on 8 slices: 7.25 FSEL per element in a loop of single slices, 3.25 by 2,
     # 1.25 by 4; compiled for sm_90, 50 and 75 KB of code, no stack), and its time followed its instruction count
     # when the PTX sigmoid shortened it (H200, 2026-12-04)
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
-           slice_unroll=2),
-    Config(128, 128, 64, 8, 4, 6, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
-           slice_unroll=4),
-    Config(128, 128, 64, 8, 4, 5, epilogue_split=4, backend="gluon", slice_loop=True, slice_unroll=2),
+    _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2, slice_loop=True, slice_unroll=2),
+    _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2, slice_loop=True, slice_unroll=4),
+    _h(128, 128, 64, 8, 5, epilogue_split=4, slice_loop=True, slice_unroll=2),
     # three consumers of 64-row tiles (160 registers each): a consumer's epilogue may take up to twice a
     # mainloop and still be covered by the others' MMAs, where with two it must fit in one (swiglu_dgrad at
     # 1B: 1.5 mainloops, ncu). Compiled for sm_90: no stack for swiglu_dgrad (loop, 8 slices, 2 epilogue stages,
     # 8 stages of 24 KB); its slices in a loop, since three unrolled copies of a long epilogue outgrow the
     # instruction cache (147 KB of code at 4 slices)
-    Config(64, 128, 64, 8, 4, 8, epilogue_split=8, epilogue_stages=2, backend="gluon", slice_loop=True,
-           consumers=3),
-    Config(64, 128, 64, 8, 4, 7, epilogue_split=4, backend="gluon", slice_loop=True, consumers=3),
-    Config(64, 128, 64, 8, 4, 8, epilogue_split=4, backend="gluon", direct_stores=True, slice_loop=True,
-           consumers=3),
+    _h(64, 128, 64, 8, 8, epilogue_split=8, epilogue_stages=2, slice_loop=True, consumers=3),
+    _h(64, 128, 64, 8, 7, epilogue_split=4, slice_loop=True, consumers=3),
+    _h(64, 128, 64, 8, 8, epilogue_split=4, direct_stores=True, slice_loop=True, consumers=3),
 )
 
 
@@ -160,33 +160,41 @@ CUBLAS_CANDIDATES = tuple(
 
 # Column groups as wide as the tile (Qwen3's 128-column heads) keep the epilogue on whole tiles, where
 # QK-norm with RoPE spills 1400-1500 bytes per thread at 128x128; 64-row tiles hold half as much (216 bytes).
-GLUON_GROUP_CANDIDATES = (Config(64, 128, 64, 8, 4, 6, backend="gluon"),)
+GLUON_GROUP_CANDIDATES = (_h(64, 128, 64, 8, 6),)
 
 
-def gluon_candidates(kernel: Kernel) -> tuple[Config, ...]:
+def tl_candidates(kernel: Kernel) -> tuple[Config, ...]:
+    """The tl kernel's candidates: for a kernel with a GEMM, its own mainloop's, then the cuBLAS mainloop's (timed
+    only at the shapes where they pay: TlConfig.pays); for one without, the elementwise ones."""
+    return GEMM_CANDIDATES + CUBLAS_CANDIDATES if kernel.gemm else ELEMENTWISE_CANDIDATES
+
+
+def gluon_candidates(kernel: Kernel) -> tuple[HopperConfig, ...]:
     """The Gluon candidates for a kernel the Hopper backend lowers: on whole tiles, on 4 slices, on the slices
     its Hopper kernel runs by default (codagen.emit.gluon.default_split: 8 for tiles of pairs), and on 8 where
     tile inputs stream through the slices' buffers (the RMSNorm backward: 6 stages fit beside 2 of 8 slices'
     inputs, 213,656-230,040 bytes compiled for sm_90, 16 bytes of stack at most), with direct stores where it
-    stores tiles by TMA; for a kernel with column groups, 64-row tiles too."""
+    stores tiles by TMA; for a kernel with column groups, 64-row tiles too. None without a GEMM (the backend
+    schedules GEMM mainloops only)."""
+    if not kernel.gemm:
+        return ()
     splits = (1, 4, default_split(kernel), *((8,) if tma_inputs(kernel) else ()))
     stores_tiles = bool(tma_outputs(kernel))
     return tuple(c for c in GLUON_CANDIDATES if c.epilogue_split in splits and (stores_tiles or not c.direct_stores)
                  ) + (GLUON_GROUP_CANDIDATES if kernel.column_group else ())
 
 
-# The candidates of each backend besides tl, by its name (runtime.backends.BACKENDS), for a kernel it lowers
-BACKEND_CANDIDATES = {"gluon": gluon_candidates}
+# The candidates of each backend, by its name (runtime.backends.BACKENDS), for a kernel it lowers: configs of its
+# config type (codagen.tileconfig.CONFIGS), which say where they pay (pays) and what they need of a GPU
+BACKEND_CANDIDATES = {"tl": tl_candidates, "gluon": gluon_candidates}
 
 
-def candidates(kernel: Kernel, backends: tuple[str, ...] = ()) -> tuple[Config, ...]:
-    """The configs `codagen tune` tries; `backends`: the other backends that lower the kernel and that this GPU
-    runs (harness.other_backends), whose candidates (BACKEND_CANDIDATES) come after the tl kernel's and before
-    those of the cuBLAS mainloop (timed only at the shapes where backends.cublas_pays). For a kernel with column
-    groups, only those whose epilogue slices hold whole groups; none is an error located at the spec's
-    column_group."""
-    pool = (ELEMENTWISE_CANDIDATES if not kernel.gemm
-            else GEMM_CANDIDATES + sum((BACKEND_CANDIDATES[b](kernel) for b in backends), ()) + CUBLAS_CANDIDATES)
+def candidates(kernel: Kernel, backends: tuple[str, ...] = ()) -> tuple[TileConfig, ...]:
+    """The configs `codagen tune` tries: the tl kernel's, then those of `backends`, the other backends that lower
+    the kernel and that this GPU runs (harness.other_backends), each backend's from BACKEND_CANDIDATES. For a
+    kernel with column groups, only those whose epilogue slices hold whole groups; none is an error located at
+    the spec's column_group."""
+    pool = sum((BACKEND_CANDIDATES[b](kernel) for b in ("tl", *backends)), ())
     fitting = tuple(c for c in pool if configs.fits_group(c, kernel.column_group))
     if not fitting:
         widest = max(c.epilogue_n for c in pool)
@@ -195,4 +203,3 @@ def candidates(kernel: Kernel, backends: tuple[str, ...] = ()) -> tuple[Config, 
             f"column_group {kernel.column_group}: no tuning candidate of {kernel.name} has epilogue slices that "
             f"hold whole groups (the widest is {widest} columns); use a column_group of at most {widest}")])
     return fitting
-

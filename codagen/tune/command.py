@@ -13,10 +13,10 @@ import torch
 from .. import api
 from ..api import Checked
 from ..fingerprint import fingerprint
-from ..tablefile import entry_fields
-from ..runtime import autotune, backends
+from ..tablefile import config_of_entry
+from ..runtime import autotune
 from ..runtime import tables as runtime_tables
-from ..runtime.configs import Config
+from ..tileconfig import TileConfig, fits_shared, shared_bytes
 from . import TuneError
 from .candidates import candidates
 from .harness import CHECK_ROWS, Outcome, do_bench_timer, load_module, other_backends, tune_shape
@@ -97,6 +97,14 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
     selected = jobs(paths, shapes, out, kernels, tokens, tuning_dir, gpu, attrs, memory)
     pool_of = {j.checked.kernel.name: tuple((pools or {}).get(j.checked.kernel.name) or candidates(
         j.checked.kernel, other_backends(j.module, device))) for j in selected}
+    for j in list(selected):  # each candidate's resource model (its config type's): what this GPU's table would refuse
+        name, pool = j.checked.kernel.name, pool_of[j.checked.kernel.name]
+        pool_of[name] = tuple(c for c in pool if fits_shared(c, j.checked.kernel.gemm is not None, gpu))
+        if len(pool_of[name]) < len(pool):
+            log(f"{name}: {len(pool) - len(pool_of[name])} candidate(s) need more shared memory than a program has "
+                f"on {gpu} ({shared_bytes(gpu)} bytes); not timed" + ("" if pool_of[name] else ", none left: skipped"))
+        if not pool_of[name]:
+            selected.remove(j)
     if only is not None:
         pool_of = {name: tuple(c for c in pool if only in c.label()) for name, pool in pool_of.items()}
         for j in [j for j in selected if not pool_of[j.checked.kernel.name]]:
@@ -125,7 +133,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
                 break
             pool = pool_of[kernel.name]
             if only is not None and shape.key in table:  # the present choice, to beat
-                present = Config(**entry_fields(table[shape.key]))
+                present = config_of_entry(table[shape.key])
                 pool = pool if present in pool else (present, *pool)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 outcome = tune_shape(job.checked, job.module, shape, device, pool=pool, timer=timer,
@@ -152,7 +160,7 @@ def run(paths, shapes: str, *, out: str | Path = "generated", budget: float | No
 
 
 def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_only: bool, check_rows: int,
-                  triton_version: str) -> list[tuple[str, str, Shape, Config]]:
+                  triton_version: str) -> list[tuple[str, str, Shape, TileConfig]]:
     """What a run compiles: each kernel's candidates (and, with `only`, the table's present choices), at the
     first shape it tunes, as many rows as its check launches: Triton specializes a kernel on its integer
     arguments' divisibility by 16, which the presets' shapes share, so one compile serves them all."""
@@ -163,11 +171,12 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
         shapes = [s for s in job.shapes if not (missing_only and s.key in table)]
         if not shapes:
             continue
-        present = [Config(**entry_fields(table[s.key])) for s in shapes if only is not None and s.key in table]
+        present = [config_of_entry(table[s.key]) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
-        # else tune_shape times none of them (nor any for FP8 operands, which torch.mm does not take)
-        cublas = not kernel.fp8_gemm and any(backends.cublas_pays(s.m, s.n, s.k) for s in shapes)
-        pool = [c for c in pool_of[kernel.name] if c.mainloop != "cublas" or cublas]
+        # what tune_shape times at one shape or more (each config says where it pays; no cuBLAS product for FP8
+        # operands, which torch.mm does not take)
+        pool = [c for c in pool_of[kernel.name] if any(c.pays(s.m, s.n, s.k) for s in shapes)
+                and not (kernel.fp8_gemm and getattr(c, "mainloop", "triton") == "cublas")]
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work
 

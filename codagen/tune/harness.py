@@ -239,8 +239,9 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = candidates(kernel, other_backends(module, device)) if pool is None else pool
     if kernel.whole_rows:  # one tile over the whole row: which tiles do depends on the shape
         pool = shape_candidates(kernel, pool, shape.n)
-    pool = [c for c in pool if c.mainloop != "cublas"
-            or (not kernel.fp8_gemm and backends.cublas_pays(shape.m, shape.n, shape.k))]
+    # each config says where it is worth timing; no cuBLAS product for FP8 operands, which torch.mm does not take
+    pool = [c for c in pool if c.pays(shape.m, shape.n, shape.k)
+            and not (kernel.fp8_gemm and getattr(c, "mainloop", "triton") == "cublas")]
     outcome = Outcome(shape)
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)

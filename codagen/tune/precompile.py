@@ -15,13 +15,14 @@ from typing import Callable
 
 import torch
 
-from ..runtime.configs import Config
+from ..tablefile import config_of_entry, entry_of
+from ..tileconfig import TileConfig
 from .shapes import Shape
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def precompile(work: list[tuple[str, str, Shape, Config]], out: str | Path, device: torch.device, processes: int,
+def precompile(work: list[tuple[str, str, Shape, TileConfig]], out: str | Path, device: torch.device, processes: int,
                log: Callable[[str], None], dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile each (spec file, kernel, shape, config) of `work` on `processes` worker processes."""
     if device.type != "cuda" or processes < 2 or not work:
@@ -32,7 +33,7 @@ def precompile(work: list[tuple[str, str, Shape, Config]], out: str | Path, devi
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=processes,
                                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(compile_candidate, source, str(out), name, shape, config.as_dict(), dtype_name,
+            futures = {pool.submit(compile_candidate, source, str(out), name, shape, entry_of(config), dtype_name,
                                    device.index or 0): (name, config)
                        for source, name, shape, config in work}
             for future in concurrent.futures.as_completed(futures):
@@ -49,8 +50,8 @@ def precompile(work: list[tuple[str, str, Shape, Config]], out: str | Path, devi
 
 def compile_candidate(source: str, out: str, name: str, shape: Shape, config: dict, dtype: str,
                       device_index: int) -> str | None:
-    """In a worker: launch kernel `name` of spec file `source` once with `config` on random inputs of `shape`
-    (so that Triton compiles it); None, or why it failed."""
+    """In a worker: launch kernel `name` of spec file `source` once with `config` (as a table's entry holds it:
+    tablefile.entry_of) on random inputs of `shape` (so that Triton compiles it); None, or why it failed."""
     try:
         from .. import api
         from .harness import launcher, load_module, make_inputs
@@ -60,7 +61,7 @@ def compile_candidate(source: str, out: str, name: str, shape: Shape, config: di
         device = torch.device("cuda", device_index) if torch.cuda.is_available() else torch.device("cpu")
         dt = DTYPES[dtype]
         inputs = make_inputs(checked.kernel, module, shape, device, dt)
-        launch, _ = launcher(checked, module, Config(**config), shape, inputs, device, dt)
+        launch, _ = launcher(checked, module, config_of_entry(config), shape, inputs, device, dt)
         launch()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
