@@ -111,6 +111,29 @@ def test_calls_it_cannot_key_go_through_triton_every_time(compiled_mode, monkeyp
     assert len(kernel.calls) == 3
 
 
+def test_hooks_as_triton_holds_them(monkeypatch):
+    """Triton's own launch-hook knobs: no hook set (as Triton starts) launches directly; a hook added (a profiler)
+    sends launches through Triton. Triton 3.5 and later hold a HookChain there, never None; older ones None or a
+    function."""
+    from triton import knobs
+
+    assert not L._hooked()
+    hook = lambda *args: None  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert L._hooked()
+        finally:
+            chain.remove(hook)
+        assert not L._hooked()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    assert not L._hooked()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)
+    assert L._hooked()
+
+
 def test_interpreted_launches_are_triton_s_own(monkeypatch):
     monkeypatch.setattr(L, "INTERPRETED", True)
     kernel = FakeKernel(["x"])

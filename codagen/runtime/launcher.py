@@ -23,7 +23,13 @@ _CACHED_KINDS = 64  # kinds of call kept per kernel; beyond, calls of new kinds 
 
 def _hooked() -> bool:
     """Whether a profiler (Proton) hooks Triton's launches: they must go through Triton then."""
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+
+
+def _hook_set(hook) -> bool:
+    # a hook, or None; Triton 3.5 and later hold a HookChain there, never None, whose `calls` may be empty
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
 
 
 def _device() -> int:
