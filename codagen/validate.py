@@ -300,6 +300,9 @@ def _undefined(k: Kernel, step, ref: str, types: dict) -> str:
     if k.output(ref):
         return (f"'{ref}' is an output; outputs are written, not read: read the value that was stored "
                 f"into '{ref}' instead")
+    if k.input(ref) and k.input(ref).role is InputRole.GEMM_SCALE:
+        return (f"'{ref}' is a K-group scale of the gemm (gemm.scales), which the mainloop applies at each K step; "
+                "the epilogue does not read it (a scale per row or column of acc is an epilogue input of its own)")
     here = next(i for i, s in enumerate(k.steps) if s is step)
     later = [s for s in k.steps[here + 1:] if s.out == ref]
     if later:
