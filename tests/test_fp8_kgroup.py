@@ -300,3 +300,18 @@ def test_kernel_compiles_for_sm90(test_kernels):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(f"{module.__name__} ") == 2 and "False" not in run.stdout.split()
     assert ".f32.e4m3.e4m3" in run.stdout and "wgmma.mma_async" in run.stdout
+
+
+def test_codagen_tune_discards_candidates_crossing_groups(test_kernels):
+    """`codagen tune` (tune.harness.tune_shape) checks the candidates that keep within the groups against the
+    float64 reference and discards the others, saying why."""
+    from codagen.tune import harness, shapes
+    from conftest import _checked
+    from test_tune import FakeTimer
+
+    inside, across = Config(16, 32, 32, 2, 4, 1), Config(16, 32, 256, 2, 4, 1)
+    outcome = harness.tune_shape(_checked()["t_fp8_kgroup"], test_kernels("t_fp8_kgroup"), shapes.Shape(37, 150, 256),
+                                 torch.device(DEVICE), pool=(inside, across), timer=FakeTimer(), check_rows=37)
+    assert outcome.best == inside and [c for c, _ in outcome.timed] == [inside]
+    (why,) = [why for c, why in outcome.discarded if c == across]
+    assert why.startswith("block_k 256 does not divide the K group 128 of the gemm's scales")
