@@ -315,3 +315,39 @@ def test_codagen_tune_discards_candidates_crossing_groups(test_kernels):
     assert outcome.best == inside and [c for c, _ in outcome.timed] == [inside]
     (why,) = [why for c, why in outcome.discarded if c == across]
     assert why.startswith("block_k 256 does not divide the K group 128 of the gemm's scales")
+
+
+BLOCK = """\
+block: kg_block
+doc: A block around t_fp8_kgroup.
+attrs:
+  dim: int
+  width: int
+inputs:
+  a: {shape: [M, dim], grad: false}
+  w: {shape: [width, dim], grad: false}
+  sa: {shape: [M, dim], dtype: float32, grad: false}
+  sw: {shape: [width, dim], dtype: float32, grad: false}
+  s: {shape: [], dtype: float32, grad: false}
+outputs:
+  y: {shape: [M, width], grad: false}
+forward:
+  - t_fp8_kgroup: {a: a, b: w, a_scale: sa, b_scale: sw, y_scale: s, product: p, y: y}
+"""
+
+
+def test_blocks_do_not_call_kernels_with_k_group_scales(tmp_path):
+    """Blocks do not call such kernels yet (their block dims have no groups(K) or blocks(N)): refused at the call."""
+    import shutil
+
+    from codagen import api
+    from codagen.errors import ValidationFailed
+    from conftest import REPO
+
+    shutil.copy(REPO / "tests" / "specs" / "t_fp8_kgroup.yaml", tmp_path / "t_fp8_kgroup.yaml")
+    (tmp_path / "kg_block.yaml").write_text(BLOCK, encoding="utf-8")
+    with pytest.raises(ValidationFailed) as info:
+        api.load([tmp_path])
+    (error,) = [e for e in info.value.errors if e.loc.line == 15]  # the others: what the call would have used
+    assert error.loc.file.endswith("kg_block.yaml") and error.loc.col == 5
+    assert "kernel 't_fp8_kgroup' has K-group scales of FP8 operands (gemm.scales); blocks do not call" in error.message
