@@ -351,3 +351,34 @@ def test_blocks_do_not_call_kernels_with_k_group_scales(tmp_path):
     (error,) = [e for e in info.value.errors if e.loc.line == 15]  # the others: what the call would have used
     assert error.loc.file.endswith("kg_block.yaml") and error.loc.col == 5
     assert "kernel 't_fp8_kgroup' has K-group scales of FP8 operands (gemm.scales); blocks do not call" in error.message
+
+
+def test_tuning_table_entry_crossing_groups_is_refused_at_its_place(tmp_path):
+    """A tuning table's entry whose block_k crosses the K groups is reported at its line and column by `codagen
+    build --check` (tune.tables.check_tables) and skipped at a launch (runtime.tables.entries); the same entry
+    with a block_k of 64 is used."""
+    import json
+
+    import triton
+
+    from codagen.fingerprint import fingerprint
+    from codagen.runtime import tables as runtime_tables
+    from codagen.tune import tables
+
+    kernel = kernel_model("t_fp8_kgroup")
+    path = tmp_path / "tuning" / "h100" / "t_fp8_kgroup.json"
+    path.parent.mkdir(parents=True)
+    inside = {"backend": "tl", "config": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 8,
+                                           "num_warps": 8, "num_stages": 3}}
+    across = {"backend": "tl", "config": {**inside["config"], "block_m": 64, "block_k": 256}}
+    path.write_text(json.dumps({"kernel": "t_fp8_kgroup", "spec": kernel.source, "fingerprint": fingerprint(kernel),
+                                "triton": triton.__version__, "gpu": "h100",
+                                "shapes": {"4096x4096x4096": inside, "8192x4096x8192": across}}, indent=1))
+    line = path.read_text().split("\n").index('  "8192x4096x8192": {') + 1
+    _, errors = tables.check_tables(tmp_path / "tuning", [kernel])
+    (error,) = errors
+    assert (error.line, error.col) == (line, 3)
+    assert "entry '8192x4096x8192': block_k 256 does not divide the K group 128 of the gemm's scales" \
+        in error.located()
+    used = runtime_tables.entries(str(path), fingerprint(kernel), triton.__version__, None, True, False, 128)
+    assert list(used) == ["4096x4096x4096"]

@@ -19,8 +19,8 @@ import torch
 
 from .. import dims
 from . import backends, tables, tuning_cache
-from .configs import (INTERPRETER_DEFAULT, TileConfig, fits_k_group, gpu_default, k_group_problem, runtime_candidates,
-                      widened, with_k_group)
+from .configs import (INTERPRETER_DEFAULT, TileConfig, fits_k_group, gpu_default, runtime_candidates, widened,
+                      with_k_group)
 
 log = logging.getLogger("codagen.tune")
 
@@ -144,10 +144,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     gpu = tables.gpu_key(device)
     tile_dependent = decls is None or _tile_dependent(decls)
     hit = tables.lookup(kernel, fingerprint, tuning_dir, gpu, int(m), int(n), int(k), group, tile_dependent,
-                        triton.__version__, cublas)
-    if hit is not None and not fits_k_group(hit, k_group):
-        _warn_k_group(kernel, hit, k_group)
-        hit = None
+                        triton.__version__, cublas, k_group)
     if hit is not None:
         _picked[launch] = hit
         return hit
@@ -178,14 +175,6 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
                 tuning_cache.write(saved, kernel, gpu, fingerprint, triton.__version__, bucket, best)
     _picked[launch] = _tuned[key]
     return _tuned[key]
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_k_group(kernel: str, config: TileConfig, k_group: int) -> None:
-    """Once per kernel and entry: a tuning table's entry for a kernel with K-group scales that its K steps would
-    cross (tuned before the kernel had them, or edited by hand) is not used."""
-    log.warning("codagen: %s: the tuning table's entry %s is not used, as if the table did not hold it: its %s",
-                kernel, config.label(), k_group_problem(config, k_group))
 
 
 @functools.lru_cache(maxsize=None)
