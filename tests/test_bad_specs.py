@@ -429,7 +429,8 @@ CASES = [
                                  steps=["cast: {x: acc, dtype: T, out: t}", "store: {x: t, to: o}"]),
       (7, "T,"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none"),
     # -- K-group scales of FP8 operands (gemm.scales, docs/fp8.md) ------------------------------------------
-    c("kgroup_scales_of_t_operands", kg_spec(inputs=f"{{a: [M, K], b: [N, K], {KG_SA}, {KG_SB}}}", outputs="{o: [M, N]}"),
+    c("kgroup_scales_of_t_operands",
+      kg_spec(inputs=f"{{a: [M, K], b: [N, K], {KG_SA}, {KG_SB}}}", outputs="{o: [M, N]}"),
       (3, "{a: sa"), "gemm.scales: K-group scales dequantize FP8 operands, and gemm.a 'a' is not FP8"),
     c("kgroup_group_not_a_power_of_two", kg_spec(scales="{a: sa, b: sb, group: 100}"), (3, "100"),
       "gemm.scales.group must be a power of two from 16 to 512", "got a number (100)"),
@@ -446,7 +447,8 @@ CASES = [
     c("kgroup_a_scale_per_row", kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, sa: {{shape: [M], dtype: float32}}, "
                                                f"{KG_SB}}}"), (4, "sa:"),
       "gemm.scales.a 'sa' must be [M, groups(K)] float32 (one per row of a and group of K), got [M] float32"),
-    c("kgroup_b_scale_of_type_t", kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SA}, sb: [blocks(N), groups(K)]}}"),
+    c("kgroup_b_scale_of_type_t",
+      kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SA}, sb: [blocks(N), groups(K)]}}"),
       (4, "sb:"), "gemm.scales.b 'sb' must be [blocks(N), groups(K)] float32 (one per 128 x 128 block of b",
       "got [blocks(N), groups(K)] T"),
     c("kgroup_scale_is_an_operand", kg_spec(scales="{a: a, group: 128}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}}}"),
@@ -458,7 +460,8 @@ CASES = [
                                                      "r: {shape: [M, groups(K)], dtype: float32}}"), (4, "r:"),
       "input 'r' has shape [M, groups(K)]: groups(K) and blocks(N) are the dims of the gemm's K-group scales"),
     c("kgroup_dims_of_an_output", kg_spec(outputs="{o: {shape: [M, N], dtype: float32}, "
-                                                  "s: {shape: [blocks(N), groups(K)], dtype: float32}}"), (5, "s: {shape: [b"),
+                                                  "s: {shape: [blocks(N), groups(K)], dtype: float32}}"),
+      (5, "s: {shape: [b"),
       "output 's' has shape [blocks(N), groups(K)]", count=2),
     c("kgroup_scale_in_the_epilogue", kg_spec(steps=["scale: {x: acc, by: sa, out: t}", "store: {x: t, to: o}"]),
       (7, "sa,"), "scale.by: 'sa' is a K-group scale of the gemm (gemm.scales), which the mainloop applies"),

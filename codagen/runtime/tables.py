@@ -61,8 +61,8 @@ def entries(path: str, fingerprint: str, triton_version: str, group=None, gemm: 
             cublas: bool = True, k_group: int | None = None) -> dict:
     """The committed table's entries (shape -> config) when it was tuned for this computation and Triton, else none.
     A file that is no tuning table, and entries that no launch of a kernel of column_group `group` (with a GEMM or
-    not; `cublas`: whose GEMM torch.mm can make; `k_group`: the K group of its K-group scales) can use, are skipped with one warning naming the file (read once
-    per process): the launch runs as without them."""
+    not; `cublas`: whose GEMM torch.mm can make; `k_group`: the K group of its K-group scales) can use, are skipped
+    with one warning naming the file (read once per process): the launch runs as without them."""
     try:
         table = tablefile.read_table(Path(path), group, gemm, cublas, k_group)
     except FileNotFoundError:

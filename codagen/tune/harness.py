@@ -55,8 +55,8 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
                 seed: int = 0) -> dict:
     """Random arguments that look like a model's, never zeros: T tensors from randn (the GEMM's B operand
     scaled by K**-0.5, like a weight, so that the accumulator is O(1) and exp() stays finite), float32
-    vectors and scalars positive like rstd (and K-group scales), index tensors within [0, N), host scalars in [0.5, 1.5), and the
-    initial values of inplace outputs from randn. The GEMM's a is M-contiguous where the shape says so."""
+    vectors and scalars positive like rstd (and K-group scales), index tensors within [0, N), host scalars in
+    [0.5, 1.5), and the initial values of inplace outputs from randn. The GEMM's a is M-contiguous where the shape says so."""
     g = torch.Generator(device=device).manual_seed(seed)
     sizes = _sizes(shape)
     inplace = inplace_names(kernel)
