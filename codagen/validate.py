@@ -178,6 +178,7 @@ def _check_scales(k: Kernel, sink: ErrorSink) -> None:
                          "declare both operands float8_e4m3fn or float8_e5m2, or remove the scales")
     if sc.a and sc.a == sc.b:
         sink.add(sc.loc, f"gemm.scales.a and gemm.scales.b must be different inputs, got '{sc.a}' for both")
+        return  # its shape can fit one of the two only: that is this error
     for role, name, want in (("a", sc.a, (Dim.M, Dim.GROUPS_K)), ("b", sc.b, (Dim.BLOCKS_N, Dim.GROUPS_K))):
         if name is None:
             continue
