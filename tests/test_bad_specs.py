@@ -462,7 +462,7 @@ CASES = [
     c("kgroup_dims_of_an_output", kg_spec(outputs="{o: {shape: [M, N], dtype: float32}, "
                                                   "s: {shape: [blocks(N), groups(K)], dtype: float32}}"),
       (5, "s: {shape: [b"),
-      "output 's' has shape [blocks(N), groups(K)]", count=2),
+      "output 's' has shape [blocks(N), groups(K)]", count=2),  # and: output 's' is never written
     c("kgroup_scale_in_the_epilogue", kg_spec(steps=["scale: {x: acc, by: sa, out: t}", "store: {x: t, to: o}"]),
       (7, "sa,"), "scale.by: 'sa' is a K-group scale of the gemm (gemm.scales), which the mainloop applies"),
     # -- select ----------------------------------------------------------------------------------------------
