@@ -2,7 +2,7 @@
 
 The spec file's sha256 changes with every comment, doc or layout edit; a tuning table keyed by it would be
 silently dropped by such an edit. The fingerprint hashes a canonical serialization of the checked kernel
-instead: its name, GEMM operands and layout, inputs and outputs (dims, dtypes, roles, inplace) and the
+instead: its name, GEMM operands, layout and K-group scales, inputs and outputs (dims, dtypes, roles, inplace) and the
 epilogue steps (op, arguments, defined value, written output), in spec order. Docs, comments, source
 locations and spelling (a literal 1 or 1.0, an argument left at its default or written out) do not enter it.
 """
@@ -26,7 +26,9 @@ def canonical(kernel: Kernel) -> dict:
     gemm = kernel.gemm
     return {
         "kernel": kernel.name,
-        "gemm": None if gemm is None else {"a": gemm.a, "b": gemm.b, "b_layout": gemm.b_layout.value},
+        "gemm": None if gemm is None else {"a": gemm.a, "b": gemm.b, "b_layout": gemm.b_layout.value,
+                                           **({"scales": {"a": gemm.scales.a, "b": gemm.scales.b,
+                                                          "group": gemm.scales.group}} if gemm.scales else {})},
         **({"column_group": kernel.column_group} if kernel.column_group else {}),
         "inputs": [{"name": i.name, "dims": [d.value for d in i.dims], "dtype": i.dtype.value, "role": i.role.value}
                    for i in kernel.inputs],

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 
 from .errors import ErrorSink, SpecError, ValidationFailed
-from .model import ACC, BLayout, Dim, DType, Gemm, Input, InputRole, Kernel, Literal, Location, Output, Step
+from .model import ACC, BLayout, Dim, DType, Gemm, GemmScales, Input, InputRole, Kernel, Literal, Location, Output, Step
 from .names import TAKEN_KERNEL_NAMES, name_problem
 from .primitives import PRIMITIVES
 from .yamlnodes import MAX_BYTES, Node, load, too_large
@@ -208,7 +208,8 @@ def _gemm(node: Node, sink: ErrorSink) -> Gemm | None:
         return None
     m = _Mapping(node, "gemm", sink)
     a, b, layout = m.take("a"), m.take("b"), m.take("b_layout", required=False)
-    m.finish(["a", "b", "b_layout"])
+    scales_node = m.take("scales", required=False)
+    m.finish(["a", "b", "b_layout", "scales"])
     b_layout = BLayout.NK
     if layout is not None:
         try:
@@ -218,9 +219,39 @@ def _gemm(node: Node, sink: ErrorSink) -> Gemm | None:
                                  f"(b is [K, N]), got {layout.type_name}")
     an = _name(a, "gemm.a", sink) if a else None
     bn = _name(b, "gemm.b", sink) if b else None
-    if an and bn:
-        return Gemm(an, bn, b_layout, node.loc)
+    before = len(sink.errors)
+    scales = _scales(scales_node, sink) if scales_node is not None else None
+    if an and bn and len(sink.errors) == before:
+        return Gemm(an, bn, b_layout, node.loc, scales)
     return None
+
+
+MIN_K_GROUP, MAX_K_GROUP = 16, 512  # a K step (block_k, at least 16) must lie within one group
+
+
+def _scales(node: Node, sink: ErrorSink) -> GemmScales | None:
+    """gemm.scales: {a: <input>, b: <input>, group: <columns of K>}, the K-group scales of FP8 operands."""
+    if not _is_mapping(node, "gemm.scales", sink):
+        return None
+    m = _Mapping(node, "gemm.scales", sink)
+    a, b, group = m.take("a", required=False), m.take("b", required=False), m.take("group")
+    m.finish(["a", "b", "group"])
+    an = _name(a, "gemm.scales.a", sink) if a else None
+    bn = _name(b, "gemm.scales.b", sink) if b else None
+    if a is None and b is None:
+        sink.add(node.loc, "gemm.scales names no scales; give 'a' (an input [M, groups(K)], one scale per row and "
+                           "group of K), 'b' (an input [blocks(N), groups(K)], one per group x group block of b) "
+                           "or both")
+    g = group.value if group is not None else None
+    if group is not None and not (isinstance(g, int) and not isinstance(g, bool) and MIN_K_GROUP <= g <= MAX_K_GROUP
+                                  and g & (g - 1) == 0):
+        sink.add(group.loc, f"gemm.scales.group must be a power of two from {MIN_K_GROUP} to {MAX_K_GROUP} (the "
+                            f"columns of K per scale, 128 in DeepSeek-V3's recipe; each K step of the mainloop "
+                            f"must lie within one group), got {group.type_name}")
+        return None
+    if g is None or (a is not None and an is None) or (b is not None and bn is None) or (a is None and b is None):
+        return None
+    return GemmScales(an, bn, g, node.loc)
 
 
 def _dims(node: Node, what: str, sink: ErrorSink, allow_tiles: bool) -> tuple[Dim, ...] | None:
@@ -282,7 +313,9 @@ def _inputs(node: Node, gemm: Gemm | None, sink: ErrorSink) -> tuple[Input, ...]
         if dims is None or len(sink.errors) > before:  # a declaration with an error is left out whole
             continue
         role = InputRole.TENSOR
-        if Dim.K in dims:
+        if gemm and gemm.scales and name in gemm.scales.names:
+            role = InputRole.GEMM_SCALE
+        elif Dim.K in dims:
             role = InputRole.GEMM_A if gemm and name == gemm.a else InputRole.GEMM_B
         out.append(Input(name, dims, dtype or DType.T, role, loc))
     return tuple(out)

@@ -42,6 +42,8 @@ class Dim(enum.Enum):
     TILES_M = "tiles(M)"
     TILES_N = "tiles(N)"
     GROUPS_N = "groups(N)"  # N / column_group: one per column group of a kernel that declares column_group
+    GROUPS_K = "groups(K)"  # K / gemm.scales.group: one per group of K (the K-group scales of FP8 operands)
+    BLOCKS_N = "blocks(N)"  # N / gemm.scales.group rounded up: one per block of b's rows (a weight's block scales)
 
     @classmethod
     def for_width(cls, width: Width) -> "Dim":
@@ -95,6 +97,7 @@ class InputRole(enum.Enum):
     GEMM_B = "gemm_b"  # [N, K] or [K, N]
     TENSOR = "tensor"  # loaded in the epilogue: tile, row, column or 0-d
     HOST_SCALAR = "host_scalar"  # a Python float passed by value
+    GEMM_SCALE = "gemm_scale"  # a K-group scale of an FP8 operand (gemm.scales), read by the mainloop
 
 
 @dataclass(frozen=True)
@@ -128,11 +131,28 @@ class BLayout(enum.Enum):
 
 
 @dataclass(frozen=True)
+class GemmScales:
+    """K-group (block-wise) scales of FP8 operands, applied by the mainloop at each K step (docs/fp8.md): `a` [M,
+    groups(K)], one per row and group of K; `b` [blocks(N), groups(K)], one per group x group block of b [N, K].
+    Either may be None (that operand's scales, per tensor or per row, are the epilogue's), not both."""
+
+    a: str | None
+    b: str | None
+    group: int  # columns of K per scale (and rows of b per block): 128 in DeepSeek-V3's recipe
+    loc: Location
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.a, self.b) if n)
+
+
+@dataclass(frozen=True)
 class Gemm:
     a: str
     b: str
     b_layout: BLayout
     loc: Location
+    scales: GemmScales | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,11 @@ class Kernel:
         """Whether the GEMM's operands are FP8 (declared so; the kernel then has no type T)."""
         a = self.input(self.gemm.a) if self.gemm else None
         return a is not None and a.dtype in (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
+
+    @property
+    def k_group(self) -> int | None:
+        """The K group of the GEMM's K-group scales (gemm.scales), or None where it has none."""
+        return self.gemm.scales.group if self.gemm and self.gemm.scales else None
 
     @property
     def t_input(self) -> str | None:

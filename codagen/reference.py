@@ -74,6 +74,14 @@ def run(kernel: Kernel, types: dict[str, ValueType], args: dict, block_m: int, b
         env[i.name] = v if i.role is InputRole.HOST_SCALAR else v.to(dtype)
     if kernel.gemm:
         a, b = env[kernel.gemm.a], env[kernel.gemm.b]
+        scales = kernel.gemm.scales
+        if scales:  # K-group scales: the operands dequantized, each value times its group's or block's scale
+            g = scales.group
+            if scales.a:
+                a = a * env[scales.a].repeat_interleave(g, dim=1)[:, :a.shape[1]]
+            if scales.b:
+                s_b = env[scales.b].repeat_interleave(g, dim=0).repeat_interleave(g, dim=1)
+                b = b * s_b[:b.shape[0], :b.shape[1]]
         env[ACC] = a @ (b.T if kernel.gemm.b_layout is BLayout.NK else b)
     evaluation = Evaluation(kernel, types, args, block_m, block_n, dtype, env)
     for step in kernel.steps:
@@ -89,6 +97,6 @@ def output_dims(kernel: Kernel, sizes: dict[str, int], block_m: int, block_n: in
     def concrete(d: Dim) -> int:
         if d is Dim.GROUPS_N and group is None:
             return 0
-        return dims.size(d.value, sizes, (block_m, block_n), group)
+        return dims.size(d.value, sizes, (block_m, block_n), group, kernel.k_group)
 
     return {o.name: tuple(concrete(d) for d in o.dims) for o in kernel.outputs}

@@ -77,9 +77,10 @@ class Table:
 
 
 def read_table(path: str | Path, group: int | str | None = None, gemm: bool | None = None,
-               cublas: bool = True) -> Table:
+               cublas: bool = True, k_group: int | None = None) -> Table:
     """The table at `path`, its entries checked (entry_config) for a kernel of column_group `group` that has a GEMM
-    or not (`gemm`; None: as each key's K says), and whose GEMM torch.mm can make (`cublas`: not FP8 operands).
+    or not (`gemm`; None: as each key's K says), whose GEMM torch.mm can make (`cublas`: not FP8 operands), and
+    whose K-group scales have `k_group` columns of K each (None: none).
     Raises as read_json does, and TableError when the object has no shapes."""
     path = Path(path)
     text, data = _read(path)
@@ -90,7 +91,7 @@ def read_table(path: str | Path, group: int | str | None = None, gemm: bool | No
     gpu = table_gpu(path, data)
     for key, entry in shapes.items():
         try:
-            config = entry_config(key, entry, group, gemm, gpu, cublas)
+            config = entry_config(key, entry, group, gemm, gpu, cublas, k_group)
         except ValueError as e:
             table.bad.append(TableError(path, f"tuning table {quoted(path)}: entry {_shown(key)}: {e}",
                                         *_where(text, key), entry=True))
@@ -109,12 +110,13 @@ def table_gpu(path: Path, data: dict) -> str | None:
 
 
 def entry_config(key, entry, group: int | str | None = None, gemm: bool | None = None,
-                 gpu: str | None = None, cublas: bool = True) -> TileConfig:
+                 gpu: str | None = None, cublas: bool = True, k_group: int | None = None) -> TileConfig:
     """The configuration of a table's entry at shape `key` (entry_fields: either form); ValueError, saying why, when the key
     is no shape, the configuration does not construct, or its tiles do not fit the kernel: epilogue slices that
     would cut its column groups (`group`), operand tiles larger than the shared memory of a program on `gpu`
     (tileconfig.SHARED_BYTES_BY_GPU; any GPU's for None or a name it lacks), mainloop "cublas" for a kernel whose
-    GEMM torch.mm cannot make (`cublas` False: FP8 operands)."""
+    GEMM torch.mm cannot make (`cublas` False: FP8 operands), a block_k that does not divide the K group of the
+    GEMM's K-group scales (`k_group`)."""
     numbers = shape_numbers(key)
     if numbers is None:
         raise ValueError("the key is not a shape MxNxK of positive numbers in ASCII digits (K 0 without a GEMM), "
@@ -127,6 +129,10 @@ def entry_config(key, entry, group: int | str | None = None, gemm: bool | None =
     if getattr(config, "mainloop", "triton") == "cublas" and not cublas:
         raise ValueError("mainloop 'cublas' makes the GEMM's product with torch.mm, which takes no FP8 operands, and "
                          "the kernel's GEMM has them; use mainloop 'triton'")
+    if k_group and k_group % config.block_k:
+        raise ValueError(f"block_k {config.block_k} does not divide the K group {k_group} of the gemm's scales "
+                         "(gemm.scales: each K step must lie within one group); use a block_k of "
+                         f"{k_group} or less")
     if not fits_group(config, group, n):
         raise ValueError(f"its epilogue runs on {config.epilogue_n} columns at a time, which cuts the kernel's "
                          f"column groups ({group}) at N = {n}")

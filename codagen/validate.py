@@ -98,15 +98,25 @@ def _check_declarations(k, sink, types, defined_at):
                             f"it); got '{g.b_layout.value}'")
         if k.fp8_gemm:
             for d in (*k.inputs, *k.outputs):
-                if d.dtype is DType.T and d.name not in (g.a, g.b):  # an operand's dtype is reported above
+                if d.dtype is DType.T and d.name not in (g.a, g.b, *(g.scales.names if g.scales else ())):
+                    # an operand's dtype is reported above, a K-group scale's in _check_scales
                     sink.add(d.loc, f"'{d.name}' has the kernel's type T, and a kernel with FP8 gemm operands has "
                                     "none; give it a dtype (float32, bfloat16, float16), e.g. "
                                     f"'{d.name}: {{shape: {_fmt(d.dims)}, dtype: bfloat16}}'")
         if g.a == g.b:
             sink.add(g.loc, "gemm.a and gemm.b must be different inputs")
+        if g.scales:
+            _check_scales(k, sink)
         types[ACC] = ValueType(Kind.TILE, Width.FULL)
         defined_at[ACC] = g.loc
     for i in k.inputs:
+        if i.role is InputRole.GEMM_SCALE:  # read by the mainloop (checked above), not an epilogue value
+            continue
+        if any(d in (Dim.GROUPS_K, Dim.BLOCKS_N) for d in i.dims):
+            sink.add(i.loc, f"input '{i.name}' has shape {_fmt(i.dims)}: groups(K) and blocks(N) are the dims of "
+                            "the gemm's K-group scales, and it is not one; name it in gemm.scales (docs/fp8.md) "
+                            "or give it an epilogue input's shape")
+            continue
         if i.role in (InputRole.GEMM_A, InputRole.GEMM_B):
             if not g or i.name not in (g.a, g.b):
                 sink.add(i.loc, f"input '{i.name}' has a K dimension but is not an operand of the gemm; only "
@@ -156,6 +166,34 @@ def _check_declarations(k, sink, types, defined_at):
     if not g and not any(d.dims and d.dims[0] is Dim.M and len(d.dims) == 2 for d in (*k.inputs, *k.outputs)
                          if dims_type(d.dims) and dims_type(d.dims).kind is Kind.TILE):
         sink.add(k.loc, "a kernel without a gemm needs a matrix input or output [M, N] to set its grid")
+
+
+def _check_scales(k: Kernel, sink: ErrorSink) -> None:
+    """gemm.scales: the K-group scales of FP8 operands, float32 inputs [M, groups(K)] (a) and [blocks(N),
+    groups(K)] (b), which the mainloop applies at each K step (docs/fp8.md)."""
+    g = k.gemm
+    sc = g.scales
+    if not k.fp8_gemm:
+        sink.add(sc.loc, f"gemm.scales: K-group scales dequantize FP8 operands, and gemm.a '{g.a}' is not FP8; "
+                         "declare both operands float8_e4m3fn or float8_e5m2, or remove the scales")
+    if sc.a and sc.a == sc.b:
+        sink.add(sc.loc, f"gemm.scales.a and gemm.scales.b must be different inputs, got '{sc.a}' for both")
+        return  # its shape can fit one of the two only: that is this error
+    for role, name, want in (("a", sc.a, (Dim.M, Dim.GROUPS_K)), ("b", sc.b, (Dim.BLOCKS_N, Dim.GROUPS_K))):
+        if name is None:
+            continue
+        inp = k.input(name)
+        per = ("one per row of a and group of K" if role == "a"
+               else f"one per {sc.group} x {sc.group} block of b [N, K]")
+        if name in (g.a, g.b):
+            sink.add(sc.loc, f"gemm.scales.{role} '{name}' is a gemm operand; the scales are an input of their "
+                             f"own, {_fmt(want)} float32 ({per})")
+        elif inp is None:
+            sink.add(sc.loc, f"gemm.scales.{role} '{name}' is not among the inputs; declare it as "
+                             f"'{name}: {{shape: {_fmt(want)}, dtype: float32}}' ({per})")
+        elif inp.dims != want or inp.dtype is not DType.FLOAT32:
+            got = f"{_fmt(inp.dims)} {inp.dtype.value}"
+            sink.add(inp.loc, f"gemm.scales.{role} '{name}' must be {_fmt(want)} float32 ({per}), got {got}")
 
 
 def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
@@ -263,6 +301,9 @@ def _undefined(k: Kernel, step, ref: str, types: dict) -> str:
     if k.output(ref):
         return (f"'{ref}' is an output; outputs are written, not read: read the value that was stored "
                 f"into '{ref}' instead")
+    if k.input(ref) and k.input(ref).role is InputRole.GEMM_SCALE:
+        return (f"'{ref}' is a K-group scale of the gemm (gemm.scales), which the mainloop applies at each K step; "
+                "the epilogue does not read it (a scale per row or column of acc is an epilogue input of its own)")
     here = next(i for i, s in enumerate(k.steps) if s is step)
     later = [s for s in k.steps[here + 1:] if s.out == ref]
     if later:

@@ -150,10 +150,14 @@ def scalar_names(module) -> list[str]:
     return [p for p in inspect.signature(module.launch).parameters if p not in decls and p != "config"]
 
 
-def dim_size(dim: str, sizes: dict, config: Config, group: int | None = None) -> int:
+def dim_size(dim: str, sizes: dict, config: Config, group: int | None = None, k_group: int | None = None) -> int:
     m, n = sizes["M"], sizes["N"]
     if dim == "groups(N)":
         return n // group
+    if dim == "groups(K)":
+        return sizes["K"] // k_group
+    if dim == "blocks(N)":
+        return -(-n // k_group)
     return {"M": m, "K": sizes["K"], "N": n, "N/2": n // 2, "2*N": 2 * n,
             "tiles(M)": -(-m // config.block_m), "tiles(N)": -(-n // config.epilogue_n)}[dim]
 
@@ -185,16 +189,20 @@ def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, stride
     [0, N) with every fifth row out of range (-100, or past any width), outputs pre-filled with NaN (inplace
     outputs with random data). With `strided`, every tensor is a non-contiguous view (transposed, a column
     slice or every other element), outputs included, and each output's base is kept to check that nothing
-    outside the view is written. `special` maps an input name to a function (shape, generator) -> tensor."""
+    outside the view is written. `special` maps an input name to a function (shape, generator) -> tensor.
+    For a kernel with K-group scales (its module's K_GROUP), K is rounded up to whole groups."""
     special = special or {}
     g = generator
+    k_group = getattr(module, "K_GROUP", None)
+    if k_group:  # K-group scales (gemm.scales) take whole groups of K: K rounded up to one
+        sizes = {**sizes, "K": -(-sizes["K"] // k_group) * k_group}
     n = sizes["N"]
     inplace = set(inplace_names(module))
     kwargs, inputs, outputs, bases = {}, {}, {}, {}
     nan = lambda s: torch.full(s, float("nan"))  # noqa: E731
     rand = lambda s: torch.randn(s, generator=g)  # noqa: E731
     for i, d in enumerate(module.DECLS):
-        shape = tuple(dim_size(x, sizes, config, getattr(module, "COLUMN_GROUP", None)) for x in d.dims)
+        shape = tuple(dim_size(x, sizes, config, getattr(module, "COLUMN_GROUP", None), k_group) for x in d.dims)
         dt = dtype if d.dtype == "T" else FLOATS.get(d.dtype, index_dtype)
         if d.name in special:
             values = special[d.name](shape, g)

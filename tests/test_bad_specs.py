@@ -63,6 +63,16 @@ def ab_spec(inputs: str, outputs: str, steps: list[str]) -> str:
                 steps=steps)
 
 
+KG_SA = "sa: {shape: [M, groups(K)], dtype: float32}"
+KG_SB = "sb: {shape: [blocks(N), groups(K)], dtype: float32}"
+
+
+def kg_spec(scales="{a: sa, b: sb, group: 128}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SA}, {KG_SB}}}",
+            outputs="{o: {shape: [M, N], dtype: float32}}", steps=("store: {x: acc, to: o}",)) -> str:
+    """A kernel of FP8 operands with K-group scales (gemm.scales)."""
+    return spec(gemm=f"{{a: a, b: b, scales: {scales}}}", inputs=inputs, outputs=outputs, steps=list(steps))
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -418,6 +428,43 @@ CASES = [
                                  outputs="{o: {shape: [M, N], dtype: float32}}",
                                  steps=["cast: {x: acc, dtype: T, out: t}", "store: {x: t, to: o}"]),
       (7, "T,"), "cast.dtype T is the type of the kernel's matrix inputs, and it has none"),
+    # -- K-group scales of FP8 operands (gemm.scales, docs/fp8.md) ------------------------------------------
+    c("kgroup_scales_of_t_operands",
+      kg_spec(inputs=f"{{a: [M, K], b: [N, K], {KG_SA}, {KG_SB}}}", outputs="{o: [M, N]}"),
+      (3, "{a: sa"), "gemm.scales: K-group scales dequantize FP8 operands, and gemm.a 'a' is not FP8"),
+    c("kgroup_group_not_a_power_of_two", kg_spec(scales="{a: sa, b: sb, group: 100}"), (3, "100"),
+      "gemm.scales.group must be a power of two from 16 to 512", "got a number (100)"),
+    c("kgroup_group_below_a_k_step", kg_spec(scales="{a: sa, b: sb, group: 8}"), (3, "8}"),
+      "gemm.scales.group must be a power of two from 16 to 512", "each K step of the mainloop"),
+    c("kgroup_no_group", kg_spec(scales="{a: sa, b: sb}"), (3, "{a: sa"), "gemm.scales is missing 'group'"),
+    c("kgroup_no_scales", kg_spec(scales="{group: 128}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}}}"), (3, "{group"),
+      "gemm.scales names no scales", "[M, groups(K)]", "[blocks(N), groups(K)]"),
+    c("kgroup_unknown_key", kg_spec(scales="{a: sa, b: sb, group: 128, granularity: 1}"), (3, "granularity"),
+      "unknown key 'granularity' in gemm.scales", "expected one of: a, b, group"),
+    c("kgroup_scales_not_a_mapping", kg_spec(scales="[sa, sb]"), (3, "[sa"), "gemm.scales must be a mapping"),
+    c("kgroup_scale_not_declared", kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SB}}}"), (3, "{a: sa"),
+      "gemm.scales.a 'sa' is not among the inputs", "'sa: {shape: [M, groups(K)], dtype: float32}'"),
+    c("kgroup_a_scale_per_row", kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, sa: {{shape: [M], dtype: float32}}, "
+                                               f"{KG_SB}}}"), (4, "sa:"),
+      "gemm.scales.a 'sa' must be [M, groups(K)] float32 (one per row of a and group of K), got [M] float32"),
+    c("kgroup_b_scale_of_type_t",
+      kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SA}, sb: [blocks(N), groups(K)]}}"),
+      (4, "sb:"), "gemm.scales.b 'sb' must be [blocks(N), groups(K)] float32 (one per 128 x 128 block of b",
+      "got [blocks(N), groups(K)] T"),
+    c("kgroup_scale_is_an_operand", kg_spec(scales="{a: a, group: 128}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}}}"),
+      (3, "{a: a, group"), "gemm.scales.a 'a' is a gemm operand"),
+    c("kgroup_one_scale_for_both", kg_spec(scales="{a: sa, b: sa, group: 128}", inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, "
+                                                                                      f"{KG_SA}}}"),
+      (3, "{a: sa"), "gemm.scales.a and gemm.scales.b must be different inputs"),
+    c("kgroup_dims_of_another_input", kg_spec(inputs=f"{{a: {E4M3_MK}, b: {E4M3_NK}, {KG_SA}, {KG_SB}, "
+                                                     "r: {shape: [M, groups(K)], dtype: float32}}"), (4, "r:"),
+      "input 'r' has shape [M, groups(K)]: groups(K) and blocks(N) are the dims of the gemm's K-group scales"),
+    c("kgroup_dims_of_an_output", kg_spec(outputs="{o: {shape: [M, N], dtype: float32}, "
+                                                  "s: {shape: [blocks(N), groups(K)], dtype: float32}}"),
+      (5, "s: {shape: [b"),
+      "output 's' has shape [blocks(N), groups(K)]", count=2),  # and: output 's' is never written
+    c("kgroup_scale_in_the_epilogue", kg_spec(steps=["scale: {x: acc, by: sa, out: t}", "store: {x: t, to: o}"]),
+      (7, "sa,"), "scale.by: 'sa' is a K-group scale of the gemm (gemm.scales), which the mainloop applies"),
     # -- select ----------------------------------------------------------------------------------------------
     c("select_with_non_index_input", ab_spec("target: [M]", "{picked: [M]}",
                                              ["select: {x: acc, index: target, to: picked}"]), (7, "target"),

@@ -100,8 +100,9 @@ def test_python(dim, group, text):
 def test_python_agrees_with_size(dim):
     """The expression a launcher computes is the size the checker and the reference compute."""
     import math
-    env = dict(SIZES, N=64)
-    assert eval(dims.python(dim, 16), {"math": math}, env) == dims.size(dim, env, group=16)
+    env = dict(SIZES, N=64, K=64)
+    scope = {"math": math, "K_GROUP": 32, "triton": type("triton", (), {"cdiv": lambda a, b: -(-a // b)})}
+    assert eval(dims.python(dim, 16), scope, env) == dims.size(dim, env, group=16, k_group=32)
 
 
 def test_importing_dims_imports_neither_torch_nor_the_generator():
@@ -112,3 +113,19 @@ def test_importing_dims_imports_neither_torch_nor_the_generator():
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "[]\n"
+
+
+def test_k_group_dims():
+    """The K-group scales' dims (gemm.scales): groups(K) is K / k_group, blocks(N) is N / k_group rounded up (a
+    weight's last block of rows may be partial); they bind nothing (runtime.checks checks them once M, N, K are
+    bound)."""
+    sizes = {"M": 37, "N": 300, "K": 256}
+    assert dims.size("groups(K)", sizes, k_group=128) == 2
+    assert dims.size("blocks(N)", sizes, k_group=128) == 3
+    assert dims.size("blocks(N)", {**sizes, "N": 256}, k_group=128) == 2
+    assert (dims.base("groups(K)"), dims.base("blocks(N)")) == ("K", "N")
+    assert dims.scale("groups(K)", 16, 128) == Fraction(1, 128)
+    with pytest.raises(ValueError, match="count of blocks"):
+        dims.scale("blocks(N)")
+    assert dims.python("groups(K)") == "K // K_GROUP"
+    assert dims.python("blocks(N)") == "triton.cdiv(N, K_GROUP)"

@@ -44,7 +44,10 @@ def test_top_level_keys():
     assert SCHEMA["properties"]["column_group"]["enum"] == [2 ** i for i in range(1, 10)] + ["N"]
     assert SCHEMA["required"] == ["kernel", "doc", "inputs", "outputs", "epilogue"]
     gemm = SCHEMA["properties"]["gemm"]
-    assert list(gemm["properties"]) == ["a", "b", "b_layout"] and gemm["required"] == ["a", "b"]
+    assert list(gemm["properties"]) == ["a", "b", "b_layout", "scales"] and gemm["required"] == ["a", "b"]
+    scales = gemm["properties"]["scales"]
+    assert list(scales["properties"]) == ["a", "b", "group"] and scales["required"] == ["group"]
+    assert scales["properties"]["group"]["enum"] == [2 ** i for i in range(4, 10)]  # loader.MIN/MAX_K_GROUP
     assert gemm["properties"]["b_layout"]["enum"] == [layout.value for layout in BLayout]
 
 
@@ -66,7 +69,8 @@ def test_every_mapping_is_closed():
 def test_dimensions_and_dtypes():
     tiles = (Dim.TILES_M, Dim.TILES_N)
     assert DEFS["input_dim"]["enum"] == [d.value for d in Dim if d not in tiles]
-    assert DEFS["output_dim"]["enum"] == [d.value for d in Dim if d is not Dim.K]
+    k_grouped = (Dim.K, Dim.GROUPS_K, Dim.BLOCKS_N)  # K and the K-group scales' dims: inputs only
+    assert DEFS["output_dim"]["enum"] == [d.value for d in Dim if d not in k_grouped]
     assert DEFS["dtype"]["enum"] == [d.value for d in DType]
     output_decl = DEFS["output"]["oneOf"][1]["properties"]
     assert output_decl["dtype"]["enum"] == [d.value for d in DType if d is not DType.INDEX]

@@ -14,7 +14,8 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, other
     """The tl kernel's module; `others`: other backends lower the kernel too, and the launcher runs the kernel
     of the backend its config names (runtime.backends.launch)."""
     sig = LaunchSignature(k)
-    operands = (k.gemm.a, k.gemm.b) if k.gemm else ()
+    # the GEMM's operands and K-group scales are the mainloop's; the epilogue reads the other tensors
+    operands = (k.gemm.a, k.gemm.b, *(k.gemm.scales.names if k.gemm.scales else ())) if k.gemm else ()
     epilogue_tensors = [t for t in sig.tensors if t.name not in operands]
     epilogue_pointers = [f"_{t.name}_ptr" for t in epilogue_tensors]
     if k.gemm and any(s.op == "cast" and s.args["dtype"] == "T" for s in k.steps):
@@ -24,6 +25,7 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, other
         k=k,
         sig=sig,
         gemm=k.gemm,
+        scales=k.gemm.scales if k.gemm else None,
         nk=k.gemm is not None and k.gemm.b_layout is BLayout.NK,
         fp8_note=fp8_note(k),
         fp8_gemm_at=str(k.gemm.loc) if k.fp8_gemm else None,
@@ -41,11 +43,16 @@ def render_kernel(k: Kernel, types: dict[str, ValueType], regenerate: str, other
 
 
 def fp8_note(k: Kernel) -> str:
-    """What the module's docstring says of FP8 GEMM operands: their dtypes."""
+    """What the module's docstring says of FP8 GEMM operands: their dtypes, and their K-group scales."""
     if not k.fp8_gemm:
         return ""
     a, b = (k.input(n).dtype.value for n in (k.gemm.a, k.gemm.b))
-    return f" from FP8 operands ({a})" if a == b else f" from FP8 operands ({a} by {b})"
+    note = f" from FP8 operands ({a})" if a == b else f" from FP8 operands ({a} by {b})"
+    scales = k.gemm.scales
+    if scales:
+        note += (f", each K step's product times its K-group scales ({', '.join(scales.names)}: one per "
+                 f"{scales.group} columns of K)")
+    return note
 
 
 def gpu_default_split(k: Kernel) -> int:

@@ -12,7 +12,8 @@ from ..model import Dim, DType, Input, InputRole, Kernel, Output
 from ..validate import in_place_inputs
 
 AXIS = {Dim.M: "m", Dim.K: "k", Dim.N: "n", Dim.N_HALF: "n", Dim.N_DOUBLE: "n", Dim.TILES_M: "t",
-        Dim.TILES_N: "t", Dim.GROUPS_N: "n"}  # the axis of a dim, as stride names spell it (stride_x_m)
+        Dim.TILES_N: "t", Dim.GROUPS_N: "n", Dim.GROUPS_K: "k", Dim.BLOCKS_N: "n"}  # the axis of a dim, as stride
+# names spell it (stride_x_m)
 TORCH_DTYPES = {DType.FLOAT32: "torch.float32", DType.FLOAT16: "torch.float16", DType.BFLOAT16: "torch.bfloat16",
                 DType.FLOAT8_E4M3FN: "torch.float8_e4m3fn", DType.FLOAT8_E5M2: "torch.float8_e5m2"}
 

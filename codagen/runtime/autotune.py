@@ -19,7 +19,8 @@ import torch
 
 from .. import dims
 from . import backends, tables, tuning_cache
-from .configs import INTERPRETER_DEFAULT, TileConfig, gpu_default, runtime_candidates, widened
+from .configs import (INTERPRETER_DEFAULT, TileConfig, fits_k_group, gpu_default, runtime_candidates, widened,
+                      with_k_group)
 
 log = logging.getLogger("codagen.tune")
 
@@ -106,7 +107,8 @@ def _aliased(decls, values: dict) -> bool:
 
 def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device: torch.device, group=None, *,
                 run: Callable[[TileConfig], None] | None = None, decls=None, values: dict | None = None,
-                split: int = 1, package: str | None = None, cublas: bool = True) -> TileConfig:
+                split: int = 1, package: str | None = None, cublas: bool = True, k_group: int | None = None
+                ) -> TileConfig:
     """The configuration of a launch of `kernel` on an [m, n] (x k) problem. `fingerprint` (the generated
     module's FINGERPRINT) says what the kernel computes: a table tuned for another computation is not used.
 
@@ -123,14 +125,17 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     and of its run-time candidates on a GPU (codagen.emit.kernel.gpu_default_split: 4 where the whole tile's
     epilogue would spill). `package`: the generated package of a kernel that other backends lower; run-time
     tuning tries the default of each that runs here too (backends.candidates). `cublas`: whether mainloop
-    "cublas" is a candidate where it may pay (not for FP8 operands, which torch.mm does not take)."""
+    "cublas" is a candidate where it may pay (not for FP8 operands, which torch.mm does not take). `k_group`: the
+    GEMM's K-group scales have this many columns of K per scale (gemm.scales): every K step must lie within one
+    group, so the defaults take a block_k of at most k_group, a candidate or a table's entry with a larger one is
+    left out."""
     if not _on_gpu(device):
-        return widened(INTERPRETER_DEFAULT, group, n)
+        return with_k_group(widened(INTERPRETER_DEFAULT, group, n), k_group)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
-        return gpu_default(group, n, split)
+        return with_k_group(gpu_default(group, n, split), k_group)
     # a launch's arguments decide its configuration once the table or tuning has it: the look-ups below cost
     # hundreds of microseconds of host time, on every launch of a training step
-    launch = (kernel, fingerprint, tuning_dir, int(m), int(n), int(k), device, group, split, decls is None)
+    launch = (kernel, fingerprint, tuning_dir, int(m), int(n), int(k), device, group, split, decls is None, k_group)
     picked = _picked.get(launch)
     if picked is not None:
         return picked
@@ -139,15 +144,15 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     gpu = tables.gpu_key(device)
     tile_dependent = decls is None or _tile_dependent(decls)
     hit = tables.lookup(kernel, fingerprint, tuning_dir, gpu, int(m), int(n), int(k), group, tile_dependent,
-                        triton.__version__, cublas)
+                        triton.__version__, cublas, k_group)
     if hit is not None:
         _picked[launch] = hit
         return hit
-    default = gpu_default(group, n, split)
+    default = with_k_group(gpu_default(group, n, split), k_group)
     bucket = tables.shape_bucket(m, n, k)
     key = (kernel, fingerprint, gpu, bucket)
     pool = functools.partial(_candidates, kernel, m, n, k, device, default, tile_dependent, group, split, package,
-                             cublas)
+                             cublas, k_group)
     saved = tuning_cache.cache_file(gpu, kernel)
     hit = _tuned.get(key)
     if hit is None and saved is not None:
@@ -178,10 +183,11 @@ def _tile_dependent(decls) -> bool:
 
 
 def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, default: TileConfig,
-                tile_dependent: bool, group, split: int, package: str | None, cublas: bool = True
-                ) -> list[TileConfig]:
+                tile_dependent: bool, group, split: int, package: str | None, cublas: bool = True,
+                k_group: int | None = None) -> list[TileConfig]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
-    pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
+    pool = [c for c in runtime_candidates(bool(k), tile_dependent, group, n, split) if fits_k_group(c, k_group)]
+    pool = pool or [default]
     if k and cublas and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
         pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,
                                         warp_specialize=False))

@@ -20,7 +20,7 @@ INDEX = (torch.int32, torch.int64)
 @dataclass(frozen=True)
 class Decl:
     name: str
-    dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)", "groups(N)"
+    dims: tuple[str, ...]  # "M", "K", "N", "N/2", "2*N", "tiles(M)", "tiles(N)", "groups(N)", "groups(K)", ...
     dtype: str  # "T", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "index"
     output: bool = False
     # the inputs this output may be, as the very same view, to update that input in place: tile inputs that
@@ -32,13 +32,15 @@ def _fail(kernel: str, message: str):
     raise ValueError(f"{kernel}: {message}")
 
 
-def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False, group: int | None = None
-         ) -> tuple[dict, torch.dtype, torch.device]:
+def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = False, group: int | None = None,
+         k_group: int | None = None) -> tuple[dict, torch.dtype, torch.device]:
     """Check the tensors against their declarations; return the sizes {M, N, K}, the type T (None for a kernel
     without T tensors: one with FP8 GEMM operands) and the device.
     `even_n`: the epilogue splits columns into pairs; `group`: the kernel's column groups have this many
-    columns (N must be whole groups; a groups(N) dimension of size g means N = g * group). Tile-count
-    dimensions are checked later, by check_tiles, once the tile shape is known."""
+    columns (N must be whole groups; a groups(N) dimension of size g means N = g * group); `k_group`: the GEMM's
+    K-group scales have this many columns of K per scale (K must be whole groups; groups(K) is K / k_group and
+    blocks(N) is N / k_group rounded up, checked once M, N and K are bound). Tile-count dimensions are checked
+    later, by check_tiles, once the tile shape is known."""
     sizes: dict[str, int] = {}
     t_dtype = device = None
     for d in decls:
@@ -74,7 +76,26 @@ def bind(kernel: str, decls: tuple[Decl, ...], values: dict, even_n: bool = Fals
         _fail(kernel, f"N must be even, since columns come in pairs; got N={sizes['N']}")
     if group:
         _whole_groups(kernel, sizes.get("N", 0), group)
+    if k_group:
+        _check_k_groups(kernel, decls, values, sizes, k_group)
     return sizes, t_dtype, device
+
+
+def _check_k_groups(kernel: str, decls, values: dict, sizes: dict, k_group: int) -> None:
+    """The K-group scales (gemm.scales, docs/fp8.md): K whole groups, and each scale tensor one per group of K
+    (and per block of N)."""
+    k = sizes.get("K", 0)
+    if k % k_group:
+        _fail(kernel, f"K must be a multiple of the K-group scales' group {k_group} (gemm.scales: one scale per "
+                      f"{k_group} columns of K); got K={k}")
+    for d in decls:
+        if not any(dim in dims.K_GROUPED for dim in d.dims):
+            continue
+        want = tuple(dims.size(dim, sizes, k_group=k_group) for dim in d.dims)
+        got = tuple(values[d.name].shape)
+        if got != want:
+            _fail(kernel, f"'{d.name}' must have shape [{', '.join(d.dims)}] = {want} for M={sizes.get('M')}, "
+                          f"N={sizes.get('N')}, K={k} and K group {k_group}, got {got}")
 
 
 def _whole_groups(kernel: str, n: int, group: int) -> None:
@@ -83,7 +104,7 @@ def _whole_groups(kernel: str, n: int, group: int) -> None:
 
 
 def _bind_dim(kernel: str, name: str, sizes: dict, dim: str, size: int, group: int | None) -> None:
-    if dims.is_tiles(dim):
+    if dims.is_tiles(dim) or dim in dims.K_GROUPED:  # checked once the sizes are bound
         return
     # N is known to be whole groups first, so that a ragged N is reported as such
     if dim == dims.GROUPS_N and "N" in sizes:

@@ -50,6 +50,33 @@ def check_group(kernel: str, config: TileConfig, group: int | str, n: int) -> No
                      f"whole row; use a block_n of {_row_width(n) * config.epilogue_split} or more")
 
 
+def fits_k_group(config: TileConfig, k_group: int | None) -> bool:
+    """Whether each K step of the config (block_k columns of K) lies within one group of the GEMM's K-group
+    scales (gemm.scales, k_group columns each; None: none): block_k divides k_group."""
+    return not k_group or k_group % config.block_k == 0
+
+
+def with_k_group(config: TileConfig, k_group: int | None) -> TileConfig:
+    """A default config whose K steps lie within the K groups: block_k at most k_group (both powers of two)."""
+    return config if fits_k_group(config, k_group) else dataclasses.replace(config, block_k=k_group)
+
+
+def k_group_problem(config: TileConfig, k_group: int) -> str | None:
+    """Why a config cannot run a GEMM with K-group scales of k_group columns, or None."""
+    if fits_k_group(config, k_group):
+        return None
+    return (f"block_k {config.block_k} does not divide the K group {k_group} of the gemm's scales (gemm.scales: "
+            f"each K step applies one scale per row and block, so it must lie within one group); use a block_k "
+            f"of {k_group} or less")
+
+
+def check_k_group(kernel: str, config: TileConfig, k_group: int) -> None:
+    """Refuse a config whose K steps would cross a group of the GEMM's K-group scales."""
+    problem = k_group_problem(config, k_group)
+    if problem:
+        raise ValueError(f"{kernel}: the config's {problem}")
+
+
 # Under the interpreter each program is a numpy step: larger tiles mean fewer steps.
 INTERPRETER_DEFAULT = Config(64, 64, 32, 8, 4, 1)
 GPU_DEFAULT = Config(128, 128, 64, 8, 8, 3, persistent=True, tma=True)

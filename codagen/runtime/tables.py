@@ -58,13 +58,13 @@ def table_path(tuning_dir: Path, gpu: str, kernel: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def entries(path: str, fingerprint: str, triton_version: str, group=None, gemm: bool | None = None,
-            cublas: bool = True) -> dict:
+            cublas: bool = True, k_group: int | None = None) -> dict:
     """The committed table's entries (shape -> config) when it was tuned for this computation and Triton, else none.
     A file that is no tuning table, and entries that no launch of a kernel of column_group `group` (with a GEMM or
-    not; `cublas`: whose GEMM torch.mm can make) can use, are skipped with one warning naming the file (read once
-    per process): the launch runs as without them."""
+    not; `cublas`: whose GEMM torch.mm can make; `k_group`: the K group of its K-group scales) can use, are skipped
+    with one warning naming the file (read once per process): the launch runs as without them."""
     try:
-        table = tablefile.read_table(Path(path), group, gemm, cublas)
+        table = tablefile.read_table(Path(path), group, gemm, cublas, k_group)
     except FileNotFoundError:
         return {}
     except tablefile.TableError as e:
@@ -80,10 +80,12 @@ def entries(path: str, fingerprint: str, triton_version: str, group=None, gemm: 
 
 @functools.lru_cache(maxsize=None)
 def lookup(kernel: str, fingerprint: str, tuning_dir: Path, gpu: str, m: int, n: int, k: int, group,
-           tile_dependent: bool, triton_version: str, cublas: bool = True) -> TileConfig | None:
+           tile_dependent: bool, triton_version: str, cublas: bool = True, k_group: int | None = None
+           ) -> TileConfig | None:
     """The committed table's configuration for this launch (pick_config), or None: looked up once per launch shape,
     also where the answer is none (a shape run-time tuning has not chosen for yet asks again at every launch)."""
-    table = entries(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton_version, group, k > 0, cublas)
+    table = entries(str(table_path(tuning_dir, gpu, kernel)), fingerprint, triton_version, group, k > 0, cublas,
+                    k_group)
     shape = shape_key(m, n, k)
     fits = lambda config: fits_group(config, group, n)  # noqa: E731
     hit = table.get(shape) or nearest_tuned(table, shape, fits=fits)

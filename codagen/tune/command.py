@@ -16,6 +16,7 @@ from ..fingerprint import fingerprint
 from ..tablefile import config_of_entry
 from ..runtime import autotune
 from ..runtime import tables as runtime_tables
+from ..runtime.configs import fits_k_group
 from ..tileconfig import TileConfig, fits_shared, shared_bytes
 from . import TuneError
 from .candidates import candidates
@@ -174,9 +175,10 @@ def _compile_work(selected: list[Job], pool_of: dict, only: str | None, missing_
         present = [config_of_entry(table[s.key]) for s in shapes if only is not None and s.key in table]
         first = Shape(min(check_rows, shapes[0].m), shapes[0].n, shapes[0].k, shapes[0].a_km)
         # what tune_shape times at one shape or more (each config says where it pays; no cuBLAS product for FP8
-        # operands, which torch.mm does not take)
+        # operands, which torch.mm does not take; no K step across a group of K-group scales)
         pool = [c for c in pool_of[kernel.name] if any(c.pays(s.m, s.n, s.k) for s in shapes)
-                and not (kernel.fp8_gemm and getattr(c, "mainloop", "triton") == "cublas")]
+                and not (kernel.fp8_gemm and getattr(c, "mainloop", "triton") == "cublas")
+                and fits_k_group(c, kernel.k_group)]
         work += [(kernel.source, kernel.name, first, c) for c in dict.fromkeys((*present, *pool))]
     return work
 

@@ -20,7 +20,7 @@ from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import backends, configs
 from ..runtime.checks import FLOATS
-from ..runtime.configs import Config
+from ..runtime.configs import Config, fits_k_group, k_group_problem
 from . import TuneError
 from .candidates import candidates
 from .shapes import Shape
@@ -36,7 +36,7 @@ def _sizes(shape: Shape) -> dict[str, int]:
 
 def _dims(names: tuple[str, ...], sizes: dict, config: Config, module) -> tuple[int, ...]:
     tile, group = (config.block_m, config.epilogue_n), getattr(module, "COLUMN_GROUP", None)
-    return tuple(dims.size(d, sizes, tile, group) for d in names)
+    return tuple(dims.size(d, sizes, tile, group, getattr(module, "K_GROUP", None)) for d in names)
 
 
 def scalar_names(module) -> list[str]:
@@ -55,8 +55,8 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
                 seed: int = 0) -> dict:
     """Random arguments that look like a model's, never zeros: T tensors from randn (the GEMM's B operand
     scaled by K**-0.5, like a weight, so that the accumulator is O(1) and exp() stays finite), float32
-    vectors and scalars positive like rstd, index tensors within [0, N), host scalars in [0.5, 1.5), and the
-    initial values of inplace outputs from randn. The GEMM's a is M-contiguous where the shape says so."""
+    vectors and scalars positive like rstd (and K-group scales), index tensors within [0, N), host scalars in
+    [0.5, 1.5), and the initial values of inplace outputs from randn. The GEMM's a is M-contiguous where the shape says so."""
     g = torch.Generator(device=device).manual_seed(seed)
     sizes = _sizes(shape)
     inplace = inplace_names(kernel)
@@ -70,7 +70,7 @@ def make_inputs(kernel: Kernel, module, shape: Shape, device: torch.device, dtyp
             args[d.name] = torch.randint(0, max(shape.n, 1), extent, generator=g, device=device)
             continue
         dt = dtype if d.dtype == "T" else FLOATS[d.dtype]
-        if d.dtype != "T" and len(extent) <= 1:
+        if d.dtype != "T" and (len(extent) <= 1 or dims.GROUPS_K in d.dims):  # K-group scales too
             t = 0.5 + torch.rand(extent, generator=g, device=device)
         elif shape.a_km and d.name == kernel.gemm.a:
             t = torch.randn(extent[::-1], generator=g, device=device).T
@@ -243,6 +243,10 @@ def tune_shape(checked: Checked, module, shape: Shape, device: torch.device, *, 
     pool = [c for c in pool if c.pays(shape.m, shape.n, shape.k)
             and not (kernel.fp8_gemm and getattr(c, "mainloop", "triton") == "cublas")]
     outcome = Outcome(shape)
+    if kernel.k_group:  # K-group scales: a candidate whose K steps cross a group is discarded, with the reason
+        outcome.discarded += [(c, k_group_problem(c, kernel.k_group)) for c in pool
+                              if not fits_k_group(c, kernel.k_group)]
+        pool = [c for c in pool if fits_k_group(c, kernel.k_group)]
     inputs = make_inputs(kernel, module, shape, device, dtype, seed)
     check = Checker(checked, module, inputs, min(check_rows, shape.m), device, dtype)
     for config in pool:

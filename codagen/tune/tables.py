@@ -31,7 +31,8 @@ def read_table(path: Path, kernel: Kernel, triton_version: str, log=None) -> dic
     reported to `log` when given: the next write drops them); a file that is no tuning table raises TuneError,
     so that tuning never overwrites what it cannot read without saying so."""
     try:
-        table = tablefile.read_table(path, kernel.column_group, kernel.gemm is not None, not kernel.fp8_gemm)
+        table = tablefile.read_table(path, kernel.column_group, kernel.gemm is not None, not kernel.fp8_gemm,
+                                     kernel.k_group)
     except FileNotFoundError:
         return {}
     except TableError as e:
@@ -96,8 +97,8 @@ def check_tables(tuning_dir: Path, kernels) -> tuple[list[StaleTable], list[Tabl
     for path in sorted(Path(tuning_dir).glob("*/*.json")):
         kernel = by_name.get(path.stem)
         try:
-            table = tablefile.read_table(path, *((kernel.column_group, kernel.gemm is not None, not kernel.fp8_gemm)
-                                                 if kernel else ()))
+            table = tablefile.read_table(path, *((kernel.column_group, kernel.gemm is not None, not kernel.fp8_gemm,
+                                                  kernel.k_group) if kernel else ()))
         except (OSError, TableError) as e:  # OSError: gone since the listing
             errors.append(e if isinstance(e, TableError) else TableError(path, f"not a tuning table: "
                                                                                f"{quoted(path)} ({e.strerror})"))
