@@ -18,6 +18,7 @@ import inspect  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import dataclasses  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -26,6 +27,7 @@ import pytest  # noqa: E402
 
 from codagen import api  # noqa: E402
 from codagen.runtime import Config  # noqa: E402
+from codagen.runtime.backends import FP8_MIN_BLOCK_K  # noqa: E402
 from codagen.runtime.checks import FLOATS  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -180,6 +182,14 @@ def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]]
     view_of(base).copy_(values)
     base = base.to(DEVICE)
     return view_of(base), base, view_of
+
+
+def fitting(module, config: Config) -> Config:
+    """The test's config for this kernel: for FP8 operands (FP8 inputs are only ever a GEMM's), block_k at least one
+    FP8 MMA's K, which the launch requires on every device."""
+    if any(d.dtype.startswith("float8") for d in module.DECLS if not d.output):
+        return dataclasses.replace(config, block_k=max(config.block_k, FP8_MIN_BLOCK_K))
+    return config
 
 
 def draw_args(module, sizes: dict, dtype: torch.dtype, config: Config, *, strided: bool = False,

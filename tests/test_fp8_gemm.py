@@ -16,9 +16,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # fp32's unit roundoff
 # (M, N, K, config): ragged against the tiles and K steps, exact ones, one tile over all, epilogue slices
 SHAPES = {
-    "ragged": (37, 50, 29, Config(16, 32, 16, 2, 4, 1)),
-    "ragged-split": (45, 69, 40, Config(16, 32, 16, 2, 4, 1, epilogue_split=2)),
-    "exact": (32, 64, 48, Config(16, 16, 16, 1, 4, 1)),
+    "ragged": (37, 50, 29, Config(16, 32, 32, 2, 4, 1)),
+    "ragged-split": (45, 69, 40, Config(16, 32, 32, 2, 4, 1, epilogue_split=2)),
+    "exact": (32, 64, 64, Config(16, 16, 32, 1, 4, 1)),
     "one-tile": (19, 22, 13, Config(64, 64, 32, 8, 4, 1)),
 }
 
@@ -92,7 +92,20 @@ def test_cublas_mainloop_is_refused(test_kernels):
                                          r"torch.mm, which takes no FP8 operands, and the GEMM at "
                                          r"\S*t_fp8_gemm.yaml:6:7 has FP8 operands"):
         test_kernels("t_fp8_gemm").launch(a, b, torch.ones(8, device=DEVICE), torch.ones(8, device=DEVICE), **outs,
-                                          config=Config(16, 16, 16, 1, 4, 1, mainloop="cublas"))
+                                          config=Config(16, 16, 32, 1, 4, 1, mainloop="cublas"))
+
+
+def test_k_steps_below_one_fp8_mma_are_refused(test_kernels):
+    """An FP8 MMA takes 32 columns of K at least (Triton refuses a smaller FP8 tl.dot on GPUs): block_k 16 is
+    refused at the launch, on every device, naming the GEMM's place in the spec."""
+    g = torch.Generator().manual_seed(2)
+    a, b = fp8_values((8, 64), E4M3, g), fp8_values((8, 64), E4M3, g)
+    outs = {"product": torch.empty(8, 8, device=DEVICE),
+            "y": torch.empty(8, 8, dtype=torch.bfloat16, device=DEVICE)}
+    with pytest.raises(ValueError, match=r"t_fp8_gemm: Config\(block_k=16\), but the GEMM at \S*t_fp8_gemm.yaml:6:7 "
+                                         r"has FP8 operands, whose MMAs take K steps of 32 or more"):
+        test_kernels("t_fp8_gemm").launch(a, b, torch.ones(8, device=DEVICE), torch.ones(8, device=DEVICE), **outs,
+                                          config=Config(16, 16, 16, 1, 4, 1))
 
 
 def test_runtime_tuning_leaves_out_cublas():

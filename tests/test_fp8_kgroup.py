@@ -21,7 +21,7 @@ G = 128  # the K group of the test kernels
 
 # (M, N, K, config): M and N ragged against the tiles and N against the 128-row blocks of b; K whole groups
 SHAPES = {
-    "ragged": (37, 150, 256, Config(16, 32, 16, 2, 4, 1)),  # 8 K steps per group, N's last block partial
+    "ragged": (37, 150, 256, Config(16, 32, 32, 2, 4, 1)),  # 4 K steps per group, N's last block partial
     "ragged-split": (45, 69, 128, Config(16, 32, 32, 2, 4, 1, epilogue_split=2)),  # one block of N, partial
     "tile-spans-blocks": (19, 300, 384, Config(16, 256, 64, 8, 4, 1)),  # a tile's columns in two or three blocks
     "step-is-group": (32, 256, 256, Config(32, 128, 128, 1, 4, 1)),  # block_k = group: one step per group
@@ -203,7 +203,7 @@ def test_infinite_group_gives_nan_rows(test_kernels, kg):
     test_kernels("t_fp8_kgroup").launch(x_fp8, w_fp8.to(DEVICE), x_scale, w_scale.to(DEVICE),
                                         torch.tensor(1.0, device=DEVICE), product=product,
                                         y=torch.empty(4, 40, dtype=torch.bfloat16, device=DEVICE),
-                                        config=Config(16, 32, 16, 1, 4, 1))
+                                        config=Config(16, 32, 32, 1, 4, 1))
     want = dequantized(x_fp8.cpu(), x_scale.cpu(), 1, G) @ dequantized(w_fp8, w_scale, G, G).T
     assert torch.isnan(want[2]).all() and torch.isnan(product[2]).all()
     assert torch.isfinite(product[[0, 1, 3]]).all()
@@ -242,13 +242,13 @@ def _launch_args(m=8, n=40, k=256, a_groups=None):
 def test_k_not_whole_groups_is_refused(test_kernels):
     with pytest.raises(ValueError, match=r"t_fp8_kgroup: K must be a multiple of the K-group scales' group 128 "
                                          r"\(gemm.scales: one scale per 128 columns of K\); got K=200"):
-        test_kernels("t_fp8_kgroup").launch(**_launch_args(k=200), config=Config(16, 32, 16, 1, 4, 1))
+        test_kernels("t_fp8_kgroup").launch(**_launch_args(k=200), config=Config(16, 32, 32, 1, 4, 1))
 
 
 def test_scales_of_the_wrong_shape_are_refused(test_kernels):
     with pytest.raises(ValueError, match=r"t_fp8_kgroup: 'a_scale' must have shape \[M, groups\(K\)\] = \(8, 2\) "
                                          r"for M=8, N=40, K=256 and K group 128, got \(8, 3\)"):
-        test_kernels("t_fp8_kgroup").launch(**_launch_args(a_groups=3), config=Config(16, 32, 16, 1, 4, 1))
+        test_kernels("t_fp8_kgroup").launch(**_launch_args(a_groups=3), config=Config(16, 32, 32, 1, 4, 1))
 
 
 def test_block_k_crossing_groups_is_refused(test_kernels):

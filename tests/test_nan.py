@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from codagen import reference
 from codagen.model import DType, InputRole
 from codagen.runtime import Config, finish
-from conftest import DEVICE, all_test_kernels, draw_args, inplace_names, kernel_model, kernel_types
+from conftest import DEVICE, all_test_kernels, draw_args, fitting, inplace_names, kernel_model, kernel_types
 from test_primitives import SPECIAL, _whole_groups, rel_err, tolerance
 
 # numpy warnings from the interpreter on the planted values (inf - inf, log(0), exp overflow): what they
@@ -75,7 +75,8 @@ def assert_same_specials(name: str, out: torch.Tensor, ref: torch.Tensor, tol: f
 
 def run_planted(module, kernel, planted: str, values=SPECIALS, seed: int = 0) -> None:
     sizes = {**SIZES, "N": _whole_groups(kernel, SIZES["N"])}  # column groups: 56, still ragged against tiles
-    args = draw_args(module, sizes, torch.float32, CONFIG, generator=torch.Generator().manual_seed(seed),
+    config = fitting(module, CONFIG)
+    args = draw_args(module, sizes, torch.float32, config, generator=torch.Generator().manual_seed(seed),
                      special=SPECIAL)
     target = args.kwargs[planted]
     if isinstance(target, float):  # a host scalar: one special value
@@ -84,10 +85,10 @@ def run_planted(module, kernel, planted: str, values=SPECIALS, seed: int = 0) ->
         plant(target, values)
         if planted in inplace_names(module):
             args.inputs[planted] = target.clone()
-    module.launch(**args.kwargs, config=CONFIG)
+    module.launch(**args.kwargs, config=config)
     types = kernel_types(kernel.name)
-    expected = reference.run(kernel, types, args.inputs, CONFIG.block_m, CONFIG.epilogue_n)
-    in_fp32 = reference.run(kernel, types, args.inputs, CONFIG.block_m, CONFIG.epilogue_n, dtype=torch.float32)
+    expected = reference.run(kernel, types, args.inputs, config.block_m, config.epilogue_n)
+    in_fp32 = reference.run(kernel, types, args.inputs, config.block_m, config.epilogue_n, dtype=torch.float32)
     for name, out in args.outputs.items():
         assert_same_specials(name, out, expected[name], tolerance(kernel, name, out, torch.float32), in_fp32[name])
 

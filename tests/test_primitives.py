@@ -30,7 +30,7 @@ import torch
 from codagen import reference
 from codagen.model import Dim, Width
 from codagen.runtime import Config
-from conftest import DEVICE, all_test_kernels, draw_args, kernel_model, kernel_types
+from conftest import DEVICE, all_test_kernels, draw_args, fitting, kernel_model, kernel_types
 
 # numpy warnings from the interpreter, harmless: sigmoid (in tanh, gelu) of large arguments overflows exp to
 # inf and gives 0 or 1 as it should; logsumexp partials of masked-off rows take log(0) and are not stored.
@@ -107,6 +107,7 @@ def tolerance(kernel, name: str, out: torch.Tensor, t_dtype: torch.dtype) -> flo
 
 
 def run_and_check(module, kernel, sizes, dtype, config, strided, seed, index_dtype=torch.int64):
+    config = fitting(module, config)
     g = torch.Generator().manual_seed(seed)
     args = draw_args(module, sizes, dtype, config, strided=strided, generator=g, index_dtype=index_dtype,
                      special=SPECIAL)
@@ -286,6 +287,6 @@ def test_launch_passes_only_kernel_parameters(test_kernels, monkeypatch, name):
 
     monkeypatch.setattr(jit, "run", checked_run)
     kwargs = _args(module)
-    module.launch(**kwargs, config=CFG)
+    module.launch(**kwargs, config=fitting(module, CFG))
     unknown = set(passed) - set(jit.arg_names) - LAUNCH_OPTIONS - {"grid", "warmup"}
     assert passed and not unknown, f"keywords the kernel does not take: {sorted(unknown)}"

@@ -97,6 +97,9 @@ def or_tl(package: str, kernel: str, config: TileConfig, tensors) -> TileConfig:
     return config
 
 
+FP8_MIN_BLOCK_K = 32  # the K of one FP8 MMA (wgmma and mma on sm_89+): Triton's tl.dot takes no less
+
+
 def check_tl_only(kernel: str, config: TileConfig, gemm: bool = True, fp8_gemm: str | None = None) -> None:
     """Refuse, for a kernel that no other backend lowers, a config that asks for another backend's kernel; and
     for a kernel without a GEMM, or whose GEMM has FP8 operands (`fp8_gemm`: where the spec declares that GEMM,
@@ -112,6 +115,10 @@ def check_tl_only(kernel: str, config: TileConfig, gemm: bool = True, fp8_gemm: 
         raise ValueError(f"{kernel}: Config(mainloop='cublas') makes the GEMM's product with torch.mm, which takes no "
                          f"FP8 operands, and the GEMM at {fp8_gemm} has FP8 operands (torch._scaled_mm is not "
                          "used yet); use mainloop='triton'")
+    if fp8_gemm and config.block_k < FP8_MIN_BLOCK_K:
+        raise ValueError(f"{kernel}: Config(block_k={config.block_k}), but the GEMM at {fp8_gemm} has FP8 operands, "
+                         f"whose MMAs take K steps of {FP8_MIN_BLOCK_K} or more (Triton refuses a smaller tl.dot on "
+                         f"GPUs); use block_k={FP8_MIN_BLOCK_K} or more")
 
 
 def running(package: str, kernel: str, device: torch.device) -> tuple[Backend, ...]:
