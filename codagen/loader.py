@@ -226,7 +226,7 @@ def _gemm(node: Node, sink: ErrorSink) -> Gemm | None:
     return None
 
 
-MIN_K_GROUP, MAX_K_GROUP = 16, 512  # a K step (block_k, at least 16) must lie within one group
+MIN_K_GROUP, MAX_K_GROUP = 32, 512  # a K step (block_k, at least 32 for FP8 MMAs) must lie within one group
 
 
 def _scales(node: Node, sink: ErrorSink) -> GemmScales | None:

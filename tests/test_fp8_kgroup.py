@@ -258,11 +258,12 @@ def test_block_k_crossing_groups_is_refused(test_kernels):
 
 
 def test_defaults_and_candidates_keep_within_the_group():
-    """The interpreter's and the GPU's defaults take a block_k of at most the group; run-time tuning leaves out
-    the candidates whose K steps would cross groups (all of them for a group of 32: the default is left)."""
+    """The GPU's default takes a block_k of at most the group (the interpreter's is 32, the smallest group); run-time
+    tuning leaves out the candidates whose K steps would cross groups (all of them for a group of 32: the default is
+    left)."""
     from codagen.runtime import autotune, configs
 
-    assert autotune.pick_config("k", "f", None, 64, 64, 256, torch.device("cpu"), k_group=16).block_k == 16
+    assert autotune.pick_config("k", "f", None, 64, 64, 256, torch.device("cpu"), k_group=32).block_k == 32
     default = configs.with_k_group(configs.gpu_default(), 32)
     assert default.block_k == 32
     pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), default, False, None, 1, None, False, 32)
