@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from codagen import api
+from codagen import api, loader
 from codagen.errors import ValidationFailed
 from codagen.loader import MAX_STEPS
 from codagen.model import BLayout, Dim, DType
@@ -47,7 +47,8 @@ def test_top_level_keys():
     assert list(gemm["properties"]) == ["a", "b", "b_layout", "scales"] and gemm["required"] == ["a", "b"]
     scales = gemm["properties"]["scales"]
     assert list(scales["properties"]) == ["a", "b", "group"] and scales["required"] == ["group"]
-    assert scales["properties"]["group"]["enum"] == [2 ** i for i in range(4, 10)]  # loader.MIN/MAX_K_GROUP
+    assert scales["properties"]["group"]["enum"] == [
+        2 ** i for i in range(10) if loader.MIN_K_GROUP <= 2 ** i <= loader.MAX_K_GROUP]
     assert gemm["properties"]["b_layout"]["enum"] == [layout.value for layout in BLayout]
 
 
