@@ -17,6 +17,7 @@ run the calling module's own launcher with its own tables."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -59,7 +60,7 @@ def kernel_op(name: str, fingerprint: str, spec: str, module: str, *, mutates_ar
                         f"codagen, or a torch.library registration of its own); rename the kernel '{name}' in "
                         f"{spec}, or do not import both in one process")
                 op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args)
-                op.register_fake(fake)
+                op.register_fake(lowered_as_fallback(op, fake))
                 if not mutates_args:
                     op.register_autograd(no_backward(name, module))
                 _OPS[name] = RegisteredOp(op, module, spec, fingerprint)
@@ -99,7 +100,7 @@ def opaque_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> 
 
     def wrap(fn: Callable) -> Callable:
         op = torch.library.custom_op(f"codagen_runtime::{name}", fn, mutates_args=mutates_args)
-        op.register_fake(fake)
+        op.register_fake(lowered_as_fallback(op, fake))
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
@@ -108,3 +109,32 @@ def opaque_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> 
         return run
 
     return wrap
+
+
+def lowered_as_fallback(op: torch.library.CustomOpDef, fake: Callable) -> Callable:
+    """`fake`, which also gives Inductor its lowering of `op` the first time it runs while Inductor is loaded
+    (AOTAutograd traces with the fakes before Inductor lowers the graph): the fallback, a call of the op, with the
+    layout constraint Inductor's implicit fallback would take. Inductor before PyTorch 2.13 makes an implicit
+    fallback's log message eagerly, the op's arguments as text, and the text of an IR node holds that of all its
+    inputs: through a decoder of codagen ops that is the whole graph once per path (minutes for a 16-layer model's
+    first compiled step). Registered first, no op of codagen's takes that path."""
+
+    @functools.wraps(fake)
+    def fake_and_lowering(*args, **kwargs):
+        _lower_as_fallback(op._opoverload)
+        return fake(*args, **kwargs)
+
+    return fake_and_lowering
+
+
+def _lower_as_fallback(overload: torch._ops.OpOverload) -> None:
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if lowering is None or overload in lowering.lowerings:
+        return
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(overload, with_default=True))
+        lowering.make_fallback(overload, layout_constraint=constraint, warn=False)
+    except (AttributeError, ImportError, TypeError):  # another PyTorch's internals: Inductor's implicit fallback
+        pass
