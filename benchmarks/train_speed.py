@@ -111,6 +111,14 @@ def codagen_cudagraphs(model):
     return torch.compile(codagen.hf.apply_codagen(model), backend="cudagraphs")
 
 
+def codagen_reduce_overhead(model):
+    """torch.compile's mode="reduce-overhead" over the patched model: Inductor fuses the glue between codagen's ops,
+    and the compiled graphs replay as CUDA graphs."""
+    if not torch.cuda.is_available():
+        raise Skipped("CUDA graphs need a GPU: skipped on the CPU")
+    return torch.compile(codagen.hf.apply_codagen(model), mode="reduce-overhead")
+
+
 # variant -> how it makes its model out of a fresh Hugging Face one
 VARIANTS = {
     "hf": lambda model: model,
@@ -119,7 +127,9 @@ VARIANTS = {
     "codagen": codagen.hf.apply_codagen,
     "codagen+compile": lambda model: torch.compile(codagen.hf.apply_codagen(model)),
     "codagen+cudagraphs": codagen_cudagraphs,
+    "codagen+reduce-overhead": codagen_reduce_overhead,
 }
+CUDA_GRAPHS = ("codagen+cudagraphs", "codagen+reduce-overhead")  # a step's outputs are overwritten at the next replay
 
 
 def device() -> torch.device:
@@ -211,7 +221,7 @@ def measure(case: Case, variant: str, config, state: dict, batches: list, args) 
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
     model = VARIANTS[variant](training.make_model(config, state, dtype, device()).train())
     optimizer = training.adamw(model, LR, fused=torch.cuda.is_available())
-    amp, cudagraphs = case.precision == "amp", variant.endswith("+cudagraphs")
+    amp, cudagraphs = case.precision == "amp", variant in CUDA_GRAPHS
 
     def steps(first: int, count: int) -> list:
         return [training.train_step(model, optimizer, tokens, amp, cudagraphs)
