@@ -11,7 +11,7 @@ package.name where there is one, else to the package. Two kinds of statements ar
   imports a module's packages before the module itself, so that edge is there whatever the module says, and
   a package's __init__.py that imports its own submodules is how packages are made;
 - imports under `if TYPE_CHECKING:` are edges of a second graph, checked as well (a type named from a module
-  that imports this one is a circle for a reader, if not for Python), with the exceptions listed below."""
+  that imports this one is a circle for a reader, if not for Python)."""
 from __future__ import annotations
 
 import ast
@@ -20,15 +20,6 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "codagen"
-
-# Type-only edges of circles that are another change's to remove: (importer, imported). Each must still be there
-# (the test says when one is gone, so that it leaves this list).
-TYPE_ONLY_EXCEPTIONS = {
-    # finish_steps/base.py names blockcheck.FinishCheck for its type rules' argument, and blockcheck imports the
-    # finish-step registry: the finish-step registry's (house-2 step 2) to break, as primitives/base.py does
-    ("codagen.finish_steps.base", "codagen.blockcheck"),
-}
-
 
 def modules(root: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:
     """Dotted module name -> (file, whether it is a package's __init__.py), for every .py file under root."""
@@ -130,11 +121,9 @@ def test_no_import_circles():
 
 def test_no_import_circles_with_type_only_imports():
     run, typed = graph()
-    both = {m: run[m] | {t for t in typed[m] if (m, t) not in TYPE_ONLY_EXCEPTIONS} for m in run}
+    both = {m: run[m] | typed[m] for m in run}
     found = circles(both)
     assert not found, f"import circles in codagen/, type-only imports included:\n{_shown(found, both)}"
-    gone = {(m, t) for m, t in TYPE_ONLY_EXCEPTIONS if t not in typed.get(m, ())}
-    assert not gone, f"no longer imported; take them off TYPE_ONLY_EXCEPTIONS: {sorted(gone)}"
 
 
 def test_graph_reads_every_kind_of_import(tmp_path):
@@ -157,12 +146,6 @@ def test_graph_reads_every_kind_of_import(tmp_path):
                    "pkg.sub.c": {"pkg.a", "pkg.sub.d"}, "pkg.sub.d": set()}
     assert typed["pkg.b"] == {"pkg.a"}
     assert circles(run) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
-
-
-@pytest.mark.parametrize("importer, imported", sorted(TYPE_ONLY_EXCEPTIONS))
-def test_type_only_exceptions_are_type_only(importer, imported):
-    run, typed = graph()
-    assert imported in typed[importer] and imported not in run[importer]
 
 
 REPO = PACKAGE.parent

@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from ..blockcheck import FinishCheck
+from ..blockmodel import Arg, Block, BlockStep, Partial, Value
+
+
+# What a finish step's type rule is handed, as far as the rules rely on it. The class itself, FinishCheck, lives in
+# codagen/blockcheck.py, which imports this registry; naming it here would make this module import it back.
+class Checker(Protocol):
+    """A type rule's view of one block step: codagen.blockcheck.FinishCheck."""
+
+    op: str
+    step: BlockStep
+    block: Block
+
+    def type(self, arg: str) -> Value | Partial | None:
+        """The type of a value argument; None for a number, an attr or an argument left out."""
+
+    def arg(self, arg: str) -> Arg | None:
+        """The resolved argument; None where it is left out."""
+
+    def error(self, message: str, at: str | None = None) -> None:
+        """Report an error at the step, or at the value of argument `at`."""
 
 # The kinds of a finish step's argument: what a block step may pass for it. Each is checked where the step is
 # resolved (codagen/blockcheck.py), before the step's own type rule runs; the docs' table says them in words.
@@ -48,7 +66,7 @@ class FinishStep:
     example: str  # one block step in flow style, without the leading '- '
     # its type rule: the types (blockmodel.Value or Partial) of the values its `out` arguments define, in their
     # order; None after reporting an error. `c` is a codagen.blockcheck.FinishCheck
-    check: Callable[["FinishCheck"], list | None]
+    check: Callable[[Checker], list | None]
     combines: tuple[str, ...] = ()  # the reductions (codagen/primitives/reduce.py) whose partials it takes
 
     @property
