@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -70,6 +71,41 @@ def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
     assert result["max_rel_grad"] < TOL, result
 
 
+@pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama", 4), ("llama_tied", 2), ("llama_tied", 4),
+                                         ("llama_checkpointing", 2), ("qwen2", 2), ("mistral", 2)])
+def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
+    """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
+    parameter; gradient checkpointing; Qwen2: a qkv bias; Mistral: a sliding window): three AdamW steps, the losses
+    and every gradient against the unpatched model in one process; the gradients of a loss of the gathered logits;
+    the logits in evaluation and greedy generate()."""
+    pytest.importorskip("transformers")
+    result = run_worker(tmp_path, f"hf_tensor_parallel_{case}", nproc)
+    assert result["embed_is_head"] == (case == "llama_tied"), result
+    for step in result["steps"]:
+        assert abs(step["loss"] - step["ref_loss"]) <= TOL * abs(step["ref_loss"]), (result["seed"], result)
+        assert step["max_rel_grad"] < TOL, (result["seed"], result)
+    assert result["max_rel_param"] < TOL, (result["seed"], result)
+    assert result["same_logits_shape"] and result["logits"] < TOL, (result["seed"], result)
+    assert result["logits_grad"] < TOL, (result["seed"], result)
+    assert result["same_generate"], (result["seed"], result)
+
+
+def test_hf_tensor_parallel_refusals(tmp_path):
+    """What apply_tensor_parallel refuses, by name, before it changes the model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    refusals = run_worker(tmp_path, "hf_tensor_parallel_refusals", 2)["refusals"]
+    expected = {"kv_heads": r"config.num_key_value_heads = 1 is not divisible by the world size 2",
+                "mlp_bias": r"config.mlp_bias = True is not supported",
+                "qwen3": r"Qwen3ForCausalLM is not supported",
+                "peft": r"PEFT \(LoRA\) model", "classifier": r"got LlamaForSequenceClassification",
+                "twice": r"already tensor-parallel"}
+    for name, pattern in expected.items():
+        assert refusals[name] is not None, name
+        assert re.search(pattern, refusals[name]["message"]), refusals[name]
+        assert refusals[name]["unpatched"] or name == "twice", refusals[name]
+
+
 @pytest.mark.parametrize("kind", ["codagen", "hf"])
 def test_ddp_matches_one_process(tmp_path, kind):
     """DDP over codagen's Llama assembly, and over a codagen.hf-patched transformers Llama."""
@@ -86,6 +122,17 @@ def test_train_fsdp_example_runs(tmp_path):
     log = tmp_path / "fsdp.jsonl"
     torchrun(2, str(REPO / "examples" / "train_fsdp.py"), "--steps", "2", "--seq", "16", "--vocab", "128",
              "--log-file", str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0 < r["loss"] < 10 for r in records), records  # ln(128) = 4.85 at the start
+
+
+def test_train_tensor_parallel_example_runs(tmp_path):
+    """examples/train_tensor_parallel.py on the CPU: 2 gloo processes, tied embeddings, 2 steps."""
+    pytest.importorskip("transformers")
+    log = tmp_path / "tp.jsonl"
+    torchrun(2, str(REPO / "examples" / "train_tensor_parallel.py"), "--steps", "2", "--seq", "16", "--vocab", "128",
+             "--tie", "--log-file", str(log))
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert all(0 < r["loss"] < 10 for r in records), records  # ln(128) = 4.85 at the start
