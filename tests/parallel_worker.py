@@ -5,6 +5,8 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 - vocab_parallel: codagen.parallel's VocabParallelLmHeadLoss (each rank a slice of a vocabulary that the world
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
+- vocab_parallel_variants: the same for each cross-entropy variant (z-loss, label smoothing, softcapping, token
+  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block.
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
@@ -25,6 +27,7 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -111,6 +114,95 @@ def vocab_parallel(seed: int) -> dict:
             loss_vs_block=abs(loss.item() - whole_loss.item()) / abs(whole_loss.item()),
             x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
             w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]),
+        ))
+    return dict(cases=cases)
+
+
+def reference_variant(x, target, wn, w_vocab, ignore_index, variant, value, token_weights, reduction):
+    """A cross-entropy variant of the final RMSNorm and LM head in plain PyTorch (F.cross_entropy)."""
+    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * wn
+    z = xn @ w_vocab.T
+    if variant == "softcap":
+        z = value * torch.tanh(z / value)
+    if variant == "smoothing":
+        return F.cross_entropy(z, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=value)
+    rows = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none")
+    valid = (target != ignore_index).to(z.dtype)
+    if variant == "z_loss":
+        rows = rows + value * torch.logsumexp(z, -1).square() * valid
+    weights = valid if token_weights is None else valid * token_weights.to(z.dtype)
+    if reduction == "none":
+        return rows * weights
+    total = (rows * weights).sum()
+    return total / weights.sum() if reduction == "mean" else total
+
+
+def vocab_parallel_variants(seed: int) -> dict:
+    """Each cross-entropy variant of the single-process blocks over the vocabulary split across the ranks, against
+    F.cross_entropy in float64 and against the block in one process."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    rows, dim, vocab = 23, 32, 45
+    x = torch.randn(rows, dim, generator=g)
+    wn = 1 + 0.2 * torch.randn(dim, generator=g)
+    w_vocab = 0.5 * torch.randn(vocab, dim, generator=g)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    for r in range(world):  # a target in every rank's slice
+        start, stop = vocab_range(vocab, r, world)
+        target[r] = torch.randint(start, stop, (), generator=g)
+    target[world + torch.randperm(rows - world, generator=g)[:3]] = -100
+    token_weights = torch.rand(rows, generator=g) * 2
+    grad_rows = torch.randn(rows, generator=g)  # the output gradient of reduction "none"
+    blocks = generated_blocks()
+    cases = []
+    for variant, value, reduction in (("z_loss", 0.05, "mean"), ("z_loss", 0.05, "sum"), ("smoothing", 0.1, "mean"),
+                                      ("smoothing", 0.2, "sum"), ("softcap", 1.5, "mean"),
+                                      ("token_weights", None, "mean"), ("token_weights", None, "sum"),
+                                      ("plain", None, "none"), ("z_loss", 0.05, "none")):
+        weights = token_weights if variant == "token_weights" else None
+        if variant == "z_loss":
+            whole = blocks.LmHeadLossZloss(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "smoothing":
+            whole = blocks.LmHeadLossSmooth(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "softcap":
+            whole = blocks.LmHeadLossSoftcap(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "token_weights":
+            whole = blocks.LmHeadLossWeighted(dim, vocab, EPS, -100, reduction, 5)
+        else:
+            whole = blocks.LmHeadLossRows(dim, vocab, EPS, -100, 5)
+        with torch.no_grad():
+            whole.wn.copy_(wn)
+            whole.w_vocab.copy_(w_vocab)
+        parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
+        start, stop = parallel.vocab_start, parallel.vocab_start + len(parallel.w_vocab)
+
+        def run(module, x_in):
+            loss = module(x_in, target) if weights is None else module(x_in, target, weights)
+            (loss if reduction != "none" else (loss * grad_rows).sum()).backward()
+            return loss.detach()
+
+        xs, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+        loss = run(parallel, xs)
+        # the single-process z-loss block makes its gradients in the forward for a scalar output gradient: with
+        # reduction "none" only its loss is compared
+        with torch.no_grad() if (variant, reduction) == ("z_loss", "none") else contextlib.nullcontext():
+            whole_loss = whole(xw, target) if weights is None else whole(xw, target, weights)
+        if whole_loss.requires_grad:
+            (whole_loss if reduction != "none" else (whole_loss * grad_rows).sum()).backward()
+        whole_loss = whole_loss.detach()
+        x64, wn64, w64 = (v.double().requires_grad_() for v in (x, wn, w_vocab))
+        ref = reference_variant(x64, target, wn64, w64, -100, variant, value, weights, reduction)
+        (ref if reduction != "none" else (ref * grad_rows.double()).sum()).backward()
+        losses = [torch.zeros_like(loss) for _ in range(world)]
+        dist.all_gather(losses, loss)
+        cases.append(dict(
+            variant=variant, reduction=reduction, same_loss_on_every_rank=all(torch.equal(v, loss) for v in losses),
+            loss_vs_f64=rel(loss, ref.detach()), loss_vs_block=rel(loss, whole_loss),
+            x_vs_f64=rel(xs.grad, x64.grad), wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
+            w_vocab_vs_f64=whole_rel(parallel.w_vocab.grad, w64.grad[start:stop]),
+            **({} if xw.grad is None else dict(
+                x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
+                w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]))),
         ))
     return dict(cases=cases)
 
@@ -392,6 +484,7 @@ def ddp(kind: str, seed: int) -> dict:
 def main(case: str, out: str, seed: int) -> None:
     dist.init_process_group("gloo")
     result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
+                                                  "vocab_parallel_variants": vocab_parallel_variants,
                                                   "llama_vocab_parallel": llama_vocab_parallel,
                                                   "tensor_parallel": tensor_parallel,
                                                   "ddp_codagen": functools.partial(ddp, "codagen"),

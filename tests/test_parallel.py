@@ -57,6 +57,23 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
             assert case[f"{key}_vs_block"] < TOL_F64, (result["seed"], key, case)
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_vocab_parallel_cross_entropy_variants(tmp_path, nproc):
+    """z-loss, label smoothing, softcapping, token weights (mean and sum), and reduction "none" (plain and z-loss),
+    over the vocabulary split across the ranks: against F.cross_entropy in float64 and the single-process block."""
+    result = run_worker(tmp_path, "vocab_parallel_variants", nproc)
+    assert [(c["variant"], c["reduction"]) for c in result["cases"]] == [
+        ("z_loss", "mean"), ("z_loss", "sum"), ("smoothing", "mean"), ("smoothing", "sum"), ("softcap", "mean"),
+        ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none")]
+    for case in result["cases"]:
+        assert case["same_loss_on_every_rank"], (result["seed"], case)
+        compared = [k for k in case if k.endswith(("_vs_f64", "_vs_block"))]
+        # the single-process z-loss block takes a scalar output gradient only: its loss is compared with "none"
+        assert len(compared) == (5 if case["variant"] == "z_loss" and case["reduction"] == "none" else 8), case
+        for key in compared:
+            assert case[key] < TOL_F64, (result["seed"], key, case)
+
+
 def test_llama_with_a_vocab_parallel_head_matches_one_process(tmp_path):
     result = run_worker(tmp_path, "llama_vocab_parallel", 2)
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
@@ -154,5 +171,10 @@ def test_refusals():
 
     with pytest.raises(NotImplementedError, match=r"n_kv_heads \(2\) divisible by 4"):
         layer_shards(PRESETS["tiny"], 0, 4)
-    with pytest.raises(NotImplementedError, match="reduction 'none' is not implemented"):
-        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="none")
+    with pytest.raises(NotImplementedError, match="z_loss and smoothing together are not implemented"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, z_loss=1e-4, smoothing=0.1)
+    with pytest.raises(NotImplementedError, match="softcap and token_weights together are not implemented"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, softcap=30.0,
+                                    token_weights=torch.ones(3))
+    with pytest.raises(ValueError, match="reduction must be 'mean', 'sum' or 'none', got 'max'"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="max")
