@@ -17,8 +17,9 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   Qwen2ForCausalLM (a qkv bias) or MistralForCausalLM (a sliding window shorter than the sequences), every rank on
   the same batches, against the unpatched transformers model in one process: the loss and every gradient (each
   rank's part of the sharded ones against the same part of the whole model's, in codagen's fused layout) at each of
-  three AdamW steps, and the weights after them; the gradients of a loss computed from the (gathered) logits of a call without
-  labels; then those logits in evaluation, and greedy generate().
+  three AdamW steps, and the weights after them (and the whole weights gathered, full_state_dict, against its
+  state_dict()); the gradients of a loss computed from the (gathered) logits of a call without labels; then those
+  logits in evaluation, and greedy generate().
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
   model: the message of each, and whether the model was left unpatched.
 - ddp_codagen, ddp_hf: DistributedDataParallel over codagen's Llama assembly, or over a codagen.hf-patched
@@ -366,7 +367,7 @@ def worst_against(model, expected: dict, values: dict) -> float:
 
 
 def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False) -> dict:
-    from codagen.parallel import apply_tensor_parallel
+    from codagen.parallel import apply_tensor_parallel, full_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
@@ -401,6 +402,12 @@ def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool =
         ref_opt.zero_grad()
     ref_params = in_rank_layout(reference, model, dict(reference.named_parameters()), rank, world)
     max_rel_param = worst_against(model, ref_params, dict(model.named_parameters()))
+    # the whole model's weights gathered, in Hugging Face's layout, against the reference's after the same steps
+    whole, ref_state = full_state_dict(model), reference.state_dict()
+    common = [k for k in ref_state if k in whole]
+    full_state = dict(same_keys=sorted(whole) == sorted(ref_state),
+                      same_shapes=all(whole[k].shape == ref_state[k].shape for k in common),
+                      max_rel=max(rel(whole[k], ref_state[k]) for k in common if ref_state[k].is_floating_point()))
     # a loss of the caller's own on the gathered logits (a call without labels): its gradients
     tokens = torch.randint(0, 37, (2, 7))
     for m in (model, reference):
@@ -416,7 +423,8 @@ def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool =
         logits, ref_logits = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
         generated = model.generate(tokens, max_new_tokens=3, do_sample=False)
         ref_generated = reference.generate(tokens, max_new_tokens=3, do_sample=False)
-    return dict(steps=steps, max_rel_param=max_rel_param, logits=rel(logits, ref_logits), logits_grad=logits_grad,
+    return dict(steps=steps, max_rel_param=max_rel_param, full_state=full_state, logits=rel(logits, ref_logits),
+                logits_grad=logits_grad,
                 same_logits_shape=list(logits.shape) == list(ref_logits.shape),
                 same_generate=generated.tolist() == ref_generated.tolist(), tied=tied,
                 params=len(names), embed_is_head=model.lm_head.weight is model.model.embed_tokens.weight)

@@ -93,8 +93,8 @@ def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
 def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
     """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
     parameter; gradient checkpointing; Qwen2: a qkv bias; Mistral: a sliding window): three AdamW steps, the losses
-    and every gradient against the unpatched model in one process; the gradients of a loss of the gathered logits;
-    the logits in evaluation and greedy generate()."""
+    and every gradient against the unpatched model in one process, and the whole weights gathered (full_state_dict)
+    after them; the gradients of a loss of the gathered logits; the logits in evaluation and greedy generate()."""
     pytest.importorskip("transformers")
     result = run_worker(tmp_path, f"hf_tensor_parallel_{case}", nproc)
     assert result["embed_is_head"] == (case == "llama_tied"), result
@@ -102,6 +102,8 @@ def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc
         assert abs(step["loss"] - step["ref_loss"]) <= TOL * abs(step["ref_loss"]), (result["seed"], result)
         assert step["max_rel_grad"] < TOL, (result["seed"], result)
     assert result["max_rel_param"] < TOL, (result["seed"], result)
+    full = result["full_state"]
+    assert full["same_keys"] and full["same_shapes"] and full["max_rel"] < TOL, (result["seed"], result)
     assert result["same_logits_shape"] and result["logits"] < TOL, (result["seed"], result)
     assert result["logits_grad"] < TOL, (result["seed"], result)
     assert result["same_generate"], (result["seed"], result)

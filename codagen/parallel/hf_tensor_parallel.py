@@ -296,3 +296,43 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
     head.out_features = stop - start
     model.codagen_tensor_parallel = TensorParallelHead(group, vocab, start)
     return model
+
+
+# ---- the whole model's weights again ----
+
+# the Hugging Face parameters (state_dict() names, by their ending) that a rank holds a part of -> the dimension
+# along which the ranks' parts follow each other in rank order (a head's rows, a (gate, up) pair's, a vocabulary
+# slice's)
+SHARDED = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+           "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
+           "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "self_attn.o_proj.weight": 1,
+           "mlp.down_proj.weight": 1, "model.embed_tokens.weight": 0, "lm_head.weight": 0}
+
+
+def _gather(part: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The ranks' parts of a tensor joined along dim in rank order (parts whose sizes along dim may differ, as the
+    vocabulary's slices do: padded for the all-gather)."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=part.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([part.shape[dim]], device=part.device), group=group)
+    sizes = [int(n) for n in sizes]
+    padded = part.new_zeros(part.shape[:dim] + (max(sizes),) + part.shape[dim + 1:])
+    padded.narrow(dim, 0, part.shape[dim]).copy_(part)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict() in Hugging Face's layout and names, on every rank of the group, from a model
+    made tensor-parallel by apply_tensor_parallel: each sharded weight's parts gathered (one all-gather each), the
+    replicated ones as they are. What save_pretrained(path, state_dict=...) on one rank, or an unpatched model's
+    load_state_dict(), takes; every rank must call it."""
+    state = getattr(model, "codagen_tensor_parallel", None)
+    if state is None:
+        _refuse("full_state_dict takes a model made tensor-parallel by apply_tensor_parallel")
+    whole = {}
+    for name, value in model.state_dict().items():
+        dim = next((d for suffix, d in SHARDED.items() if name == suffix or name.endswith("." + suffix)), None)
+        whole[name] = value if dim is None else _gather(value.detach(), dim, state.group)
+    return whole
