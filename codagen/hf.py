@@ -495,7 +495,6 @@ class CodagenDecoderLayer(nn.Module):
         # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
         return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
-
     def attend(self, qkv: torch.Tensor, attention, attention_mask, position_ids, score_scale: float, cache,
                attentions: list | None, attention_kwargs: dict) -> torch.Tensor:
         """Hugging Face's attention function on qkv [batch, seq, qkv_dim] (the PreAttention block's output, the

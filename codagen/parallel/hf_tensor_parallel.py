@@ -221,6 +221,10 @@ def _check(model, world: int) -> None:
                     "or uneven splits is not implemented")
     if config.vocab_size < world:
         _refuse(f"config.vocab_size = {config.vocab_size} cannot be split over {world} ranks")
+    rows = [getattr(getattr(m, "weight", None), "shape", (None,))[0]
+            for m in (model.get_submodule("model.embed_tokens"), model.get_submodule("lm_head"))]
+    if rows != [config.vocab_size] * 2:
+        _refuse(f"the embedding and the LM head must have config.vocab_size = {config.vocab_size} rows, got {rows}")
     if any(type(p) is not nn.Parameter for p in model.parameters()):
         _refuse("the model's parameters are not plain tensors (FSDP2's DTensors?): apply apply_tensor_parallel to "
                 "the whole model before any other wrapping")
@@ -282,9 +286,6 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
     vocab = config.vocab_size
     start, stop = vocab_range(vocab, rank, world)
     embed, head = llama.embed_tokens, model.lm_head
-    if embed.weight.shape[0] != vocab or head.weight.shape[0] != vocab:
-        _refuse(f"the embedding ({embed.weight.shape[0]} rows) and the LM head ({head.weight.shape[0]} rows) must "
-                f"have config.vocab_size = {vocab} rows")
     tied = head.weight is embed.weight
     rows = torch.arange(start, stop, device=embed.weight.device)
     _shard(embed, "weight", 0, rows)
