@@ -460,21 +460,8 @@ class CodagenDecoderLayer(nn.Module):
             delta = lora.qkv_delta(attn, x, wn, eps)
             if delta is not None:
                 qkv = qkv + _rotated(delta, positions, rope_freqs)
-        q, k, v = attn.split(qkv.view(batch, seq, -1))
-        if cache is not None:
-            # k after RoPE, its heads' columns in codagen's interleaved order as q's are: scores are unchanged,
-            # and only the patched model reads this cache
-            k, v = cache.update(k, v, attn.layer_idx)
-        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
-        if attentions is not None:  # as transformers passes it: SDPA warns that it returns no weights
-            attention_kwargs["output_attentions"] = True
-        # the weights q . k: q's and k's columns in the same (interleaved) order leave them Hugging Face's
-        y, weights = attention(attn, q, k, v, attention_mask,
-                               dropout=attn.attention_dropout if attn.training else 0.0,
-                               scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
-                               position_ids=position_ids, **attn.attention_args, **attention_kwargs)
-        if attentions is not None and weights is not None:
-            attentions.append(weights)
+        y = self.attend(qkv.view(batch, seq, -1), attention, attention_mask, position_ids, score_scale, cache,
+                        attentions, attention_kwargs)
         if attn.o_proj.bias is not None:
             x = x + cast(attn.o_proj.bias)  # the out-projection's bias joins the residual it is added to
         y = y.reshape(batch * seq, -1)
@@ -507,6 +494,29 @@ class CodagenDecoderLayer(nn.Module):
         # holds (the block saves none of its outputs): a view would make FSDP2 warn that an in-place op on the
         # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
         return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
+
+    def attend(self, qkv: torch.Tensor, attention, attention_mask, position_ids, score_scale: float, cache,
+               attentions: list | None, attention_kwargs: dict) -> torch.Tensor:
+        """Hugging Face's attention function on qkv [batch, seq, qkv_dim] (the PreAttention block's output, the
+        heads of self_attn's num_heads and num_key_value_heads), through the KV cache where there is one ->
+        [batch, seq, heads, head_dim], as transformers' attention functions return it."""
+        attn = self.self_attn
+        q, k, v = attn.split(qkv)
+        if cache is not None:
+            # k after RoPE, its heads' columns in codagen's interleaved order as q's are: scores are unchanged,
+            # and only the patched model reads this cache
+            k, v = cache.update(k, v, attn.layer_idx)
+        # position_ids as Hugging Face's decoder layers pass them: flash attention finds packing in them
+        if attentions is not None:  # as transformers passes it: SDPA warns that it returns no weights
+            attention_kwargs["output_attentions"] = True
+        # the weights q . k: q's and k's columns in the same (interleaved) order leave them Hugging Face's
+        y, weights = attention(attn, q, k, v, attention_mask,
+                               dropout=attn.attention_dropout if attn.training else 0.0,
+                               scaling=attn.scaling * score_scale, sliding_window=attn.sliding_window,
+                               position_ids=position_ids, **attn.attention_args, **attention_kwargs)
+        if attentions is not None and weights is not None:
+            attentions.append(weights)
+        return y
 
 
 def _to_hf_layout(module: CodagenDecoderLayer, state_dict, prefix: str, local_metadata) -> None:
@@ -844,6 +854,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     llama = self.model
+    # codagen.parallel.apply_tensor_parallel's state: the group and this rank's slice of the vocabulary; else None
+    tensor_parallel = getattr(self, "codagen_tensor_parallel", None)
     cache = _cache(llama, kwargs)
     x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache, collected,
                              **kwargs)
@@ -858,7 +870,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         reduction = "mean" if num_items_in_batch is None else "sum"
         target = shift_labels.reshape(-1).to(x.device)
         with torch.autocast(x.device.type, enabled=False):
-            if patch.hf.lm_head_loss is not None:  # the family's own (Gemma-2's softcaps the logits)
+            if tensor_parallel is not None:  # the vocab-parallel head: this rank's slice of the vocabulary
+                loss = tensor_parallel.loss(x, target, norm_weight, weight, self.config.rms_norm_eps, ignore_index,
+                                            reduction, self.codagen_chunk_rows)
+            elif patch.hf.lm_head_loss is not None:  # the family's own (Gemma-2's softcaps the logits)
                 loss = patch.hf.lm_head_loss(self.config, patch.api.blocks, x, target, norm_weight, weight,
                                              ignore_index, reduction, self.codagen_chunk_rows)
             else:
@@ -873,7 +888,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if hidden is None:
             hidden = llama.norm(x.view(batch, seq, -1))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, kept, :])
+        if tensor_parallel is not None:  # the slices' logits, gathered
+            logits = tensor_parallel.logits(hidden[:, kept, :], self.lm_head.weight)
+        else:
+            logits = self.lm_head(hidden[:, kept, :])
         if patch.hf.final_logits is not None:
             logits = patch.hf.final_logits(self.config, logits)
     fields = {} if collected is None else collected.outputs(self.config, hidden)

@@ -5,17 +5,30 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 - vocab_parallel: codagen.parallel's VocabParallelLmHeadLoss (each rank a slice of a vocabulary that the world
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
+- vocab_parallel_variants: the same for each cross-entropy variant (z-loss, label smoothing, softcapping, token
+  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block.
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
   codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
   gradient (each rank's part of the sharded weights against the same part of the whole model's).
+- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,qwen2,mistral}: codagen.parallel.apply_tensor_parallel
+  over a tiny transformers LlamaForCausalLM (untied, with tied embeddings, with gradient checkpointing),
+  Qwen2ForCausalLM (a qkv bias) or MistralForCausalLM (a sliding window shorter than the sequences), every rank on
+  the same batches, against the unpatched transformers model in one process: the loss and every gradient (each
+  rank's part of the sharded ones against the same part of the whole model's, in codagen's fused layout) at each of
+  three AdamW steps, and the weights after them (and the whole weights gathered, full_state_dict, against its
+  state_dict()); the gradients of a loss computed from the (gathered) logits of a call without labels; then those
+  logits in evaluation, and greedy generate().
+- hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
+  model: the message of each, and whether the model was left unpatched.
 - ddp_codagen, ddp_hf: DistributedDataParallel over codagen's Llama assembly, or over a codagen.hf-patched
   transformers Llama, rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every
   gradient.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -102,6 +115,95 @@ def vocab_parallel(seed: int) -> dict:
             loss_vs_block=abs(loss.item() - whole_loss.item()) / abs(whole_loss.item()),
             x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
             w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]),
+        ))
+    return dict(cases=cases)
+
+
+def reference_variant(x, target, wn, w_vocab, ignore_index, variant, value, token_weights, reduction):
+    """A cross-entropy variant of the final RMSNorm and LM head in plain PyTorch (F.cross_entropy)."""
+    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * wn
+    z = xn @ w_vocab.T
+    if variant == "softcap":
+        z = value * torch.tanh(z / value)
+    if variant == "smoothing":
+        return F.cross_entropy(z, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=value)
+    rows = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none")
+    valid = (target != ignore_index).to(z.dtype)
+    if variant == "z_loss":
+        rows = rows + value * torch.logsumexp(z, -1).square() * valid
+    weights = valid if token_weights is None else valid * token_weights.to(z.dtype)
+    if reduction == "none":
+        return rows * weights
+    total = (rows * weights).sum()
+    return total / weights.sum() if reduction == "mean" else total
+
+
+def vocab_parallel_variants(seed: int) -> dict:
+    """Each cross-entropy variant of the single-process blocks over the vocabulary split across the ranks, against
+    F.cross_entropy in float64 and against the block in one process."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    rows, dim, vocab = 23, 32, 45
+    x = torch.randn(rows, dim, generator=g)
+    wn = 1 + 0.2 * torch.randn(dim, generator=g)
+    w_vocab = 0.5 * torch.randn(vocab, dim, generator=g)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    for r in range(world):  # a target in every rank's slice
+        start, stop = vocab_range(vocab, r, world)
+        target[r] = torch.randint(start, stop, (), generator=g)
+    target[world + torch.randperm(rows - world, generator=g)[:3]] = -100
+    token_weights = torch.rand(rows, generator=g) * 2
+    grad_rows = torch.randn(rows, generator=g)  # the output gradient of reduction "none"
+    blocks = generated_blocks()
+    cases = []
+    for variant, value, reduction in (("z_loss", 0.05, "mean"), ("z_loss", 0.05, "sum"), ("smoothing", 0.1, "mean"),
+                                      ("smoothing", 0.2, "sum"), ("softcap", 1.5, "mean"),
+                                      ("token_weights", None, "mean"), ("token_weights", None, "sum"),
+                                      ("plain", None, "none"), ("z_loss", 0.05, "none")):
+        weights = token_weights if variant == "token_weights" else None
+        if variant == "z_loss":
+            whole = blocks.LmHeadLossZloss(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "smoothing":
+            whole = blocks.LmHeadLossSmooth(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "softcap":
+            whole = blocks.LmHeadLossSoftcap(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "token_weights":
+            whole = blocks.LmHeadLossWeighted(dim, vocab, EPS, -100, reduction, 5)
+        else:
+            whole = blocks.LmHeadLossRows(dim, vocab, EPS, -100, 5)
+        with torch.no_grad():
+            whole.wn.copy_(wn)
+            whole.w_vocab.copy_(w_vocab)
+        parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
+        start, stop = parallel.vocab_start, parallel.vocab_start + len(parallel.w_vocab)
+
+        def run(module, x_in):
+            loss = module(x_in, target) if weights is None else module(x_in, target, weights)
+            (loss if reduction != "none" else (loss * grad_rows).sum()).backward()
+            return loss.detach()
+
+        xs, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+        loss = run(parallel, xs)
+        # the single-process z-loss block makes its gradients in the forward for a scalar output gradient: with
+        # reduction "none" only its loss is compared
+        with torch.no_grad() if (variant, reduction) == ("z_loss", "none") else contextlib.nullcontext():
+            whole_loss = whole(xw, target) if weights is None else whole(xw, target, weights)
+        if whole_loss.requires_grad:
+            (whole_loss if reduction != "none" else (whole_loss * grad_rows).sum()).backward()
+        whole_loss = whole_loss.detach()
+        x64, wn64, w64 = (v.double().requires_grad_() for v in (x, wn, w_vocab))
+        ref = reference_variant(x64, target, wn64, w64, -100, variant, value, weights, reduction)
+        (ref if reduction != "none" else (ref * grad_rows.double()).sum()).backward()
+        losses = [torch.zeros_like(loss) for _ in range(world)]
+        dist.all_gather(losses, loss)
+        cases.append(dict(
+            variant=variant, reduction=reduction, same_loss_on_every_rank=all(torch.equal(v, loss) for v in losses),
+            loss_vs_f64=rel(loss, ref.detach()), loss_vs_block=rel(loss, whole_loss),
+            x_vs_f64=rel(xs.grad, x64.grad), wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
+            w_vocab_vs_f64=whole_rel(parallel.w_vocab.grad, w64.grad[start:stop]),
+            **({} if xw.grad is None else dict(
+                x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
+                w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]))),
         ))
     return dict(cases=cases)
 
@@ -197,6 +299,172 @@ def tensor_parallel(seed: int) -> dict:
                 same_params=sorted(names) == sorted(ref))
 
 
+def hf_reference(family: str, tied: bool, world: int):
+    """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads."""
+    import transformers
+
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    extra = dict(sliding_window=4) if family == "mistral" else {}  # a window shorter than the sequences
+    config = config_class(**extra, vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=world, max_position_embeddings=32,
+                          rms_norm_eps=EPS, tie_word_embeddings=tied, attn_implementation="sdpa", pad_token_id=0)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.15)
+    return model
+
+
+def in_rank_layout(reference, model, tensors: dict, rank: int, world: int) -> dict:
+    """The reference's tensors (its parameters, or their gradients, by the reference's names) as the tensor-parallel
+    model holds them: by its parameter names, its rank's part of each sharded one, in codagen's fused layout."""
+    from codagen.convert import heads_to_interleaved, interleave_rows
+    from codagen.presets import LlamaShape
+
+    config = reference.config
+    hd = config.hidden_size // config.num_attention_heads
+    shape = LlamaShape(dim=config.hidden_size, ffn_dim=config.intermediate_size, n_heads=config.num_attention_heads,
+                       n_kv_heads=config.num_key_value_heads, head_dim=hd, n_layers=config.num_hidden_layers,
+                       vocab=config.vocab_size)
+    shards = layer_shards(shape, rank, world)
+    start, stop = vocab_range(config.vocab_size, rank, world)
+    out = {}
+    for name, _ in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        if name.endswith("qkv_proj." + leaf):
+            base = prefix.rpartition(".")[0]
+            q, k, v = (tensors[f"{base}.{p}_proj.{leaf}"] for p in "qkv")
+            whole = torch.cat([heads_to_interleaved(q, hd), heads_to_interleaved(k, hd), v])
+            out[name] = whole.index_select(0, shards["pre.w_qkv"][1])
+        elif name.endswith("gate_up_proj.weight"):
+            base = prefix.rpartition(".")[0]
+            whole = interleave_rows(tensors[f"{base}.gate_proj.weight"], tensors[f"{base}.up_proj.weight"])
+            out[name] = whole.index_select(*shards["post.w_gate_up"])
+        elif name.endswith("o_proj.weight"):
+            out[name] = tensors[name].index_select(*shards["post.w_o"])
+        elif name.endswith("down_proj.weight"):
+            out[name] = tensors[name].index_select(*shards["post.w_down"])
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = tensors[name][start:stop]
+        else:  # replicated
+            out[name] = tensors[name]
+    return out
+
+
+def worst_against(model, expected: dict, values: dict) -> float:
+    """The largest relative difference of values[name] (this rank's) from expected[name], over the model's
+    parameters: over the whole tensor (all ranks' parts) for sharded ones."""
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if p.shape == expected[name].shape and not (name.startswith("model.layers") and "proj" in name
+                                                    or name in ("model.embed_tokens.weight", "lm_head.weight")):
+            worst = max(worst, rel(values[name], expected[name]))
+        else:
+            worst = max(worst, whole_rel(values[name], expected[name]))
+    return worst
+
+
+def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False) -> dict:
+    from codagen.parallel import apply_tensor_parallel, full_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = hf_reference(family, tied, world)
+    model = apply_tensor_parallel(copy.deepcopy(reference), init_device_mesh("cpu", (world,)))
+    if checkpointing:  # each layer's call, its collectives included, runs again in the backward
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    names = [n for n, _ in model.named_parameters()]
+    # a small lr: Adam's first step is about lr * sign(g), also for an element whose gradient is near 0 (1e-7 at some
+    # seeds), where fp32 rounding decides the sign; a codagen.hf-patched model in one process drifts from the
+    # unpatched one alike (about 1e-6 at lr 1e-3 after three steps), and a small lr keeps that drift below what is
+    # checked. A wrong step (a tied weight's gradient counted twice, a shard's missing) still differs by ~1e-3.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, weight_decay=0.1)
+    steps = []
+    for _step in range(3):
+        tokens = torch.randint(0, 37, (2, 9))
+        labels = tokens.clone()
+        labels[1, :3] = -100
+        loss = model(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        ref_loss = reference(input_ids=tokens, labels=labels).loss
+        ref_loss.backward()
+        ref_grads = in_rank_layout(reference, model, {n: p.grad for n, p in reference.named_parameters()}, rank,
+                                   world)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        steps.append(dict(loss=loss.item(), ref_loss=ref_loss.item(),
+                          max_rel_grad=worst_against(model, ref_grads, grads)))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ref_params = in_rank_layout(reference, model, dict(reference.named_parameters()), rank, world)
+    max_rel_param = worst_against(model, ref_params, dict(model.named_parameters()))
+    # the whole model's weights gathered, in Hugging Face's layout, against the reference's after the same steps
+    whole, ref_state = full_state_dict(model), reference.state_dict()
+    common = [k for k in ref_state if k in whole]
+    full_state = dict(same_keys=sorted(whole) == sorted(ref_state),
+                      same_shapes=all(whole[k].shape == ref_state[k].shape for k in common),
+                      max_rel=max(rel(whole[k], ref_state[k]) for k in common if ref_state[k].is_floating_point()))
+    # a loss of the caller's own on the gathered logits (a call without labels): its gradients
+    tokens = torch.randint(0, 37, (2, 7))
+    for m in (model, reference):
+        logits = m(input_ids=tokens).logits
+        (logits.logsumexp(-1).mean() + logits[..., 5].square().mean()).backward()
+    ref_grads = in_rank_layout(reference, model, {n: p.grad for n, p in reference.named_parameters()}, rank, world)
+    logits_grad = worst_against(model, ref_grads, {n: p.grad for n, p in model.named_parameters()})
+    # a call without labels in evaluation: the whole vocabulary's logits, gathered; then greedy generate()
+    model.eval()
+    reference.eval()
+    tokens = torch.randint(1, 37, (2, 6))
+    with torch.no_grad():
+        logits, ref_logits = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
+        generated = model.generate(tokens, max_new_tokens=3, do_sample=False)
+        ref_generated = reference.generate(tokens, max_new_tokens=3, do_sample=False)
+    return dict(steps=steps, max_rel_param=max_rel_param, full_state=full_state, logits=rel(logits, ref_logits),
+                logits_grad=logits_grad,
+                same_logits_shape=list(logits.shape) == list(ref_logits.shape),
+                same_generate=generated.tolist() == ref_generated.tolist(), tied=tied,
+                params=len(names), embed_is_head=model.lm_head.weight is model.model.embed_tokens.weight)
+
+
+def hf_tensor_parallel_refusals(seed: int) -> dict:
+    import peft
+    import transformers
+
+    from codagen.hf import CodagenDecoderLayer
+    from codagen.parallel import TensorParallelError, apply_tensor_parallel
+
+    torch.manual_seed(seed)
+    small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+
+    def llama(**changes):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**small, **changes}))
+
+    made = {
+        "kv_heads": lambda: llama(num_key_value_heads=1),
+        "mlp_bias": lambda: llama(mlp_bias=True),
+        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)),
+        "peft": lambda: peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"])),
+        "classifier": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small)),
+        "twice": lambda: apply_tensor_parallel(llama()),
+    }
+    refusals = {}
+    for name, make in made.items():
+        model = make()
+        try:
+            apply_tensor_parallel(model)
+        except TensorParallelError as e:
+            unpatched = not any(isinstance(m, CodagenDecoderLayer) for m in model.modules())
+            refusals[name] = dict(message=str(e), unpatched=unpatched)
+        else:
+            refusals[name] = None
+    return dict(refusals=refusals)
+
+
 def ddp(kind: str, seed: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -224,9 +492,21 @@ def ddp(kind: str, seed: int) -> dict:
 def main(case: str, out: str, seed: int) -> None:
     dist.init_process_group("gloo")
     result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
+                                                  "vocab_parallel_variants": vocab_parallel_variants,
                                                   "llama_vocab_parallel": llama_vocab_parallel,
                                                   "tensor_parallel": tensor_parallel,
                                                   "ddp_codagen": functools.partial(ddp, "codagen"),
+                                                  "hf_tensor_parallel_llama": functools.partial(
+                                                      hf_tensor_parallel, "llama", False),
+                                                  "hf_tensor_parallel_llama_tied": functools.partial(
+                                                      hf_tensor_parallel, "llama", True),
+                                                  "hf_tensor_parallel_qwen2": functools.partial(
+                                                      hf_tensor_parallel, "qwen2", False),
+                                                  "hf_tensor_parallel_llama_checkpointing": functools.partial(
+                                                      hf_tensor_parallel, "llama", False, checkpointing=True),
+                                                  "hf_tensor_parallel_mistral": functools.partial(
+                                                      hf_tensor_parallel, "mistral", False),
+                                                  "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
                                                   "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -56,6 +57,23 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
             assert case[f"{key}_vs_block"] < TOL_F64, (result["seed"], key, case)
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_vocab_parallel_cross_entropy_variants(tmp_path, nproc):
+    """z-loss, label smoothing, softcapping, token weights (mean and sum), and reduction "none" (plain and z-loss),
+    over the vocabulary split across the ranks: against F.cross_entropy in float64 and the single-process block."""
+    result = run_worker(tmp_path, "vocab_parallel_variants", nproc)
+    assert [(c["variant"], c["reduction"]) for c in result["cases"]] == [
+        ("z_loss", "mean"), ("z_loss", "sum"), ("smoothing", "mean"), ("smoothing", "sum"), ("softcap", "mean"),
+        ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none")]
+    for case in result["cases"]:
+        assert case["same_loss_on_every_rank"], (result["seed"], case)
+        compared = [k for k in case if k.endswith(("_vs_f64", "_vs_block"))]
+        # the single-process z-loss block takes a scalar output gradient only: its loss is compared with "none"
+        assert len(compared) == (5 if case["variant"] == "z_loss" and case["reduction"] == "none" else 8), case
+        for key in compared:
+            assert case[key] < TOL_F64, (result["seed"], key, case)
+
+
 def test_llama_with_a_vocab_parallel_head_matches_one_process(tmp_path):
     result = run_worker(tmp_path, "llama_vocab_parallel", 2)
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
@@ -68,6 +86,43 @@ def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
     assert result["same_params"], result
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
     assert result["max_rel_grad"] < TOL, result
+
+
+@pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama", 4), ("llama_tied", 2), ("llama_tied", 4),
+                                         ("llama_checkpointing", 2), ("qwen2", 2), ("mistral", 2)])
+def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
+    """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
+    parameter; gradient checkpointing; Qwen2: a qkv bias; Mistral: a sliding window): three AdamW steps, the losses
+    and every gradient against the unpatched model in one process, and the whole weights gathered (full_state_dict)
+    after them; the gradients of a loss of the gathered logits; the logits in evaluation and greedy generate()."""
+    pytest.importorskip("transformers")
+    result = run_worker(tmp_path, f"hf_tensor_parallel_{case}", nproc)
+    assert result["embed_is_head"] == (case == "llama_tied"), result
+    for step in result["steps"]:
+        assert abs(step["loss"] - step["ref_loss"]) <= TOL * abs(step["ref_loss"]), (result["seed"], result)
+        assert step["max_rel_grad"] < TOL, (result["seed"], result)
+    assert result["max_rel_param"] < TOL, (result["seed"], result)
+    full = result["full_state"]
+    assert full["same_keys"] and full["same_shapes"] and full["max_rel"] < TOL, (result["seed"], result)
+    assert result["same_logits_shape"] and result["logits"] < TOL, (result["seed"], result)
+    assert result["logits_grad"] < TOL, (result["seed"], result)
+    assert result["same_generate"], (result["seed"], result)
+
+
+def test_hf_tensor_parallel_refusals(tmp_path):
+    """What apply_tensor_parallel refuses, by name, before it changes the model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    refusals = run_worker(tmp_path, "hf_tensor_parallel_refusals", 2)["refusals"]
+    expected = {"kv_heads": r"config.num_key_value_heads = 1 is not divisible by the world size 2",
+                "mlp_bias": r"config.mlp_bias = True is not supported",
+                "qwen3": r"Qwen3ForCausalLM is not supported",
+                "peft": r"PEFT \(LoRA\) model", "classifier": r"got LlamaForSequenceClassification",
+                "twice": r"already tensor-parallel"}
+    for name, pattern in expected.items():
+        assert refusals[name] is not None, name
+        assert re.search(pattern, refusals[name]["message"]), refusals[name]
+        assert refusals[name]["unpatched"] or name == "twice", refusals[name]
 
 
 @pytest.mark.parametrize("kind", ["codagen", "hf"])
@@ -91,6 +146,17 @@ def test_train_fsdp_example_runs(tmp_path):
     assert all(0 < r["loss"] < 10 for r in records), records  # ln(128) = 4.85 at the start
 
 
+def test_train_tensor_parallel_example_runs(tmp_path):
+    """examples/train_tensor_parallel.py on the CPU: 2 gloo processes, tied embeddings, 2 steps."""
+    pytest.importorskip("transformers")
+    log = tmp_path / "tp.jsonl"
+    torchrun(2, str(REPO / "examples" / "train_tensor_parallel.py"), "--steps", "2", "--seq", "16", "--vocab", "128",
+             "--tie", "--log-file", str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0 < r["loss"] < 10 for r in records), records  # ln(128) = 4.85 at the start
+
+
 def test_vocab_range_covers_the_vocabulary_once():
     for vocab, world in ((45, 2), (45, 4), (8, 4), (5, 5)):
         ranges = [vocab_range(vocab, r, world) for r in range(world)]
@@ -107,5 +173,10 @@ def test_refusals():
 
     with pytest.raises(NotImplementedError, match=r"n_kv_heads \(2\) divisible by 4"):
         layer_shards(PRESETS["tiny"], 0, 4)
-    with pytest.raises(NotImplementedError, match="reduction 'none' is not implemented"):
-        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="none")
+    with pytest.raises(NotImplementedError, match="z_loss and smoothing together are not implemented"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, z_loss=1e-4, smoothing=0.1)
+    with pytest.raises(NotImplementedError, match="softcap and token_weights together are not implemented"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, softcap=30.0,
+                                    token_weights=torch.ones(3))
+    with pytest.raises(ValueError, match="reduction must be 'mean', 'sum' or 'none', got 'max'"):
+        vocab_parallel_lm_head_loss(x, torch.randint(0, 5, (3,)), wn, w, 0, 5, 1e-5, reduction="max")

@@ -1,0 +1,125 @@
+"""Train a transformers Llama patched by codagen.hf with tensor parallelism (codagen.parallel.apply_tensor_parallel)
+on synthetic data. Launch it with torchrun:
+
+    torchrun --nproc-per-node 2 examples/train_tensor_parallel.py             # CPU: gloo, fp32 (tiny model)
+    torchrun --nproc-per-node 2 examples/train_tensor_parallel.py --tie       # tied embeddings (Llama-3.2-1B's)
+    torchrun --nproc-per-node 8 examples/train_tensor_parallel.py --hidden 2048 --intermediate 8192 \\
+        --layers 16 --heads 32 --kv-heads 8 --vocab 128256 --seq 2048 --tie  # GPUs: nccl, bf16 autocast
+
+Every rank makes the same whole model (the same seed) and keeps its part: of each decoder layer, the rows of
+qkv_proj of its heads and of gate_up_proj of its (gate, up) pairs and the matching columns of o_proj and down_proj;
+of the embedding and the LM head (one parameter with --tie), its slice of the vocabulary. Every rank is fed the same
+batch and gets the same loss. On GPUs each rank takes the GPU of its LOCAL_RANK, the parameters and the optimizer
+stay fp32 and the forward runs under bf16 autocast; on the CPU the group is gloo and everything is fp32 (the kernels
+run through Triton's interpreter there: keep the model tiny).
+
+Rank 0 prints one line per step, and with --log-file writes them as JSON lines. docs/distributed.md says where the
+collectives sit and what is not supported.
+"""
+from __future__ import annotations
+
+import os
+
+# The GPU machines require NVLink multicast off; both are read when the first communicator is made, and mean
+# nothing without NCCL, so they are set before torch is imported.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `torchrun examples/...` puts examples/, not the repository, on the path
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=160)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--tie", action="store_true", help="tied input and output embeddings")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (the same on every rank)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (fixed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-file", type=Path, default=None, help="JSON lines, one per step (rank 0)")
+    return p.parse_args(argv)
+
+
+def build_model(args, device: torch.device, mesh) -> torch.nn.Module:
+    import transformers
+
+    from codagen.parallel import apply_tensor_parallel
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 64), tie_word_embeddings=args.tie, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)  # the same whole model on every rank, before each keeps its part
+    with device:
+        model = transformers.LlamaForCausalLM(config)
+    # from_pretrained(path) in place of the random model works alike: every rank loads it, then keeps its part
+    return apply_tensor_parallel(model, mesh)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+
+    model = build_model(args, device, mesh)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else contextlib.nullcontext()
+
+    records = []
+    log = open(args.log_file, "w") if args.log_file and rank == 0 else None
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # the same batch on every rank
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+        start = time.perf_counter()
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record = dict(step=step, loss=loss.item(), step_time_s=time.perf_counter() - start)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"step {step}: the loss is {record['loss']}")
+        records.append(record)
+        if rank == 0:
+            print(f"step {step}  loss {record['loss']:.4f}  {record['step_time_s']:.2f} s", flush=True)
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+    if log:
+        log.close()
+    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
+    dist.destroy_process_group()
+    return records
+
+
+if __name__ == "__main__":
+    main()
