@@ -1,7 +1,8 @@
 """How a gloo test worker (tests/*_worker.py, run by torch.distributed.run) ends: every rank done, the process group
-torn down, then the process leaves without the interpreter's and C++'s exit-time teardown. A rank once aborted
-there in CI ('terminate called without an active exception', SIGABRT: a joinable thread destroyed at exit) after
-its work and its result were done, which torch.distributed.run reports as the worker's failure."""
+torn down, then the process leaves without the interpreter's and C++'s exit-time teardown. A rank aborted in two CI
+runs with 'terminate called without an active exception' (std::terminate: a joinable thread destroyed, which is
+what exit-time teardown does to threads left running), and torch.distributed.run reported the worker failed; the
+barrier before the teardown alone did not prevent it."""
 import os
 import sys
 
