@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..model import Dim, DType, Kind, ValueType, Width
 from .base import OUT, X, Arg, Primitive, torch
+from .reduce import grouped_tile
 
 
 @dataclass(frozen=True)
@@ -34,21 +35,13 @@ DTYPE = Arg("dtype", "enum", choices=tuple(BY_DTYPE))
 
 
 def _check_scale(c) -> ValueType | None:
-    x = c.typed("x")
-    if c.kernel.column_group is None:
-        c.error(None, "fp8_scale scales each column group, and the kernel declares none; add 'column_group: 128' "
-                      "(DeepSeek-V3's 1 x 128 groups; any power of two the epilogue slice holds whole) at the "
-                      "top level")
+    if not grouped_tile(c, "fp8_scale", "scales each column group, and the kernel declares none; add 'column_group: "
+                                        "128' (DeepSeek-V3's 1 x 128 groups; any power of two the epilogue slice "
+                                        "holds whole)"):
         return None
-    if c.kernel.whole_rows:
+    if c.kernel.whole_rows:  # column_group N
         c.error(None, "fp8_scale with column_group N (one scale per whole row) is not implemented; use groups of "
                       "a power of two columns, e.g. 'column_group: 128'")
-        return None
-    if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
-        return None
-    if x.width is not Width.FULL:
-        c.error("x", f"fp8_scale.x must be a tile of width N (column groups are groups of N's columns), got {x} "
-                     f"'{c.step.args['x']}'")
         return None
     return ValueType(Kind.GROUP)
 

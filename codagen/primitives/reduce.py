@@ -98,17 +98,25 @@ REDUCE = Primitive(
     check=_check, reference=_reference, emitters={"tl": _emit, "gluon": _emit})
 
 
-def _check_group(c) -> ValueType | None:
+def grouped_tile(c, primitive: str, declare: str) -> bool:
+    """The check a step over column groups starts with (group_reduce, fp8_scale): the kernel declares column groups
+    (else the error says what to `declare`), and x is a tile of width N; False after reporting an error."""
     x = c.typed("x")
     if c.kernel.column_group is None:
-        c.error(None, "group_reduce reduces over column groups, and the kernel declares none; add "
-                      "'column_group: <width>' (the columns of each group, e.g. a head's 128) at the top level")
-        return None
+        c.error(None, f"{primitive} {declare} at the top level")
+        return False
     if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
-        return None
+        return False
     if x.width is not Width.FULL:
-        c.error("x", f"group_reduce.x must be a tile of width N (column groups are groups of N's columns), got {x} "
+        c.error("x", f"{primitive}.x must be a tile of width N (column groups are groups of N's columns), got {x} "
                      f"'{c.step.args['x']}'")
+        return False
+    return True
+
+
+def _check_group(c) -> ValueType | None:
+    if not grouped_tile(c, "group_reduce", "reduces over column groups, and the kernel declares none; add "
+                                           "'column_group: <width>' (the columns of each group, e.g. a head's 128)"):
         return None
     return ValueType(Kind.ROW) if c.kernel.whole_rows else ValueType(Kind.GROUP)
 
