@@ -15,28 +15,21 @@ import sys
 import peft
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codagen.hf import CodagenDecoderLayer, apply_codagen
 from gloo_exit import leave  # tests/, the worker's folder, is on sys.path
+from hf_fsdp2_worker import BATCH, SEQ, VOCAB, random_llama, rel
 
-VOCAB, BATCH, SEQ, STEPS = 97, 2, 12, 3
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
+STEPS = 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def peft_model() -> torch.nn.Module:
     """The same random PEFT model on every rank (and for the reference): norm weights and lora_B random too."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)
-    model = peft.get_peft_model(model, peft.LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8))
+    model = peft.get_peft_model(random_llama(), peft.LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -46,10 +39,6 @@ def peft_model() -> torch.nn.Module:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def main(out: str) -> None:

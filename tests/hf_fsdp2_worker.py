@@ -27,13 +27,18 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
 
 
-def tiny_model() -> torch.nn.Module:
+def random_llama() -> torch.nn.Module:
+    """The same random Llama on every rank: norm weights random too (not ones)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)
-    return apply_codagen(model)
+    return model
+
+
+def tiny_model() -> torch.nn.Module:
+    return apply_codagen(random_llama())
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
