@@ -44,6 +44,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
+from codagen import training  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -110,11 +112,7 @@ def main(argv=None) -> list[dict]:
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * world + rank)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().float()
+        mean_loss = training.train_step(model, optimizer, ids).float()
         dist.all_reduce(mean_loss)
         record = dict(step=step, loss=mean_loss.item() / world, step_time_s=time.perf_counter() - start)
         if not math.isfinite(record["loss"]):

@@ -26,7 +26,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -40,6 +39,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from codagen import training  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +93,6 @@ def main(argv=None) -> list[dict]:
     model = build_model(args, device, mesh)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else contextlib.nullcontext()
 
     records = []
     log = open(args.log_file, "w") if args.log_file and rank == 0 else None
@@ -100,11 +100,7 @@ def main(argv=None) -> list[dict]:
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # the same batch on every rank
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
         start = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = training.train_step(model, optimizer, ids, amp=use_cuda)
         record = dict(step=step, loss=loss.item(), step_time_s=time.perf_counter() - start)
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"step {step}: the loss is {record['loss']}")
