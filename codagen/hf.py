@@ -1,7 +1,7 @@
 """Hugging Face integration: codagen's generated blocks inside a `transformers` LlamaForCausalLM, Qwen2ForCausalLM,
 MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, or in the decoder of such a family's sequence or token
-classification head (LlamaForSequenceClassification, ...; the head itself stays transformers') or of its bare
-<Family>Model.
+classification head or question-answering head (LlamaForSequenceClassification, ...; the head itself stays
+transformers') or of its bare <Family>Model.
 
     from codagen.hf import apply_codagen
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
@@ -87,9 +87,10 @@ def _mappings() -> tuple[HfMapping, ...]:
 
 
 # the transformers classes besides a family's causal LM whose decoder apply_codagen patches, their head (and loss)
-# left as transformers' own: <Family>Model, the decoder itself, and the heads that call it as `model` and read its
-# last_hidden_state (transformers' GenericForSequenceClassification, GenericForTokenClassification)
-DECODER_CLASSES = ("Model", "ForSequenceClassification", "ForTokenClassification")
+# left as transformers' own: <Family>Model, the decoder itself, and the heads that call it as their base model and
+# read its last_hidden_state (transformers' GenericForSequenceClassification, GenericForTokenClassification,
+# GenericForQuestionAnswering)
+DECODER_CLASSES = ("Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
 def _family_prefix(mapping: HfMapping) -> str:
@@ -913,10 +914,11 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
     """Patch a transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM or
     Gemma2ForCausalLM in place to run codagen's generated blocks (its family's: its mapping in
-    codagen.models.<family>), and return it. A family's <Family>ForSequenceClassification or
-    <Family>ForTokenClassification (LlamaForSequenceClassification, ...), or its decoder alone (<Family>Model), is
-    patched in its decoder: the decoder layers run the blocks, the final norm, the head and its loss stay
-    transformers' own (chunk_rows and return_logits, which concern the LM head's loss, do not apply there).
+    codagen.models.<family>), and return it. A family's <Family>ForSequenceClassification,
+    <Family>ForTokenClassification or <Family>ForQuestionAnswering (LlamaForSequenceClassification, ...), or its
+    decoder alone (<Family>Model), is patched in its decoder: the decoder layers run the blocks, the final norm, the
+    head and its loss stay transformers' own (chunk_rows and return_logits, which concern the LM head's loss, do not
+    apply there).
 
     The q/k/v and gate/up projections become one fused parameter each (self_attn.qkv_proj.weight,
     mlp.gate_up_proj.weight), converted once; every other parameter is the model's own, under its own name (a tied
@@ -936,22 +938,26 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     if mapping is None:
         _refuse_class(type(model))
         *others, last = (m.model_class for m in _mappings())
+        *heads, last_head = ("<Family>" + k for k in DECODER_CLASSES[1:])
         raise TypeError(f"apply_codagen: expected a transformers {', '.join(others)} or {last}, the family's "
-                        f"{' or '.join('<Family>' + k for k in DECODER_CLASSES[1:])} (the head left as "
+                        f"{', '.join(heads)} or {last_head} (the head left as "
                         f"transformers' own) or its decoder (<Family>Model: {_family_prefix(_mappings()[0])}Model, "
                         f"...), got {type(model).__name__}")
     causal_lm = kind == "ForCausalLM"
     if kind == "Model":
-        llama = model
+        llama, prefix = model, ""
     else:
-        # the heads call their decoder as `model` (GenericFor*'s base_model_prefix): the family's <Family>Model
+        # the heads call their decoder, the family's <Family>Model, by their base_model_prefix: `model`, or
+        # `transformer` (the question-answering heads of Llama, Qwen2 and Qwen3, as their checkpoints name it)
+        name = model.base_model_prefix
         decoder = getattr(_modeling(mapping), _family_prefix(mapping) + "Model")
-        llama = getattr(model, "model", None)
-        _check_type("model", llama, decoder, _family_prefix(mapping))
+        llama = getattr(model, name, None)
+        _check_type(name, llama, decoder, _family_prefix(mapping))
+        prefix = name + "."
     if any(isinstance(layer, CodagenDecoderLayer) for layer in llama.layers):
         raise ValueError("apply_codagen: this model is already patched")
     check_config(model.config, mapping)
-    check_modules(llama, mapping=mapping, prefix="" if kind == "Model" else "model.")
+    check_modules(llama, mapping=mapping, prefix=prefix)
     if causal_lm:
         _check_lm_head(model.lm_head)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral) or chunk_rows < 1:
@@ -963,8 +969,9 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     llama.codagen_patch = CodagenPatch(mapping)
     llama.forward = types.MethodType(_model_forward, llama)
     if not causal_lm:
-        # a head (sequence or token classification) or the decoder alone: the decoder runs the blocks and returns
-        # its last_hidden_state (the final norm's output), which the head, transformers' own forward, reads
+        # a head (sequence or token classification, question answering) or the decoder alone: the decoder runs the
+        # blocks and returns its last_hidden_state (the final norm's output), which the head, transformers' own
+        # forward, reads
         llama.codagen_patch.check(llama)
         return model
     model.codagen_chunk_rows = int(chunk_rows)

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")  # the test extra installs it
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.convert import heads_to_halves  # noqa: E402
-from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
+from codagen.hf import AutoCodagenForCausalLM, CodagenAttention, CodagenConfigError, apply_codagen  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 97, 2, 12
@@ -55,7 +55,7 @@ def rel(a, b):
 
 def hf_layout_grads(model):
     """The patched model's gradients in Hugging Face's names and layout (fused rows split back by hand)."""
-    attn, out = model.model.layers[0].self_attn, {}
+    attn, out = next(m for m in model.modules() if isinstance(m, CodagenAttention)), {}
     hd = attn.head_dim  # the attention's own: a Qwen2Config has no head_dim field
     nq, nk = attn.num_heads * hd, attn.num_key_value_heads * hd
     for name, p in model.named_parameters():

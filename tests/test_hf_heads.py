@@ -38,7 +38,8 @@ def tiny(family: str, head: str = "ForSequenceClassification", **overrides):
 
 def padded_batch(seed: int, labels: str = "sequence"):
     """Rows of 10, 6 and 8 tokens: right, left and right padding with the pad token, masked; labels per sequence
-    (a class), per token (-100 on padding), "regression" (one float) or "multi_label" (floats, one per class)."""
+    (a class), per token (-100 on padding), "regression" (one float), "multi_label" (floats, one per class) or
+    "span" (an answer's start and end positions within each row's tokens)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)  # 0 is the pad token
     mask = torch.ones_like(ids)
@@ -51,13 +52,19 @@ def padded_batch(seed: int, labels: str = "sequence"):
         y = torch.randint(0, LABELS, (BATCH, SEQ), generator=g).masked_fill(mask == 0, -100)
     elif labels == "regression":
         y = torch.randn(BATCH, 1, generator=g)
+    elif labels == "span":
+        start = torch.tensor([2, 5, 0]) + torch.randint(0, 3, (BATCH,), generator=g)
+        end = start + torch.randint(0, 3, (BATCH,), generator=g)
+        return dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), start_positions=start.to(DEVICE),
+                    end_positions=end.to(DEVICE))
     else:
         y = (torch.rand(BATCH, LABELS, generator=g) > 0.5).float()
     return dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), labels=y.to(DEVICE))
 
 
-def compare(reference, patched, inputs, seed=0):
-    """Loss, logits and every parameter's gradient (Hugging Face's names and layout) within TOL."""
+def compare(reference, patched, inputs, seed=0, fields=("logits",), zero_grads=()):
+    """Loss, the output's logits (`fields`) and every parameter's gradient (Hugging Face's names and layout) within
+    TOL; `zero_grads`: gradients that are zero in exact arithmetic, rounding noise in both models."""
     outputs = []
     for model in (reference, patched):
         model.zero_grad(set_to_none=True)
@@ -67,12 +74,17 @@ def compare(reference, patched, inputs, seed=0):
         outputs.append(out)
     (expected, got) = outputs
     assert rel(got.loss, expected.loss) < TOL, (got.loss.item(), expected.loss.item())
-    assert got.logits.shape == expected.logits.shape and rel(got.logits, expected.logits) < TOL
+    for field in fields:
+        a, b = getattr(got, field), getattr(expected, field)
+        assert a.shape == b.shape and rel(a, b) < TOL, field
     grads = hf_layout_grads(patched)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
-        assert rel(grads[name], g) < TOL, name
+        if name in zero_grads:
+            assert max(grads[name].abs().max(), g.abs().max()) < 1e-6, name
+        else:
+            assert rel(grads[name], g) < TOL, name
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -200,15 +212,29 @@ def test_peft_lora_sequence_classifier():
         assert rel(got[name], g) < TOL, name
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Mistral", "Qwen3"])
+def test_question_answering_matches_transformers(family):
+    """<Family>ForQuestionAnswering (Gemma-2 has none), whose decoder is `transformer` (Llama, Qwen2, Qwen3: their
+    base_model_prefix) or `model` (Mistral): start and end logits, the span loss and every gradient (the bias of
+    qa_outputs adds the same to every position's logit, which the softmax over positions cancels: its gradient is
+    zero)."""
+    torch.manual_seed(8)
+    reference = tiny(family, "ForQuestionAnswering")
+    patched = apply_codagen(copy.deepcopy(reference))
+    decoder = getattr(patched, patched.base_model_prefix)
+    assert all(isinstance(layer, CodagenDecoderLayer) for layer in decoder.layers)
+    compare(reference, patched, padded_batch(8, "span"), fields=("start_logits", "end_logits"),
+            zero_grads=("qa_outputs.bias",))
+
+
 def test_other_heads_are_refused_by_name():
-    """A head whose decoder the patch does not find where the classification heads keep it (question answering
-    keeps it as `transformer`), and one whose decoder is not the family's, are refused, not run unpatched."""
-    config = transformers.LlamaConfig(**BASE)
+    """A head of a model that is not of a family, and one whose decoder is not the family's, are refused, not run
+    unpatched."""
     with pytest.raises(TypeError, match=r"^apply_codagen: expected a transformers LlamaForCausalLM, .*"
-                                        r"<Family>ForSequenceClassification or <Family>ForTokenClassification .*"
-                                        r"got LlamaForQuestionAnswering$"):
-        apply_codagen(transformers.LlamaForQuestionAnswering(config))
-    model = transformers.LlamaForSequenceClassification(config)
+                                        r"<Family>ForSequenceClassification, <Family>ForTokenClassification or "
+                                        r"<Family>ForQuestionAnswering .*got GPT2ForQuestionAnswering$"):
+        apply_codagen(transformers.GPT2ForQuestionAnswering(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**BASE))
     model.model = transformers.MistralModel(transformers.MistralConfig(**BASE))
     with pytest.raises(TypeError, match=r"^apply_codagen: model is a .*MistralModel, not LlamaModel"):
         apply_codagen(model)
