@@ -49,7 +49,9 @@ from .models import HfMapping, family
 from .models.llama import HF as LLAMA  # the Llama family's Hugging Face mapping: modules, fused projections
 from .runtime.heads import split_heads
 
-__all__ = ["AutoCodagenForCausalLM", "CodagenConfigError", "apply_codagen", "from_pretrained"]
+__all__ = ["AutoCodagenForCausalLM", "AutoCodagenForQuestionAnswering", "AutoCodagenForSequenceClassification",
+           "AutoCodagenForTokenClassification", "AutoCodagenModel", "CodagenConfigError", "apply_codagen",
+           "from_pretrained"]
 
 # rope types whose inverse frequencies are fixed at construction: codagen's RoPE epilogue takes them as they are
 # ("yarn" scales cos and sin too, which is a scale of the attention scores: see _attention_scaling)
@@ -987,6 +989,16 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
     Qwen2ForCausalLM for "qwen2", MistralForCausalLM for "mistral", Qwen3ForCausalLM for "qwen3", Gemma2ForCausalLM
     for "gemma2"). A checkpoint of any other model type, or of a class that a family refuses (Gemma3ForCausalLM), is
     refused before its weights load: loaded as another family's class, its weights would not fit."""
+    model_class = _pretrained_class(name_or_path, "ForCausalLM", kwargs, "codagen.hf.from_pretrained")
+    return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
+                         return_logits=return_logits)
+
+
+def _pretrained_class(name_or_path, kind: str, kwargs: dict, caller: str) -> type:
+    """The transformers class that loads the checkpoint at name_or_path as `kind` ("ForCausalLM" or one of
+    DECODER_CLASSES) of its family, the family read from the checkpoint's config.model_type (or from kwargs' config);
+    a TypeError, before any weight loads, for a model type of no family, a class a family refuses, or a kind the
+    family's transformers classes do not have (Gemma-2 has no question-answering head)."""
     transformers = _transformers()
     config = kwargs.get("config")
     if not isinstance(config, transformers.PretrainedConfig):
@@ -999,11 +1011,16 @@ def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: 
     model_class = next((cls for cls in classes if cls.config_class.model_type == model_type), None)
     if model_class is None:
         known = ", ".join(repr(m.config_class.model_type) for m in classes[:len(_mappings())])
-        raise TypeError(f"codagen.hf.from_pretrained: {name_or_path} is a {model_type!r} model; codagen patches "
-                        f"the model types {known}")
+        raise TypeError(f"{caller}: {name_or_path} is a {model_type!r} model; codagen patches the model types "
+                        f"{known}")
     _refuse_class(model_class)  # before loading its weights
-    return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs), chunk_rows=chunk_rows,
-                         return_logits=return_logits)
+    if kind == "ForCausalLM":
+        return model_class
+    name = model_class.__name__.removesuffix("ForCausalLM") + kind
+    head = getattr(transformers, name, None)
+    if head is None:
+        raise TypeError(f"{caller}: {name_or_path} is a {model_type!r} model, and transformers has no {name}")
+    return head
 
 
 class AutoCodagenForCausalLM:
@@ -1011,3 +1028,45 @@ class AutoCodagenForCausalLM:
     Qwen3, Gemma-2), patched by apply_codagen."""
 
     from_pretrained = staticmethod(from_pretrained)
+
+
+class _AutoCodagenDecoder:
+    """What the AutoCodagen classes of the heads and of the decoder share: from_pretrained(path, *args, **kwargs) loads
+    the checkpoint as its family's transformers class of their `kind`, as transformers' AutoModelFor<kind> does (a
+    causal LM's checkpoint gives a head of new weights; num_labels and the other config fields as keyword
+    arguments), and patches its decoder with apply_codagen."""
+
+    kind: str
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *args, **kwargs):
+        model_class = _pretrained_class(name_or_path, cls.kind, kwargs, f"{cls.__name__}.from_pretrained")
+        return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs))
+
+
+class AutoCodagenForSequenceClassification(_AutoCodagenDecoder):
+    """`AutoCodagenForSequenceClassification.from_pretrained(path, num_labels=...)`: the family's
+    <Family>ForSequenceClassification (LlamaForSequenceClassification, ...), its decoder patched by apply_codagen."""
+
+    kind = "ForSequenceClassification"
+
+
+class AutoCodagenForTokenClassification(_AutoCodagenDecoder):
+    """`AutoCodagenForTokenClassification.from_pretrained(path, num_labels=...)`: the family's
+    <Family>ForTokenClassification, its decoder patched by apply_codagen."""
+
+    kind = "ForTokenClassification"
+
+
+class AutoCodagenForQuestionAnswering(_AutoCodagenDecoder):
+    """`AutoCodagenForQuestionAnswering.from_pretrained(path)`: the family's <Family>ForQuestionAnswering (Llama,
+    Qwen2, Mistral, Qwen3), its decoder patched by apply_codagen."""
+
+    kind = "ForQuestionAnswering"
+
+
+class AutoCodagenModel(_AutoCodagenDecoder):
+    """`AutoCodagenModel.from_pretrained(path)`: the family's decoder alone, <Family>Model, patched by
+    apply_codagen."""
+
+    kind = "Model"

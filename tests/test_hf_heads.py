@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # the test extra installs it; the package never needs it
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
+import codagen.hf  # noqa: E402
 from codagen.hf import CodagenDecoderLayer, apply_codagen  # noqa: E402
 from test_hf import BASE, hf_layout_grads, random_model, rel  # noqa: E402
 
@@ -225,6 +226,63 @@ def test_question_answering_matches_transformers(family):
     assert all(isinstance(layer, CodagenDecoderLayer) for layer in decoder.layers)
     compare(reference, patched, padded_batch(8, "span"), fields=("start_logits", "end_logits"),
             zero_grads=("qa_outputs.bias",))
+
+
+@pytest.mark.parametrize("auto, family, head, labels", [
+    ("AutoCodagenForSequenceClassification", "Qwen3", "ForSequenceClassification", "sequence"),
+    ("AutoCodagenForTokenClassification", "Mistral", "ForTokenClassification", "token"),
+    ("AutoCodagenForQuestionAnswering", "Llama", "ForQuestionAnswering", "span"),
+])
+def test_auto_classes_load_a_saved_head(tmp_path, auto, family, head, labels):
+    """A head saved by transformers loads through its AutoCodagen class as the family's head, patched, and computes
+    what the saved model computes; saved again, it loads into plain transformers with the same weights."""
+    torch.manual_seed(12)
+    reference = tiny(family, head)
+    reference.save_pretrained(tmp_path / "saved")
+    loaded = getattr(codagen.hf, auto).from_pretrained(tmp_path / "saved").to(DEVICE)
+    assert type(loaded) is type(reference)
+    assert all(isinstance(layer, CodagenDecoderLayer) for layer in getattr(loaded, loaded.base_model_prefix).layers)
+    for model in (reference, loaded):
+        model.train()  # the token classifier's dropout, the same masks in both
+    compare(reference, loaded, padded_batch(12, labels), fields=("start_logits", "end_logits") if labels == "span"
+            else ("logits",), zero_grads=("qa_outputs.bias",))
+    loaded.save_pretrained(tmp_path / "again")
+    again = type(reference).from_pretrained(tmp_path / "again").to(DEVICE)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+
+
+def test_auto_classes_make_a_head_of_a_causal_lm_and_load_its_decoder(tmp_path):
+    """As transformers' AutoModelForSequenceClassification: a causal LM's checkpoint gives the family's head with a
+    new score (num_labels from the keyword arguments) on the saved decoder; AutoCodagenModel gives the decoder
+    alone, whose last_hidden_state is the saved model's."""
+    torch.manual_seed(13)
+    tiny("Gemma2", "ForCausalLM").save_pretrained(tmp_path)
+    torch.manual_seed(14)
+    expected = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=5).to(DEVICE)
+    torch.manual_seed(14)  # the same new score weights
+    got = codagen.hf.AutoCodagenForSequenceClassification.from_pretrained(tmp_path, num_labels=5).to(DEVICE)
+    assert type(got) is transformers.Gemma2ForSequenceClassification and got.score.out_features == 5
+    inputs = padded_batch(13)
+    del inputs["labels"]
+    with torch.no_grad():
+        assert rel(got(**inputs).logits, expected(**inputs).logits) < TOL
+        decoder = codagen.hf.AutoCodagenModel.from_pretrained(tmp_path).to(DEVICE)
+        assert type(decoder) is transformers.Gemma2Model
+        assert rel(decoder(**inputs).last_hidden_state, expected.model(**inputs).last_hidden_state) < TOL
+
+
+def test_auto_classes_refuse_before_loading(tmp_path):
+    """A checkpoint of a family without that head (Gemma-2 has no question-answering head), or of a model type of no
+    family, is refused from its config, naming why; the folders hold no weights, so a load would fail otherwise."""
+    transformers.Gemma2Config(**BASE).save_pretrained(tmp_path / "gemma2")
+    with pytest.raises(TypeError, match=r"^AutoCodagenForQuestionAnswering.from_pretrained: .* is a 'gemma2' model, "
+                                        r"and transformers has no Gemma2ForQuestionAnswering$"):
+        codagen.hf.AutoCodagenForQuestionAnswering.from_pretrained(tmp_path / "gemma2")
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(TypeError, match=r"^AutoCodagenForTokenClassification.from_pretrained: .* is a 'gpt2' model; "
+                                        r"codagen patches the model types 'llama', "):
+        codagen.hf.AutoCodagenForTokenClassification.from_pretrained(tmp_path / "gpt2")
 
 
 def test_other_heads_are_refused_by_name():
