@@ -1,9 +1,10 @@
-"""apply_codagen on the families' classification heads (<Family>ForSequenceClassification,
-<Family>ForTokenClassification) and on their decoder alone (<Family>Model): the decoder layers run codagen's blocks,
+"""apply_codagen on the families' heads (<Family>ForSequenceClassification, <Family>ForTokenClassification,
+<Family>ForQuestionAnswering) and on their decoder alone (<Family>Model): the decoder layers run codagen's blocks,
 the head and its loss stay transformers' own. Against the same model unpatched, fp32: loss, logits and every
 parameter gradient within 1e-4 relative, with padding (sequence classification pools the last token that is not
-padding), regression and multi-label losses, three AdamW steps alike, a PEFT LoRA classifier (task_type SEQ_CLS,
-the score head trained whole), and the heads that are refused."""
+padding), regression and multi-label losses, start and end logits and the span loss, three AdamW steps alike, a
+PEFT LoRA classifier (task_type SEQ_CLS, the score head trained whole), the AutoCodagen classes of the heads and the
+decoder on checkpoints saved by transformers, and the heads that are refused."""
 import copy
 
 import pytest
@@ -113,7 +114,7 @@ def test_hidden_states_through_the_head():
         assert rel(a, b) < TOL
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Gemma2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_token_classification_matches_transformers(family):
     torch.manual_seed(2)
     reference = tiny(family, "ForTokenClassification")
@@ -132,13 +133,19 @@ def test_regression_and_multi_label_losses(problem):
     compare(reference, patched, padded_batch(3, problem))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_steps_match_transformers(checkpointing):
-    """Three AdamW steps on fresh batches: the losses and then every parameter alike (the fused projections' in
-    Hugging Face's layout, through state_dict)."""
+@pytest.mark.parametrize("family, head, checkpointing", [
+    ("Llama", "ForSequenceClassification", False),
+    ("Llama", "ForSequenceClassification", True),
+    ("Mistral", "ForTokenClassification", False),
+    ("Qwen3", "ForTokenClassification", False),
+])
+def test_training_steps_match_transformers(family, head, checkpointing):
+    """Three AdamW steps on fresh batches (the token classifier's dropout masks the same in both): the losses and
+    then every parameter alike (the fused projections' in Hugging Face's layout, through state_dict)."""
     torch.manual_seed(4)
-    reference = tiny("Llama")
+    reference = tiny(family, head)
     patched = apply_codagen(copy.deepcopy(reference))
+    labels = "token" if head == "ForTokenClassification" else "sequence"
     losses = {}
     for key, model in (("reference", reference), ("patched", patched)):
         if checkpointing:
@@ -146,7 +153,8 @@ def test_training_steps_match_transformers(checkpointing):
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(3):
-            loss = model(**padded_batch(10 + step), use_cache=False).loss
+            torch.manual_seed(step)
+            loss = model(**padded_batch(10 + step, labels), use_cache=False).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
