@@ -680,7 +680,9 @@ def _refuse_call(what: str) -> None:
 def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
            cache=None, collected: Collected | None = None, **attention_kwargs):
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
-    (lm_head_loss makes the final norm's statistics itself), and (batch, seq). With a KV cache (a transformers
+    (lm_head_loss makes the final norm's statistics itself), (batch, seq), and the dtype transformers keeps the
+    residual stream in, inputs_embeds' (under autocast x is in its dtype, as the blocks run there: the hidden states
+    collected and the final norm's input are cast back to it, as transformers returns them). With a KV cache (a transformers
     Cache: _cache), the tokens come after the cache's positions: each layer's k and v (after RoPE) go into it and
     its attention reads all of them, as transformers' attention does. `collected` (_collected: what
     output_hidden_states and output_attentions ask for) gets the decoder's input and each layer's output, and each
@@ -745,8 +747,8 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
             else:
                 x, stats = layer(x, stats, wn_next, attention_mask=mask, **context)
             if collected is not None:
-                collected.hidden(x)
-    return x.reshape(batch * seq, dim), (batch, seq)
+                collected.hidden(x.to(inputs_embeds.dtype))
+    return x.reshape(batch * seq, dim), (batch, seq), inputs_embeds.dtype
 
 
 def _next_norm_weight(weight: torch.Tensor, dtype: torch.dtype, dtensor: type | None) -> torch.Tensor:
@@ -834,10 +836,10 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     self.codagen_patch.check(self)
     return_dict = kwargs.pop("return_dict", None) is not False
     cache = _cache(self, kwargs)
-    x, (batch, seq) = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, collected,
-                             **kwargs)
+    x, (batch, seq), residual = decode(self, input_ids, attention_mask, position_ids, inputs_embeds, cache,
+                                       collected, **kwargs)
     api = self.codagen_patch.api
-    hidden = self.norm(x.view(batch, seq, -1))
+    hidden = self.norm(x.view(batch, seq, -1).to(residual))
     fields = {} if collected is None else collected.outputs(self.config, hidden)
     output = api.model_output(last_hidden_state=hidden, **fields, **{api.output_cache_field: cache})
     return output if return_dict else output.to_tuple()
@@ -860,8 +862,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     # codagen.parallel.apply_tensor_parallel's state: the group and this rank's slice of the vocabulary; else None
     tensor_parallel = getattr(self, "codagen_tensor_parallel", None)
     cache = _cache(llama, kwargs)
-    x, (batch, seq) = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache, collected,
-                             **kwargs)
+    x, (batch, seq), residual = decode(llama, input_ids, attention_mask, position_ids, inputs_embeds, cache,
+                                       collected, **kwargs)
     loss = logits = hidden = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:
@@ -886,10 +888,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     if collected is not None and collected.hidden_states is not None:
-        hidden = llama.norm(x.view(batch, seq, -1))
+        hidden = llama.norm(x.view(batch, seq, -1).to(residual))
     if loss is None or _logits_wanted(self.codagen_return_logits, self.training):
         if hidden is None:
-            hidden = llama.norm(x.view(batch, seq, -1))
+            hidden = llama.norm(x.view(batch, seq, -1).to(residual))
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if tensor_parallel is not None:  # the slices' logits, gathered
             logits = tensor_parallel.logits(hidden[:, kept, :], self.lm_head.weight)

@@ -2,8 +2,8 @@
 relative): the hidden states (the decoder's input, each layer's output, the last one the final norm's), also
 selected by index, from the causal LM (with and without labels), from the decoder itself and from the config; a
 loss that reads them gives transformers' gradients; the attention weights where the attention function returns
-them (eager), none where it does not (SDPA), as transformers. Llama, Qwen3 (QK-norm) and Gemma-2 (scaled embeddings,
-sandwich norms, softcaps)."""
+them (eager), none where it does not (SDPA), as transformers; under autocast the hidden states in transformers'
+dtypes. Llama, Qwen3 (QK-norm) and Gemma-2 (scaled embeddings, sandwich norms, softcaps)."""
 import copy
 
 import pytest
@@ -138,3 +138,24 @@ def test_hidden_states_under_gradient_checkpointing():
     got = hf_layout_grads(patched)
     for n, p in reference.named_parameters():
         assert rel(got[n], p.grad) < TOL, n
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_hidden_states_under_autocast_keep_transformers_dtypes(name):
+    """Under torch.autocast(bf16) on an fp32 model the blocks run in bf16 while transformers keeps its residual stream
+    in fp32: the hidden states come back in transformers' dtypes (each layer's output cast back to the residual's
+    fp32, the final norm run on it; from the causal LM, from its decoder and with the logits), their values within
+    bf16's precision of transformers'."""
+    reference, patched = pair(name)
+    ids, _ = labelled_tokens(VOCAB, BATCH, SEQ, 5)
+    results = []
+    with torch.no_grad(), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        for model in (reference, patched):
+            results.append((model(input_ids=ids, output_hidden_states=True), model.model(input_ids=ids)))
+    (expected, expected_decoder), (got, got_decoder) = results
+    assert [h.dtype for h in got.hidden_states] == [h.dtype for h in expected.hidden_states]
+    assert got.logits.dtype == expected.logits.dtype
+    assert got_decoder.last_hidden_state.dtype == expected_decoder.last_hidden_state.dtype == torch.float32
+    for a, b in zip(got.hidden_states, expected.hidden_states):
+        assert rel(a, b) < 2e-2, rel(a, b)
+    assert rel(got_decoder.last_hidden_state, expected_decoder.last_hidden_state) < 2e-2
