@@ -27,10 +27,11 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
 
 
-def random_llama() -> torch.nn.Module:
-    """The same random Llama on every rank: norm weights random too (not ones)."""
+def random_llama(model_class=transformers.LlamaForCausalLM, **overrides) -> torch.nn.Module:
+    """The same random Llama (of a Llama class: the causal LM, a head) on every rank: norm weights random too (not
+    ones); `overrides` of the config's fields."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    model = model_class(transformers.LlamaConfig(**{**CONFIG, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)

@@ -4,7 +4,8 @@ and compares loss and every gradient with the same model unwrapped in one proces
 checkpointing. Each layer's forward reads its own (gathered) parameters, and the next norm's weight, which the
 layer's last epilogue applies, is gathered whole by the decoder loop (codagen.hf._next_norm_weight). And
 tests/hf_fsdp2_lora_worker.py: a PEFT LoRA model patched and wrapped alike, three AdamW steps on its adapters against
-the unpatched PEFT model in one process."""
+the unpatched PEFT model in one process. And tests/hf_fsdp2_head_worker.py: a patched sequence classifier wrapped
+alike, three AdamW steps on padded batches against the same model in one process."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from test_distributed import REPO, _free_port, _run  # noqa: E402
 
 WORKER = REPO / "tests" / "hf_fsdp2_worker.py"
 LORA_WORKER = REPO / "tests" / "hf_fsdp2_lora_worker.py"
+HEAD_WORKER = REPO / "tests" / "hf_fsdp2_head_worker.py"
 TOL = 1e-5
 
 
@@ -64,6 +66,23 @@ def test_fsdp2_lora_training_matches_unpatched_peft_in_one_process(tmp_path):
         assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
         assert run["max_rel_grad"] < TOL and run["max_rel_weight"] < TOL, run
         assert run["frozen_grads"] == [], run
+        # 3 layers, 3 steps; with checkpointing each layer's call runs again in the backward
+        assert run["layer_calls"] == (18 if run["checkpointing"] else 9), run
+
+
+def test_fsdp2_sequence_classifier_trains_as_in_one_process(tmp_path):
+    """A patched LlamaForSequenceClassification, fully_shard on each layer and on the root (the score head's group):
+    three AdamW steps on padded batches, with and without gradient checkpointing, give the losses, every gradient and
+    then every weight of the same model trained in one process on the whole batches."""
+    result = run_worker(HEAD_WORKER, tmp_path / "fsdp2_head.json")
+    assert result["world"] == 2
+    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    for run in result["runs"]:
+        assert run["params"], run
+        for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
+            assert abs(loss - ref_loss) <= TOL * abs(ref_loss), run
+        assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
+        assert run["max_rel_grad"] < TOL and run["max_rel_weight"] < TOL, run
         # 3 layers, 3 steps; with checkpointing each layer's call runs again in the backward
         assert run["layer_calls"] == (18 if run["checkpointing"] else 9), run
 
