@@ -682,9 +682,9 @@ def decode(llama: nn.Module, input_ids=None, attention_mask=None, position_ids=N
     """The decoder stack on [batch, seq] tokens: the residual stream x [batch * seq, hidden] after the last layer
     (lm_head_loss makes the final norm's statistics itself), (batch, seq), and the dtype transformers keeps the
     residual stream in, inputs_embeds' (under autocast x is in its dtype, as the blocks run there: the hidden states
-    collected and the final norm's input are cast back to it, as transformers returns them). With a KV cache (a transformers
-    Cache: _cache), the tokens come after the cache's positions: each layer's k and v (after RoPE) go into it and
-    its attention reads all of them, as transformers' attention does. `collected` (_collected: what
+    collected and the final norm's input are cast back to it, as transformers returns them). With a KV cache (a
+    transformers Cache: _cache), the tokens come after the cache's positions: each layer's k and v (after RoPE) go
+    into it and its attention reads all of them, as transformers' attention does. `collected` (_collected: what
     output_hidden_states and output_attentions ask for) gets the decoder's input and each layer's output, and each
     layer's attention weights."""
     config, patch = llama.config, llama.codagen_patch
