@@ -247,8 +247,8 @@ def test_refused_configurations_name_the_field(overrides, message):
 def test_refused_models_and_calls():
     with pytest.raises(TypeError, match="expected a transformers LlamaForCausalLM, Qwen2ForCausalLM, "
                                         "MistralForCausalLM, Qwen3ForCausalLM or Gemma2ForCausalLM, .* got "
-                                        "LlamaForQuestionAnswering"):
-        apply_codagen(transformers.LlamaForQuestionAnswering(transformers.LlamaConfig(**BASE)))
+                                        "GPT2LMHeadModel"):
+        apply_codagen(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)))
     patched = apply_codagen(tiny_llama())
     with pytest.raises(ValueError, match="already patched"):
         apply_codagen(patched)
