@@ -3,8 +3,8 @@
 the head and its loss stay transformers' own. Against the same model unpatched, fp32: loss, logits and every
 parameter gradient within 1e-4 relative, with padding (sequence classification pools the last token that is not
 padding), regression and multi-label losses, start and end logits and the span loss, three AdamW steps alike, a
-PEFT LoRA classifier and question-answering model (the head trained whole), the AutoCodagen classes of the heads and the
-decoder on checkpoints saved by transformers, and the heads that are refused."""
+PEFT LoRA classifier and question-answering model (the head trained whole), the AutoCodagen classes of the heads
+and the decoder on checkpoints saved by transformers, and the heads that are refused."""
 import copy
 
 import pytest
