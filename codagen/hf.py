@@ -1042,6 +1042,10 @@ class _AutoCodagenDecoder:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *args, **kwargs):
+        options = [name for name in ("chunk_rows", "return_logits") if name in kwargs]
+        if options:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no {' or '.join(options)}: options of the LM "
+                            "head's loss (AutoCodagenForCausalLM), which this model does not have")
         model_class = _pretrained_class(name_or_path, cls.kind, kwargs, f"{cls.__name__}.from_pretrained")
         return apply_codagen(model_class.from_pretrained(name_or_path, *args, **kwargs))
 

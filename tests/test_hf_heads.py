@@ -291,7 +291,8 @@ def test_auto_classes_make_a_head_of_a_causal_lm_and_load_its_decoder(tmp_path):
 
 def test_auto_classes_refuse_before_loading(tmp_path):
     """A checkpoint of a family without that head (Gemma-2 has no question-answering head), or of a model type of no
-    family, is refused from its config, naming why; the folders hold no weights, so a load would fail otherwise."""
+    family, is refused from its config, naming why, and so are the LM head's options; the folders hold no weights,
+    so a load would fail otherwise."""
     transformers.Gemma2Config(**BASE).save_pretrained(tmp_path / "gemma2")
     with pytest.raises(TypeError, match=r"^AutoCodagenForQuestionAnswering.from_pretrained: .* is a 'gemma2' model, "
                                         r"and transformers has no Gemma2ForQuestionAnswering$"):
@@ -300,6 +301,8 @@ def test_auto_classes_refuse_before_loading(tmp_path):
     with pytest.raises(TypeError, match=r"^AutoCodagenForTokenClassification.from_pretrained: .* is a 'gpt2' model; "
                                         r"codagen patches the model types 'llama', "):
         codagen.hf.AutoCodagenForTokenClassification.from_pretrained(tmp_path / "gpt2")
+    with pytest.raises(TypeError, match=r"^AutoCodagenModel.from_pretrained takes no chunk_rows: options of the LM head"):
+        codagen.hf.AutoCodagenModel.from_pretrained(tmp_path / "gemma2", chunk_rows=512)
 
 
 def test_other_heads_are_refused_by_name():
