@@ -6,7 +6,8 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
 - vocab_parallel_variants: the same for each cross-entropy variant (z-loss, label smoothing, softcapping, token
-  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block.
+  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block (z-loss
+  with "none", which no block declares: against float64 alone).
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
@@ -28,7 +29,6 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
@@ -162,7 +162,13 @@ def vocab_parallel_variants(seed: int) -> dict:
                                       ("token_weights", None, "mean"), ("token_weights", None, "sum"),
                                       ("plain", None, "none"), ("z_loss", 0.05, "none")):
         weights = token_weights if variant == "token_weights" else None
-        if variant == "z_loss":
+        if (variant, reduction) == ("z_loss", "none"):  # no single-process block declares it: float64 alone
+            whole = None
+            parallel = VocabParallelLmHeadLoss(dim, vocab, EPS, -100, reduction, 5, z_loss=value)
+            with torch.no_grad():
+                parallel.wn.copy_(wn)
+                parallel.w_vocab.copy_(w_vocab[parallel.vocab_start: parallel.vocab_start + len(parallel.w_vocab)])
+        elif variant == "z_loss":
             whole = blocks.LmHeadLossZloss(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "smoothing":
             whole = blocks.LmHeadLossSmooth(dim, vocab, EPS, value, -100, reduction, 5)
@@ -172,10 +178,11 @@ def vocab_parallel_variants(seed: int) -> dict:
             whole = blocks.LmHeadLossWeighted(dim, vocab, EPS, -100, reduction, 5)
         else:
             whole = blocks.LmHeadLossRows(dim, vocab, EPS, -100, 5)
-        with torch.no_grad():
-            whole.wn.copy_(wn)
-            whole.w_vocab.copy_(w_vocab)
-        parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
+        if whole is not None:
+            with torch.no_grad():
+                whole.wn.copy_(wn)
+                whole.w_vocab.copy_(w_vocab)
+            parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
         start, stop = parallel.vocab_start, parallel.vocab_start + len(parallel.w_vocab)
 
         def run(module, x_in):
@@ -183,15 +190,11 @@ def vocab_parallel_variants(seed: int) -> dict:
             (loss if reduction != "none" else (loss * grad_rows).sum()).backward()
             return loss.detach()
 
-        xs, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+        xs = x.clone().requires_grad_()
         loss = run(parallel, xs)
-        # the single-process z-loss block makes its gradients in the forward for a scalar output gradient: with
-        # reduction "none" only its loss is compared
-        with torch.no_grad() if (variant, reduction) == ("z_loss", "none") else contextlib.nullcontext():
-            whole_loss = whole(xw, target) if weights is None else whole(xw, target, weights)
-        if whole_loss.requires_grad:
-            (whole_loss if reduction != "none" else (whole_loss * grad_rows).sum()).backward()
-        whole_loss = whole_loss.detach()
+        if whole is not None:
+            xw = x.clone().requires_grad_()
+            whole_loss = run(whole, xw)
         x64, wn64, w64 = (v.double().requires_grad_() for v in (x, wn, w_vocab))
         ref = reference_variant(x64, target, wn64, w64, -100, variant, value, weights, reduction)
         (ref if reduction != "none" else (ref * grad_rows.double()).sum()).backward()
@@ -199,11 +202,12 @@ def vocab_parallel_variants(seed: int) -> dict:
         dist.all_gather(losses, loss)
         cases.append(dict(
             variant=variant, reduction=reduction, same_loss_on_every_rank=all(torch.equal(v, loss) for v in losses),
-            loss_vs_f64=rel(loss, ref.detach()), loss_vs_block=rel(loss, whole_loss),
-            x_vs_f64=rel(xs.grad, x64.grad), wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
+            loss_vs_f64=rel(loss, ref.detach()), x_vs_f64=rel(xs.grad, x64.grad),
+            wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
             w_vocab_vs_f64=whole_rel(parallel.w_vocab.grad, w64.grad[start:stop]),
-            **({} if xw.grad is None else dict(
-                x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
+            **({} if whole is None else dict(
+                loss_vs_block=rel(loss, whole_loss), x_vs_block=rel(xs.grad, xw.grad),
+                wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
                 w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]))),
         ))
     return dict(cases=cases)
