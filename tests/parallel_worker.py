@@ -13,8 +13,9 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
   codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
   gradient (each rank's part of the sharded weights against the same part of the whole model's).
-- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,qwen2,mistral}: codagen.parallel.apply_tensor_parallel
-  over a tiny transformers LlamaForCausalLM (untied, with tied embeddings, with gradient checkpointing),
+- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,llama_biases,qwen2,mistral}:
+  codagen.parallel.apply_tensor_parallel over a tiny transformers LlamaForCausalLM (untied, with tied embeddings,
+  with gradient checkpointing, with mlp_bias and attention_bias: the biases of every projection),
   Qwen2ForCausalLM (a qkv bias) or MistralForCausalLM (a sliding window shorter than the sequences), every rank on
   the same batches, against the unpatched transformers model in one process: the loss and every gradient (each
   rank's part of the sharded ones against the same part of the whole model's, in codagen's fused layout) at each of
@@ -304,15 +305,16 @@ def tensor_parallel(seed: int) -> dict:
                 same_params=sorted(names) == sorted(ref))
 
 
-def hf_reference(family: str, tied: bool, world: int):
-    """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads."""
+def hf_reference(family: str, tied: bool, world: int, **config):
+    """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads, and
+    `config`'s fields."""
     import transformers
 
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
     extra = dict(sliding_window=4) if family == "mistral" else {}  # a window shorter than the sequences
-    config = config_class(**extra, vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    config = config_class(**extra, **config, vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=world, max_position_embeddings=32,
                           rms_norm_eps=EPS, tie_word_embeddings=tied, attn_implementation="sdpa", pad_token_id=0)
     model = model_class(config)
@@ -343,9 +345,9 @@ def in_rank_layout(reference, model, tensors: dict, rank: int, world: int) -> di
             q, k, v = (tensors[f"{base}.{p}_proj.{leaf}"] for p in "qkv")
             whole = torch.cat([heads_to_interleaved(q, hd), heads_to_interleaved(k, hd), v])
             out[name] = whole.index_select(0, shards["pre.w_qkv"][1])
-        elif name.endswith("gate_up_proj.weight"):
+        elif name.endswith("gate_up_proj." + leaf):
             base = prefix.rpartition(".")[0]
-            whole = interleave_rows(tensors[f"{base}.gate_proj.weight"], tensors[f"{base}.up_proj.weight"])
+            whole = interleave_rows(tensors[f"{base}.gate_proj.{leaf}"], tensors[f"{base}.up_proj.{leaf}"])
             out[name] = whole.index_select(*shards["post.w_gate_up"])
         elif name.endswith("o_proj.weight"):
             out[name] = tensors[name].index_select(*shards["post.w_o"])
@@ -371,12 +373,12 @@ def worst_against(model, expected: dict, values: dict) -> float:
     return worst
 
 
-def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False) -> dict:
+def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False, **config) -> dict:
     from codagen.parallel import apply_tensor_parallel, full_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    reference = hf_reference(family, tied, world)
+    reference = hf_reference(family, tied, world, **config)
     model = apply_tensor_parallel(copy.deepcopy(reference), init_device_mesh("cpu", (world,)))
     if checkpointing:  # each layer's call, its collectives included, runs again in the backward
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
@@ -451,7 +453,6 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
 
     made = {
         "kv_heads": lambda: llama(num_key_value_heads=1),
-        "mlp_bias": lambda: llama(mlp_bias=True),
         "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)),
         "peft": lambda: peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"])),
         "classifier": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small)),
@@ -511,6 +512,9 @@ def main(case: str, out: str, seed: int) -> None:
                                                       hf_tensor_parallel, "llama", False, checkpointing=True),
                                                   "hf_tensor_parallel_mistral": functools.partial(
                                                       hf_tensor_parallel, "mistral", False),
+                                                  "hf_tensor_parallel_llama_biases": functools.partial(
+                                                      hf_tensor_parallel, "llama", False, mlp_bias=True,
+                                                      attention_bias=True),
                                                   "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
                                                   "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
     if dist.get_rank() == 0:

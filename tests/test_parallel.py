@@ -90,10 +90,12 @@ def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
 
 
 @pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama", 4), ("llama_tied", 2), ("llama_tied", 4),
-                                         ("llama_checkpointing", 2), ("qwen2", 2), ("mistral", 2)])
+                                         ("llama_checkpointing", 2), ("llama_biases", 2), ("llama_biases", 4),
+                                         ("qwen2", 2), ("mistral", 2)])
 def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
     """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
-    parameter; gradient checkpointing; Qwen2: a qkv bias; Mistral: a sliding window): three AdamW steps, the losses
+    parameter; gradient checkpointing; Llama's mlp_bias and attention_bias: the biases of every projection, the
+    row-parallel ones added once; Qwen2: a qkv bias; Mistral: a sliding window): three AdamW steps, the losses
     and every gradient against the unpatched model in one process, and the whole weights gathered (full_state_dict)
     after them; the gradients of a loss of the gathered logits; the logits in evaluation and greedy generate()."""
     pytest.importorskip("transformers")
@@ -116,7 +118,6 @@ def test_hf_tensor_parallel_refusals(tmp_path):
     pytest.importorskip("peft")
     refusals = run_worker(tmp_path, "hf_tensor_parallel_refusals", 2)["refusals"]
     expected = {"kv_heads": r"config.num_key_value_heads = 1 is not divisible by the world size 2",
-                "mlp_bias": r"config.mlp_bias = True is not supported",
                 "qwen3": r"Qwen3ForCausalLM is not supported",
                 "peft": r"PEFT \(LoRA\) model", "classifier": r"got LlamaForSequenceClassification",
                 "twice": r"already tensor-parallel"}

@@ -4,9 +4,9 @@
     model = apply_tensor_parallel(LlamaForCausalLM.from_pretrained(path), group)  # patched, then sharded
 
 Each decoder layer keeps its modules and parameter names and holds its rank's part of the fused projections, as
-codagen's own TensorParallelLlama does (`layer_shards`): qkv_proj (and its bias) and gate_up_proj column-parallel,
-o_proj and down_proj row-parallel, their all-reduces in TensorParallelPreAttentionFunction and
-TensorParallelPostAttentionFunction; attention is Hugging Face's own function on the rank's heads. The embedding and
+codagen's own TensorParallelLlama does (`layer_shards`): qkv_proj and gate_up_proj (and their biases)
+column-parallel, o_proj and down_proj row-parallel (their biases replicated, added once), their all-reduces in
+TensorParallelPreAttentionFunction and TensorParallelPostAttentionFunction; attention is Hugging Face's own function on the rank's heads. The embedding and
 the LM head are vocab-parallel: rank r holds the rows `vocab_range(V, r, P)` of each (one parameter where they are
 tied), the embedding's lookup is summed over the ranks (one all-reduce of the [M, hidden] output), the loss is
 codagen.parallel's vocab-parallel lm_head_loss, and the logits, where a call asks for them (no labels, generate(),
@@ -165,10 +165,12 @@ def _decoder_layer_class():
                             attentions, attention_kwargs)
             if attn.o_proj.bias is not None:
                 x = x + cast(attn.o_proj.bias)  # replicated, added once: the residual is the same on every rank
+            # mlp_bias: the rank's pairs' gate/up bias, and down_proj's, replicated, added once after the all-reduce
+            b_gate_up, b_down = (None if b is None else cast(b) for b in (mlp.gate_up_proj.bias, mlp.down_proj.bias))
             x, h, rstd = TensorParallelPostAttentionFunction.apply(
                 y.reshape(batch * seq, -1), x, cast(next_norm_weight), cast(attn.o_proj.weight),
-                cast(self.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight), cast(mlp.down_proj.weight),
-                dim, eps, group)
+                cast(self.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight), b_gate_up,
+                cast(mlp.down_proj.weight), b_down, dim, eps, group)
             return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
     return TensorParallelDecoderLayer
@@ -212,8 +214,6 @@ def _check(model, world: int) -> None:
                 "norms and softcapping), not Llama's, which the tensor-parallel layers are made of; Llama, Mistral "
                 "and Qwen2 are supported")
     config = model.config
-    if getattr(config, "mlp_bias", False):
-        _refuse("config.mlp_bias = True is not supported (the gate/up bias block has no tensor-parallel form)")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(config, field)
         if n % world:
@@ -236,16 +236,16 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
     """Make a transformers LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (unpatched, or patched by
     codagen.hf.apply_codagen) tensor-parallel over `group` (a process group, a 1-D DeviceMesh, or None: the default
     group), in place, and return it. Every rank must call it on the same whole model and then feed the model the
-    same batch; each gets the same loss, the whole gradients of the replicated parameters (the norms, the
-    out-projection's bias) and its part's of the others. apply_codagen_kwargs (chunk_rows, return_logits) go to
+    same batch; each gets the same loss, the whole gradients of the replicated parameters (the norms, the out and
+    down projections' biases) and its part's of the others. apply_codagen_kwargs (chunk_rows, return_logits) go to
     apply_codagen where the model is not patched yet. Make the optimizer afterwards.
 
     Rank r of P keeps, of each decoder layer, the rows of qkv_proj (and its bias) of its num_attention_heads / P
     query and num_key_value_heads / P key-value heads and o_proj's matching columns, and a contiguous 1/P of the
-    (gate, up) pairs of gate_up_proj and down_proj's matching columns; of the embedding and the LM head, the rows
+    (gate, up) pairs of gate_up_proj (and of its bias, mlp_bias) and down_proj's matching columns; of the embedding and the LM head, the rows
     vocab_range(vocab_size, r, P) (one parameter where they are tied). state_dict() gives the rank's parts under
     Hugging Face's names. Raises TensorParallelError, naming what, for what is not supported: a PEFT model, Qwen3 and
-    Gemma-2, mlp_bias, head counts or an intermediate size not divisible by P, a model already sharded."""
+    Gemma-2, head counts or an intermediate size not divisible by P, a model already sharded."""
     from codagen import hf
 
     group = process_group(group)
@@ -273,6 +273,8 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
             _shard(attn.qkv_proj, "bias", 0, qkv_rows)
         _shard(attn.o_proj, "weight", *shards["post.w_o"])
         _shard(mlp.gate_up_proj, "weight", *shards["post.w_gate_up"])
+        if mlp.gate_up_proj.bias is not None:  # mlp_bias: the rank's pairs' bias; down_proj's is replicated
+            _shard(mlp.gate_up_proj, "bias", *shards["post.w_gate_up"])
         _shard(mlp.down_proj, "weight", *shards["post.w_down"])
         attn.o_proj.in_features = attn.o_proj.weight.shape[1]
         mlp.down_proj.in_features = mlp.down_proj.weight.shape[1]
@@ -306,7 +308,8 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
 # slice's)
 SHARDED = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
            "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
-           "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "self_attn.o_proj.weight": 1,
+           "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.bias": 0,
+           "self_attn.o_proj.weight": 1,
            "mlp.down_proj.weight": 1, "model.embed_tokens.weight": 0, "lm_head.weight": 0}
 
 
