@@ -13,17 +13,20 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
   codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
   gradient (each rank's part of the sharded weights against the same part of the whole model's).
-- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,llama_biases,qwen2,mistral}:
+- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,llama_biases,qwen2,mistral,qwen3}:
   codagen.parallel.apply_tensor_parallel over a tiny transformers LlamaForCausalLM (untied, with tied embeddings,
   with gradient checkpointing, with mlp_bias and attention_bias: the biases of every projection),
-  Qwen2ForCausalLM (a qkv bias) or MistralForCausalLM (a sliding window shorter than the sequences), every rank on
+  Qwen2ForCausalLM (a qkv bias), MistralForCausalLM (a sliding window shorter than the sequences) or
+  Qwen3ForCausalLM (QK-norm: its own block before attention, on the rank's whole heads), every rank on
   the same batches, against the unpatched transformers model in one process: the loss and every gradient (each
   rank's part of the sharded ones against the same part of the whole model's, in codagen's fused layout) at each of
   three AdamW steps, and the weights after them (and the whole weights gathered, full_state_dict, against its
   state_dict()); the gradients of a loss computed from the (gathered) logits of a call without labels; then those
   logits in evaluation, and greedy generate().
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
-  model: the message of each, and whether the model was left unpatched.
+  model: the message of each, and whether the model was left unpatched. A family that codagen.hf patches and
+  apply_tensor_parallel does not is Qwen2's with its entry taken out of codagen.parallel.hf_families.FAMILIES (every
+  family codagen.hf patches has a tensor-parallel form).
 - ddp_codagen, ddp_hf: DistributedDataParallel over codagen's Llama assembly, or over a codagen.hf-patched
   transformers Llama, rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every
   gradient.
@@ -34,6 +37,7 @@ import copy
 import functools
 import json
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -305,18 +309,25 @@ def tensor_parallel(seed: int) -> dict:
                 same_params=sorted(names) == sorted(ref))
 
 
-def hf_reference(family: str, tied: bool, world: int, **config):
+def hf_reference(family: str, tied: bool, world: int, **fields):
     """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads, and
-    `config`'s fields."""
+    the config's `fields`."""
     import transformers
 
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
-    extra = dict(sliding_window=4) if family == "mistral" else {}  # a window shorter than the sequences
-    config = config_class(**extra, **config, vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=world, max_position_embeddings=32,
-                          rms_norm_eps=EPS, tie_word_embeddings=tied, attn_implementation="sdpa", pad_token_id=0)
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[family]
+    extra = {"mistral": dict(sliding_window=4),  # a window shorter than the sequences
+             "qwen3": dict(head_dim=128),  # QK-norm's heads: 128 columns (codagen.models.qwen3)
+             # its sliding layers' window shorter than the sequences; eager attention (SDPA drops the score softcap)
+             "gemma2": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4)}.get(family, {})
+    attention = "eager" if family == "gemma2" else "sdpa"
+    config = config_class(**extra, **fields, vocab_size=37, hidden_size=32, intermediate_size=48,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=world,
+                          max_position_embeddings=32, rms_norm_eps=EPS, tie_word_embeddings=tied,
+                          attn_implementation=attention, pad_token_id=0)
     model = model_class(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -331,7 +342,7 @@ def in_rank_layout(reference, model, tensors: dict, rank: int, world: int) -> di
     from codagen.presets import LlamaShape
 
     config = reference.config
-    hd = config.hidden_size // config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = LlamaShape(dim=config.hidden_size, ffn_dim=config.intermediate_size, n_heads=config.num_attention_heads,
                        n_kv_heads=config.num_key_value_heads, head_dim=hd, n_layers=config.num_hidden_layers,
                        vocab=config.vocab_size)
@@ -373,12 +384,12 @@ def worst_against(model, expected: dict, values: dict) -> float:
     return worst
 
 
-def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False, **config) -> dict:
+def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False, **fields) -> dict:
     from codagen.parallel import apply_tensor_parallel, full_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    reference = hf_reference(family, tied, world, **config)
+    reference = hf_reference(family, tied, world, **fields)
     model = apply_tensor_parallel(copy.deepcopy(reference), init_device_mesh("cpu", (world,)))
     if checkpointing:  # each layer's call, its collectives included, runs again in the backward
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
@@ -443,6 +454,7 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
 
     from codagen.hf import CodagenDecoderLayer
     from codagen.parallel import TensorParallelError, apply_tensor_parallel
+    from codagen.parallel.hf_families import FAMILIES
 
     torch.manual_seed(seed)
     small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
@@ -453,7 +465,7 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
 
     made = {
         "kv_heads": lambda: llama(num_key_value_heads=1),
-        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)),
+        "family": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)),
         "peft": lambda: peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"])),
         "classifier": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small)),
         "twice": lambda: apply_tensor_parallel(llama()),
@@ -462,7 +474,10 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
     for name, make in made.items():
         model = make()
         try:
-            apply_tensor_parallel(model)
+            with mock.patch.dict(FAMILIES):
+                if name == "family":  # a family that codagen.hf patches and apply_tensor_parallel would not
+                    del FAMILIES["Qwen2ForCausalLM"]
+                apply_tensor_parallel(model)
         except TensorParallelError as e:
             unpatched = not any(isinstance(m, CodagenDecoderLayer) for m in model.modules())
             refusals[name] = dict(message=str(e), unpatched=unpatched)
@@ -512,6 +527,10 @@ def main(case: str, out: str, seed: int) -> None:
                                                       hf_tensor_parallel, "llama", False, checkpointing=True),
                                                   "hf_tensor_parallel_mistral": functools.partial(
                                                       hf_tensor_parallel, "mistral", False),
+                                                  "hf_tensor_parallel_qwen3": functools.partial(
+                                                      hf_tensor_parallel, "qwen3", False),
+                                                  "hf_tensor_parallel_gemma2": functools.partial(
+                                                      hf_tensor_parallel, "gemma2", True),
                                                   "hf_tensor_parallel_llama_biases": functools.partial(
                                                       hf_tensor_parallel, "llama", False, mlp_bias=True,
                                                       attention_bias=True),

@@ -22,7 +22,7 @@ from codagen.runtime import finish
 from .vocab_parallel import VocabParallelLmHeadLoss, generated_kernels, process_group
 
 
-def _residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
+def residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
     """The residual's gradient as this rank's part of a sum over ranks: itself on rank 0, zeros elsewhere (every
     rank holds the same whole gradient)."""
     return grad if dist.get_rank(group) == 0 else torch.zeros_like(grad)
@@ -71,7 +71,7 @@ class TensorParallelPreAttentionFunction(torch.autograd.Function):
                                                                freqs=freqs)
         zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)  # the rank's columns' part of the row dot
         grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=_residual_on_first_rank(grad_x_out, group))
+            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=residual_on_first_rank(grad_x_out, group))
         grad_wn = finish.sum_tiles(x=dwn_part)
         dist.all_reduce(grad_x, group=group)
         dist.all_reduce(grad_wn, group=group)
@@ -126,7 +126,7 @@ class TensorParallelPostAttentionFunction(torch.autograd.Function):
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)  # the rank's pairs' part of the row dot
         grad_w_down = finish.matmul(a=grad_x_out, b=y1, transpose="a")
         grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=_residual_on_first_rank(grad_x_out, group))
+            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=residual_on_first_rank(grad_x_out, group))
         grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
         dist.all_reduce(grad_x, group=group)
         dist.all_reduce(grad_wn_mlp, group=group)
