@@ -23,6 +23,9 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   three AdamW steps, and the weights after them (and the whole weights gathered, full_state_dict, against its
   state_dict()); the gradients of a loss computed from the (gathered) logits of a call without labels; then those
   logits in evaluation, and greedy generate().
+- hf_tensor_parallel_autocast_{llama,gemma2}: apply_tensor_parallel under torch.autocast (bf16) over Llama (with
+  mlp_bias and attention_bias) and Gemma-2, against the codagen.hf-patched model in one process and the unpatched
+  transformers model under the same autocast: the losses, every gradient, and the gradients' dtype.
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
   model: the message of each, and whether the model was left unpatched. A family that codagen.hf patches and
   apply_tensor_parallel does not is Qwen2's with its entry taken out of codagen.parallel.hf_families.FAMILIES (every
@@ -448,6 +451,54 @@ def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool =
                 params=len(names), embed_is_head=model.lm_head.weight is model.model.embed_tokens.weight)
 
 
+def by_hf_names(patched, tensors: dict) -> dict:
+    """A codagen.hf-patched model's tensors (its parameters, or their gradients, by its parameter names) by Hugging
+    Face's names and in its layout: each fused projection split back by its module (unfuse)."""
+    out = {}
+    for name, t in tensors.items():
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+        if fused is None:
+            out[name] = t
+            continue
+        prefix, kind = name.split(f"{fused}.")
+        owner = patched.get_submodule(prefix.rstrip("."))
+        for part, value in zip(owner.parts, owner.unfuse(t)):
+            out[f"{prefix}{part}.{kind}"] = value
+    return out
+
+
+def hf_tensor_parallel_autocast(family: str, seed: int, **fields) -> dict:
+    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights, as Trainer's bf16=True runs), against the
+    codagen.hf-patched model in one process under the same autocast (the same kernels in bf16) and against the
+    unpatched transformers model under it: the loss and every gradient, and the gradients' dtype."""
+    from codagen.hf import apply_codagen
+    from codagen.parallel import apply_tensor_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = hf_reference(family, False, world, **fields)
+    patched = apply_codagen(copy.deepcopy(reference))
+    model = apply_tensor_parallel(copy.deepcopy(reference))
+    tokens = torch.randint(0, 37, (2, 9))
+    labels = tokens.clone()
+    labels[1, :3] = -100
+    losses = []
+    for m in (model, patched, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    patched_grads = in_rank_layout(reference, model, by_hf_names(patched, {n: p.grad for n, p in
+                                                                          patched.named_parameters()}), rank, world)
+    ref_grads = in_rank_layout(reference, model, {n: p.grad for n, p in reference.named_parameters()}, rank, world)
+    return dict(loss=losses[0], patched_loss=losses[1], ref_loss=losses[2],
+                grads_vs_patched=worst_against(model, patched_grads, grads),
+                grads_vs_ref=worst_against(model, ref_grads, grads),
+                patched_grads_vs_ref=worst_against(model, ref_grads, patched_grads),
+                fp32_grads=all(g.dtype == torch.float32 for g in grads.values()))
+
+
 def hf_tensor_parallel_refusals(seed: int) -> dict:
     import peft
     import transformers
@@ -534,6 +585,11 @@ def main(case: str, out: str, seed: int) -> None:
                                                   "hf_tensor_parallel_llama_biases": functools.partial(
                                                       hf_tensor_parallel, "llama", False, mlp_bias=True,
                                                       attention_bias=True),
+                                                  "hf_tensor_parallel_autocast_llama": functools.partial(
+                                                      hf_tensor_parallel_autocast, "llama", mlp_bias=True,
+                                                      attention_bias=True),
+                                                  "hf_tensor_parallel_autocast_gemma2": functools.partial(
+                                                      hf_tensor_parallel_autocast, "gemma2"),
                                                   "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
                                                   "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
     if dist.get_rank() == 0:

@@ -114,6 +114,26 @@ def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc
     assert result["same_generate"], (result["seed"], result)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_hf_tensor_parallel_under_autocast(tmp_path, family):
+    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights; Llama with every projection's bias): against
+    the codagen.hf-patched model in one process under the same autocast, to bf16's precision (the same kernels; the
+    ranks' partial products rounded to bf16 before their sum), and against the unpatched transformers model under
+    it no further than twice the one-process patched model is, give or take one bf16 rounding (2^-8); the
+    gradients come back in the weights' fp32."""
+    pytest.importorskip("transformers")
+    r = run_worker(tmp_path, f"hf_tensor_parallel_autocast_{family}", 2)
+    bf16 = 2.0**-8
+
+    def rel(a, b):
+        return abs(a - b) / abs(b)
+
+    assert r["fp32_grads"], r
+    assert rel(r["loss"], r["patched_loss"]) < bf16 and r["grads_vs_patched"] < 0.1, r
+    assert rel(r["loss"], r["ref_loss"]) <= 2 * rel(r["patched_loss"], r["ref_loss"]) + bf16, r
+    assert r["grads_vs_ref"] <= 2 * r["patched_grads_vs_ref"] + bf16, r
+
+
 def test_hf_tensor_parallel_refusals(tmp_path):
     """What apply_tensor_parallel refuses, by name, before it changes the model."""
     pytest.importorskip("transformers")

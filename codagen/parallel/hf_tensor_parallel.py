@@ -176,13 +176,17 @@ def _decoder_layer_class():
             else:
                 # the family's own block (Qwen3's QK-norm, Gemma-2's (1 + w) norm) on the rank's qkv columns, its
                 # replicated inputs (x, the norm weights) through _ToRanks: the block's backward makes the rank's
-                # part of their gradients, summed over the ranks there. The residual is x itself, outside the block,
-                # so that its gradient is counted once.
+                # part of their gradients, summed over the ranks there (the weights' before their cast: in their
+                # own dtype). The residual is x itself, outside the block, so that its gradient is counted once.
                 def replicated(t):
                     return _ToRanks.apply(t, group)
 
-                _, qkv = mapping.pre_attention(self, blocks, replicated(x), h, rstd, positions, freqs, replicated(wn),
-                                               cast(attn.qkv_proj.weight), eps, lambda t: replicated(cast(t)))
+                def replicated_weight(t):
+                    return cast(replicated(t))
+
+                _, qkv = mapping.pre_attention(self, blocks, replicated(x), h, rstd, positions, freqs,
+                                               replicated_weight(self.input_layernorm.weight),
+                                               cast(attn.qkv_proj.weight), eps, replicated_weight)
             if attn.qkv_proj.bias is not None:  # the rank's columns' bias (Qwen2's), rotated as in codagen.hf
                 qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
             y = self.attend(qkv.view(batch, seq, -1), attention, attention_mask, position_ids, score_scale, cache,
