@@ -151,8 +151,9 @@ def _decoder_layer_class():
     class TensorParallelDecoderLayer(CodagenDecoderLayer):
         """A CodagenDecoderLayer holding its rank's part of the fused projections (apply_tensor_parallel sets it): the
         same modules and parameter names; qkv_proj's rows of the rank's heads and gate_up_proj's of its (gate, up)
-        pairs, o_proj's and down_proj's matching columns. Its PreAttention and PostAttention are
-        codagen.parallel's tensor-parallel functions; attention is Hugging Face's, on the rank's heads."""
+        pairs, o_proj's and down_proj's matching columns. Before attention: TensorParallelPreAttentionFunction, or
+        the family's own block on the rank's heads; after it, the family's (hf_families.FAMILIES); attention is
+        Hugging Face's, on the rank's heads."""
 
         def forward(self, hidden_states, norm_stats, next_norm_weight, *, blocks, positions, rope_freqs, attention,
                     attention_mask, position_ids, score_scale=1.0, dtype=None, cache=None, attentions=None,
