@@ -397,12 +397,14 @@ def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool =
     if checkpointing:  # each layer's call, its collectives included, runs again in the backward
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     names = [n for n, _ in model.named_parameters()]
-    # a small lr: Adam's first step is about lr * sign(g), also for an element whose gradient is near 0 (1e-7 at some
-    # seeds), where fp32 rounding decides the sign; a codagen.hf-patched model in one process drifts from the
-    # unpatched one alike (about 1e-6 at lr 1e-3 after three steps), and a small lr keeps that drift below what is
-    # checked. A wrong step (a tied weight's gradient counted twice, a shard's missing) still differs by ~1e-3.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, weight_decay=0.1)
+    # a small lr, and Adam's eps at 1e-4: with its default (1e-8) Adam's first step is about lr * sign(g), also for an
+    # element whose gradient is near 0 (1e-7 at some seeds), where fp32 rounding decides the sign: one such element
+    # of o_proj made the next steps' gradients differ by 8e-5 (Mistral, seed 461914508). With eps 1e-4 a gradient
+    # below it steps by about lr * g / eps, continuous in g. A codagen.hf-patched model in one process drifts from
+    # the unpatched one alike. A wrong step (a tied weight's gradient counted twice, a shard's missing) still differs
+    # by ~1e-3.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-4, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, eps=1e-4, weight_decay=0.1)
     steps = []
     for _step in range(3):
         tokens = torch.randint(0, 37, (2, 9))
