@@ -6,8 +6,8 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
 - vocab_parallel_variants: the same for each cross-entropy variant (z-loss, label smoothing, softcapping, token
-  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block (z-loss
-  with "none", which no block declares: against float64 alone).
+  weights; mean, sum and "none"; Gemma-2's head), against F.cross_entropy in float64 and the single-process variant's
+  block (z-loss with "none", which no block declares: against float64 alone).
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
@@ -130,9 +130,9 @@ def vocab_parallel(seed: int) -> dict:
 
 def reference_variant(x, target, wn, w_vocab, ignore_index, variant, value, token_weights, reduction):
     """A cross-entropy variant of the final RMSNorm and LM head in plain PyTorch (F.cross_entropy)."""
-    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * wn
+    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * (1 + wn if variant == "gemma2" else wn)
     z = xn @ w_vocab.T
-    if variant == "softcap":
+    if variant in ("softcap", "gemma2"):
         z = value * torch.tanh(z / value)
     if variant == "smoothing":
         return F.cross_entropy(z, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=value)
@@ -168,7 +168,7 @@ def vocab_parallel_variants(seed: int) -> dict:
     for variant, value, reduction in (("z_loss", 0.05, "mean"), ("z_loss", 0.05, "sum"), ("smoothing", 0.1, "mean"),
                                       ("smoothing", 0.2, "sum"), ("softcap", 1.5, "mean"),
                                       ("token_weights", None, "mean"), ("token_weights", None, "sum"),
-                                      ("plain", None, "none"), ("z_loss", 0.05, "none")):
+                                      ("plain", None, "none"), ("z_loss", 0.05, "none"), ("gemma2", 1.5, "mean")):
         weights = token_weights if variant == "token_weights" else None
         if (variant, reduction) == ("z_loss", "none"):  # no single-process block declares it: float64 alone
             whole = None
@@ -182,6 +182,8 @@ def vocab_parallel_variants(seed: int) -> dict:
             whole = blocks.LmHeadLossSmooth(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "softcap":
             whole = blocks.LmHeadLossSoftcap(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "gemma2":  # the final norm's scale 1 + w, and the softcap
+            whole = blocks.Gemma2LmHeadLoss(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "token_weights":
             whole = blocks.LmHeadLossWeighted(dim, vocab, EPS, -100, reduction, 5)
         else:

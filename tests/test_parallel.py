@@ -59,13 +59,14 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_vocab_parallel_cross_entropy_variants(tmp_path, nproc):
-    """z-loss, label smoothing, softcapping, token weights (mean and sum), and reduction "none" (plain and z-loss),
-    over the vocabulary split across the ranks: against F.cross_entropy in float64 and the single-process block (but
-    z-loss with "none", which no block declares)."""
+    """z-loss, label smoothing, softcapping, token weights (mean and sum), reduction "none" (plain and z-loss), and
+    Gemma-2's head (its final norm's 1 + w scale, softcapped logits), over the vocabulary split across the ranks:
+    against F.cross_entropy in float64 and the single-process block (but z-loss with "none", which no block
+    declares)."""
     result = run_worker(tmp_path, "vocab_parallel_variants", nproc)
     assert [(c["variant"], c["reduction"]) for c in result["cases"]] == [
         ("z_loss", "mean"), ("z_loss", "sum"), ("smoothing", "mean"), ("smoothing", "sum"), ("softcap", "mean"),
-        ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none")]
+        ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none"), ("gemma2", "mean")]
     for case in result["cases"]:
         assert case["same_loss_on_every_rank"], (result["seed"], case)
         compared = [k for k in case if k.endswith(("_vs_f64", "_vs_block"))]

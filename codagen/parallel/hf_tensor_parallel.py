@@ -188,7 +188,7 @@ def _decoder_layer_class():
                 _, qkv = mapping.pre_attention(self, blocks, replicated(x), h, rstd, positions, freqs,
                                                replicated_weight(self.input_layernorm.weight),
                                                cast(attn.qkv_proj.weight), eps, replicated_weight)
-            if attn.qkv_proj.bias is not None:  # the rank's columns' bias (Qwen2's, attention_bias), rotated as in codagen.hf
+            if attn.qkv_proj.bias is not None:  # the rank's columns' bias (Qwen2's), rotated as in codagen.hf
                 qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
             y = self.attend(qkv.view(batch, seq, -1), attention, attention_mask, position_ids, score_scale, cache,
                             attentions, attention_kwargs)

@@ -261,20 +261,22 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
 
 class VocabParallelLmHeadLoss(nn.Module):
     """LmHeadLoss (the generated lm_head_loss block's module, with the same arguments), or one of its variants
-    (z_loss, smoothing, softcap, token_weights: vocab_parallel_lm_head_loss), over this rank's slice of the
-    vocabulary: `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole
-    final norm weight. Every rank of `group` (a process group, a 1-D DeviceMesh, or None: the default group) calls
-    it with the same x and targets (and token weights, with token_weights=True) and gets the same loss, the whole
-    gradients of x and wn, and its slice's of w_vocab."""
+    (z_loss, smoothing, softcap, token_weights: vocab_parallel_lm_head_loss; norm_plus_one with softcap: Gemma-2's
+    head, Gemma2LmHeadLoss), over this rank's slice of the vocabulary: `w_vocab` holds the rows
+    `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole final norm weight. Every rank of `group`
+    (a process group, a 1-D DeviceMesh, or None: the default group) calls it with the same x and targets (and token
+    weights, with token_weights=True) and gets the same loss, the whole gradients of x and wn, and its slice's of
+    w_vocab."""
 
     def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
-                 grad_sum="same", *, z_loss=0.0, smoothing=0.0, softcap=None, token_weights=False, group=None,
-                 device=None, dtype=None):
+                 grad_sum="same", *, z_loss=0.0, smoothing=0.0, softcap=None, token_weights=False,
+                 norm_plus_one=False, group=None, device=None, dtype=None):
         super().__init__()
         self.dim, self.vocab, self.eps = dim, vocab, eps
         self.ignore_index, self.reduction, self.chunk_rows = ignore_index, reduction, chunk_rows
         self.empty_mean, self.grad_sum, self.group = empty_mean, grad_sum, process_group(group)
         self.z_loss, self.smoothing, self.softcap, self.token_weights = z_loss, smoothing, softcap, token_weights
+        self.norm_plus_one = norm_plus_one
         _variant(z_loss, smoothing, softcap, torch.empty(0) if token_weights else None)  # one variant at most
         group = self.group
         self.vocab_start, stop = vocab_range(vocab, dist.get_rank(group), dist.get_world_size(group))
@@ -285,15 +287,16 @@ class VocabParallelLmHeadLoss(nn.Module):
     @classmethod
     def from_lm_head_loss(cls, head: nn.Module, group=None) -> "VocabParallelLmHeadLoss":
         """This rank's part of a whole LmHeadLoss, or of a variant's block (LmHeadLossZloss, LmHeadLossSmooth,
-        LmHeadLossSoftcap, LmHeadLossWeighted, LmHeadLossRows: same attributes; the weights copied, w_vocab's slice
-        only)."""
+        LmHeadLossSoftcap, LmHeadLossWeighted, LmHeadLossRows, and Gemma-2's Gemma2LmHeadLoss: same attributes; the
+        weights copied, w_vocab's slice only)."""
         # made on the meta device: no random initialization, which would draw from the RNG as many numbers as
         # this rank's slice holds, a count that differs between ranks where the world size does not divide vocab
         weighted = type(head).__name__ == "LmHeadLossWeighted"
         parallel = cls(head.dim, head.vocab, head.eps, head.ignore_index, getattr(head, "reduction", "none"),
                        head.chunk_rows, getattr(head, "empty_mean", "nan"), getattr(head, "grad_sum", "same"),
                        z_loss=getattr(head, "z_loss", 0.0), smoothing=getattr(head, "smoothing", 0.0),
-                       softcap=getattr(head, "softcap", None), token_weights=weighted, group=group, device="meta",
+                       softcap=getattr(head, "softcap", None), token_weights=weighted,
+                       norm_plus_one=type(head).__name__ == "Gemma2LmHeadLoss", group=group, device="meta",
                        dtype=head.wn.dtype)
         parallel.to_empty(device=head.wn.device)
         with torch.no_grad():
@@ -308,4 +311,5 @@ class VocabParallelLmHeadLoss(nn.Module):
         return vocab_parallel_lm_head_loss(x, target, self.wn, self.w_vocab, self.vocab_start, self.vocab, self.eps,
                                            self.ignore_index, self.reduction, self.chunk_rows, self.empty_mean,
                                            self.grad_sum, self.group, z_loss=self.z_loss, smoothing=self.smoothing,
-                                           softcap=self.softcap, token_weights=token_weights)
+                                           softcap=self.softcap, token_weights=token_weights,
+                                           norm_plus_one=self.norm_plus_one)
