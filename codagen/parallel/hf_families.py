@@ -1,8 +1,8 @@
 """What apply_tensor_parallel runs in each transformers family it supports, by causal LM class (FAMILIES), where the
 families differ: the non-attention rest of a layer (its row-parallel products all-reduced before the norms that
-follow them) and the options of the vocab-parallel loss. The rest is shared (hf_tensor_parallel): the sharding, the
-first layer's norm statistics and the block before attention, the family's own single-process block on the rank's
-heads (docs/distributed.md#a-transformers-model-tensor-parallel).
+follow them) and the options of the vocab-parallel loss. Shared by all (hf_tensor_parallel): the sharding, the first
+layer's norm statistics, and the block before attention (Llama's tensor-parallel function, or the family's own
+single-process block on the rank's heads); docs/distributed.md#a-transformers-model-tensor-parallel.
 """
 from __future__ import annotations
 
