@@ -6,33 +6,41 @@ as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
   single-process LmHeadLoss block in fp32: loss and the gradients of x, wn and the LM-head weight.
 - vocab_parallel_variants: the same for each cross-entropy variant (z-loss, label smoothing, softcapping, token
-  weights; mean, sum and "none"), against F.cross_entropy in float64 and the single-process variant's block.
+  weights; mean, sum and "none"; Gemma-2's head), against F.cross_entropy in float64 and the single-process variant's
+  block (z-loss with "none", which no block declares: against float64 alone).
 - llama_vocab_parallel: codagen's Llama assembly with its head replaced by a VocabParallelLmHeadLoss, every rank
   on the same batch, against the same model in one process: loss and every gradient.
 - tensor_parallel: codagen.parallel's TensorParallelLlama (tensor-parallel layers, vocab-parallel head) made from
   codagen's Llama assembly, every rank on the same batch, against the whole model in one process: loss and every
   gradient (each rank's part of the sharded weights against the same part of the whole model's).
-- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,qwen2,mistral}: codagen.parallel.apply_tensor_parallel
-  over a tiny transformers LlamaForCausalLM (untied, with tied embeddings, with gradient checkpointing),
-  Qwen2ForCausalLM (a qkv bias) or MistralForCausalLM (a sliding window shorter than the sequences), every rank on
+- hf_tensor_parallel_{llama,llama_tied,llama_checkpointing,llama_biases,qwen2,mistral,qwen3}:
+  codagen.parallel.apply_tensor_parallel over a tiny transformers LlamaForCausalLM (untied, with tied embeddings,
+  with gradient checkpointing, with mlp_bias and attention_bias: the biases of every projection),
+  Qwen2ForCausalLM (a qkv bias), MistralForCausalLM (a sliding window shorter than the sequences) or
+  Qwen3ForCausalLM (QK-norm: its own block before attention, on the rank's whole heads), every rank on
   the same batches, against the unpatched transformers model in one process: the loss and every gradient (each
   rank's part of the sharded ones against the same part of the whole model's, in codagen's fused layout) at each of
   three AdamW steps, and the weights after them (and the whole weights gathered, full_state_dict, against its
   state_dict()); the gradients of a loss computed from the (gathered) logits of a call without labels; then those
   logits in evaluation, and greedy generate().
+- hf_tensor_parallel_autocast_{llama,gemma2}: apply_tensor_parallel under torch.autocast (bf16) over Llama (with
+  mlp_bias and attention_bias) and Gemma-2, against the codagen.hf-patched model in one process and the unpatched
+  transformers model under the same autocast: the losses, every gradient, and the gradients' dtype.
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
-  model: the message of each, and whether the model was left unpatched.
+  model: the message of each, and whether the model was left unpatched. A family that codagen.hf patches and
+  apply_tensor_parallel does not is Qwen2's with its entry taken out of codagen.parallel.hf_families.FAMILIES (every
+  family codagen.hf patches has a tensor-parallel form).
 - ddp_codagen, ddp_hf: DistributedDataParallel over codagen's Llama assembly, or over a codagen.hf-patched
   transformers Llama, rank r on row r of the batch, against the unwrapped model on the whole batch: loss and every
   gradient.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -122,9 +130,9 @@ def vocab_parallel(seed: int) -> dict:
 
 def reference_variant(x, target, wn, w_vocab, ignore_index, variant, value, token_weights, reduction):
     """A cross-entropy variant of the final RMSNorm and LM head in plain PyTorch (F.cross_entropy)."""
-    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * wn
+    xn = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * (1 + wn if variant == "gemma2" else wn)
     z = xn @ w_vocab.T
-    if variant == "softcap":
+    if variant in ("softcap", "gemma2"):
         z = value * torch.tanh(z / value)
     if variant == "smoothing":
         return F.cross_entropy(z, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=value)
@@ -160,22 +168,31 @@ def vocab_parallel_variants(seed: int) -> dict:
     for variant, value, reduction in (("z_loss", 0.05, "mean"), ("z_loss", 0.05, "sum"), ("smoothing", 0.1, "mean"),
                                       ("smoothing", 0.2, "sum"), ("softcap", 1.5, "mean"),
                                       ("token_weights", None, "mean"), ("token_weights", None, "sum"),
-                                      ("plain", None, "none"), ("z_loss", 0.05, "none")):
+                                      ("plain", None, "none"), ("z_loss", 0.05, "none"), ("gemma2", 1.5, "mean")):
         weights = token_weights if variant == "token_weights" else None
-        if variant == "z_loss":
+        if (variant, reduction) == ("z_loss", "none"):  # no single-process block declares it: float64 alone
+            whole = None
+            parallel = VocabParallelLmHeadLoss(dim, vocab, EPS, -100, reduction, 5, z_loss=value)
+            with torch.no_grad():
+                parallel.wn.copy_(wn)
+                parallel.w_vocab.copy_(w_vocab[parallel.vocab_start: parallel.vocab_start + len(parallel.w_vocab)])
+        elif variant == "z_loss":
             whole = blocks.LmHeadLossZloss(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "smoothing":
             whole = blocks.LmHeadLossSmooth(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "softcap":
             whole = blocks.LmHeadLossSoftcap(dim, vocab, EPS, value, -100, reduction, 5)
+        elif variant == "gemma2":  # the final norm's scale 1 + w, and the softcap
+            whole = blocks.Gemma2LmHeadLoss(dim, vocab, EPS, value, -100, reduction, 5)
         elif variant == "token_weights":
             whole = blocks.LmHeadLossWeighted(dim, vocab, EPS, -100, reduction, 5)
         else:
             whole = blocks.LmHeadLossRows(dim, vocab, EPS, -100, 5)
-        with torch.no_grad():
-            whole.wn.copy_(wn)
-            whole.w_vocab.copy_(w_vocab)
-        parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
+        if whole is not None:
+            with torch.no_grad():
+                whole.wn.copy_(wn)
+                whole.w_vocab.copy_(w_vocab)
+            parallel = VocabParallelLmHeadLoss.from_lm_head_loss(whole)
         start, stop = parallel.vocab_start, parallel.vocab_start + len(parallel.w_vocab)
 
         def run(module, x_in):
@@ -183,15 +200,11 @@ def vocab_parallel_variants(seed: int) -> dict:
             (loss if reduction != "none" else (loss * grad_rows).sum()).backward()
             return loss.detach()
 
-        xs, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+        xs = x.clone().requires_grad_()
         loss = run(parallel, xs)
-        # the single-process z-loss block makes its gradients in the forward for a scalar output gradient: with
-        # reduction "none" only its loss is compared
-        with torch.no_grad() if (variant, reduction) == ("z_loss", "none") else contextlib.nullcontext():
-            whole_loss = whole(xw, target) if weights is None else whole(xw, target, weights)
-        if whole_loss.requires_grad:
-            (whole_loss if reduction != "none" else (whole_loss * grad_rows).sum()).backward()
-        whole_loss = whole_loss.detach()
+        if whole is not None:
+            xw = x.clone().requires_grad_()
+            whole_loss = run(whole, xw)
         x64, wn64, w64 = (v.double().requires_grad_() for v in (x, wn, w_vocab))
         ref = reference_variant(x64, target, wn64, w64, -100, variant, value, weights, reduction)
         (ref if reduction != "none" else (ref * grad_rows.double()).sum()).backward()
@@ -199,11 +212,12 @@ def vocab_parallel_variants(seed: int) -> dict:
         dist.all_gather(losses, loss)
         cases.append(dict(
             variant=variant, reduction=reduction, same_loss_on_every_rank=all(torch.equal(v, loss) for v in losses),
-            loss_vs_f64=rel(loss, ref.detach()), loss_vs_block=rel(loss, whole_loss),
-            x_vs_f64=rel(xs.grad, x64.grad), wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
+            loss_vs_f64=rel(loss, ref.detach()), x_vs_f64=rel(xs.grad, x64.grad),
+            wn_vs_f64=rel(parallel.wn.grad, wn64.grad),
             w_vocab_vs_f64=whole_rel(parallel.w_vocab.grad, w64.grad[start:stop]),
-            **({} if xw.grad is None else dict(
-                x_vs_block=rel(xs.grad, xw.grad), wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
+            **({} if whole is None else dict(
+                loss_vs_block=rel(loss, whole_loss), x_vs_block=rel(xs.grad, xw.grad),
+                wn_vs_block=rel(parallel.wn.grad, whole.wn.grad),
                 w_vocab_vs_block=whole_rel(parallel.w_vocab.grad, whole.w_vocab.grad[start:stop]))),
         ))
     return dict(cases=cases)
@@ -300,17 +314,25 @@ def tensor_parallel(seed: int) -> dict:
                 same_params=sorted(names) == sorted(ref))
 
 
-def hf_reference(family: str, tied: bool, world: int):
-    """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads."""
+def hf_reference(family: str, tied: bool, world: int, **fields):
+    """A tiny transformers causal LM of `family` (unpatched), with 4 query heads and `world` key-value heads, and
+    the config's `fields`."""
     import transformers
 
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
-    extra = dict(sliding_window=4) if family == "mistral" else {}  # a window shorter than the sequences
-    config = config_class(**extra, vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=world, max_position_embeddings=32,
-                          rms_norm_eps=EPS, tie_word_embeddings=tied, attn_implementation="sdpa", pad_token_id=0)
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[family]
+    extra = {"mistral": dict(sliding_window=4),  # a window shorter than the sequences
+             "qwen3": dict(head_dim=128),  # QK-norm's heads: 128 columns (codagen.models.qwen3)
+             # its sliding layers' window shorter than the sequences; eager attention (SDPA drops the score softcap)
+             "gemma2": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4)}.get(family, {})
+    attention = "eager" if family == "gemma2" else "sdpa"
+    config = config_class(**extra, **fields, vocab_size=37, hidden_size=32, intermediate_size=48,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=world,
+                          max_position_embeddings=32, rms_norm_eps=EPS, tie_word_embeddings=tied,
+                          attn_implementation=attention, pad_token_id=0)
     model = model_class(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -325,7 +347,7 @@ def in_rank_layout(reference, model, tensors: dict, rank: int, world: int) -> di
     from codagen.presets import LlamaShape
 
     config = reference.config
-    hd = config.hidden_size // config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = LlamaShape(dim=config.hidden_size, ffn_dim=config.intermediate_size, n_heads=config.num_attention_heads,
                        n_kv_heads=config.num_key_value_heads, head_dim=hd, n_layers=config.num_hidden_layers,
                        vocab=config.vocab_size)
@@ -339,9 +361,9 @@ def in_rank_layout(reference, model, tensors: dict, rank: int, world: int) -> di
             q, k, v = (tensors[f"{base}.{p}_proj.{leaf}"] for p in "qkv")
             whole = torch.cat([heads_to_interleaved(q, hd), heads_to_interleaved(k, hd), v])
             out[name] = whole.index_select(0, shards["pre.w_qkv"][1])
-        elif name.endswith("gate_up_proj.weight"):
+        elif name.endswith("gate_up_proj." + leaf):
             base = prefix.rpartition(".")[0]
-            whole = interleave_rows(tensors[f"{base}.gate_proj.weight"], tensors[f"{base}.up_proj.weight"])
+            whole = interleave_rows(tensors[f"{base}.gate_proj.{leaf}"], tensors[f"{base}.up_proj.{leaf}"])
             out[name] = whole.index_select(*shards["post.w_gate_up"])
         elif name.endswith("o_proj.weight"):
             out[name] = tensors[name].index_select(*shards["post.w_o"])
@@ -367,22 +389,24 @@ def worst_against(model, expected: dict, values: dict) -> float:
     return worst
 
 
-def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False) -> dict:
+def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool = False, **fields) -> dict:
     from codagen.parallel import apply_tensor_parallel, full_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    reference = hf_reference(family, tied, world)
+    reference = hf_reference(family, tied, world, **fields)
     model = apply_tensor_parallel(copy.deepcopy(reference), init_device_mesh("cpu", (world,)))
     if checkpointing:  # each layer's call, its collectives included, runs again in the backward
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     names = [n for n, _ in model.named_parameters()]
-    # a small lr: Adam's first step is about lr * sign(g), also for an element whose gradient is near 0 (1e-7 at some
-    # seeds), where fp32 rounding decides the sign; a codagen.hf-patched model in one process drifts from the
-    # unpatched one alike (about 1e-6 at lr 1e-3 after three steps), and a small lr keeps that drift below what is
-    # checked. A wrong step (a tied weight's gradient counted twice, a shard's missing) still differs by ~1e-3.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, weight_decay=0.1)
+    # a small lr, and Adam's eps at 1e-4: with its default (1e-8) Adam's first step is about lr * sign(g), also for an
+    # element whose gradient is near 0 (1e-7 at some seeds), where fp32 rounding decides the sign: one such element
+    # of o_proj made the next steps' gradients differ by 8e-5 (Mistral, seed 461914508). With eps 1e-4 a gradient
+    # below it steps by about lr * g / eps, continuous in g. A codagen.hf-patched model in one process drifts from
+    # the unpatched one alike. A wrong step (a tied weight's gradient counted twice, a shard's missing) still differs
+    # by ~1e-3.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-4, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-4, eps=1e-4, weight_decay=0.1)
     steps = []
     for _step in range(3):
         tokens = torch.randint(0, 37, (2, 9))
@@ -431,12 +455,61 @@ def hf_tensor_parallel(family: str, tied: bool, seed: int, checkpointing: bool =
                 params=len(names), embed_is_head=model.lm_head.weight is model.model.embed_tokens.weight)
 
 
+def by_hf_names(patched, tensors: dict) -> dict:
+    """A codagen.hf-patched model's tensors (its parameters, or their gradients, by its parameter names) by Hugging
+    Face's names and in its layout: each fused projection split back by its module (unfuse)."""
+    out = {}
+    for name, t in tensors.items():
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+        if fused is None:
+            out[name] = t
+            continue
+        prefix, kind = name.split(f"{fused}.")
+        owner = patched.get_submodule(prefix.rstrip("."))
+        for part, value in zip(owner.parts, owner.unfuse(t)):
+            out[f"{prefix}{part}.{kind}"] = value
+    return out
+
+
+def hf_tensor_parallel_autocast(family: str, seed: int, **fields) -> dict:
+    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights, as Trainer's bf16=True runs), against the
+    codagen.hf-patched model in one process under the same autocast (the same kernels in bf16) and against the
+    unpatched transformers model under it: the loss and every gradient, and the gradients' dtype."""
+    from codagen.hf import apply_codagen
+    from codagen.parallel import apply_tensor_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = hf_reference(family, False, world, **fields)
+    patched = apply_codagen(copy.deepcopy(reference))
+    model = apply_tensor_parallel(copy.deepcopy(reference))
+    tokens = torch.randint(0, 37, (2, 9))
+    labels = tokens.clone()
+    labels[1, :3] = -100
+    losses = []
+    for m in (model, patched, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    patched_grads = in_rank_layout(reference, model, by_hf_names(patched, {n: p.grad for n, p in
+                                                                          patched.named_parameters()}), rank, world)
+    ref_grads = in_rank_layout(reference, model, {n: p.grad for n, p in reference.named_parameters()}, rank, world)
+    return dict(loss=losses[0], patched_loss=losses[1], ref_loss=losses[2],
+                grads_vs_patched=worst_against(model, patched_grads, grads),
+                grads_vs_ref=worst_against(model, ref_grads, grads),
+                patched_grads_vs_ref=worst_against(model, ref_grads, patched_grads),
+                fp32_grads=all(g.dtype == torch.float32 for g in grads.values()))
+
+
 def hf_tensor_parallel_refusals(seed: int) -> dict:
     import peft
     import transformers
 
     from codagen.hf import CodagenDecoderLayer
     from codagen.parallel import TensorParallelError, apply_tensor_parallel
+    from codagen.parallel.hf_families import FAMILIES
 
     torch.manual_seed(seed)
     small = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
@@ -447,8 +520,7 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
 
     made = {
         "kv_heads": lambda: llama(num_key_value_heads=1),
-        "mlp_bias": lambda: llama(mlp_bias=True),
-        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, head_dim=8)),
+        "family": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)),
         "peft": lambda: peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"])),
         "classifier": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small)),
         "twice": lambda: apply_tensor_parallel(llama()),
@@ -457,7 +529,10 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
     for name, make in made.items():
         model = make()
         try:
-            apply_tensor_parallel(model)
+            with mock.patch.dict(FAMILIES):
+                if name == "family":  # a family that codagen.hf patches and apply_tensor_parallel would not
+                    del FAMILIES["Qwen2ForCausalLM"]
+                apply_tensor_parallel(model)
         except TensorParallelError as e:
             unpatched = not any(isinstance(m, CodagenDecoderLayer) for m in model.modules())
             refusals[name] = dict(message=str(e), unpatched=unpatched)
@@ -507,6 +582,18 @@ def main(case: str, out: str, seed: int) -> None:
                                                       hf_tensor_parallel, "llama", False, checkpointing=True),
                                                   "hf_tensor_parallel_mistral": functools.partial(
                                                       hf_tensor_parallel, "mistral", False),
+                                                  "hf_tensor_parallel_qwen3": functools.partial(
+                                                      hf_tensor_parallel, "qwen3", False),
+                                                  "hf_tensor_parallel_gemma2": functools.partial(
+                                                      hf_tensor_parallel, "gemma2", True),
+                                                  "hf_tensor_parallel_llama_biases": functools.partial(
+                                                      hf_tensor_parallel, "llama", False, mlp_bias=True,
+                                                      attention_bias=True),
+                                                  "hf_tensor_parallel_autocast_llama": functools.partial(
+                                                      hf_tensor_parallel_autocast, "llama", mlp_bias=True,
+                                                      attention_bias=True),
+                                                  "hf_tensor_parallel_autocast_gemma2": functools.partial(
+                                                      hf_tensor_parallel_autocast, "gemma2"),
                                                   "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
                                                   "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
     if dist.get_rank() == 0:

@@ -178,6 +178,18 @@ def test_variant_refuses_a_target_out_of_bounds():
         run_variant("smooth", "mean", torch.float32, target=target)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_variant_refuses_a_choice_its_spec_does_not_declare(grad):
+    """lm_head_loss_zloss declares reduction mean and sum: "none" is refused where the call enters, with and
+    without the forward that makes the gradients (it returned each row's loss, and failed in the backward)."""
+    block = LmHeadLossZloss(DIM, VOCAB, EPS, reduction="none", chunk_rows=CHUNK, device=DEVICE)
+    x = leaf(M, DIM, dtype=torch.float32)
+    with (torch.enable_grad() if grad else torch.no_grad()), pytest.raises(
+            ValueError, match=r"lm_head_loss_zloss: reduction must be 'mean' or 'sum' \(the choices "
+                              r"specs/cross_entropy/blocks/lm_head_loss_zloss.yaml declares\), got 'none'"):
+        block(x, targets(M, VOCAB))
+
+
 # ---- the finish steps alone ------------------------------------------------------------------------------
 
 def test_reduce_loss_matches_pytorch_reductions():

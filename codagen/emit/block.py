@@ -89,6 +89,10 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
         forward_def=_enclosed("def forward(", ["ctx", *inputs, *(p.name for p in b.params),
                                                *(a.name for a in b.attrs)], "):"),
         forward=_calls(cb.forward),
+        # each choice attr against its spec's choices, where a call enters: the Function's forward, and, in a block
+        # that makes its gradients in the forward, the function's forward alone, which does not go through it
+        choice_checks=[f"runtime.check_choice(NAME, {a.name!r}, {a.name}, {a.choices!r}, SPEC)" for a in b.attrs
+                       if a.kind == "choice"],
         save=_enclosed("ctx.save_for_backward(", list(cb.saved), ")") if cb.saved else [],
         attrs=_tuple("ctx.attrs = ", [a.name for a in b.attrs], "", parens=True) if b.attrs else [],
         unpack_attrs=_tuple("", [a.name for a in b.attrs], " = ctx.attrs") if b.attrs else [],

@@ -5,7 +5,8 @@ across the ranks of a process group; no rank holds more than a chunk of its own 
 `tensor_parallel`: codagen's Llama assembly with tensor-parallel layers (QKV and gate/up column-parallel, the out
 and down projections row-parallel) and the vocab-parallel head.
 `hf_tensor_parallel`: `apply_tensor_parallel(model, group)`, the same layers in a codagen.hf-patched transformers
-causal LM (Llama, Mistral, Qwen2), with a vocab-parallel embedding and LM head.
+causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma-2: `hf_families`, Gemma-2's layer in `gemma2`), with a
+vocab-parallel embedding and LM head.
 """
 from .hf_tensor_parallel import (TensorParallelError, VocabParallelEmbedding, apply_tensor_parallel,
                                  full_state_dict)

@@ -4,13 +4,16 @@
     model = apply_tensor_parallel(LlamaForCausalLM.from_pretrained(path), group)  # patched, then sharded
 
 Each decoder layer keeps its modules and parameter names and holds its rank's part of the fused projections, as
-codagen's own TensorParallelLlama does (`layer_shards`): qkv_proj (and its bias) and gate_up_proj column-parallel,
-o_proj and down_proj row-parallel, their all-reduces in TensorParallelPreAttentionFunction and
-TensorParallelPostAttentionFunction; attention is Hugging Face's own function on the rank's heads. The embedding and
-the LM head are vocab-parallel: rank r holds the rows `vocab_range(V, r, P)` of each (one parameter where they are
-tied), the embedding's lookup is summed over the ranks (one all-reduce of the [M, hidden] output), the loss is
-codagen.parallel's vocab-parallel lm_head_loss, and the logits, where a call asks for them (no labels, generate(),
-return_logits), are the slices' gathered.
+codagen's own TensorParallelLlama does (`layer_shards`): qkv_proj and gate_up_proj (and their biases)
+column-parallel, o_proj and down_proj row-parallel (their biases replicated, added once). The block before
+attention is TensorParallelPreAttentionFunction, or the family's own block (Qwen3's, Gemma-2's) on the rank's heads
+with its replicated inputs' gradients summed over the ranks (_ToRanks); the rest after attention is the family's
+(hf_families: Llama's TensorParallelPostAttentionFunction, Gemma-2's); attention is Hugging Face's own function on
+the rank's heads. The embedding and the LM head are vocab-parallel: rank r holds the rows `vocab_range(V, r, P)` of
+each (one parameter where they are tied), the embedding's lookup is summed over the ranks (one all-reduce of the
+[M, hidden] output), the loss is codagen.parallel's vocab-parallel lm_head_loss (with the family's head: Gemma-2's
+(1 + w) norm and softcap), and the logits, where a call asks for them (no labels, generate(), return_logits), are
+the slices' gathered.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .tensor_parallel import TensorParallelPostAttentionFunction, TensorParallelPreAttentionFunction, layer_shards
+from .hf_families import FAMILIES
+from .tensor_parallel import TensorParallelPreAttentionFunction, layer_shards
 from .vocab_parallel import process_group, vocab_parallel_lm_head_loss, vocab_range
 
 
@@ -92,13 +96,17 @@ class VocabParallelEmbedding(nn.Module):
     """The rank's rows [vocab_start, vocab_start + len(weight)) of a [num_embeddings, dim] embedding: each rank
     looks up the tokens of its slice (zeros for the others'), and one all-reduce sums the ranks' lookups. Every
     rank gets the whole embedding of every token; its weight's gradient is its slice's. padding_idx as
-    nn.Embedding's (no gradient to that row), on the rank that holds it."""
+    nn.Embedding's (no gradient to that row), on the rank that holds it. embed_scale: a scalar tensor that the sum
+    is multiplied by, in the weight's dtype, as Gemma-2's scaled embedding (Gemma2TextScaledWordEmbedding) does;
+    None: none."""
 
-    def __init__(self, weight: nn.Parameter, num_embeddings: int, vocab_start: int, padding_idx, group):
+    def __init__(self, weight: nn.Parameter, num_embeddings: int, vocab_start: int, padding_idx, group,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.weight = weight
         self.num_embeddings, self.embedding_dim = num_embeddings, weight.shape[1]
         self.vocab_start, self.padding_idx, self.group = vocab_start, padding_idx, group
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
@@ -108,7 +116,8 @@ class VocabParallelEmbedding(nn.Module):
         local_pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < rows else None
         part = F.embedding(torch.where(inside, local, 0), self.weight, padding_idx=local_pad)
         part = part * inside.unsqueeze(-1).to(part.dtype)  # another rank's token: zeros, and no gradient to row 0
-        return _SumOverRanks.apply(part, self.group)
+        whole = _SumOverRanks.apply(part, self.group)
+        return whole if self.embed_scale is None else whole * self.embed_scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, "
@@ -119,13 +128,14 @@ class TensorParallelHead:
     """A tensor-parallel causal LM's state that codagen.hf's patched forward reads (model.codagen_tensor_parallel):
     the group and the rank's slice of the vocabulary."""
 
-    def __init__(self, group, vocab: int, vocab_start: int):
+    def __init__(self, group, vocab: int, vocab_start: int, loss_options: dict):
         self.group, self.vocab, self.vocab_start = group, vocab, vocab_start
+        self.loss_options = loss_options  # the family's head (Gemma-2's softcap and (1 + w) norm); {}: Llama's
 
     def loss(self, x, target, wn, w_vocab, eps, ignore_index, reduction, chunk_rows):
-        """lm_head_loss over the rank's slice (codagen.parallel.vocab_parallel_lm_head_loss)."""
+        """lm_head_loss, or the family's head, over the rank's slice (codagen.parallel.vocab_parallel_lm_head_loss)."""
         return vocab_parallel_lm_head_loss(x, target, wn, w_vocab, self.vocab_start, self.vocab, eps, ignore_index,
-                                           reduction, chunk_rows, "nan", "same", self.group)
+                                           reduction, chunk_rows, "nan", "same", self.group, **self.loss_options)
 
     def logits(self, hidden: torch.Tensor, w_vocab: torch.Tensor) -> torch.Tensor:
         """The whole vocabulary's logits of the final norm's output: the rank's slice's, gathered."""
@@ -141,34 +151,51 @@ def _decoder_layer_class():
     class TensorParallelDecoderLayer(CodagenDecoderLayer):
         """A CodagenDecoderLayer holding its rank's part of the fused projections (apply_tensor_parallel sets it): the
         same modules and parameter names; qkv_proj's rows of the rank's heads and gate_up_proj's of its (gate, up)
-        pairs, o_proj's and down_proj's matching columns. Its PreAttention and PostAttention are
-        codagen.parallel's tensor-parallel functions; attention is Hugging Face's, on the rank's heads."""
+        pairs, o_proj's and down_proj's matching columns. Before attention: TensorParallelPreAttentionFunction, or
+        the family's own block on the rank's heads; after it, the family's (hf_families.FAMILIES); attention is
+        Hugging Face's, on the rank's heads."""
 
         def forward(self, hidden_states, norm_stats, next_norm_weight, *, blocks, positions, rope_freqs, attention,
                     attention_mask, position_ids, score_scale=1.0, dtype=None, cache=None, attentions=None,
                     **attention_kwargs):
             cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
             batch, seq, dim = hidden_states.shape
-            attn, mlp, eps, group = self.self_attn, self.mlp, self.eps, self.tensor_parallel_group
+            attn, eps, group = self.self_attn, self.eps, self.tensor_parallel_group
             x = hidden_states.reshape(batch * seq, dim)
             wn = cast(self.input_layernorm.weight)
+            mapping = self.hf_mapping
             if norm_stats is not None:
                 h, rstd = norm_stats
+            elif mapping.norm_stats is not None:  # the family's own (Gemma-2's (1 + w) scale), replicated
+                h, rstd = mapping.norm_stats(blocks, x, wn, dim, eps)
             else:
                 h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps)
             freqs = rope_freqs[self.qkv_pairs]  # the RoPE frequencies of the rank's qkv columns
-            x, qkv = TensorParallelPreAttentionFunction.apply(x, h, rstd, positions, freqs, wn,
-                                                              cast(attn.qkv_proj.weight), dim, group)
+            if mapping.pre_attention is None:
+                x, qkv = TensorParallelPreAttentionFunction.apply(x, h, rstd, positions, freqs, wn,
+                                                                  cast(attn.qkv_proj.weight), dim, group)
+            else:
+                # the family's own block (Qwen3's QK-norm, Gemma-2's (1 + w) norm) on the rank's qkv columns, its
+                # replicated inputs (x, the norm weights) through _ToRanks: the block's backward makes the rank's
+                # part of their gradients, summed over the ranks there (the weights' before their cast: in their
+                # own dtype). The residual is x itself, outside the block, so that its gradient is counted once.
+                def replicated(t):
+                    return _ToRanks.apply(t, group)
+
+                def replicated_weight(t):
+                    return cast(replicated(t))
+
+                _, qkv = mapping.pre_attention(self, blocks, replicated(x), h, rstd, positions, freqs,
+                                               replicated_weight(self.input_layernorm.weight),
+                                               cast(attn.qkv_proj.weight), eps, replicated_weight)
             if attn.qkv_proj.bias is not None:  # the rank's columns' bias (Qwen2's), rotated as in codagen.hf
                 qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, freqs)
             y = self.attend(qkv.view(batch, seq, -1), attention, attention_mask, position_ids, score_scale, cache,
                             attentions, attention_kwargs)
             if attn.o_proj.bias is not None:
                 x = x + cast(attn.o_proj.bias)  # replicated, added once: the residual is the same on every rank
-            x, h, rstd = TensorParallelPostAttentionFunction.apply(
-                y.reshape(batch * seq, -1), x, cast(next_norm_weight), cast(attn.o_proj.weight),
-                cast(self.post_attention_layernorm.weight), cast(mlp.gate_up_proj.weight), cast(mlp.down_proj.weight),
-                dim, eps, group)
+            x, h, rstd = FAMILIES[mapping.model_class].post_attention(self, y.reshape(batch * seq, -1), x,
+                                                                      cast(next_norm_weight), cast, group)
             return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
     return TensorParallelDecoderLayer
@@ -193,8 +220,9 @@ def _shard(module: nn.Module, name: str, dim: int, index: torch.Tensor) -> None:
                                        requires_grad=p.requires_grad))
 
 
-def _check(model, world: int) -> None:
-    """Refuse, before anything is changed, what apply_tensor_parallel does not support."""
+def _check(model, world: int):
+    """Refuse, before anything is changed, what apply_tensor_parallel does not support; else the model's
+    codagen.hf mapping."""
     from codagen import hf, lora
 
     if hasattr(model, "codagen_tensor_parallel"):
@@ -206,14 +234,10 @@ def _check(model, world: int) -> None:
     if kind != "ForCausalLM":
         _refuse(f"expected a transformers causal LM that codagen.hf patches (LlamaForCausalLM, ...), got "
                 f"{type(model).__name__}; a decoder alone or a classification head is not supported")
-    if any(f is not None for f in (mapping.pre_attention, mapping.post_attention, mapping.norm_stats,
-                                   mapping.lm_head_loss, mapping.final_logits)):
-        _refuse(f"a {mapping.model_class} is not supported: its blocks are its own (Qwen3's QK-norm, Gemma-2's "
-                "norms and softcapping), not Llama's, which the tensor-parallel layers are made of; Llama, Mistral "
-                "and Qwen2 are supported")
+    if mapping.model_class not in FAMILIES:
+        _refuse(f"a {mapping.model_class} is not supported: its layers have no tensor-parallel form yet; "
+                f"{', '.join(FAMILIES)} are supported")
     config = model.config
-    if getattr(config, "mlp_bias", False):
-        _refuse("config.mlp_bias = True is not supported (the gate/up bias block has no tensor-parallel form)")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(config, field)
         if n % world:
@@ -230,27 +254,30 @@ def _check(model, world: int) -> None:
                 "the whole model before any other wrapping")
     if any(p.is_meta for p in model.parameters()):
         _refuse("the model's weights are on the meta device; load them first (each rank then keeps its part)")
+    return mapping
 
 
 def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
-    """Make a transformers LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (unpatched, or patched by
-    codagen.hf.apply_codagen) tensor-parallel over `group` (a process group, a 1-D DeviceMesh, or None: the default
-    group), in place, and return it. Every rank must call it on the same whole model and then feed the model the
-    same batch; each gets the same loss, the whole gradients of the replicated parameters (the norms, the
-    out-projection's bias) and its part's of the others. apply_codagen_kwargs (chunk_rows, return_logits) go to
-    apply_codagen where the model is not patched yet. Make the optimizer afterwards.
+    """Make a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+    Gemma2ForCausalLM (unpatched, or patched by codagen.hf.apply_codagen) tensor-parallel over `group` (a process
+    group, a 1-D DeviceMesh, or None: the default group), in place, and return it. Every rank must call it on the
+    same whole model and then feed the model the same batch; each gets the same loss, the whole gradients of the
+    replicated parameters (the norms, Qwen3's q_norm and k_norm, the out and down projections' biases) and its
+    part's of the others. apply_codagen_kwargs (chunk_rows, return_logits) go to apply_codagen where the model is
+    not patched yet. Make the optimizer afterwards.
 
     Rank r of P keeps, of each decoder layer, the rows of qkv_proj (and its bias) of its num_attention_heads / P
     query and num_key_value_heads / P key-value heads and o_proj's matching columns, and a contiguous 1/P of the
-    (gate, up) pairs of gate_up_proj and down_proj's matching columns; of the embedding and the LM head, the rows
-    vocab_range(vocab_size, r, P) (one parameter where they are tied). state_dict() gives the rank's parts under
-    Hugging Face's names. Raises TensorParallelError, naming what, for what is not supported: a PEFT model, Qwen3 and
-    Gemma-2, mlp_bias, head counts or an intermediate size not divisible by P, a model already sharded."""
+    (gate, up) pairs of gate_up_proj (and of its bias, mlp_bias) and down_proj's matching columns; of the embedding
+    and the LM head, the rows vocab_range(vocab_size, r, P) (one parameter where they are tied). state_dict() gives
+    the rank's parts under Hugging Face's names. Raises TensorParallelError, naming what, for what is not supported:
+    a PEFT model, another family, head counts or an intermediate size not divisible by P, a model already
+    sharded."""
     from codagen import hf
 
     group = process_group(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    _check(model, world)
+    hf_mapping = _check(model, world)
     patched = any(isinstance(layer, hf.CodagenDecoderLayer) for layer in model.model.layers)
     if not patched:
         hf.apply_codagen(model, **apply_codagen_kwargs)
@@ -273,6 +300,8 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
             _shard(attn.qkv_proj, "bias", 0, qkv_rows)
         _shard(attn.o_proj, "weight", *shards["post.w_o"])
         _shard(mlp.gate_up_proj, "weight", *shards["post.w_gate_up"])
+        if mlp.gate_up_proj.bias is not None:  # mlp_bias: the rank's pairs' bias; down_proj's is replicated
+            _shard(mlp.gate_up_proj, "bias", *shards["post.w_gate_up"])
         _shard(mlp.down_proj, "weight", *shards["post.w_down"])
         attn.o_proj.in_features = attn.o_proj.weight.shape[1]
         mlp.down_proj.in_features = mlp.down_proj.weight.shape[1]
@@ -289,13 +318,15 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
     tied = head.weight is embed.weight
     rows = torch.arange(start, stop, device=embed.weight.device)
     _shard(embed, "weight", 0, rows)
-    llama.embed_tokens = VocabParallelEmbedding(embed.weight, vocab, start, embed.padding_idx, group)
+    llama.embed_tokens = VocabParallelEmbedding(embed.weight, vocab, start, embed.padding_idx, group,
+                                                getattr(embed, "embed_scale", None))
     if tied:
         head.weight = llama.embed_tokens.weight
     else:
         _shard(head, "weight", 0, rows.to(head.weight.device))
     head.out_features = stop - start
-    model.codagen_tensor_parallel = TensorParallelHead(group, vocab, start)
+    model.codagen_tensor_parallel = TensorParallelHead(group, vocab, start,
+                                                       FAMILIES[hf_mapping.model_class].loss_options(config))
     return model
 
 
@@ -306,7 +337,8 @@ def apply_tensor_parallel(model, group=None, **apply_codagen_kwargs):
 # slice's)
 SHARDED = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
            "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
-           "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "self_attn.o_proj.weight": 1,
+           "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.gate_proj.bias": 0, "mlp.up_proj.bias": 0,
+           "self_attn.o_proj.weight": 1,
            "mlp.down_proj.weight": 1, "model.embed_tokens.weight": 0, "lm_head.weight": 0}
 
 

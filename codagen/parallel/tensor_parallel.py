@@ -22,7 +22,7 @@ from codagen.runtime import finish
 from .vocab_parallel import VocabParallelLmHeadLoss, generated_kernels, process_group
 
 
-def _residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
+def residual_on_first_rank(grad: torch.Tensor, group) -> torch.Tensor:
     """The residual's gradient as this rank's part of a sum over ranks: itself on rank 0, zeros elsewhere (every
     rank holds the same whole gradient)."""
     return grad if dist.get_rank(group) == 0 else torch.zeros_like(grad)
@@ -71,7 +71,7 @@ class TensorParallelPreAttentionFunction(torch.autograd.Function):
                                                                freqs=freqs)
         zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)  # the rank's columns' part of the row dot
         grad_x, dwn_part, normed = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=_residual_on_first_rank(grad_x_out, group))
+            dz=dz, w=w_qkv, x=x, rstd=rstd, wn=wn, zdz=zdz, grad_x=residual_on_first_rank(grad_x_out, group))
         grad_wn = finish.sum_tiles(x=dwn_part)
         dist.all_reduce(grad_x, group=group)
         dist.all_reduce(grad_wn, group=group)
@@ -82,43 +82,59 @@ class TensorParallelPreAttentionFunction(torch.autograd.Function):
 class TensorParallelPostAttentionFunction(torch.autograd.Function):
     """post_attention (specs/blocks/post_attention.yaml) with a row-parallel out-projection, a column-parallel
     gate/up and a row-parallel down projection: each row-parallel product is all-reduced before the residual add
-    and the norm's statistics; in the backward, dx is the sum of the ranks' parts."""
+    and the norm's statistics; in the backward, dx is the sum of the ranks' parts. With mlp_bias
+    (post_attention_mlp_bias.yaml), b_gate_up is the rank's columns' bias, added in the gate/up epilogue, and b_down,
+    replicated, is added once, to the all-reduced product (None: no bias)."""
 
     @staticmethod
-    def forward(ctx, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, dim, eps, group):
+    def forward(ctx, y, x, wn_next, w_o, wn_mlp, w_gate_up, b_gate_up, w_down, b_down, dim, eps, group):
         kernels = generated_kernels()
 
-        def residual_norm(partial, residual, wn):
+        def residual_norm(partial, residual, wn, bias=None):
             dist.all_reduce(partial, group=group)
-            x_new = residual + partial
+            x_new = residual + partial if bias is None else residual + partial + bias
             h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_new, wn=wn)
             return x_new, h, finish.rstd(x=ss, size=dim, eps=eps)
 
         x1, h1, r1 = residual_norm(kernels.matmul.matmul(a=y, b=w_o), x, wn_mlp)
-        z1, y1 = kernels.gate_up_swiglu.gate_up_swiglu(h=h1, w_gate_up=w_gate_up, rstd=r1)
-        x_out, h_next, rstd_next = residual_norm(kernels.matmul.matmul(a=y1, b=w_down), x1, wn_next)
-        ctx.save_for_backward(y, x1, r1, z1, w_o, wn_mlp, w_gate_up, w_down)
-        ctx.attrs = (dim, group)
+        if b_gate_up is None:
+            z1, y1 = kernels.gate_up_swiglu.gate_up_swiglu(h=h1, w_gate_up=w_gate_up, rstd=r1)
+        else:
+            z1, y1 = kernels.gate_up_bias_swiglu.gate_up_bias_swiglu(h=h1, w_gate_up=w_gate_up, rstd=r1,
+                                                                     b_gate_up=b_gate_up)
+        x_out, h_next, rstd_next = residual_norm(kernels.matmul.matmul(a=y1, b=w_down), x1, wn_next, b_down)
+        ctx.save_for_backward(y, x1, r1, z1, w_o, wn_mlp, w_gate_up, b_gate_up, w_down)
+        ctx.attrs = (dim, group, b_down is not None)
         ctx.mark_non_differentiable(h_next, rstd_next)
         return x_out, h_next, rstd_next
 
     @staticmethod
     def backward(ctx, grad_x_out, _grad_h_next, _grad_rstd_next):
         kernels = generated_kernels()
-        y, x1, r1, z1, w_o, wn_mlp, w_gate_up, w_down = ctx.saved_tensors
-        dim, group = ctx.attrs
-        dz1, zdz1_part, y1 = kernels.swiglu_dgrad.swiglu_dgrad(grad_y=grad_x_out, w_down=w_down, z=z1)
+        y, x1, r1, z1, w_o, wn_mlp, w_gate_up, b_gate_up, w_down = ctx.saved_tensors
+        dim, group, down_bias = ctx.attrs
+        if b_gate_up is None:
+            dz1, zdz1_part, y1 = kernels.swiglu_dgrad.swiglu_dgrad(grad_y=grad_x_out, w_down=w_down, z=z1)
+            grad_b_gate_up = None
+        else:  # the rank's columns' bias gradient is whole: grad_x_out is
+            dz1, zdz1_part, db1_part, y1 = kernels.swiglu_bias_dgrad.swiglu_bias_dgrad(
+                grad_y=grad_x_out, w_down=w_down, z=z1, b_gate_up=b_gate_up)
+            grad_b_gate_up = finish.sum_tiles(x=db1_part)
+        # the replicated down bias: the column sums of the whole grad_x_out, the same on every rank (in fp32, as
+        # the norm weights' gradients; autograd casts each to its parameter's dtype)
+        grad_b_down = grad_x_out.sum(0, dtype=torch.float32) if down_bias else None
         zdz1 = finish.sum_tiles(x=zdz1_part, divide_by=dim)  # the rank's pairs' part of the row dot
         grad_w_down = finish.matmul(a=grad_x_out, b=y1, transpose="a")
         grad_x, dwn1_part, n1 = kernels.norm_dgrad_residual.norm_dgrad_residual(
-            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=_residual_on_first_rank(grad_x_out, group))
+            dz=dz1, w=w_gate_up, x=x1, rstd=r1, wn=wn_mlp, zdz=zdz1, grad_x=residual_on_first_rank(grad_x_out, group))
         grad_wn_mlp = finish.sum_tiles(x=dwn1_part)
         dist.all_reduce(grad_x, group=group)
         dist.all_reduce(grad_wn_mlp, group=group)
         grad_w_gate_up = finish.matmul(a=dz1, b=n1, transpose="a")
         grad_y = finish.matmul(a=grad_x, b=w_o)
         grad_w_o = finish.matmul(a=grad_x, b=y, transpose="a")
-        return grad_y, grad_x, None, grad_w_o, grad_wn_mlp, grad_w_gate_up, grad_w_down, None, None, None
+        return (grad_y, grad_x, None, grad_w_o, grad_wn_mlp, grad_w_gate_up, grad_b_gate_up, grad_w_down, grad_b_down,
+                None, None, None)
 
 
 class _Part(nn.Module):
@@ -156,8 +172,8 @@ class TensorParallelLayer(nn.Module):
                                                           self.pre.wn, self.pre.w_qkv, dim, self.group)
         y = attention(qkv, self.local_shape, batch, seq)
         return TensorParallelPostAttentionFunction.apply(y, x, wn_next, self.post.w_o, self.post.wn_mlp,
-                                                         self.post.w_gate_up, self.post.w_down, dim, self.shape.eps,
-                                                         self.group)
+                                                         self.post.w_gate_up, None, self.post.w_down, None, dim,
+                                                         self.shape.eps, self.group)
 
 
 class TensorParallelLlama(nn.Module):

@@ -93,6 +93,14 @@ def _logits(kernels, variant, value, h, w_vocab, rstd, target):
     return logits, lse_part, target_logit, None
 
 
+def _norm_kernels(kernels, norm_plus_one: bool):
+    """The final norm's kernels, forward (statistics and scale) and backward (the data gradient through the LM head
+    and the norm): Llama's RMSNorm scale w, or Gemma's 1 + w (norm_plus_one)."""
+    if norm_plus_one:
+        return kernels.gemma_rmsnorm_stats.gemma_rmsnorm_stats, kernels.gemma_norm_dgrad.gemma_norm_dgrad
+    return kernels.rmsnorm_stats.rmsnorm_stats, kernels.norm_dgrad.norm_dgrad
+
+
 def _dz(kernels, variant, value, vocab, logits, lse, target, weights):
     """The slice's gradient of the loss in its logits (weights: each row's), and the partials of its row dot, by
     the variant's kernel, as the single-process block makes them (with the whole vocabulary's lse and size)."""
@@ -121,13 +129,14 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, wn, w_vocab, token_weights, vocab_start, vocab, eps, ignore_index, reduction,
-                chunk_rows, empty_mean, grad_sum, group, variant, value):
+                chunk_rows, empty_mean, grad_sum, group, variant, value, norm_plus_one):
         kernels = generated_kernels()
+        norm_stats, _ = _norm_kernels(kernels, norm_plus_one)
         dim = wn.shape[0]
         local_target = _local_target(target, vocab_start, w_vocab.shape[0])
         lse_chunks, target_logit_chunks, zsum_chunks = [], [], []
         for rows in runtime.row_chunks(x.shape[0], chunk_rows):
-            h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x[rows], wn=wn)
+            h, ss = norm_stats(x=x[rows], wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
             # the logits are stored (and dropped) rather than kept in the epilogue as lm_head_logsumexp does: lse
             # is then that of the rounded logits that the backward's dz reads, as in the single-process block
@@ -154,14 +163,15 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
             loss, _ = finish.reduce_loss(x=row_loss, target=target, classes=vocab, ignore_index=ignore_index,
                                          reduction=reduction, token_weights=token_weights, empty_mean=empty_mean)
         ctx.save_for_backward(x, local_target, wn, w_vocab, lse, target, token_weights)
-        ctx.attrs = (eps, ignore_index, reduction, chunk_rows, grad_sum, group, variant, value, vocab)
+        ctx.attrs = (eps, ignore_index, reduction, chunk_rows, grad_sum, group, variant, value, vocab, norm_plus_one)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         kernels = generated_kernels()
         x, local_target, wn, w_vocab, lse, target, token_weights = ctx.saved_tensors
-        eps, ignore_index, reduction, chunk_rows, grad_sum, group, variant, value, vocab = ctx.attrs
+        eps, ignore_index, reduction, chunk_rows, grad_sum, group, variant, value, vocab, norm_plus_one = ctx.attrs
+        norm_stats, norm_dgrad = _norm_kernels(kernels, norm_plus_one)
         dim = wn.shape[0]
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction,
                                         token_weights=token_weights)
@@ -175,15 +185,14 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
         grad_w_vocab_sum = runtime.ChunkSum(grad_sum)
         for rows in runtime.row_chunks(x.shape[0], chunk_rows):
             x_rows = x[rows]
-            h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x_rows, wn=wn)
+            h, ss = norm_stats(x=x_rows, wn=wn)
             rstd = finish.rstd(x=ss, size=dim, eps=eps)
             logits, _lse_part, _target_logit, _zsum_part = _logits(kernels, variant, value, h, w_vocab, rstd,
                                                                    local_target[rows])
             # the slice's softmax with the whole vocabulary's lse; one-hot only where the target is in the slice
             dz, zdz_part = _dz(kernels, variant, value, vocab, logits, lse[rows], local_target[rows], weights[rows])
             zdz = finish.sum_tiles(x=zdz_part, divide_by=dim)  # the slice's part of the row dot
-            grad_x, dwn_part, normed = kernels.norm_dgrad.norm_dgrad(
-                dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz)
+            grad_x, dwn_part, normed = norm_dgrad(dz=dz, w=w_vocab, x=x_rows, rstd=rstd, wn=wn, zdz=zdz)
             grad_wn_sum.add(finish.sum_tiles(x=dwn_part))
             grad_w_vocab_sum.add_matmul(
                 a=dz, b=normed, transpose="a",
@@ -199,7 +208,7 @@ class VocabParallelLmHeadLossFunction(torch.autograd.Function):
         # over the ranks. w_vocab's slice reaches it through this rank's logits only.
         dist.all_reduce(grad_x, group=group)
         dist.all_reduce(grad_wn, group=group)
-        return (grad_x, None, grad_wn, grad_w_vocab) + (None,) * 12
+        return (grad_x, None, grad_wn, grad_w_vocab) + (None,) * 13
 
 
 def _variant(z_loss, smoothing, softcap, token_weights) -> tuple[str, float | None]:
@@ -220,7 +229,7 @@ def _variant(z_loss, smoothing, softcap, token_weights) -> tuple[str, float | No
 
 def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps, ignore_index=-100,
                                 reduction="mean", chunk_rows=2048, empty_mean="nan", grad_sum="same", group=None, *,
-                                z_loss=0.0, smoothing=0.0, softcap=None, token_weights=None):
+                                z_loss=0.0, smoothing=0.0, softcap=None, token_weights=None, norm_plus_one=False):
     """The loss of lm_head_loss (final RMSNorm, LM head, cross-entropy) with this rank holding the rows
     [vocab_start, vocab_start + len(w_vocab)) of the [vocab, dim] LM-head weight, every rank of `group` (the
     default process group if None) calling it on the same x, target and wn, with slices that cover the
@@ -231,7 +240,8 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
     At most one of the single-process blocks' variants: z_loss (lm_head_loss_zloss: + z_loss * lse^2 per row),
     smoothing (lm_head_loss_smooth: label smoothing), softcap (lm_head_loss_softcap: the logits capped as
     softcap * tanh(z / softcap), Gemma-2's), token_weights ([M], lm_head_loss_weighted: each row's loss weighted,
-    the mean divided by the valid rows' weights); the same on every rank."""
+    the mean divided by the valid rows' weights); the same on every rank. norm_plus_one: the final norm scales by
+    1 + wn, as Gemma's (gemma2_lm_head_loss, with softcap), rather than by wn."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_lm_head_loss: reduction must be 'mean', 'sum' or 'none', got "
                          f"{reduction!r}")
@@ -246,25 +256,27 @@ def vocab_parallel_lm_head_loss(x, target, wn, w_vocab, vocab_start, vocab, eps,
         token_weights = token_weights.detach().float()
     return VocabParallelLmHeadLossFunction.apply(x, target, wn, w_vocab, token_weights, int(vocab_start), int(vocab),
                                                  eps, ignore_index, reduction, chunk_rows, empty_mean, grad_sum,
-                                                 group, variant, value)
+                                                 group, variant, value, bool(norm_plus_one))
 
 
 class VocabParallelLmHeadLoss(nn.Module):
     """LmHeadLoss (the generated lm_head_loss block's module, with the same arguments), or one of its variants
-    (z_loss, smoothing, softcap, token_weights: vocab_parallel_lm_head_loss), over this rank's slice of the
-    vocabulary: `w_vocab` holds the rows `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole
-    final norm weight. Every rank of `group` (a process group, a 1-D DeviceMesh, or None: the default group) calls
-    it with the same x and targets (and token weights, with token_weights=True) and gets the same loss, the whole
-    gradients of x and wn, and its slice's of w_vocab."""
+    (z_loss, smoothing, softcap, token_weights: vocab_parallel_lm_head_loss; norm_plus_one with softcap: Gemma-2's
+    head, Gemma2LmHeadLoss), over this rank's slice of the vocabulary: `w_vocab` holds the rows
+    `vocab_range(vocab, rank, world)` of the LM-head weight, `wn` the whole final norm weight. Every rank of `group`
+    (a process group, a 1-D DeviceMesh, or None: the default group) calls it with the same x and targets (and token
+    weights, with token_weights=True) and gets the same loss, the whole gradients of x and wn, and its slice's of
+    w_vocab."""
 
     def __init__(self, dim, vocab, eps, ignore_index=-100, reduction="mean", chunk_rows=2048, empty_mean="nan",
-                 grad_sum="same", *, z_loss=0.0, smoothing=0.0, softcap=None, token_weights=False, group=None,
-                 device=None, dtype=None):
+                 grad_sum="same", *, z_loss=0.0, smoothing=0.0, softcap=None, token_weights=False,
+                 norm_plus_one=False, group=None, device=None, dtype=None):
         super().__init__()
         self.dim, self.vocab, self.eps = dim, vocab, eps
         self.ignore_index, self.reduction, self.chunk_rows = ignore_index, reduction, chunk_rows
         self.empty_mean, self.grad_sum, self.group = empty_mean, grad_sum, process_group(group)
         self.z_loss, self.smoothing, self.softcap, self.token_weights = z_loss, smoothing, softcap, token_weights
+        self.norm_plus_one = norm_plus_one
         _variant(z_loss, smoothing, softcap, torch.empty(0) if token_weights else None)  # one variant at most
         group = self.group
         self.vocab_start, stop = vocab_range(vocab, dist.get_rank(group), dist.get_world_size(group))
@@ -275,15 +287,16 @@ class VocabParallelLmHeadLoss(nn.Module):
     @classmethod
     def from_lm_head_loss(cls, head: nn.Module, group=None) -> "VocabParallelLmHeadLoss":
         """This rank's part of a whole LmHeadLoss, or of a variant's block (LmHeadLossZloss, LmHeadLossSmooth,
-        LmHeadLossSoftcap, LmHeadLossWeighted, LmHeadLossRows: same attributes; the weights copied, w_vocab's slice
-        only)."""
+        LmHeadLossSoftcap, LmHeadLossWeighted, LmHeadLossRows, and Gemma-2's Gemma2LmHeadLoss: same attributes; the
+        weights copied, w_vocab's slice only)."""
         # made on the meta device: no random initialization, which would draw from the RNG as many numbers as
         # this rank's slice holds, a count that differs between ranks where the world size does not divide vocab
         weighted = type(head).__name__ == "LmHeadLossWeighted"
         parallel = cls(head.dim, head.vocab, head.eps, head.ignore_index, getattr(head, "reduction", "none"),
                        head.chunk_rows, getattr(head, "empty_mean", "nan"), getattr(head, "grad_sum", "same"),
                        z_loss=getattr(head, "z_loss", 0.0), smoothing=getattr(head, "smoothing", 0.0),
-                       softcap=getattr(head, "softcap", None), token_weights=weighted, group=group, device="meta",
+                       softcap=getattr(head, "softcap", None), token_weights=weighted,
+                       norm_plus_one=type(head).__name__ == "Gemma2LmHeadLoss", group=group, device="meta",
                        dtype=head.wn.dtype)
         parallel.to_empty(device=head.wn.device)
         with torch.no_grad():
@@ -298,4 +311,5 @@ class VocabParallelLmHeadLoss(nn.Module):
         return vocab_parallel_lm_head_loss(x, target, self.wn, self.w_vocab, self.vocab_start, self.vocab, self.eps,
                                            self.ignore_index, self.reduction, self.chunk_rows, self.empty_mean,
                                            self.grad_sum, self.group, z_loss=self.z_loss, smoothing=self.smoothing,
-                                           softcap=self.softcap, token_weights=token_weights)
+                                           softcap=self.softcap, token_weights=token_weights,
+                                           norm_plus_one=self.norm_plus_one)

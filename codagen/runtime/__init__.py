@@ -44,15 +44,15 @@ import functools  # noqa: E402
 import threading  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from .checks import Aliasing, Decl, bind, check_tiles, host_scalar  # noqa: E402
+from .checks import Aliasing, Decl, bind, check_choice, check_tiles, host_scalar  # noqa: E402
 from . import backends  # noqa: E402,F401 (generated launchers call runtime.backends)
 from .autotune import pick_config  # noqa: E402
 from .configs import CONFIGS, Config, HopperConfig, TlConfig  # noqa: E402
 from .launcher import Launcher  # noqa: E402
 from .ops import kernel_op, no_backward  # noqa: E402
 
-__all__ = ["INTERPRETED", "Config", "TlConfig", "HopperConfig", "Decl", "bind", "check_tiles", "host_scalar",
-           "Aliasing", "pick_config",
+__all__ = ["INTERPRETED", "Config", "TlConfig", "HopperConfig", "Decl", "bind", "check_choice", "check_tiles",
+           "host_scalar", "Aliasing", "pick_config",
            "dot_settings", "needs_int64", "on_device", "reset_parameters", "sm_count", "tma_layout", "aligned",
            "descriptor", "signature", "check_storage", "LaunchPlan", "wants_grad", "kernel_op", "no_backward",
            "row_chunks", "ChunkSum", "Launcher"]

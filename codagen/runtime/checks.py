@@ -136,6 +136,13 @@ def host_scalar(kernel: str, name: str, value) -> float:
     raise TypeError(f"{kernel}: '{name}' is a host scalar and must be a Python number, got {got}")
 
 
+def check_choice(block: str, name: str, value, choices: tuple[str, ...], spec: str) -> None:
+    """A block's choice attr (`name: [a, b]` in its spec) against the choices its spec declares."""
+    if value not in choices:
+        raise ValueError(f"{block}: {name} must be {' or '.join(map(repr, choices))} (the choices {spec} declares), "
+                         f"got {value!r}")
+
+
 def byte_extent(t: torch.Tensor) -> int:
     """Bytes from a tensor's first element to the end of its last; 0 for an empty tensor."""
     if not t.numel():

@@ -28,6 +28,9 @@ class Gemma2LmHeadLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index, reduction, chunk_rows, empty_mean,
                 grad_sum):
+        runtime.check_choice(NAME, 'reduction', reduction, ('mean', 'sum'), SPEC)
+        runtime.check_choice(NAME, 'empty_mean', empty_mean, ('nan', 'zero'), SPEC)
+        runtime.check_choice(NAME, 'grad_sum', grad_sum, ('same', 'float32'), SPEC)
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction)
         scale = finish.unit_scale(x=row_weight)
@@ -91,6 +94,9 @@ def gemma2_lm_head_loss(x, target, wn, w_vocab, dim, vocab, eps, softcap=30.0, i
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
         return Gemma2LmHeadLossFunction.apply(x, target, wn, w_vocab, dim, vocab, eps, softcap, ignore_index, reduction,
                                               chunk_rows, empty_mean, grad_sum)
+    runtime.check_choice(NAME, 'reduction', reduction, ('mean', 'sum'), SPEC)
+    runtime.check_choice(NAME, 'empty_mean', empty_mean, ('nan', 'zero'), SPEC)
+    runtime.check_choice(NAME, 'grad_sum', grad_sum, ('same', 'float32'), SPEC)
     h, ss = kernels.gemma_rmsnorm_stats.gemma_rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
     lse_part, target_logit = kernels.lm_head_logsumexp_softcap.lm_head_logsumexp_softcap(

@@ -28,6 +28,9 @@ class LmHeadLossSmoothFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index, reduction, chunk_rows,
                 empty_mean, grad_sum):
+        runtime.check_choice(NAME, 'reduction', reduction, ('mean', 'sum'), SPEC)
+        runtime.check_choice(NAME, 'empty_mean', empty_mean, ('nan', 'zero'), SPEC)
+        runtime.check_choice(NAME, 'grad_sum', grad_sum, ('same', 'float32'), SPEC)
         # the gradients for an output gradient of scale, made over row chunks: the backward scales them
         row_weight = finish.row_weights(target=target, ignore_index=ignore_index, reduction=reduction)
         scale = finish.unit_scale(x=row_weight)
@@ -106,6 +109,9 @@ def lm_head_loss_smooth(x, target, wn, w_vocab, dim, vocab, eps, smoothing=0.1, 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, wn, w_vocab)):
         return LmHeadLossSmoothFunction.apply(x, target, wn, w_vocab, dim, vocab, eps, smoothing, ignore_index,
                                               reduction, chunk_rows, empty_mean, grad_sum)
+    runtime.check_choice(NAME, 'reduction', reduction, ('mean', 'sum'), SPEC)
+    runtime.check_choice(NAME, 'empty_mean', empty_mean, ('nan', 'zero'), SPEC)
+    runtime.check_choice(NAME, 'grad_sum', grad_sum, ('same', 'float32'), SPEC)
     h, ss = kernels.rmsnorm_stats.rmsnorm_stats(x=x, wn=wn)
     rstd = finish.rstd(x=ss, size=dim, eps=eps)
     lse_part, zsum_part, target_logit = kernels.lm_head_logsumexp_zsum.lm_head_logsumexp_zsum(h=h, w_vocab=w_vocab,
