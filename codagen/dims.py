@@ -80,9 +80,16 @@ def size(dim: str, sizes: dict, tile: tuple[int, int] | None = None, group: int 
         extent = tile[0] if dim == TILES_M else tile[1]
         return -(-b // extent)
     if dim == BLOCKS_N:
-        return -(-b // (k_group or 1))
+        return -(-b // rounded_up_by(dim, k_group))
     s = scale(dim, group, k_group)
     return b * s.numerator // s.denominator
+
+
+def rounded_up_by(dim: str, k_group: int | None = None) -> int:
+    """What a count that is not of tiles divides its base by, rounding up: k_group for blocks(N) (size())."""
+    if _known(dim) != BLOCKS_N:
+        raise ValueError(f"{dim} is not a count of blocks")
+    return k_group or 1
 
 
 def base_size(dim: str, size: int | Fraction, group: int | None = None) -> Fraction:
