@@ -92,6 +92,15 @@ def rounded_up_by(dim: str, k_group: int | None = None) -> int:
     return k_group or 1
 
 
+def group_columns(group: int, width: str) -> int:
+    """The columns of one column group (group of N's columns) in a value of width `width`: group for N, group / 2
+    for N/2 (a gated activation's output: a group of N's pairs gives half as many columns)."""
+    if width not in (N, N_HALF):
+        raise ValueError(f"column groups are of values of width N or N/2, not {width}")
+    s = scale(width) * group
+    return s.numerator // s.denominator
+
+
 def base_size(dim: str, size: int | Fraction, group: int | None = None) -> Fraction:
     """The size of a dim's base that a dimension of `size` implies (2 * size for N/2, size / 2 for 2*N, size * group
     for groups(N)): scale's inverse. A Fraction; whole where the size fits the dim."""
