@@ -28,6 +28,8 @@
   of post_attention.
 - PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output
   to the next layer's normalized input.
+- PostAttentionFp8 (specs/fp8/blocks/post_attention_fp8.yaml): The non-attention rest of a Llama layer with an FP8
+  (block-scaled) MLP down projection, in bfloat16.
 - PostAttentionMlpBias (specs/blocks/post_attention_mlp_bias.yaml): post_attention with the gate/up projection's column
   bias; the down projection's bias is added by the caller.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
@@ -50,6 +52,7 @@ from .lm_head_loss_zloss import LmHeadLossZloss, LmHeadLossZlossFunction
 from .norm_stats import NormStats, NormStatsFunction
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
+from .post_attention_fp8 import PostAttentionFp8, PostAttentionFp8Function
 from .post_attention_mlp_bias import PostAttentionMlpBias, PostAttentionMlpBiasFunction
 from .pre_attention import PreAttention, PreAttentionFunction
 from .qwen3_post_attention import Qwen3PostAttention, Qwen3PostAttentionFunction
@@ -60,6 +63,7 @@ __all__ = ["Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "G
            "LmHeadLoss", "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth",
            "LmHeadLossSmoothFunction", "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted",
            "LmHeadLossWeightedFunction", "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction",
-           "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
-           "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
-           "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction"]
+           "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionFp8",
+           "PostAttentionFp8Function", "PostAttentionMlpBias", "PostAttentionMlpBiasFunction", "PreAttention",
+           "PreAttentionFunction", "Qwen3PostAttention", "Qwen3PostAttentionFunction", "Qwen3PreAttention",
+           "Qwen3PreAttentionFunction"]

@@ -28,6 +28,14 @@
 
 Kernels that keep the tl path only, and why:
 
+- specs/fp8/down_residual_norm_fp8.yaml:7:1: down_residual_norm_fp8: FP8 GEMM operands (float8_e4m3fn 'y'); the Hopper
+  kernel's mainloop takes bfloat16 or float16, and the tl kernel's runs FP8; it keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:22:5: fp8_scale: {x: yv, dtype: float8_e4m3fn, out: s}: no Gluon lowering of
+  'fp8_scale' yet; gate_up_swiglu_fp8 keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:23:5: quantize: {x: yv, scale: s, dtype: float8_e4m3fn, out: yq}: no Gluon lowering
+  of 'quantize' yet; gate_up_swiglu_fp8 keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:24:5: store: {x: yq, to: y}: only tiles of type T are stored, through TMA;
+  gate_up_swiglu_fp8 keeps the tl kernel only
 - specs/gemma2/backward/gemma_post_norm_dgrad.yaml:4:1: gemma_post_norm_dgrad: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
 - specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules GEMM
