@@ -83,7 +83,8 @@ def test_block_quantized_once_per_optimizer_step():
 def _forward_bound(x1, h1, r1, w_gate_up, w_down, w_scale, wn_next):
     """The float64 result of the MLP's down projection without quantization, from the kernels' own x1, h1 and r1,
     and the bound of docs/fp8.md ("An FP8 Llama MLP") on the block's x_out and h_next against it: name -> (result,
-    bound, the bound's part from the bfloat16 store); and "norms", ||y_i|| ||w_j|| for the typical error."""
+    bound, the bound's part from the bfloat16 store); and "norms", sqrt(sum_k y_ik^2 w_jk^2), the scale of the
+    typical error."""
     x1, h1, r1, wgu, w, wn = (t.double() for t in (x1, h1, r1, w_gate_up, w_down, wn_next))
     k_gu = h1.shape[1]
     z = r1[:, None] * (h1 @ wgu.T)
@@ -105,7 +106,7 @@ def _forward_bound(x1, h1, r1, w_gate_up, w_down, w_scale, wn_next):
     x_store = (2.0**-7 + 2 * U) * (x_ref.abs() + product)
     h_store = wn.abs() * (2.0**-7 + 4 * U) * (x_ref.abs() + product)
     return {"x_out": (x_ref, product + x_store, x_store), "h_next": (x_ref * wn, wn.abs() * product + h_store, h_store),
-            "norms": y.norm(dim=1)[:, None] * w.norm(dim=1)[None, :]}
+            "norms": (y.pow(2) @ w.pow(2).T).sqrt()}
 
 
 @pytest.mark.parametrize("m, dim, ffn", [(37, 96, 256), (29, 160, 128)])

@@ -56,8 +56,12 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/qwen3/backward/qk_norm_rope_bwd.yaml:7:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
+- specs/fp8/qkv_norm_rope_fp8.yaml:5:1: qkv_norm_rope_fp8: FP8 GEMM operands (float8_e4m3fn 'h'); the Hopper kernel's
+  mainloop takes bfloat16 or float16, and the tl kernel's runs FP8; it keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps the
   tl kernel only
+- specs/fp8/rmsnorm_stats_fp8.yaml:5:1: rmsnorm_stats_fp8: no GEMM; the Hopper backend schedules GEMM mainloops only; it
+  keeps the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops only;
   it keeps the tl kernel only
 - specs/backward/swiglu_bwd_rowdot.yaml:5:1: swiglu_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
