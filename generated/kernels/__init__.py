@@ -3,7 +3,7 @@
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
 - down_residual_norm_fp8 (specs/fp8/down_residual_norm_fp8.yaml): MLP down projection of FP8 y by FP8 w_down (block-wise
-  scales), the residual add and the next RMSNorm statistics.
+  scales), residual add, next RMSNorm's stats and FP8 input.
 - gate_up_bias_swiglu (specs/gate_up_bias_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale, a column bias
   and SwiGLU on interleaved (gate, up) columns.
 - gate_up_geglu (specs/gemma2/gate_up_geglu.yaml): MLP gate/up projection with the RMSNorm row scale and GeGLU

@@ -28,7 +28,7 @@
 
 Kernels that keep the tl path only, and why:
 
-- specs/fp8/down_residual_norm_fp8.yaml:7:1: down_residual_norm_fp8: FP8 GEMM operands (float8_e4m3fn 'y'); the Hopper
+- specs/fp8/down_residual_norm_fp8.yaml:8:1: down_residual_norm_fp8: FP8 GEMM operands (float8_e4m3fn 'y'); the Hopper
   kernel's mainloop takes bfloat16 or float16, and the tl kernel's runs FP8; it keeps the tl kernel only
 - specs/fp8/gate_up_swiglu_fp8.yaml:22:5: fp8_scale: {x: yv, dtype: float8_e4m3fn, out: s}: no Gluon lowering of
   'fp8_scale' yet; gate_up_swiglu_fp8 keeps the tl kernel only
