@@ -8,7 +8,7 @@ from fractions import Fraction
 
 from .blockmodel import IN_PLACE, TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, GradForwardSpec
 from .errors import ErrorSink
-from .loader import MAX_K_GROUP, MIN_K_GROUP, _is_mapping, _Mapping, _name, doc_text
+from .loader import MAX_GROUP, _is_mapping, _Mapping, _name, doc_text
 from .model import DType, Location
 from .names import MODULE_KEYWORDS, identifier_problem
 from .yamlnodes import Node
@@ -84,13 +84,14 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
 
 
 def _group(node: Node, sink: ErrorSink) -> int | None:
-    """`group`: the columns of an FP8 scaling group, which the block's groups(dim) and blocks(dim) count; the
-    bounds of a kernel's K group (gemm.scales.group), the group a block's K-group scales must match."""
+    """`group`: the columns of a group, which the block's groups(dim) and blocks(dim) count: the column_group or
+    gemm.scales.group of the kernels it calls (a call checks it), within the bounds of a column_group."""
     g = node.value
-    if isinstance(g, int) and not isinstance(g, bool) and MIN_K_GROUP <= g <= MAX_K_GROUP and g & (g - 1) == 0:
+    if isinstance(g, int) and not isinstance(g, bool) and 2 <= g <= MAX_GROUP and g & (g - 1) == 0:
         return g
-    sink.add(node.loc, f"group must be a power of two from {MIN_K_GROUP} to {MAX_K_GROUP} (the columns of an FP8 "
-                       f"scaling group: 128 in DeepSeek-V3's recipe), got {node.type_name}")
+    sink.add(node.loc, f"group must be a power of two from 2 to {MAX_GROUP} (the columns of a group: the column_group "
+                       f"or gemm.scales.group of the kernels the block calls; 128 in DeepSeek-V3's FP8 recipe), got "
+                       f"{node.type_name}")
     return None
 
 

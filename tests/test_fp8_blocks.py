@@ -57,7 +57,7 @@ def test_block_calls_the_k_group_kernel(tmp_path):
 
 @pytest.mark.parametrize("old, new, line, col, words", [
     ("group: 128\n", "", 9, 19, "groups(dim) counts groups of columns, and the block declares none; add 'group: "),
-    ("group: 128", "group: 100", 6, 8, "group must be a power of two from 32 to 512"),
+    ("group: 128", "group: 100", 6, 8, "group must be a power of two from 2 to 512"),
     ("group: 128", "group: 64", 17, 41, "t_fp8_kgroup.a_scale: 'sa' makes groups(K) = dim/64, but the earlier "
                                         "arguments make K = dim"),
     ("[blocks(width), groups(dim)]", "[width, groups(dim)]", 17, 54,
