@@ -113,7 +113,8 @@ def _dim(node: Node, what: str, group: int | None, sink: ErrorSink) -> BlockDim 
     if not group:
         if group is None:
             sink.add(node.loc, f"{what}: {kind}({inner}) counts groups of columns, and the block declares none; add "
-                               "'group: 128' (the FP8 scaling group of the kernels it calls) at the top level")
+                               "'group: 128' (the column_group or gemm.scales.group of the kernels it calls) at "
+                               "the top level")
         return None
     return BlockDim(dim.coef / group, dim.symbol, rounded_up=kind == "blocks")
 
