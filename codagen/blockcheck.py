@@ -22,7 +22,9 @@ RESERVED = frozenset({"kernels", "finish", "runtime", "nn", "torch", "ctx", "sel
 # what the generated backward makes of a value name v in row chunks: v_rows (its slice), v_chunks (the pieces
 # of a gradient), v_sum (a summed gradient); value names of these forms are refused
 DERIVED_SUFFIXES = ("_rows", "_chunks", "_sum")
-_KDTYPE = {DType.T: "T", DType.FLOAT32: "float32", DType.INDEX: "index"}
+# what a kernel's type T may be in a call besides the block's T: the 16-bit types a block declares (an FP8 block's
+# bfloat16 activations); every T argument of one call has the same, which the call's T outputs then have
+T_DTYPES = ("T", DType.BFLOAT16.value, DType.FLOAT16.value)
 
 
 def _scope(attrs: dict, sink):
@@ -319,10 +321,6 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         sink.add(step.loc, f"kernel '{kernel.name}' updates an output in place; blocks call only kernels that "
                            "allocate their outputs")
         return None
-    if kernel.k_group:
-        sink.add(step.loc, f"kernel '{kernel.name}' has K-group scales of FP8 operands (gemm.scales); blocks do not "
-                           "call such kernels yet: call the kernel's function directly")
-        return None
     expected = [i.name for i in kernel.inputs] + [o.name for o in kernel.outputs]
     loc_of = lambda k: step.arg_locs.get(k, step.loc)  # noqa: E731
     for key in step.args:
@@ -336,6 +334,8 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
     sizes: dict[str, BlockDim] = {}
     ok = True
     args = []
+    t_dtype = None  # what T is in this call: the dtype of its first T argument
+    counts = []  # blocks(N) arguments, checked once N is bound
     for i in kernel.inputs:
         ref = step.args[i.name]
         if i.role is InputRole.HOST_SCALAR:
@@ -349,10 +349,13 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
             continue
         used.add(ref)
         args.append(Arg(i.name, ref, True))
-        want = _KDTYPE.get(i.dtype)
+        if i.dtype is DType.T and t_dtype is None and v.dtype in T_DTYPES:
+            t_dtype = v.dtype
+        want = t_dtype if i.dtype is DType.T else i.dtype.value
         if want != v.dtype:
-            sink.add(loc_of(i.name), f"{kernel.name}.{i.name} takes dtype {want or i.dtype.value}, "
-                                     f"but '{ref}' is {v.dtype}")
+            sink.add(loc_of(i.name), f"{kernel.name}.{i.name} takes dtype {want or 'T'}"
+                                     + (" (T, the dtype of the call's other T arguments)" if want != "T" and
+                                        i.dtype is DType.T else "") + f", but '{ref}' is {v.dtype}")
             ok = False
         if len(v.dims) != len(i.dims):
             sink.add(loc_of(i.name), f"{kernel.name}.{i.name} is [{', '.join(d.value for d in i.dims)}], "
@@ -360,7 +363,13 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
             ok = False
             continue
         for kd, bd in zip(i.dims, v.dims):
-            ok &= _bind(kd, bd, sizes, loc_of(i.name), f"{kernel.name}.{i.name}", ref, sink, kernel.column_group)
+            what = f"{kernel.name}.{i.name}"
+            if kd is Dim.BLOCKS_N:
+                counts.append((bd, loc_of(i.name), what, ref))
+            else:
+                ok &= _bind(kd, bd, sizes, loc_of(i.name), what, ref, sink, kernel.column_group, kernel.k_group)
+    for bd, loc, what, ref in counts:
+        ok &= _count(bd, sizes, loc, what, ref, sink, kernel.k_group)
     if not ok:
         return None
     outs = []
@@ -374,7 +383,7 @@ def _resolve(step: BlockStep, b: Block, kernels: dict[str, Kernel], env, define,
         if reduction is not None:  # partials: typed with their reduction, which only some finish steps combine
             define(name, Partial(reduction, out_dims, f"kernel '{kernel.name}', output '{o.name}'"), loc_of(o.name))
         else:
-            define(name, Value(out_dims, _KDTYPE.get(o.dtype, o.dtype.value)), loc_of(o.name))
+            define(name, Value(out_dims, (t_dtype or "T") if o.dtype is DType.T else o.dtype.value), loc_of(o.name))
         outs.append(name)
     return Call(kernel.name, True, tuple(args), tuple(outs), step.loc, _in_place(step, kernel, sink))
 
@@ -429,13 +438,32 @@ def _tiles(d: Dim, sizes: dict) -> BlockDim | None:
     return BlockDim(Fraction(1), d.value if size is None else f"tiles({size})")
 
 
-def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, group: int | None) -> bool:
-    key, value = dims.base(kd.value), bd.scaled(1 / dims.scale(kd.value, group))
+def _bind(kd: Dim, bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, group: int | None,
+          k_group: int | None) -> bool:
+    if bd.rounded_up:
+        sink.add(loc, f"{what}: '{ref}' has the dimension {bd}, a count of blocks rounded up, where the kernel has "
+                      f"{kd.value}; only its blocks(N) is one")
+        return False
+    key, value = dims.base(kd.value), bd.scaled(1 / dims.scale(kd.value, group, k_group))
     if key not in sizes:
         sizes[key] = value
         return True
     if sizes[key] != value:
         sink.add(loc, f"{what}: '{ref}' makes {kd.value} = {bd}, but the earlier arguments make {key} = {sizes[key]}")
+        return False
+    return True
+
+
+def _count(bd: BlockDim, sizes: dict, loc, what: str, ref: str, sink, k_group: int) -> bool:
+    """A blocks(N) argument (dims.BLOCKS_N: N over the K group, rounded up) against the N the call binds."""
+    n = sizes.get(dims.N)
+    if n is None:
+        sink.add(loc, f"{what}: '{ref}' counts blocks of N, and no argument of the call gives N")
+        return False
+    want = BlockDim(n.coef / dims.rounded_up_by(dims.BLOCKS_N, k_group), n.symbol, rounded_up=True)
+    if bd != want:
+        sink.add(loc, f"{what}: '{ref}' has {bd} blocks of N, but the call's N = {n} has {want} (blocks({n}) of "
+                      f"the K group {k_group}); declare it [blocks(...), ...] with the block's group {k_group}")
         return False
     return True
 

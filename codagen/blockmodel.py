@@ -14,22 +14,30 @@ SUMS = ("float32", "same")  # what gradients summed over row chunks are summed i
 
 @dataclass(frozen=True)
 class BlockDim:
-    """A block dimension: coef * symbol, the symbol an int attr, 'M' (tokens) or a tile count; or a constant."""
+    """A block dimension: coef * symbol, the symbol an int attr, 'M' (tokens) or a tile count; or a constant.
+    `rounded_up`: coef * symbol rounded up, a count of blocks (blocks(dim), coef 1/group: docs/fp8.md)."""
 
     coef: Fraction
     symbol: str | None
+    rounded_up: bool = False
 
     def expr(self, times: str = "*", divide: str = "/") -> str:
-        """As written in specs (2*ffn_dim, qkv_dim/2), or as Python with times=" * ", divide=" // "."""
+        """As written in specs (2*ffn_dim, qkv_dim/2), or as Python with times=" * ", divide=" // "; a count
+        rounded up as cdiv(dim, 128), or in Python -(-dim // 128)."""
         if self.symbol is None:
             return str(self.coef)
         num, den = self.coef.numerator, self.coef.denominator
+        if self.rounded_up:
+            whole = BlockDim(Fraction(num), self.symbol).expr(times, divide)
+            return f"cdiv({whole}, {den})" if divide == "/" else f"-(-{whole}{divide}{den})"
         return (f"{num}{times}" if num != 1 else "") + self.symbol + (f"{divide}{den}" if den != 1 else "")
 
     def __str__(self) -> str:
         return self.expr()
 
     def scaled(self, f: Fraction) -> "BlockDim":
+        if self.rounded_up:
+            raise ValueError(f"{self} is rounded up: not a scale of {self.symbol}")
         return BlockDim(self.coef * f, self.symbol)
 
 
@@ -51,7 +59,7 @@ class BlockTensor:
 
     name: str
     dims: tuple[BlockDim, ...]
-    dtype: str  # "T", "float32", "index"
+    dtype: str  # "T" or a dtype of model.DType ("float32", "bfloat16", "float8_e4m3fn", "index", ...)
     grad: bool
     alias: str | None  # an output that is an input passed through (its gradient flows back to that input)
     loc: Location
@@ -97,6 +105,7 @@ class Block:
     source: str
     sha256: str
     loc: Location
+    group: int | None = None  # the FP8 scaling group that groups(dim) and blocks(dim) count
 
     def attr(self, name: str) -> Attr | None:
         return next((a for a in self.attrs if a.name == name), None)

@@ -8,16 +8,23 @@ from fractions import Fraction
 
 from .blockmodel import IN_PLACE, TOKENS, Attr, Block, BlockDim, BlockStep, BlockTensor, GradForwardSpec
 from .errors import ErrorSink
-from .loader import _is_mapping, _Mapping, _name, doc_text
-from .model import Location
+from .loader import MAX_GROUP, _is_mapping, _Mapping, _name, doc_text
+from .model import DType, Location
 from .names import MODULE_KEYWORDS, identifier_problem
 from .yamlnodes import Node
 
 _CHOICE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _DIM = re.compile(r"(?:(\d+)\*)?([a-z][a-z0-9_]*)(?:/(\d+))?|(\d+)|M")
+# groups(dim), blocks(dim): dim / group, and dim / group rounded up, as the kernels' groups(N), groups(K) and
+# blocks(N) are (codagen/dims.py), with the block's `group`
+_COUNT = re.compile(r"(groups|blocks)\((.*)\)")
+# the dtypes a block value may have: the kernels' (model.DType), the block's type T among them
+DTYPES = tuple(d.value for d in DType)
+FP8 = (DType.FLOAT8_E4M3FN.value, DType.FLOAT8_E5M2.value)
 
 
 def parse_dim(text: object) -> BlockDim | None:
+    """An attr expression (M, an int attr, k*attr, attr/k, k*attr/k) or a positive number; None if text is not."""
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return BlockDim(Fraction(text), None)
     if not isinstance(text, str):
@@ -40,16 +47,19 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
     if not _is_mapping(root, "a spec", sink):
         sink.raise_if_any()
     top = _Mapping(root, "the block spec", sink)
-    keys = ["block", "doc", "attrs", "params", "inputs", "outputs", "forward", "save", "backward",
+    keys = ["block", "doc", "attrs", "group", "params", "inputs", "outputs", "forward", "save", "backward",
             "backward_row_chunks", "forward_with_grads"]
     name_node = top.take("block")
     name = _name(name_node, "block", sink) if name_node else None
     doc_node = top.take("doc")
     doc = doc_text(doc_node, sink, "block") if doc_node is not None else ""
     attrs = _attrs(top.take("attrs", required=False), sink)
-    params = _tensors(top.take("params", required=False), "params", sink, allow_flags=False)
-    inputs = _tensors(top.take("inputs"), "inputs", sink, allow_flags=True)
-    outputs = _tensors(top.take("outputs"), "outputs", sink, allow_flags=True)
+    group_node = top.take("group", required=False)
+    # a group given but wrong (reported) is 0: the dims that count its groups are not reported again
+    group = (_group(group_node, sink) or 0) if group_node is not None else None
+    params = _tensors(top.take("params", required=False), "params", group, sink, allow_flags=False)
+    inputs = _tensors(top.take("inputs"), "inputs", group, sink, allow_flags=True)
+    outputs = _tensors(top.take("outputs"), "outputs", group, sink, allow_flags=True)
     forward = _steps(top.take("forward"), "forward", sink)
     save_node = top.take("save", required=False)
     backward_node = top.take("backward", required=False)
@@ -70,7 +80,43 @@ def parse_block(root: Node, path: str, sha256: str) -> Block:
     grad_forward = _grad_forward(grad_node, sink) if grad_node is not None else None
     sink.raise_if_any()
     return Block(name, doc, attrs, params, inputs, outputs, forward, tuple(save), backward, chunks, grad_forward,
-                 path, sha256, root.loc)
+                 path, sha256, root.loc, group or None)
+
+
+def _group(node: Node, sink: ErrorSink) -> int | None:
+    """`group`: the columns of a group, which the block's groups(dim) and blocks(dim) count: the column_group or
+    gemm.scales.group of the kernels it calls (a call checks it), within the bounds of a column_group."""
+    g = node.value
+    if isinstance(g, int) and not isinstance(g, bool) and 2 <= g <= MAX_GROUP and g & (g - 1) == 0:
+        return g
+    sink.add(node.loc, f"group must be a power of two from 2 to {MAX_GROUP} (the columns of a group: the column_group "
+                       f"or gemm.scales.group of the kernels the block calls; 128 in DeepSeek-V3's FP8 recipe), got "
+                       f"{node.type_name}")
+    return None
+
+
+def _dim(node: Node, what: str, group: int | None, sink: ErrorSink) -> BlockDim | None:
+    """One dimension of a block tensor's shape: an attr expression, or groups(...) or blocks(...) of one."""
+    count = _COUNT.fullmatch(node.value) if isinstance(node.value, str) else None
+    if count is None:
+        dim = parse_dim(node.value)
+        if dim is None:
+            sink.add(node.loc, f"{what}: dimension {node.type_name} must be M, an int attr, k*attr, attr/k, a "
+                               "positive number, or groups(...) or blocks(...) of an attr")
+        return dim
+    kind, inner = count.groups()
+    dim = parse_dim(inner)
+    if dim is None or dim.symbol in (None, "M"):
+        sink.add(node.loc, f"{what}: {kind}(...) counts the groups of an attr expression (an int attr, k*attr or "
+                           f"attr/k), got '{inner}'")
+        return None
+    if not group:
+        if group is None:
+            sink.add(node.loc, f"{what}: {kind}({inner}) counts groups of columns, and the block declares none; add "
+                               "'group: 128' (the column_group or gemm.scales.group of the kernels it calls) at "
+                               "the top level")
+        return None
+    return BlockDim(dim.coef / group, dim.symbol, rounded_up=kind == "blocks")
 
 
 def _rows(node: Node, what: str, sink: ErrorSink) -> str | int | None:
@@ -134,7 +180,8 @@ def _attrs(node: Node | None, sink: ErrorSink) -> tuple[Attr, ...]:
     return tuple(sorted(out, key=lambda a: a.default is not None))
 
 
-def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -> tuple[BlockTensor, ...]:
+def _tensors(node: Node | None, what: str, group: int | None, sink: ErrorSink,
+             allow_flags: bool) -> tuple[BlockTensor, ...]:
     if node is None or not _is_mapping(node, what, sink):
         return ()
     out = []
@@ -152,10 +199,11 @@ def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -
             a = m.take("alias", required=False) if allow_flags else None
             m.finish(["shape", "dtype"] + (["grad", "alias"] if allow_flags else []))
             if dt is not None:
-                if dt.value in ("T", "float32", "index"):
+                if dt.value in DTYPES:
                     dtype = dt.value
                 else:
-                    sink.add(dt.loc, f"{what} '{name}' dtype must be 'T', 'float32' or 'index', got {dt.type_name}")
+                    sink.add(dt.loc, f"{what} '{name}' dtype must be one of {', '.join(DTYPES)}, got "
+                                     f"{dt.type_name}")
             if g is not None:
                 if isinstance(g.value, bool):
                     grad = g.value
@@ -168,16 +216,16 @@ def _tensors(node: Node | None, what: str, sink: ErrorSink, allow_flags: bool) -
         if not isinstance(shape.value, list):
             sink.add(shape.loc, f"{what} '{name}' must be a shape such as [M, dim], got {shape.type_name}")
             continue
-        dims = []
-        for d in shape.value:
-            dim = parse_dim(d.value)
-            if dim is None:
-                sink.add(d.loc, f"{what} '{name}': dimension {d.type_name} must be M, an int attr, k*attr, "
-                                "attr/k or a positive number")
-            dims.append(dim)
+        dims = [_dim(d, f"{what} '{name}'", group, sink) for d in shape.value]
         if None in dims:
             continue
-        out.append(BlockTensor(name, tuple(dims), dtype, grad and dtype != "index", alias, loc))
+        if dtype in FP8 and what == "params":
+            sink.add(loc, f"params '{name}': a parameter is trained in its own precision, and {dtype} is an FP8 "
+                          "copy of one; make it an input with 'grad: false' (docs/fp8.md)")
+            continue
+        # index values and FP8 copies have no gradient (an FP8 input is a quantized copy: the gradient flows to
+        # what it was made from)
+        out.append(BlockTensor(name, tuple(dims), dtype, grad and dtype != "index" and dtype not in FP8, alias, loc))
     return tuple(out)
 
 

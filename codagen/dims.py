@@ -80,9 +80,25 @@ def size(dim: str, sizes: dict, tile: tuple[int, int] | None = None, group: int 
         extent = tile[0] if dim == TILES_M else tile[1]
         return -(-b // extent)
     if dim == BLOCKS_N:
-        return -(-b // (k_group or 1))
+        return -(-b // rounded_up_by(dim, k_group))
     s = scale(dim, group, k_group)
     return b * s.numerator // s.denominator
+
+
+def rounded_up_by(dim: str, k_group: int | None = None) -> int:
+    """What a count that is not of tiles divides its base by, rounding up: k_group for blocks(N) (size())."""
+    if _known(dim) != BLOCKS_N:
+        raise ValueError(f"{dim} is not a count of blocks")
+    return k_group or 1
+
+
+def group_columns(group: int, width: str) -> int:
+    """The columns of one column group (group of N's columns) in a value of width `width`: group for N, group / 2
+    for N/2 (a gated activation's output: a group of N's pairs gives half as many columns)."""
+    if width not in (N, N_HALF):
+        raise ValueError(f"column groups are of values of width N or N/2, not {width}")
+    s = scale(width) * group
+    return s.numerator // s.denominator
 
 
 def base_size(dim: str, size: int | Fraction, group: int | None = None) -> Fraction:

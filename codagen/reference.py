@@ -32,8 +32,8 @@ class Evaluation:
                 return v[:, None]
             if t.kind is Kind.COL:
                 return v[None, :]
-            if t.kind is Kind.GROUP:  # each group's value over its columns
-                return v.repeat_interleave(self.kernel.column_group, dim=1)
+            if t.kind is Kind.GROUP:  # each group's value over its columns (half as many in an N/2-wide tile)
+                return v.repeat_interleave(dims.group_columns(self.kernel.column_group, into.width.value), dim=1)
         if into is not None and into.kind is Kind.GROUP and t.kind is Kind.ROW and isinstance(v, torch.Tensor):
             return v[:, None]
         return v

@@ -11,7 +11,8 @@ from .model import (ACC, BLayout, Dim, DType, InputRole, Kernel, Kind, Literal, 
                     ValueType, Width, dims_type)
 from .names import kernel_functions
 from .primitives import PRIMITIVES
-from .primitives.quantize import FP8_DTYPES
+from .primitives.quantize import FP8_DTYPES, FP8_SHAPES
+from .primitives.reduce import GROUPED_WIDTHS
 
 _SCALAR = ValueType(Kind.SCALAR)
 _ROW = ValueType(Kind.ROW)
@@ -138,9 +139,9 @@ def _check_declarations(k, sink, types, defined_at):
     for o in k.outputs:
         if o.dtype is DType.INDEX:
             sink.add(o.loc, f"output '{o.name}' cannot have dtype index; outputs are floating point")
-        if o.dtype in FP8_DTYPES and (o.inplace or o.dims != (Dim.M, Dim.N)):
+        if o.dtype in FP8_DTYPES and (o.inplace or o.dims not in FP8_SHAPES):
             sink.add(o.loc, f"output '{o.name}' has dtype {o.dtype.value}: FP8 outputs hold quantized tiles "
-                            f"[M, N], written once by a store of a quantize value; got shape "
+                            f"[M, N] or [M, N/2], written once by a store of a quantize value; got shape "
                             f"{_fmt(o.dims)}{', inplace' if o.inplace else ''}")
         if any(dims.is_tiles(d.value) for d in o.dims):
             if o.dtype is not DType.FLOAT32:
@@ -208,10 +209,12 @@ def _broadcast(x: ValueType, y: ValueType) -> ValueType | None:
     if len(widths) > 1:
         return None
     width = widths.pop() if widths else None
-    if Kind.GROUP in kinds:  # groups are of N columns: a group value meets rows, groups, N-wide tiles or columns
+    # groups are of N columns: a group value meets rows, groups, and tiles or columns of width N, or N/2, whose
+    # groups are half as wide (a gated activation's output: each group of N's pairs gives column_group/2 columns)
+    if Kind.GROUP in kinds:
         if kinds <= {Kind.GROUP, Kind.ROW}:
             return ValueType(Kind.GROUP)
-        return ValueType(Kind.TILE, Width.FULL) if width is Width.FULL else None
+        return ValueType(Kind.TILE, width) if width in GROUPED_WIDTHS else None
     if kinds == {Kind.ROW, Kind.COL} or (Kind.TILE in kinds and kinds <= {Kind.TILE, Kind.ROW, Kind.COL}):
         return ValueType(Kind.TILE, width)
     return None

@@ -185,7 +185,7 @@ def test_build_notes_the_tl_only_kernels_in_one_line_and_only_on_a_gpu(tmp_path,
     if gpu:
         assert len(no_gemm) == 1, notes
         assert "kernel(s) keep the tl kernel only (no GEMM; " in no_gemm[0]
-        assert "rmsnorm_stats, rope_bwd_rowdot" in no_gemm[0]
+        assert "rmsnorm_stats, rmsnorm_stats_fp8, rope_bwd_rowdot" in no_gemm[0]
     else:
         assert no_gemm == [], notes
 

@@ -318,42 +318,6 @@ def test_codagen_tune_discards_candidates_crossing_groups(test_kernels):
     assert why.startswith("block_k 256 does not divide the K group 128 of the gemm's scales")
 
 
-BLOCK = """\
-block: kg_block
-doc: A block around t_fp8_kgroup.
-attrs:
-  dim: int
-  width: int
-inputs:
-  a: {shape: [M, dim], grad: false}
-  w: {shape: [width, dim], grad: false}
-  sa: {shape: [M, dim], dtype: float32, grad: false}
-  sw: {shape: [width, dim], dtype: float32, grad: false}
-  s: {shape: [], dtype: float32, grad: false}
-outputs:
-  y: {shape: [M, width], grad: false}
-forward:
-  - t_fp8_kgroup: {a: a, b: w, a_scale: sa, b_scale: sw, y_scale: s, product: p, y: y}
-"""
-
-
-def test_blocks_do_not_call_kernels_with_k_group_scales(tmp_path):
-    """Blocks do not call such kernels yet (their block dims have no groups(K) or blocks(N)): refused at the call."""
-    import shutil
-
-    from codagen import api
-    from codagen.errors import ValidationFailed
-    from conftest import REPO
-
-    shutil.copy(REPO / "tests" / "specs" / "t_fp8_kgroup.yaml", tmp_path / "t_fp8_kgroup.yaml")
-    (tmp_path / "kg_block.yaml").write_text(BLOCK, encoding="utf-8")
-    with pytest.raises(ValidationFailed) as info:
-        api.load([tmp_path])
-    (error,) = [e for e in info.value.errors if e.loc.line == 15]  # the others: what the call would have used
-    assert error.loc.file.endswith("kg_block.yaml") and error.loc.col == 5
-    assert "kernel 't_fp8_kgroup' has K-group scales of FP8 operands (gemm.scales); blocks do not call" in error.message
-
-
 def test_tuning_table_entry_crossing_groups_is_refused_at_its_place(tmp_path):
     """A tuning table's entry whose block_k crosses the K groups is reported at its line and column by `codagen
     build --check` (tune.tables.check_tables) and skipped at a launch (runtime.tables.entries); the same entry

@@ -36,29 +36,31 @@ def op_and_args(module, dtype=torch.float32, seed=0):
     return getattr(module, f"{module.NAME}_op"), tuple(args.kwargs[n] for n in names)
 
 
-@pytest.mark.parametrize("name", GENERATED)
-def test_opcheck_generated(name):
-    module = importlib.import_module(f"generated.kernels.{name}")
-    op, args = op_and_args(module)
-    torch.library.opcheck(op, args)
-
-
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@pytest.mark.parametrize("name", all_test_kernels())
-def test_opcheck_test_kernel(test_kernels, name):
-    op, args = op_and_args(test_kernels(name), torch.bfloat16 if name.endswith(("_scale", "_gated")) else torch.float32)
+def opcheck(op, args) -> None:
+    """torch.library.opcheck; for FP8 inputs, whose before-and-after comparison (test_schema's torch.allclose) torch
+    has no FP8 CPU kernel for, the other checks, and the inputs compared bit for bit here instead."""
     fp8 = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in FP8]
     if not fp8:
         torch.library.opcheck(op, args)
         return
-    # FP8 inputs: test_schema compares each argument before and after the call with torch.allclose, which torch
-    # has no FP8 CPU kernel for; the other checks run, and the inputs are compared bit for bit here instead
     before = [a.clone() for a in fp8]
     torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
                                                 "test_aot_dispatch_dynamic"))
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fp8, before))
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_opcheck_generated(name):
+    module = importlib.import_module(f"generated.kernels.{name}")
+    opcheck(*op_and_args(module))
+
+
+@pytest.mark.parametrize("name", all_test_kernels())
+def test_opcheck_test_kernel(test_kernels, name):
+    opcheck(*op_and_args(test_kernels(name), torch.bfloat16 if name.endswith(("_scale", "_gated")) else torch.float32))
 
 
 def test_compile_fullgraph_matches_eager(test_kernels, caplog):

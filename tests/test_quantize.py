@@ -111,3 +111,35 @@ def test_kernel_compiles_for_sm90(test_kernels):
     assert "div.rn.f32" in run.stdout and "e4m3x2.f32" in run.stdout and "e5m2x2.f32" in run.stdout
     assert "0f4B400000" in run.stdout and "0fCB400000" in run.stdout
     assert "setp.nan.f32" in run.stdout and ", 127;" in run.stdout
+
+
+# as SHAPES, N whole groups of 16
+HALF_SHAPES = {name: (m, 80 if n == 72 else n, config) for name, (m, n, config) in SHAPES.items()}
+
+
+@pytest.mark.parametrize("shape", list(HALF_SHAPES))
+def test_half_width_value_groups_are_half_as_wide(test_kernels, shape):
+    """t_quantize_half: SwiGLU's N/2-wide output quantized with column_group 16, each group 8 of its columns,
+    against the float64 recipe written out: the scales within fp32's rounding of silu (2^-20, relative) of
+    amax / 448 over each 8 columns of y, every value within its e4m3 bound (docs/fp8.md: 2^-4 of itself, or 2^-10
+    of its scale), and the dequantized store equal to the values times their group's scale."""
+    m, n, config = HALF_SHAPES[shape]
+    g = torch.Generator().manual_seed(7 + len(shape))
+    x = torch.randn(m, n, generator=g) * 2.0 ** torch.randint(-12, 4, (m, 1), generator=g).float()  # exp stays finite
+    x[3] = 0.0  # a row of zeros: scale 1
+    x[4, :16] = 0.0  # its first group
+    x[5, 17] = 3e4  # an outlier, which costs its own group precision only
+    outs = {"y": torch.empty(m, n // 2, dtype=torch.float8_e4m3fn), "y_scale": torch.empty(m, n // 16),
+            "y_dequantized": torch.empty(m, n // 2)}
+    outs = {k: v.to(DEVICE) for k, v in outs.items()}
+    test_kernels("t_quantize_half").launch(x=x.to(DEVICE), **outs, config=config)
+    q, scale, dequantized = (outs[k].cpu() for k in ("y", "y_scale", "y_dequantized"))
+    x64 = x.double()
+    y = torch.nn.functional.silu(x64[:, 0::2]) * x64[:, 1::2]
+    amax = y.abs().reshape(m, n // 16, 8).amax(-1)
+    want_scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448)
+    assert ((scale.double() - want_scale).abs() <= 2.0**-20 * want_scale).all()
+    per_value = scale.double().repeat_interleave(8, 1)
+    bound = (2.0**-4 + 2.0**-18) * y.abs() + 2.0**-10 * per_value
+    assert ((q.double() * per_value - y).abs() <= bound).all()
+    assert torch.equal(dequantized, q.float() * scale.repeat_interleave(8, 1))

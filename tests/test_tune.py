@@ -294,12 +294,16 @@ def test_shapes_a_kernel_can_run_pass_the_checks():
     assert shapes.parse_shapes("32768x128256x4096", checked("matmul").kernel)
     with pytest.raises(TuneError, match="over the GPU.s 8.0 GiB"):  # the GPU's memory, where the run gives it
         shapes.parse_shapes("32768x128256x4096", checked("lm_head_logits").kernel, memory=8 * 2**30)
+    with pytest.raises(TuneError, match="K = 200 .* is no multiple of kernel 'down_residual_norm_fp8''s K group 128"):
+        shapes.parse_shapes("64x256x200", checked("down_residual_norm_fp8").kernel)
     for preset in PRESETS:  # every preset's shapes at the default token counts pass
         for k in kernels_of_specs():
             try:
                 shapes.parse_shapes(preset, k, all_specs())
             except TuneError as e:
-                assert "has no shapes at preset" in str(e), e
+                # or the FP8 kernels at a preset whose dim or ffn_dim is no multiple of their 128 (tiny's 64, 160)
+                fp8 = k.source.startswith("specs/fp8/") and (PRESETS[preset].dim % 128 or PRESETS[preset].ffn_dim % 128)
+                assert "has no shapes at preset" in str(e) or (fp8 and "is no multiple of" in str(e)), e
 
 
 def test_preset_shapes_past_the_bound_name_the_preset_and_tokens():
@@ -378,14 +382,20 @@ def test_kernel_and_cublas_timed_in_turn():
     assert order == ["kernel", "cuBLAS"] * harness.CUBLAS_ROUNDS
 
 
+def _k(kernel) -> int:
+    """A K for the kernel: 24, ragged against the tiles; two K groups for K-group scales (whole groups of K)."""
+    return 2 * kernel.k_group if kernel.k_group else 24 if kernel.gemm else 0
+
+
 def test_every_generated_kernel_passes_its_check():
     """The check itself is right: the real kernels of specs/ pass it with a ragged slice of rows (bf16)."""
     for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked)):
         mod = module(c.kernel.name)
         group = c.kernel.column_group
-        # whole column groups, ragged against the tiles; tiles that hold whole groups
-        shape = shapes.Shape(45, 3 * group if group else 40, 24 if c.kernel.gemm else 0)
+        # whole column groups, ragged against the tiles; tiles that hold whole groups; K whole K groups, FP8's block_k
+        shape = shapes.Shape(45, 3 * group if group else 40, _k(c.kernel))
         config = dataclasses.replace(POOL[1], block_n=2 * group) if group else POOL[1]
+        config = dataclasses.replace(config, block_k=32) if c.kernel.fp8_gemm else config
         inputs = harness.make_inputs(c.kernel, mod, shape, CPU)
         check = harness.Checker(c, mod, inputs, 37, CPU)
         assert check(config, shape) is None, c.kernel.name
@@ -395,7 +405,8 @@ def test_cublas_mainloop_passes_the_check_of_every_gemm_kernel():
     """Mainloop "cublas" (torch.mm's product, then the tl kernel's epilogue over it in place of its mainloop) gives
     every GEMM kernel of specs/ what the float64 reference gives, with tiles ragged against the shape; a kernel
     without a GEMM refuses it, naming why."""
-    for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked) and c.kernel.gemm):
+    # FP8 operands refuse it (torch.mm takes none: tests/test_fp8_gemm.py)
+    for c in (c for c in api.load([SPECS]) if isinstance(c, api.Checked) and c.kernel.gemm and not c.kernel.fp8_gemm):
         mod = module(c.kernel.name)
         group = c.kernel.column_group
         shape = shapes.Shape(45, 3 * group if group else 40, 24)

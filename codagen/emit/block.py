@@ -131,6 +131,8 @@ def render_block(cb: CheckedBlock, regenerate: str) -> str:
                                                                            *(a.name for a in b.attrs)], ")"),
         init_def=_enclosed("def __init__(", init_params, "):"),
         param_shapes={p.name: _shape(p.dims) for p in b.params},
+        # a parameter of a declared dtype has it whatever the module's dtype (an FP8 block's bfloat16 weights)
+        param_dtypes={p.name: "dtype" if p.dtype == "T" else f"torch.{p.dtype}" for p in b.params},
         module_forward_def=_enclosed("def forward(", ["self", *inputs], "):"),
         apply_args=[", ".join(names) + "," for names in (inputs, [f"self.{p.name}" for p in b.params],
                                                          [f"self.{a.name}" for a in b.attrs]) if names],

@@ -341,8 +341,8 @@ def _broadcast(text: str, t: ValueType, into: ValueType | None, group: int | Non
             return f"{text}[:, None]"
         if t.kind is Kind.COL:
             return f"{text}[None, :]"
-        if t.kind is Kind.GROUP:  # each group's value over its columns
-            return f"tile.expand_groups({text}, GROUP={group})"
+        if t.kind is Kind.GROUP:  # each group's value over its columns (half as many in an N/2-wide tile)
+            return f"tile.expand_groups({text}, GROUP={dims.group_columns(group, into.width.value)})"
     if into is not None and into.kind is Kind.GROUP and t.kind is Kind.ROW:
         return f"{text}[:, None]"
     return text

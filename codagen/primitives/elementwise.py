@@ -146,7 +146,7 @@ SCALE = Primitive(
     "out = x · by, by[:, None] for a row, by[None, :] for a column, each group's value over its columns for a "
     "group value: mul restricted to a tile times a vector or scalar, which catches a mistyped operand early.",
     "x: a tile; by: a row vector ([M]), a column vector of the tile's width, a group value ([M, groups(N)], with "
-    "a tile of width N), a scalar or a number; out: a tile of x's width.",
+    "a tile of width N, or N/2: groups of column_group/2 columns), a scalar or a number; out: a tile of x's width.",
     "scale: {x: acc, by: rstd, out: z}",
     check=_check_scale,
     reference=lambda r, s: torch.mul(r.tensor(s.args["x"], r.types[s.out]), r.tensor(s.args["by"], r.types[s.out])),

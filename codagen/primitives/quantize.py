@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import Dim, DType, Kind, ValueType, Width
+from ..model import Dim, DType, Kind, ValueType
 from .base import OUT, X, Arg, Primitive, torch
-from .reduce import grouped_tile
+from .reduce import GROUPED_WIDTHS, group_columns, grouped_tile
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,15 @@ FORMATS = (
 )
 BY_DTYPE = {f.dtype: f for f in FORMATS}
 FP8_DTYPES = frozenset(DType(f.dtype) for f in FORMATS)
+# what FP8 outputs hold: a quantized tile of width N, or N/2 (a gated activation's output, SwiGLU's y)
+FP8_SHAPES = ((Dim.M, Dim.N), (Dim.M, Dim.N_HALF))
 DTYPE = Arg("dtype", "enum", choices=tuple(BY_DTYPE))
 
 
 def _check_scale(c) -> ValueType | None:
     if not grouped_tile(c, "fp8_scale", "scales each column group, and the kernel declares none; add 'column_group: "
                                         "128' (DeepSeek-V3's 1 x 128 groups; any power of two the epilogue slice "
-                                        "holds whole)"):
+                                        "holds whole)", GROUPED_WIDTHS):
         return None
     if c.kernel.whole_rows:  # column_group N
         c.error(None, "fp8_scale with column_group N (one scale per whole row) is not implemented; use groups of "
@@ -48,9 +50,10 @@ def _check_scale(c) -> ValueType | None:
 
 def _emit_scale(e, s):
     x, fmt = s.args["x"], BY_DTYPE[s.args["dtype"]]
-    e.need_width(Width.FULL, tile=True)
-    amax = (f"tile.group_reduce({e.lang}.abs({e.ref(x)}), {e.tile_mask(Width.FULL)}, GROUP={e.kernel.column_group}, "
-            "OP=tile.MAX)")
+    width = e.types[x].width
+    e.need_width(width, tile=True)
+    group = group_columns(e.kernel.column_group, width)
+    amax = f"tile.group_reduce({e.lang}.abs({e.ref(x)}), {e.tile_mask(width)}, GROUP={group}, OP=tile.MAX)"
     e.assign(s, f"tile.fp8_scale({amax}, MAX={fmt.max})")
 
 
@@ -64,7 +67,7 @@ def fp8_scale(amax, fmt: Fp8Format):
 def _reference_scale(r, s):
     x, fmt = r.value(s.args["x"]).to(torch.float32), BY_DTYPE[s.args["dtype"]]
     rows, cols = x.shape
-    group = r.kernel.column_group
+    group = group_columns(r.kernel.column_group, r.types[s.args["x"]].width)
     return fp8_scale(x.abs().reshape(rows, cols // group, group).amax(-1), fmt).to(r.dtype)
 
 
@@ -96,7 +99,7 @@ def check_store(c) -> None:
         c.error("to", f"store.to: '{name}' is an FP8 scale, which must be stored in float32 (the values were "
                       f"divided by it in fp32), and output '{out.name}' has dtype {out.dtype.value}; declare it "
                       f"'{out.name}: {{shape: [...], dtype: float32}}'")
-    if out is None or out.dtype not in FP8_DTYPES or out.dims != (Dim.M, Dim.N):  # else reported at the output
+    if out is None or out.dtype not in FP8_DTYPES or out.dims not in FP8_SHAPES:  # else reported at the output
         return
     if source is None or source.op != "quantize" or source.args["dtype"] != out.dtype.value:
         c.error("x", f"store.x: output '{out.name}' has dtype {out.dtype.value}, and '{name}' is not a quantize "
@@ -129,15 +132,15 @@ PRIMITIVES = (
         "fp8_scale", (X, DTYPE, OUT),
         "The FP8 scale of each group of column_group columns of a tile: amax / FP8_MAX (448 for float8_e4m3fn, "
         "57344 for float8_e5m2), amax = max |x| over the group, rounded to fp32; 1 where that is 0 (docs/fp8.md).",
-        "x: a tile of width N, in a kernel that declares a column_group of a power of two columns; out: a group "
-        "value [M, groups(N)].",
+        "x: a tile of width N, or N/2 (SwiGLU's output: each group is column_group/2 of its columns), in a kernel "
+        "that declares a column_group of a power of two columns; out: a group value [M, groups(N)].",
         "fp8_scale: {x: h, dtype: float8_e4m3fn, out: h_scale}",
         check=_check_scale, reference=_reference_scale, emitters={"tl": _emit_scale}),
     Primitive(
         "quantize", (X, Arg("scale", "value"), DTYPE, OUT),
         "out = x / scale (fp32, correctly rounded), saturated to ±FP8_MAX and rounded to the nearest value of "
         "dtype, ties to even: FP8 values held in fp32, which a store to an output of that dtype writes exactly.",
-        "x: a tile of width N; scale: its group's scale, a group value (fp8_scale's); out: a tile of width N.",
+        "x: a tile of width N or N/2; scale: its group's scale, a group value (fp8_scale's); out: a tile like x.",
         "quantize: {x: h, scale: h_scale, dtype: float8_e4m3fn, out: h_q}",
         check=_check_quantize, reference=_reference_quantize, emitters={"tl": _emit_quantize}),
 )

@@ -26,6 +26,14 @@ class Reduction:
         return f"tile.{self.name.upper()}"
 
 
+GROUPED_WIDTHS = (Width.FULL, Width.HALF)  # the tile widths a group value meets (dims.group_columns)
+
+
+def group_columns(group: int, width: Width) -> int:
+    """The columns of a column group in a tile of `width` (dims.group_columns)."""
+    return dims.group_columns(group, width.value)
+
+
 REDUCTIONS = (
     Reduction("sum", "Σ x", "sum", 0.0, lambda t: t.sum(-1)),
     Reduction("sumsq", "Σ x²", "sum", 0.0, lambda t: (t * t).sum(-1)),
@@ -98,18 +106,20 @@ REDUCE = Primitive(
     check=_check, reference=_reference, emitters={"tl": _emit, "gluon": _emit})
 
 
-def grouped_tile(c, primitive: str, declare: str) -> bool:
+def grouped_tile(c, primitive: str, declare: str, widths: tuple[Width, ...] = (Width.FULL,)) -> bool:
     """The check a step over column groups starts with (group_reduce, fp8_scale): the kernel declares column groups
-    (else the error says what to `declare`), and x is a tile of width N; False after reporting an error."""
+    (else the error says what to `declare`), and x is a tile of one of `widths` (N; fp8_scale also N/2, whose
+    groups are column_group/2 of its columns); False after reporting an error."""
     x = c.typed("x")
+    names = " or ".join(w.value for w in widths)
     if c.kernel.column_group is None:
         c.error(None, f"{primitive} {declare} at the top level")
         return False
-    if not c.need("x", x, (Kind.TILE,), "a tile of width N"):
+    if not c.need("x", x, (Kind.TILE,), f"a tile of width {names}"):
         return False
-    if x.width is not Width.FULL:
-        c.error("x", f"{primitive}.x must be a tile of width N (column groups are groups of N's columns), got {x} "
-                     f"'{c.step.args['x']}'")
+    if x.width not in widths:
+        c.error("x", f"{primitive}.x must be a tile of width {names} (column groups are groups of N's columns), got "
+                     f"{x} '{c.step.args['x']}'")
         return False
     return True
 

@@ -213,12 +213,15 @@ def operand_elements(kernel: Kernel, shape: Shape) -> dict[str, tuple[int, int]]
 def check_shape(shape: Shape, kernel: Kernel, given: str, memory: int | None = None) -> None:
     """Refuse a shape `kernel` cannot run or the tuner cannot allocate, naming the argument it came from
     (`given`, e.g. "--shapes '8192x100x64'"), the kernel and the value: an N that is no multiple of the kernel's
-    column_group (its tiles hold whole column groups); operands of more than MAX_SHAPE_BYTES bytes together, or
-    than `memory` (the GPU's) where given."""
+    column_group (its tiles hold whole column groups); a K that is no multiple of the K group of its K-group scales;
+    operands of more than MAX_SHAPE_BYTES bytes together, or than `memory` (the GPU's) where given."""
     group = kernel.column_group
     if isinstance(group, int) and shape.n % group:
         raise TuneError(f"{given}: N = {shape.n} (shape {shape}) is no multiple of kernel '{kernel.name}''s "
                         f"column_group {group} ({kernel.source}): its tiles hold whole column groups")
+    if kernel.k_group and shape.k % kernel.k_group:
+        raise TuneError(f"{given}: K = {shape.k} (shape {shape}) is no multiple of kernel '{kernel.name}''s K group "
+                        f"{kernel.k_group} (gemm.scales, {kernel.source}): its scales are of whole groups of K")
     operands = operand_elements(kernel, shape)
     total = sum(b for _, b in operands.values())
     bound, what = min((MAX_SHAPE_BYTES, f"{MAX_SHAPE_BYTES >> 30} GiB"),

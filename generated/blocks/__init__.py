@@ -24,14 +24,20 @@
   with z-loss (z_loss * lse^2 per row), with the gradients made in the forward over row chunks.
 - NormStats (specs/blocks/norm_stats.yaml): RMSNorm statistics (x * wn and rstd) of the embeddings, for the first
   pre-attention block.
+- NormStatsFp8 (specs/fp8/blocks/norm_stats_fp8.yaml): RMSNorm statistics of the embeddings, x * wn in float8_e4m3fn
+  with 1 x 128 scales, for pre_attention_fp8.
 - OprojSwiglu (specs/blocks/oproj_swiglu.yaml): Out-projection + residual, RMSNorm and gate/up + SwiGLU; the first half
   of post_attention.
 - PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output
   to the next layer's normalized input.
+- PostAttentionFp8 (specs/fp8/blocks/post_attention_fp8.yaml): The non-attention rest of a Llama layer with an FP8
+  (block-scaled) MLP down projection, in bfloat16.
 - PostAttentionMlpBias (specs/blocks/post_attention_mlp_bias.yaml): post_attention with the gate/up projection's column
   bias; the down projection's bias is added by the caller.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and
   backward as GEMM-epilogue kernels.
+- PreAttentionFp8 (specs/fp8/blocks/pre_attention_fp8.yaml): RMSNorm, QKV projection from FP8 (block-scaled) operands
+  and RoPE of a Llama layer, in bfloat16.
 - Qwen3PostAttention (specs/qwen3/blocks/qwen3_post_attention.yaml): The non-attention rest of a Qwen3 layer, from the
   attention output to the next layer's normalized input.
 - Qwen3PreAttention (specs/qwen3/blocks/qwen3_pre_attention.yaml): RMSNorm, QKV projection, per-head RMSNorm of q and k
@@ -48,10 +54,13 @@ from .lm_head_loss_softcap import LmHeadLossSoftcap, LmHeadLossSoftcapFunction
 from .lm_head_loss_weighted import LmHeadLossWeighted, LmHeadLossWeightedFunction
 from .lm_head_loss_zloss import LmHeadLossZloss, LmHeadLossZlossFunction
 from .norm_stats import NormStats, NormStatsFunction
+from .norm_stats_fp8 import NormStatsFp8, NormStatsFp8Function
 from .oproj_swiglu import OprojSwiglu, OprojSwigluFunction
 from .post_attention import PostAttention, PostAttentionFunction
+from .post_attention_fp8 import PostAttentionFp8, PostAttentionFp8Function
 from .post_attention_mlp_bias import PostAttentionMlpBias, PostAttentionMlpBiasFunction
 from .pre_attention import PreAttention, PreAttentionFunction
+from .pre_attention_fp8 import PreAttentionFp8, PreAttentionFp8Function
 from .qwen3_post_attention import Qwen3PostAttention, Qwen3PostAttentionFunction
 from .qwen3_pre_attention import Qwen3PreAttention, Qwen3PreAttentionFunction
 
@@ -60,6 +69,8 @@ __all__ = ["Gemma2LmHeadLoss", "Gemma2LmHeadLossFunction", "Gemma2NormStats", "G
            "LmHeadLoss", "LmHeadLossFunction", "LmHeadLossRows", "LmHeadLossRowsFunction", "LmHeadLossSmooth",
            "LmHeadLossSmoothFunction", "LmHeadLossSoftcap", "LmHeadLossSoftcapFunction", "LmHeadLossWeighted",
            "LmHeadLossWeightedFunction", "LmHeadLossZloss", "LmHeadLossZlossFunction", "NormStats", "NormStatsFunction",
-           "OprojSwiglu", "OprojSwigluFunction", "PostAttention", "PostAttentionFunction", "PostAttentionMlpBias",
-           "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "Qwen3PostAttention",
-           "Qwen3PostAttentionFunction", "Qwen3PreAttention", "Qwen3PreAttentionFunction"]
+           "NormStatsFp8", "NormStatsFp8Function", "OprojSwiglu", "OprojSwigluFunction", "PostAttention",
+           "PostAttentionFunction", "PostAttentionFp8", "PostAttentionFp8Function", "PostAttentionMlpBias",
+           "PostAttentionMlpBiasFunction", "PreAttention", "PreAttentionFunction", "PreAttentionFp8",
+           "PreAttentionFp8Function", "Qwen3PostAttention", "Qwen3PostAttentionFunction", "Qwen3PreAttention",
+           "Qwen3PreAttentionFunction"]

@@ -2,12 +2,16 @@
 # Regenerate with: codagen build specs/
 """One module per kernel spec: the Triton kernel, `launch` (into given outputs) and the torch.library op.
 
+- down_residual_norm_fp8 (specs/fp8/down_residual_norm_fp8.yaml): MLP down projection of FP8 y by FP8 w_down (block-wise
+  scales), residual add, next RMSNorm's stats and FP8 input.
 - gate_up_bias_swiglu (specs/gate_up_bias_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale, a column bias
   and SwiGLU on interleaved (gate, up) columns.
 - gate_up_geglu (specs/gemma2/gate_up_geglu.yaml): MLP gate/up projection with the RMSNorm row scale and GeGLU
   (tanh-approximated GELU) on interleaved (gate, up) columns.
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
   interleaved (gate, up) columns.
+- gate_up_swiglu_fp8 (specs/fp8/gate_up_swiglu_fp8.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU,
+  y stored in float8_e4m3fn with 1 x 128 scales.
 - geglu_dgrad (specs/gemma2/backward/geglu_dgrad.yaml): Data gradient of the MLP down projection with GeGLU's backward
   and the recomputed GeGLU output.
 - gemma_norm_dgrad (specs/gemma2/backward/gemma_norm_dgrad.yaml): Data gradient through a projection and Gemma's RMSNorm
@@ -58,10 +62,14 @@
   k, with the row partials of z . dz and the head-norm weight partials.
 - qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on
   interleaved pairs.
+- qkv_norm_rope_fp8 (specs/fp8/qkv_norm_rope_fp8.yaml): QKV projection of FP8 h by FP8 w_qkv (block-wise scales) with
+  the RMSNorm row scale and rotary position embedding.
 - qkv_qk_norm_rope (specs/qwen3/qkv_qk_norm_rope.yaml): QKV projection with the RMSNorm row scale, an RMSNorm of each q
   and k head, and rotary position embedding.
 - rmsnorm_stats (specs/rmsnorm_stats.yaml): RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue
   produced.
+- rmsnorm_stats_fp8 (specs/fp8/rmsnorm_stats_fp8.yaml): RMSNorm statistics of a tensor no GEMM epilogue produced, and x
+  * wn in float8_e4m3fn with 1 x 128 scales.
 - rope_bwd_rowdot (specs/backward/rope_bwd_rowdot.yaml): RoPE backward (inverse rotation) of the QKV gradient and the
   per-tile partials of the rows' qkv . dqkv.
 - swiglu_bias_dgrad (specs/backward/swiglu_bias_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's
@@ -71,9 +79,11 @@
 - swiglu_dgrad (specs/backward/swiglu_dgrad.yaml): Data gradient of the MLP down projection with SwiGLU's backward and
   the recomputed SwiGLU output.
 """
+from . import down_residual_norm_fp8
 from . import gate_up_bias_swiglu
 from . import gate_up_geglu
 from . import gate_up_swiglu
+from . import gate_up_swiglu_fp8
 from . import geglu_dgrad
 from . import gemma_norm_dgrad
 from . import gemma_norm_dgrad_residual
@@ -100,18 +110,21 @@ from . import norm_dgrad_residual
 from . import out_proj_residual_norm
 from . import qk_norm_rope_bwd
 from . import qkv_norm_rope
+from . import qkv_norm_rope_fp8
 from . import qkv_qk_norm_rope
 from . import rmsnorm_stats
+from . import rmsnorm_stats_fp8
 from . import rope_bwd_rowdot
 from . import swiglu_bias_dgrad
 from . import swiglu_bwd_rowdot
 from . import swiglu_dgrad
 
-__all__ = ["gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "geglu_dgrad", "gemma_norm_dgrad",
-           "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad", "gemma_post_norm_residual", "gemma_post_norm_rowdot",
-           "gemma_proj_sumsq", "gemma_rmsnorm_stats", "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted",
-           "lm_head_ce_dz_softcap", "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap",
-           "lm_head_logits_zsum", "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul",
-           "matmul_accumulate", "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd",
-           "qkv_norm_rope", "qkv_qk_norm_rope", "rmsnorm_stats", "rope_bwd_rowdot", "swiglu_bias_dgrad",
-           "swiglu_bwd_rowdot", "swiglu_dgrad"]
+__all__ = ["down_residual_norm_fp8", "gate_up_bias_swiglu", "gate_up_geglu", "gate_up_swiglu", "gate_up_swiglu_fp8",
+           "geglu_dgrad", "gemma_norm_dgrad", "gemma_norm_dgrad_residual", "gemma_post_norm_dgrad",
+           "gemma_post_norm_residual", "gemma_post_norm_rowdot", "gemma_proj_sumsq", "gemma_rmsnorm_stats",
+           "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted", "lm_head_ce_dz_softcap",
+           "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum",
+           "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "matmul_accumulate",
+           "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope",
+           "qkv_norm_rope_fp8", "qkv_qk_norm_rope", "rmsnorm_stats", "rmsnorm_stats_fp8", "rope_bwd_rowdot",
+           "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad"]

@@ -28,6 +28,14 @@
 
 Kernels that keep the tl path only, and why:
 
+- specs/fp8/down_residual_norm_fp8.yaml:8:1: down_residual_norm_fp8: FP8 GEMM operands (float8_e4m3fn 'y'); the Hopper
+  kernel's mainloop takes bfloat16 or float16, and the tl kernel's runs FP8; it keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:22:5: fp8_scale: {x: yv, dtype: float8_e4m3fn, out: s}: no Gluon lowering of
+  'fp8_scale' yet; gate_up_swiglu_fp8 keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:23:5: quantize: {x: yv, scale: s, dtype: float8_e4m3fn, out: yq}: no Gluon lowering
+  of 'quantize' yet; gate_up_swiglu_fp8 keeps the tl kernel only
+- specs/fp8/gate_up_swiglu_fp8.yaml:24:5: store: {x: yq, to: y}: only tiles of type T are stored, through TMA;
+  gate_up_swiglu_fp8 keeps the tl kernel only
 - specs/gemma2/backward/gemma_post_norm_dgrad.yaml:4:1: gemma_post_norm_dgrad: no GEMM; the Hopper backend schedules
   GEMM mainloops only; it keeps the tl kernel only
 - specs/gemma2/gemma_post_norm_residual.yaml:4:1: gemma_post_norm_residual: no GEMM; the Hopper backend schedules GEMM
@@ -48,8 +56,12 @@ Kernels that keep the tl path only, and why:
   GEMM mainloops only; it keeps the tl kernel only
 - specs/qwen3/backward/qk_norm_rope_bwd.yaml:7:1: qk_norm_rope_bwd: no GEMM; the Hopper backend schedules GEMM mainloops
   only; it keeps the tl kernel only
+- specs/fp8/qkv_norm_rope_fp8.yaml:5:1: qkv_norm_rope_fp8: FP8 GEMM operands (float8_e4m3fn 'h'); the Hopper kernel's
+  mainloop takes bfloat16 or float16, and the tl kernel's runs FP8; it keeps the tl kernel only
 - specs/rmsnorm_stats.yaml:3:1: rmsnorm_stats: no GEMM; the Hopper backend schedules GEMM mainloops only; it keeps the
   tl kernel only
+- specs/fp8/rmsnorm_stats_fp8.yaml:5:1: rmsnorm_stats_fp8: no GEMM; the Hopper backend schedules GEMM mainloops only; it
+  keeps the tl kernel only
 - specs/backward/rope_bwd_rowdot.yaml:4:1: rope_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops only;
   it keeps the tl kernel only
 - specs/backward/swiglu_bwd_rowdot.yaml:5:1: swiglu_bwd_rowdot: no GEMM; the Hopper backend schedules GEMM mainloops
