@@ -436,6 +436,18 @@ def test_mutated_kernel_specs_get_located_errors_or_build(builds, tmp_path_facto
 
 
 BLOCKS = sorted((REPO / "specs" / "blocks").glob("*.yaml"))
+KERNELS = {yaml.safe_load(path.read_text(encoding="utf-8"))["kernel"]: path
+           for path in (REPO / "specs").rglob("*.yaml") if "blocks" not in path.parts}
+
+
+def called_kernels(block: Path) -> set[Path]:
+    """The kernel specs that a block names, as a step or as a value (matmul's accumulate: a kernel); a mutant
+    that calls another kernel gets a located error."""
+    def names(node):
+        if isinstance(node, dict):
+            return [n for key, value in node.items() for n in [key, *names(value)]]
+        return [n for item in node for n in names(item)] if isinstance(node, list) else [node]
+    return {KERNELS[name] for name in names(yaml.safe_load(block.read_text(encoding="utf-8"))) if name in KERNELS}
 
 
 @settings(FUZZ, max_examples=150 * SCALE)
@@ -444,9 +456,8 @@ def test_mutated_block_specs_get_located_errors_or_build(tmp_path_factory, data)
     block = data.draw(st.sampled_from(BLOCKS), label="block")
     text = data.draw(mutated(yaml.safe_load(block.read_text(encoding="utf-8"))), label="mutated")
     folder = tmp_path_factory.mktemp("block")
-    for kernel in (REPO / "specs").rglob("*.yaml"):
-        if "blocks" not in kernel.parts:
-            (folder / kernel.name).write_bytes(kernel.read_bytes())
+    for kernel in called_kernels(block):  # only these: loading and generating every kernel spec is most of the time
+        (folder / kernel.name).write_bytes(kernel.read_bytes())
     path = folder / "b.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     note(repr(text))
