@@ -222,11 +222,11 @@ def test_direct_stores():
 
 
 def test_direct_stores_lower_to_ttgir_for_sm90():
-    """Every Hopper kernel that stores tiles by TMA, compiled as far as TTGIR for sm_90 with direct stores:
-    its tiles leave by plain stores, no TMA store is made or waited for, and only the tile inputs have
-    buffers."""
-    names = _modules_with("hopper.store_direct(")
-    assert {"swiglu_dgrad", "gate_up_swiglu", "out_proj_residual_norm", "matmul"} <= set(names)
+    """A Hopper kernel of each epilogue shape that stores tiles by TMA, compiled as far as TTGIR for sm_90 with
+    direct stores: its tiles leave by plain stores, no TMA store is made or waited for, and only the tile inputs
+    have buffers."""
+    names = _one_per_epilogue(_modules_with("hopper.store_direct("))
+    assert {"geglu_dgrad", "gate_up_bias_swiglu", "matmul_accumulate"} <= set(names)
     found = _ttgir_each("[hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4) "
                         "if not module.EPILOGUE.column_group else 1, direct_stores=True)]", names)
     for name in names:
@@ -312,9 +312,9 @@ def test_three_consumers():
 
 
 def test_three_consumers_lower_to_ttgir_for_sm90():
-    """Every Hopper kernel, compiled as far as TTGIR for sm_90 with three consumers of 64-row tiles: three
-    consumer partitions and the producer, each consumer waiting for its turn on a barrier of three."""
-    names = _modules_with("_consumer(")
+    """A Hopper kernel of each epilogue shape, compiled as far as TTGIR for sm_90 with three consumers of 64-row
+    tiles: three consumer partitions and the producer, each consumer waiting for its turn on a barrier of three."""
+    names = _one_per_epilogue(_modules_with("_consumer("))
     found = _ttgir_each("[two := hopper.HopperConfig(block_m=64, stages=4), "
                         "dataclasses.replace(two, consumers=3, consumer_regs=160)]", names)
     for name in names:
@@ -334,11 +334,12 @@ def test_sigmoid_from_approximate_ptx():
 
 
 def test_slice_loop_lowers_to_ttgir_for_sm90():
-    """Every Hopper kernel whose epilogue runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8 slices
-    with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is
+    """A Hopper kernel of each epilogue shape that runs on slices, compiled as far as TTGIR for sm_90 on 4 or 8
+    slices with the slice loop: each consumer's epilogue is there once, in a loop of its own, where unrolled it is
     there once per slice, and twice in the loop by steps of 2 slices (counted by its stores)."""
-    names = [name for name in _modules_with("_consumer(") if not _module(name).EPILOGUE.column_group]
-    assert {"swiglu_dgrad", "gate_up_swiglu", "lm_head_logsumexp", "matmul"} <= set(names)
+    names = _one_per_epilogue([name for name in _modules_with("_consumer(")
+                               if not _module(name).EPILOGUE.column_group])
+    assert {"geglu_dgrad", "gate_up_bias_swiglu", "lm_head_logsumexp"} <= set(names)
     found = _ttgir_each("[unrolled := hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4)), "
                         "dataclasses.replace(unrolled, slice_loop=True), "
                         "dataclasses.replace(unrolled, slice_loop=True, slice_unroll=2)]", names)
@@ -484,11 +485,11 @@ def test_lowers_to_ttgir_for_sm90(tmp_path):
 
 
 def test_tile_inputs_streamed_through_epilogue_stages():
-    """Every Hopper kernel with tile inputs, compiled as far as TTGIR for sm_90 with 2 epilogue stages of its 4
-    or 8 slices: each consumer allocates buffers for 2 slices, not all, and waits for a slice's stores to have
-    read its buffers before each of the later slices loads into them."""
-    names = _modules_with("_load_inputs(")
-    assert {"swiglu_dgrad", "norm_dgrad_residual"} <= set(names)
+    """A Hopper kernel of each epilogue shape with tile inputs, compiled as far as TTGIR for sm_90 with 2 epilogue
+    stages of its 4 or 8 slices: each consumer allocates buffers for 2 slices, not all, and waits for a slice's
+    stores to have read its buffers before each of the later slices loads into them."""
+    names = _one_per_epilogue(_modules_with("_load_inputs("))
+    assert {"geglu_dgrad", "gemma_norm_dgrad_residual"} <= set(names)
     found = _ttgir_each("[whole := hopper.HopperConfig(stages=3, epilogue_split=max(module.EPILOGUE.split, 4)), "
                         "dataclasses.replace(whole, epilogue_stages=2)]", names)
     for name in names:
@@ -573,6 +574,17 @@ def test_a_base_tma_cannot_address_is_refused_and_planned_apart(monkeypatch):
 def _modules_with(text: str) -> list[str]:
     """The generated Hopper modules whose source holds `text`, by name."""
     return sorted(p.stem for p in (REPO / "generated" / "kernels" / "gluon").glob("*.py") if text in p.read_text())
+
+
+def _one_per_epilogue(names: list[str]) -> list[str]:
+    """The first of `names` with each shape of epilogue (its EPILOGUE: buffers, tile inputs, scratch, columns,
+    slices, column groups): what a config's schedule changes in the module, so that the tests compiling each
+    kernel in several configs compile one kernel of each (the epilogue's own code compiles in every module in
+    test_lowers_to_ttgir_for_sm90)."""
+    first = {}
+    for name in names:
+        first.setdefault(_module(name).EPILOGUE, name)
+    return sorted(first.values())
 
 
 _TTGIR_EACH = """
