@@ -186,7 +186,7 @@ def test_two_layer_gemma2_trains_like_plain_pytorch():
     plain = random_plain(SHAPE)
     fused = CodagenGemma2(SHAPE, chunk_rows=24).to(DEVICE)
     fused.load_state_dict(from_hf(plain.state_dict(), SHAPE))
-    trains_like_plain(plain, fused, (batch() for _ in range(10)), lambda sd: to_hf(sd, SHAPE))
+    trains_like_plain(plain, fused, (batch() for _ in range(5)), lambda sd: to_hf(sd, SHAPE))
 
 
 def test_gemma2_matches_transformers():

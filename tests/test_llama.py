@@ -64,8 +64,9 @@ def trains_like_plain(plain, fused, batches, to_plain_layout) -> None:
         assert rel(final[name], p) < 1e-4, name
 
 
-def random_batches(vocab: int, steps: int = 10):
-    """Batches of 2 x 19 random tokens, drawn as they are used, the last target of each row ignored."""
+def random_batches(vocab: int, steps: int = 5):
+    """Batches of 2 x 19 random tokens, drawn as they are used, the last target of each row ignored (5 AdamW steps
+    at lr 1e-2 move every weight well past the tolerance of trains_like_plain)."""
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (2, 19), device=DEVICE)
         targets = torch.randint(0, vocab, (2, 19), device=DEVICE)
