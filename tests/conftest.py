@@ -186,9 +186,15 @@ def _embed(values: torch.Tensor, how: int, base_fill: Callable[[tuple[int, ...]]
 
 def fitting(module, config: Config) -> Config:
     """The test's config for this kernel: for FP8 operands (FP8 inputs are only ever a GEMM's), block_k at least one
-    FP8 MMA's K, which the launch requires on every device."""
+    FP8 MMA's K, which the launch requires on every device; for column groups, epilogue slices of whole groups
+    (fewer slices where the config's are narrower than a group)."""
     if any(d.dtype.startswith("float8") for d in module.DECLS if not d.output):
-        return dataclasses.replace(config, block_k=max(config.block_k, FP8_MIN_BLOCK_K))
+        config = dataclasses.replace(config, block_k=max(config.block_k, FP8_MIN_BLOCK_K))
+    group = getattr(module, "COLUMN_GROUP", None)
+    if group and (config.block_n // config.epilogue_split) % group:
+        block_n = max(config.block_n, group)
+        config = dataclasses.replace(config, block_n=block_n, epilogue_split=max(1, min(config.epilogue_split,
+                                                                                          block_n // group)))
     return config
 
 

@@ -160,15 +160,15 @@ def test_pipelines_match_reference(test_kernels, monkeypatch, name, pipeline):
 
     module = test_kernels(name)
     kernel = kernel_model(name)
-    config = PIPELINES[pipeline]
+    config = fitting(module, PIPELINES[pipeline])
     monkeypatch.setattr(codagen.runtime, "sm_count", lambda device: 4)  # 9 tiles on 4 programs
     jit = getattr(module, f"{module.NAME}_kernel")
     run, passed = jit.run, {}
     monkeypatch.setattr(jit, "run", lambda *a, **kw: passed.update(kw, programs=kw["grid"]) or run(*a, **kw))
-    # N = 72: ragged for 32-wide tiles, yet rows of a [K, N] operand are 16-byte aligned, as TMA needs; so are
-    # those of 40 bf16 elements, and of 48 FP8 ones (ragged for 32-deep K steps)
+    # N = 72 (80 for 16-wide column groups): ragged for 32-wide tiles, yet rows of a [K, N] operand are 16-byte
+    # aligned, as TMA needs; so are those of 40 bf16 elements, and of 48 FP8 ones (ragged for 32-deep K steps)
     k = 48 if kernel.fp8_gemm else 40
-    run_and_check(module, kernel, {"M": 45, "N": 72, "K": k}, torch.bfloat16, config, False,
+    run_and_check(module, kernel, {"M": 45, "N": _whole_groups(kernel, 72), "K": k}, torch.bfloat16, config, False,
                   zlib.crc32(f"{name}/{pipeline}".encode()))
     assert passed["programs"] == (4,)
     if kernel.gemm:
@@ -286,7 +286,7 @@ def test_launch_passes_only_kernel_parameters(test_kernels, monkeypatch, name):
         return run(*args, **kwargs)
 
     monkeypatch.setattr(jit, "run", checked_run)
-    kwargs = _args(module)
+    kwargs = _args(module, sizes={"M": 20, "N": _whole_groups(kernel_model(name), 40), "K": 12})
     module.launch(**kwargs, config=fitting(module, CFG))
     unknown = set(passed) - set(jit.arg_names) - LAUNCH_OPTIONS - {"grid", "warmup"}
     assert passed and not unknown, f"keywords the kernel does not take: {sorted(unknown)}"
