@@ -57,13 +57,13 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
             assert case[f"{key}_vs_block"] < TOL_F64, (result["seed"], key, case)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_vocab_parallel_cross_entropy_variants(tmp_path, nproc):
+def test_vocab_parallel_cross_entropy_variants(tmp_path):
     """z-loss, label smoothing, softcapping, token weights (mean and sum), reduction "none" (plain and z-loss), and
     Gemma-2's head (its final norm's 1 + w scale, softcapped logits), over the vocabulary split across the ranks:
     against F.cross_entropy in float64 and the single-process block (but z-loss with "none", which no block
-    declares)."""
-    result = run_worker(tmp_path, "vocab_parallel_variants", nproc)
+    declares). At 2 processes: the variants combine their ranks' partials as the plain loss does, which
+    test_vocab_parallel_cross_entropy_matches_f_cross_entropy checks at 4 too."""
+    result = run_worker(tmp_path, "vocab_parallel_variants", 2)
     assert [(c["variant"], c["reduction"]) for c in result["cases"]] == [
         ("z_loss", "mean"), ("z_loss", "sum"), ("smoothing", "mean"), ("smoothing", "sum"), ("softcap", "mean"),
         ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none"), ("gemma2", "mean")]
@@ -90,9 +90,10 @@ def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
     assert result["max_rel_grad"] < TOL, result
 
 
-@pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama", 4), ("llama_tied", 2), ("llama_tied", 4),
-                                         ("llama_checkpointing", 2), ("llama_biases", 2), ("llama_biases", 4),
-                                         ("qwen2", 2), ("mistral", 2), ("qwen3", 2), ("qwen3", 4),
+# every case at 2 processes; at 4, the two whose sharding differs most (each 4-process case takes 20-30 s of a 2-core
+# machine): Llama with its embedding tied to the head, and Gemma-2, whose layers all-reduce before their post-norms
+@pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama_tied", 2), ("llama_tied", 4), ("llama_checkpointing", 2),
+                                         ("llama_biases", 2), ("qwen2", 2), ("mistral", 2), ("qwen3", 2),
                                          ("gemma2", 2), ("gemma2", 4)])
 def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
     """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
