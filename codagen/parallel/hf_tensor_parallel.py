@@ -233,7 +233,8 @@ def _check(model, world: int):
     mapping, kind = hf._mapping_of(model)
     if kind != "ForCausalLM":
         _refuse(f"expected a transformers causal LM that codagen.hf patches (LlamaForCausalLM, ...), got "
-                f"{type(model).__name__}; a decoder alone or a classification head is not supported")
+                f"{type(model).__name__}; a decoder alone or a classification or question-answering head is not "
+                "supported")
     if mapping.model_class not in FAMILIES:
         _refuse(f"a {mapping.model_class} is not supported: its layers have no tensor-parallel form yet; "
                 f"{', '.join(FAMILIES)} are supported")
