@@ -9,7 +9,6 @@ argv[1] on rank 0."""
 from __future__ import annotations
 
 import copy
-import json
 import sys
 
 import torch
@@ -20,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codagen.hf import CodagenDecoderLayer, apply_codagen
-from gloo_exit import leave  # tests/, the worker's folder, is on sys.path
-from hf_fsdp2_worker import BATCH, SEQ, VOCAB, random_llama, rel
+# tests/, the worker's folder, is on sys.path
+from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_llama, rel, shard_layers
 
 STEPS, PAD, LABELS = 3, 0, 3
 
@@ -37,10 +36,6 @@ def padded_batch(g: torch.Generator) -> dict:
                 labels=torch.randint(0, LABELS, (BATCH,), generator=g))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,10 +49,7 @@ def main(out: str) -> None:
                                                num_labels=LABELS))
         model = copy.deepcopy(reference)
         assert all(isinstance(layer, CodagenDecoderLayer) for layer in model.model.layers)
-        calls = [0]
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-            layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        calls = shard_layers(model.model.layers, mesh)
         fully_shard(model, mesh=mesh)
         assert isinstance(model.score.weight, DTensor)
         optimizers = []
@@ -86,10 +78,7 @@ def main(out: str) -> None:
         runs.append(dict(checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
                          max_rel_weight=worst_weight, layer_calls=calls[0],
                          params=sorted(n for n, _ in model.named_parameters()) == sorted(weights)))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"world": world, "runs": runs}, f)
-    leave()
+    finish(out, runs)
 
 
 if __name__ == "__main__":

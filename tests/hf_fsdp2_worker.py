@@ -46,6 +46,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole; a plain one as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_layers(layers, mesh) -> list[int]:
+    """fully_shard on each decoder layer; the returned [count] of the layers' forward calls grows as they run."""
+    calls = [0]
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def finish(out: str, runs: list[dict]) -> None:
+    """{"world", "runs"} as JSON to `out` on rank 0, then every rank leaves (gloo_exit.leave)."""
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"world": dist.get_world_size(), "runs": runs}, f)
+    leave()
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -93,15 +115,11 @@ def main(out: str) -> None:
         ref_grads = dict(reference.named_parameters())
         worst = 0.0
         for name, p in model.named_parameters():
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            worst = max(worst, rel(grad, ref_grads[name].grad))
+            worst = max(worst, rel(full(p.grad), ref_grads[name].grad))
         runs.append(dict(checkpointing=checkpointing, loss=mean_loss.item(), ref_loss=ref_loss.item(),
                          max_rel_grad=worst, layer_calls=calls[0],
                          params=sorted(n for n, _ in model.named_parameters()) == sorted(ref_grads)))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"world": world, "runs": runs}, f)
-    leave()
+    finish(out, runs)
 
 
 if __name__ == "__main__":
