@@ -14,13 +14,12 @@ import sys
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codagen.hf import CodagenDecoderLayer, apply_codagen
 # tests/, the worker's folder, is on sys.path
-from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_llama, rel, shard_layers
+from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_llama, rel, shard_layers, start
 
 STEPS, PAD, LABELS = 3, 0, 3
 
@@ -37,10 +36,7 @@ def padded_batch(g: torch.Generator) -> dict:
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == BATCH
-    mesh = init_device_mesh("cpu", (world,))
+    rank, world, mesh = start()
     g = torch.Generator().manual_seed(1)
     batches = [padded_batch(g) for _ in range(STEPS)]
     runs = []

@@ -46,6 +46,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def start() -> tuple[int, int, object]:
+    """The gloo process group of this worker's processes, one per row of the batch: (rank, world, its 1-d mesh)."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == BATCH
+    return rank, world, init_device_mesh("cpu", (world,))
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole; a plain one as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -69,10 +77,7 @@ def finish(out: str, runs: list[dict]) -> None:
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == BATCH
-    mesh = init_device_mesh("cpu", (world,))
+    rank, world, mesh = start()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     runs = []
