@@ -288,8 +288,8 @@ def _shared_bytes(device: torch.device) -> int:
 
 
 def wants_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd would record a call on these tensors: then a kernel runs through its op, whose
-    backward says that kernels are not differentiable (eager calls otherwise skip the dispatcher)."""
+    """Whether autograd would record a call on these tensors: then a kernel's call goes to its op, which refuses it
+    (kernels are not differentiable; eager calls otherwise skip the dispatcher)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
 
 

@@ -301,11 +301,11 @@ def down_residual_norm_fp8(y, w_down, y_scale, w_down_scale, x, wn, *,
                            x_out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MLP down projection of FP8 y by FP8 w_down (block-wise scales), residual add, next RMSNorm's stats and FP8 input.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.down_residual_norm_fp8`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly. `x_out`: where to write that output (None: a new tensor):
-    `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
-    under torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.down_residual_norm_fp8`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `x_out`: where to write that output (None: a new tensor): `x` itself, to write
+    over it in place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a
+    new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(y, w_down, y_scale, w_down_scale, x, wn):
         return down_residual_norm_fp8_op(y, w_down, y_scale, w_down_scale, x, wn)

@@ -271,11 +271,11 @@ def geglu_dgrad_op(grad_y: torch.Tensor, w_down: torch.Tensor,
 def geglu_dgrad(grad_y, w_down, z, *, dz=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient of the MLP down projection with GeGLU's backward and the recomputed GeGLU output.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.geglu_dgrad`, which
-    has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in place, or a tensor
-    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
-    same.
+    Under torch.compile this is the op `torch.ops.codagen.geglu_dgrad`; a call that autograd would record is refused,
+    since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel directly,
+    without the dispatcher. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in
+    place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new tensor
+    all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, w_down, z):
         return geglu_dgrad_op(grad_y, w_down, z)

@@ -307,13 +307,13 @@ def gemma_norm_dgrad_residual(dz, w, x, rstd, wn, zdz, grad_x, *, dx=None,
                               normed=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Data gradient through a projection and Gemma's RMSNorm (scale 1 + w) before it, plus the residual gradient.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.gemma_norm_dgrad_residual`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly. `dx`: where to write that output (None: a new tensor): `x`
-    or `grad_x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
-    arguments; under torch.compile or autograd, a new tensor all the same. `normed`: where to write that output (None: a
-    new tensor): `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
-    arguments; under torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.gemma_norm_dgrad_residual`; a call that autograd would record
+    is refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `dx`: where to write that output (None: a new tensor): `x` or `grad_x` itself, to
+    write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same. `normed`: where to write that output (None: a new tensor): `x` itself, to
+    write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(dz, w, x, rstd, wn, zdz, grad_x):
         return gemma_norm_dgrad_residual_op(dz, w, x, rstd, wn, zdz, grad_x)

@@ -204,11 +204,11 @@ def gemma_post_norm_dgrad_op(g: torch.Tensor, o: torch.Tensor, rstd: torch.Tenso
 def gemma_post_norm_dgrad(g, o, rstd, wn, dot, *, dout=None) -> torch.Tensor:
     """Data gradient of an RMSNorm with (1 + w) applied to a stored tensor, from its row dots.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.gemma_post_norm_dgrad`, which has no backward; other eager calls skip the dispatcher, which costs
-    about 0.2 ms a call, and run the kernel directly. `dout`: where to write that output (None: a new tensor): `g` or
-    `o` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
-    under torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.gemma_post_norm_dgrad`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `dout`: where to write that output (None: a new tensor): `g` or `o` itself, to
+    write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(g, o, rstd, wn, dot):
         return gemma_post_norm_dgrad_op(g, o, rstd, wn, dot)

@@ -238,13 +238,13 @@ def gemma_post_norm_residual(o, rstd, wn, x, wn_next, *, x_out=None,
     """RMSNorm with (1 + w) of a projection's output added to the residual stream, and the next RMSNorm's statistics and
     scale.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.gemma_post_norm_residual`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly. `x_out`: where to write that output (None: a new tensor):
-    `o` or `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
-    arguments; under torch.compile or autograd, a new tensor all the same. `h`: where to write that output (None: a new
-    tensor): `o` or `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other
-    arguments; under torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.gemma_post_norm_residual`; a call that autograd would record
+    is refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `x_out`: where to write that output (None: a new tensor): `o` or `x` itself, to
+    write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same. `h`: where to write that output (None: a new tensor): `o` or `x` itself,
+    to write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(o, rstd, wn, x, wn_next):
         return gemma_post_norm_residual_op(o, rstd, wn, x, wn_next)

@@ -206,9 +206,9 @@ def gemma_post_norm_rowdot_op(g: torch.Tensor, o: torch.Tensor, rstd: torch.Tens
 def gemma_post_norm_rowdot(g, o, rstd, wn) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-dot and weight-gradient partials of the backward of an RMSNorm with (1 + w) applied to a stored tensor.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.gemma_post_norm_rowdot`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile this is the op `torch.ops.codagen.gemma_post_norm_rowdot`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(g, o, rstd, wn):
         return gemma_post_norm_rowdot_op(g, o, rstd, wn)

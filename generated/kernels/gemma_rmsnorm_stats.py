@@ -185,11 +185,11 @@ def gemma_rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Ten
 def gemma_rmsnorm_stats(x, wn, *, h=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm statistics and (1 + w) scale of a tensor that no GEMM epilogue produced, as Gemma's RMSNorm.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.gemma_rmsnorm_stats`, which has no backward; other eager calls skip the dispatcher, which costs
-    about 0.2 ms a call, and run the kernel directly. `h`: where to write that output (None: a new tensor): `x` itself,
-    to write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
-    torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.gemma_rmsnorm_stats`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `h`: where to write that output (None: a new tensor): `x` itself, to write over it
+    in place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new tensor
+    all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(x, wn):
         return gemma_rmsnorm_stats_op(x, wn)

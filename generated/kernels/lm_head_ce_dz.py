@@ -212,10 +212,10 @@ def lm_head_ce_dz_op(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tens
 def lm_head_ce_dz(logits, lse, target, weights, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy gradient of stored logits, with the RMSNorm backward's row partials.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.lm_head_ce_dz`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `dz`: where to write that output (None: a new tensor): `logits` itself, to write over it in place, or a
-    tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor
+    Under torch.compile this is the op `torch.ops.codagen.lm_head_ce_dz`; a call that autograd would record is refused,
+    since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel directly,
+    without the dispatcher. `dz`: where to write that output (None: a new tensor): `logits` itself, to write over it in
+    place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new tensor
     all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(logits, lse, target, weights):

@@ -281,9 +281,9 @@ def lm_head_logits_softcap(h, w_vocab, rstd, target, softcap) -> tuple[torch.Ten
     """LM-head projection with the final RMSNorm row scale, storing the logits before the softcap, the capped logits'
     log-sum-exp partials and the capped target logit.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.lm_head_logits_softcap`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile this is the op `torch.ops.codagen.lm_head_logits_softcap`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(h, w_vocab, rstd, target):
         return lm_head_logits_softcap_op(h, w_vocab, rstd, target, softcap)

@@ -220,8 +220,9 @@ def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def matmul(a, b) -> torch.Tensor:
     """Plain GEMM, out = a @ b^T, with fp32 accumulation and the output cast to the inputs' type.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.matmul`, which has
-    no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel directly.
+    Under torch.compile this is the op `torch.ops.codagen.matmul`; a call that autograd would record is refused, since
+    kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel directly, without
+    the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(a, b):
         return matmul_op(a, b)

@@ -232,11 +232,11 @@ def matmul_accumulate_op(a: torch.Tensor, b: torch.Tensor, total: torch.Tensor) 
 def matmul_accumulate(a, b, total, *, new_total=None) -> torch.Tensor:
     """GEMM added to a total, new_total = total + a @ b, summed in fp32 and rounded once to the total's type.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.matmul_accumulate`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `new_total`: where to write that output (None: a new tensor): `total` itself, to write over it in place,
-    or a tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new
-    tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.matmul_accumulate`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `new_total`: where to write that output (None: a new tensor): `total` itself, to
+    write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(a, b, total):
         return matmul_accumulate_op(a, b, total)

@@ -266,13 +266,13 @@ def out_proj_residual_norm_op(y: torch.Tensor, w_o: torch.Tensor, x: torch.Tenso
 def out_proj_residual_norm(y, w_o, x, wn, *, x_out=None, h=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention out-projection with the residual add, the RMSNorm statistics and the norm-weight scale.
 
-    Under torch.compile, or where autograd would record the call, this is the op
-    `torch.ops.codagen.out_proj_residual_norm`, which has no backward; other eager calls skip the dispatcher, which
-    costs about 0.2 ms a call, and run the kernel directly. `x_out`: where to write that output (None: a new tensor):
-    `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
-    under torch.compile or autograd, a new tensor all the same. `h`: where to write that output (None: a new tensor):
-    `x` itself, to write over it in place, or a tensor of its shape that shares no memory with the other arguments;
-    under torch.compile or autograd, a new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.out_proj_residual_norm`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `x_out`: where to write that output (None: a new tensor): `x` itself, to write
+    over it in place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a
+    new tensor all the same. `h`: where to write that output (None: a new tensor): `x` itself, to write over it in
+    place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new tensor
+    all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(y, w_o, x, wn):
         return out_proj_residual_norm_op(y, w_o, x, wn)

@@ -283,11 +283,11 @@ def qk_norm_rope_bwd(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass, *,
     """Backward of RoPE and of the per-head RMSNorm of q and k, with the row partials of z . dz and the head-norm weight
     partials.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qk_norm_rope_bwd`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `dz`: where to write that output (None: a new tensor): `z` or `grad_qkv` itself, to write over it in
-    place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a
-    new tensor all the same.
+    Under torch.compile this is the op `torch.ops.codagen.qk_norm_rope_bwd`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `dz`: where to write that output (None: a new tensor): `z` or `grad_qkv` itself,
+    to write over it in place, or a tensor of its shape that shares no memory with the other arguments; under
+    torch.compile, a new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass):
         return qk_norm_rope_bwd_op(z, grad_qkv, head_rstd, positions, freqs, wn_qk, v_pass)

@@ -249,9 +249,9 @@ def qkv_norm_rope_op(h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, p
 def qkv_norm_rope(h, w_qkv, rstd, positions, freqs) -> torch.Tensor:
     """QKV projection with the RMSNorm row scale and rotary position embedding on interleaved pairs.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qkv_norm_rope`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    Under torch.compile this is the op `torch.ops.codagen.qkv_norm_rope`; a call that autograd would record is refused,
+    since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel directly,
+    without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(h, w_qkv, rstd, positions, freqs):
         return qkv_norm_rope_op(h, w_qkv, rstd, positions, freqs)

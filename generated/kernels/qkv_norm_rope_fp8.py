@@ -264,9 +264,9 @@ def qkv_norm_rope_fp8(h, w_qkv, h_scale, w_qkv_scale, rstd, positions, freqs) ->
     """QKV projection of FP8 h by FP8 w_qkv (block-wise scales) with the RMSNorm row scale and rotary position
     embedding.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qkv_norm_rope_fp8`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    Under torch.compile this is the op `torch.ops.codagen.qkv_norm_rope_fp8`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(h, w_qkv, h_scale, w_qkv_scale, rstd, positions, freqs):
         return qkv_norm_rope_fp8_op(h, w_qkv, h_scale, w_qkv_scale, rstd, positions, freqs)

@@ -317,9 +317,9 @@ def qkv_qk_norm_rope(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass,
                      eps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QKV projection with the RMSNorm row scale, an RMSNorm of each q and k head, and rotary position embedding.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.qkv_qk_norm_rope`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    Under torch.compile this is the op `torch.ops.codagen.qkv_qk_norm_rope`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass):
         return qkv_qk_norm_rope_op(h, w_qkv, rstd, positions, freqs, wn_qk, v_pass, eps)

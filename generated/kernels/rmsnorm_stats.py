@@ -181,10 +181,10 @@ def rmsnorm_stats_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tensor, t
 def rmsnorm_stats(x, wn, *, h=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm statistics and norm-weight scale of a tensor that no GEMM epilogue produced.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rmsnorm_stats`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `h`: where to write that output (None: a new tensor): `x` itself, to write over it in place, or a tensor
-    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
+    Under torch.compile this is the op `torch.ops.codagen.rmsnorm_stats`; a call that autograd would record is refused,
+    since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel directly,
+    without the dispatcher. `h`: where to write that output (None: a new tensor): `x` itself, to write over it in place,
+    or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new tensor all the
     same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(x, wn):

@@ -204,9 +204,9 @@ def rmsnorm_stats_fp8_op(x: torch.Tensor, wn: torch.Tensor) -> tuple[torch.Tenso
 def rmsnorm_stats_fp8(x, wn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm statistics of a tensor no GEMM epilogue produced, and x * wn in float8_e4m3fn with 1 x 128 scales.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rmsnorm_stats_fp8`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly.
+    Under torch.compile this is the op `torch.ops.codagen.rmsnorm_stats_fp8`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(x, wn):
         return rmsnorm_stats_fp8_op(x, wn)

@@ -203,11 +203,11 @@ def rope_bwd_rowdot_op(qkv: torch.Tensor, grad_qkv: torch.Tensor, positions: tor
 def rope_bwd_rowdot(qkv, grad_qkv, positions, freqs, *, dz=None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE backward (inverse rotation) of the QKV gradient and the per-tile partials of the rows' qkv . dqkv.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.rope_bwd_rowdot`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `dz`: where to write that output (None: a new tensor): `grad_qkv` itself, to write over it in place, or a
-    tensor of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor
-    all the same.
+    Under torch.compile this is the op `torch.ops.codagen.rope_bwd_rowdot`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `dz`: where to write that output (None: a new tensor): `grad_qkv` itself, to write
+    over it in place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a
+    new tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(qkv, grad_qkv, positions, freqs):
         return rope_bwd_rowdot_op(qkv, grad_qkv, positions, freqs)

@@ -300,11 +300,11 @@ def swiglu_bias_dgrad(grad_y, w_down, z, b_gate_up, *, dz=None) -> tuple[torch.T
                                                                          torch.Tensor]:
     """Data gradient of the MLP down projection with SwiGLU's backward of biased pre-activations and the bias gradient.
 
-    Under torch.compile, or where autograd would record the call, this is the op `torch.ops.codagen.swiglu_bias_dgrad`,
-    which has no backward; other eager calls skip the dispatcher, which costs about 0.2 ms a call, and run the kernel
-    directly. `dz`: where to write that output (None: a new tensor): `z` itself, to write over it in place, or a tensor
-    of its shape that shares no memory with the other arguments; under torch.compile or autograd, a new tensor all the
-    same.
+    Under torch.compile this is the op `torch.ops.codagen.swiglu_bias_dgrad`; a call that autograd would record is
+    refused, since kernels have no backward (the blocks are the differentiable API); other eager calls run the kernel
+    directly, without the dispatcher. `dz`: where to write that output (None: a new tensor): `z` itself, to write over
+    it in place, or a tensor of its shape that shares no memory with the other arguments; under torch.compile, a new
+    tensor all the same.
     """
     if torch.compiler.is_compiling() or runtime.wants_grad(grad_y, w_down, z, b_gate_up):
         return swiglu_bias_dgrad_op(grad_y, w_down, z, b_gate_up)
