@@ -17,7 +17,7 @@ bfloat16 parameters; amp: fp32 parameters, the forward under torch.autocast(bflo
 Writes <gpu>-train-speed.json, .md and .png (the chart: when matplotlib is installed) into --out after every
 variant, so a run cut off by a time limit keeps the variants it finished; --variant-limit ends a variant that runs
 longer (a compilation that never finishes) with an error in its row and goes on; --traces and --host-profile
-write the profiled steps' Chrome traces and a cProfile of the host's time per variant; --merge joins the JSONs of
+write the profiled steps' Chrome traces (with a table of their kernels by name) and a cProfile of the host's time per variant; --merge joins the JSONs of
 several runs on one GPU.
 """
 from __future__ import annotations
@@ -183,10 +183,26 @@ def profiled(run, trace: Path | None = None) -> tuple[list, float, list]:
         result = run()
         sync()
         wall_ms = 1e3 * (time.perf_counter() - start)
+    kernels = kernel_events(prof, on_gpu)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))  # a name ending in .gz is written gzipped
-    return result, wall_ms, kernel_events(prof, on_gpu)
+        trace.with_name(trace.name.split(".")[0] + "-kernels.txt").write_text(kernel_table(kernels))
+    return result, wall_ms, kernels
+
+
+def kernel_table(kernels: list) -> str:
+    """The profiled steps' kernels by name, the most expensive first: total us, calls, category (to compare two
+    variants' GPU work kernel by kernel, with no trace viewer)."""
+    totals: dict[str, list] = {}
+    for event, us in kernels:
+        total = totals.setdefault(event.name, [0.0, 0])
+        total[0] += us
+        total[1] += 1
+    lines = [f"{'us':>12} {'calls':>6}  category / kernel"]
+    lines += [f"{us:12.1f} {calls:6d}  {category(name)} / {name[:160]}"
+              for name, (us, calls) in sorted(totals.items(), key=lambda item: -item[1][0])]
+    return "\n".join(lines) + "\n"
 
 
 def host_profile(run, path: Path) -> None:
