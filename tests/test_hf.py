@@ -454,6 +454,58 @@ def test_compiled_model_is_one_graph_without_recompiles():
     torch._dynamo.reset()
 
 
+def _compiled_sdpa_calls(model, **inputs) -> list[dict]:
+    """The SDPA calls of the graph torch.compile traces of model(**inputs): each one's attn_mask (None, or "tensor")
+    and is_causal."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=keep, fullgraph=True)(**inputs)
+    torch._dynamo.reset()
+    return [{"attn_mask": None if node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is None
+             else "tensor", "is_causal": node.kwargs.get("is_causal")}
+            for gm in graphs for node in gm.graph.nodes
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)]
+
+
+def test_compiled_model_gives_sdpa_no_mask_where_causality_alone_masks(monkeypatch):
+    """Under torch.compile Hugging Face's mask builder makes a mask tensor even where causality alone masks (always
+    with PyTorch before 2.14, whose Dynamo reads torch.compiler.is_exporting() as True: made so here), and SDPA with
+    a mask skips no masked tiles and repeats the keys and values per head (2 to 3 times the attention's time on an
+    H100). The patched model gives SDPA no mask and is_causal where the inputs have no padding, no given positions
+    and no cache, as the builder decides outside torch.compile; the mask where they have padding, or where a
+    sliding window is shorter than the sequence."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    model = apply_codagen(tiny_llama())
+    ids, labels = tokens_and_labels()
+    plain = _compiled_sdpa_calls(model, input_ids=ids, labels=labels)
+    assert plain == [{"attn_mask": None, "is_causal": True}] * BASE["num_hidden_layers"]
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    masked = _compiled_sdpa_calls(model, input_ids=ids, labels=labels, attention_mask=padding)
+    assert masked and all(call["attn_mask"] == "tensor" for call in masked)
+    # the losses: the compiled patched model's, the unpatched model's
+    reference = tiny_llama()
+    reference.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for mask in (None, padding):
+        want = reference(input_ids=ids, labels=labels, attention_mask=mask).loss
+        assert rel(compiled(input_ids=ids, labels=labels, attention_mask=mask).loss, want) < 1e-5
+    torch._dynamo.reset()
+    for window, mask in ((SEQ - 2, "tensor"), (SEQ + 1, None)):  # Mistral's layers attend within a sliding window
+        windowed = apply_codagen(random_model(transformers.MistralForCausalLM,
+                                              transformers.MistralConfig(**BASE, sliding_window=window)))
+        calls = _compiled_sdpa_calls(windowed, input_ids=ids, labels=labels)
+        assert [call["attn_mask"] for call in calls] == [mask] * BASE["num_hidden_layers"], window
+
+
 @pytest.mark.parametrize("chunk_rows", [1.5, 0, -3, True, "2048", None])
 def test_chunk_rows_must_be_a_positive_int(chunk_rows):
     """Refused where it enters, naming it (1.5 was accepted, and the first forward failed deep inside)."""
