@@ -22,9 +22,11 @@ def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     bn, bk = -(-n // block), -(-k // block)
     padded = torch.zeros(bn * block, bk * block, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w
-    # amax with NaN kept (amax propagates NaN), then its quotient by 448 in fp32: IEEE division, correctly rounded
+    # amax with NaN kept (amax propagates NaN), then its quotient by 448 in fp32: IEEE division, correctly rounded,
+    # by a tensor on the device (by a Python number, PyTorch's CUDA division multiplies by its reciprocal instead,
+    # off by an ulp at times: then values round to other FP8 codes than the kernels' quantize makes)
     amax = padded.abs().reshape(bn, block, bk, block).amax(dim=(1, 3))
-    scale = amax / E4M3_MAX
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     per_element = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
     quotient = w.to(torch.float32) / per_element
