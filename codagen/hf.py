@@ -7,9 +7,9 @@ transformers') or of its bare <Family>Model.
     model = apply_codagen(LlamaForCausalLM.from_pretrained(path))    # or codagen.hf.from_pretrained(path)
 
 Each family is declared in its module codagen/models/<family>.py as an HfMapping (its transformers classes, its
-fused projections, its layers' attention types, its refusals, its blocks where they are not Llama's; Qwen2's and
-Mistral's, which run Llama's blocks, in Llama's module); this module reads the mapping of the model's class and
-holds nothing family-specific beyond Llama's blocks, the default.
+fused projections, its layers' attention types, its refusals, how it runs its blocks; Qwen2's and Mistral's, which
+run Llama's blocks, in Llama's module); this module reads the mapping of the model's class and holds nothing
+family-specific.
 
 `apply_codagen` patches the model in place. The decoder layers, the final norm and the LM-head loss then run in the
 committed generated blocks (NormStats, PreAttention, PostAttention, lm_head_loss); embeddings and attention stay
@@ -172,7 +172,6 @@ def _api() -> types.SimpleNamespace:
     parameters = inspect.signature(create_causal_mask).parameters
     return types.SimpleNamespace(
         blocks=importlib.import_module(package + ".blocks"),
-        lm_head_loss=importlib.import_module(package + ".blocks.lm_head_loss").lm_head_loss,
         mask_builders={kind: getattr(masking_utils, name) for kind, name in MASK_BUILDERS.items()},
         # the name of the cache argument of this transformers version's mask builders (newer versions take
         # `cache` and warn when the older `past_key_values` is passed too)
@@ -443,19 +442,10 @@ class CodagenDecoderLayer(nn.Module):
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
         x = hidden_states.reshape(batch * seq, dim)
         wn = cast(self.input_layernorm.weight)
-        if norm_stats is not None:
-            h, rstd = norm_stats
-        elif self.hf_mapping.norm_stats is not None:
-            h, rstd = self.hf_mapping.norm_stats(blocks, x, wn, dim, eps)
-        else:
-            h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps)
-        qkv_weight = cast(attn.qkv_proj.weight)
-        pre_attention = self.hf_mapping.pre_attention
-        if pre_attention is None:
-            x, qkv = blocks.PreAttentionFunction.apply(x, h, rstd, positions, rope_freqs, wn, qkv_weight, dim,
-                                                       qkv_weight.shape[0])
-        else:
-            x, qkv = pre_attention(self, blocks, x, h, rstd, positions, rope_freqs, wn, qkv_weight, eps, cast)
+        mapping = self.hf_mapping
+        h, rstd = norm_stats if norm_stats is not None else mapping.norm_stats(blocks, x, wn, dim, eps)
+        x, qkv = mapping.pre_attention(self, blocks, x, h, rstd, positions, rope_freqs, wn, cast(attn.qkv_proj.weight),
+                                       eps, cast)
         if attn.qkv_proj.bias is not None:
             qkv = qkv + _rotated(cast(attn.qkv_proj.bias), positions, rope_freqs)
         adapted = self.lora_adapters
@@ -474,25 +464,11 @@ class CodagenDecoderLayer(nn.Module):
         w_o, wn_mlp, w_down = (cast(t) for t in (attn.o_proj.weight, self.post_attention_layernorm.weight,
                                                  mlp.down_proj.weight))
         wn_next = cast(next_norm_weight)
-        ffn_dim = w_down.shape[1]
-        post_attention = self.hf_mapping.post_attention
         if adapted and lora.mlp_adapted(mlp):  # inside the block's fusion: the block in PyTorch ops
             x, h, rstd = lora.post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, eps, cast)
-        elif post_attention is not None:
-            x, h, rstd = post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight), w_down,
-                                        eps, cast)
-        elif mlp.gate_up_proj.bias is None:
-            x, h, rstd = blocks.PostAttentionFunction.apply(y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
-                                                            w_down, dim, ffn_dim, eps)
         else:
-            # mlp_bias: the block adds the gate/up bias; the down projection's bias is added to its output here,
-            # so the next norm's statistics are taken again, of the sum
-            x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, wn_next, w_o, wn_mlp,
-                                                                 cast(mlp.gate_up_proj.weight),
-                                                                 cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim,
-                                                                 eps)
-            x = x + cast(mlp.down_proj.bias)
-            h, rstd = blocks.NormStatsFunction.apply(x, wn_next, dim, eps)
+            x, h, rstd = mapping.post_attention(self, blocks, y, x, wn_next, w_o, wn_mlp, cast(mlp.gate_up_proj.weight),
+                                                w_down, eps, cast)
         # [batch, seq, dim] as a tensor of its own, not a view of the block's [M, dim] output, which nothing else
         # holds (the block saves none of its outputs): a view would make FSDP2 warn that an in-place op on the
         # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
@@ -892,13 +868,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
             if tensor_parallel is not None:  # the vocab-parallel head: this rank's slice of the vocabulary
                 loss = tensor_parallel.loss(x, target, norm_weight, weight, self.config.rms_norm_eps, ignore_index,
                                             reduction, self.codagen_chunk_rows)
-            elif patch.hf.lm_head_loss is not None:  # the family's own (Gemma-2's softcaps the logits)
+            else:
                 loss = patch.hf.lm_head_loss(self.config, patch.api.blocks, x, target, norm_weight, weight,
                                              ignore_index, reduction, self.codagen_chunk_rows)
-            else:
-                loss = patch.api.lm_head_loss(x, target, norm_weight, weight, weight.shape[1], weight.shape[0],
-                                              self.config.rms_norm_eps, ignore_index, reduction,
-                                              self.codagen_chunk_rows, "nan", "same")
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
     if collected is not None and collected.hidden_states is not None:

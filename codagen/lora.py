@@ -91,9 +91,12 @@ def check_patched(name: str, module: nn.Module, recorded: frozenset[str] | None,
 def refused_targets(mapping) -> dict[str, str] | None:
     """The projections of the family (`mapping`, an HfMapping) on which LoRA is refused -> why; None: LoRA is not
     declared for the family (it runs blocks of its own and names no LoRA refusals)."""
+    from .models.llama import HF as LLAMA
+
     if mapping.lora_refused is not None:
         return mapping.lora_refused
-    return {} if mapping.pre_attention is None and mapping.post_attention is None else None
+    runs_llamas = (mapping.pre_attention, mapping.post_attention) == (LLAMA.pre_attention, LLAMA.post_attention)
+    return {} if runs_llamas else None
 
 
 def _projections(mapping) -> list[str]:

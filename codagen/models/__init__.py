@@ -70,31 +70,30 @@ class HfMapping:
       reads it: "full_attention", or "sliding_attention" (the last config.sliding_window positions only: Hugging
       Face's sliding-window causal mask, and the window passed to its attention function). None: every layer
       full_attention.
-    pre_attention, post_attention: the blocks of a patched layer, where they are not Llama's (None: Llama's
-      PreAttention and PostAttention, as codagen.hf runs them):
-      pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast) -> (x, qkv) and
-      post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast) -> (x, h, rstd), with
-      `layer` the patched decoder layer, `blocks` the generated blocks package, the weights already cast to the
-      blocks' dtype (wn_mlp: post_attention_layernorm's) and `cast` the cast of any other weight.
+    norm_stats, pre_attention, post_attention, lm_head_loss: the family's blocks as a patched model runs them
+      (Llama's in codagen/models/llama.py, which the families made of Llama's blocks take):
+      norm_stats(blocks, x, wn, dim, eps) -> (h, rstd), the first layer's input-norm statistics;
+      pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast) -> (x, qkv);
+      post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast) -> (x, h, rstd);
+      lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows) -> the loss (the
+      final norm, LM head and cross-entropy); with `layer` the patched decoder layer, `blocks` the generated blocks
+      package, the weights already cast to the blocks' dtype (wn_mlp: post_attention_layernorm's) and `cast` the
+      cast of any other weight.
     activation: (the config field naming the MLP's activation, the one value the family's MLP block computes, what
       that block computes, as the refusal of another value says it).
     layer_norms: the decoder layer's norms besides input_layernorm and post_attention_layernorm that the patched
       layer keeps as they are, under their names (Gemma-2's pre_feedforward_layernorm and
       post_feedforward_layernorm), read by post_attention.
-    norm_stats: the first layer's input-norm statistics, norm_stats(blocks, x, wn, dim, eps) -> (h, rstd), where they
-      are not Llama's NormStats.
     attention_args: the keyword arguments that transformers' attention module passes its attention function beyond
       Llama's and sliding_window (Gemma-2's softcap) -> the attribute of that module holding the value, which the
       patched attention keeps.
-    lm_head_loss: the final norm, LM head and loss, where they are not Llama's lm_head_loss:
-      lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows) -> the loss.
     final_logits: the logits as transformers' causal LM returns them, final_logits(config, logits), where they are
       not the LM head's output (Gemma-2 softcaps them); None: the LM head's.
     refused: transformers classes that look like the family's but that its blocks do not compute -> why, said by
       apply_codagen's TypeError (and by from_pretrained, before loading, for a checkpoint of that class).
     lora_refused: the projections (layer_modules names) on which codagen.lora refuses a LoRA adapter -> why (the
       family's block takes their output non-linearly: Qwen3's QK-norm). None: none refused where the family runs
-      Llama's blocks (pre_attention and post_attention None), else LoRA refused on the family as a whole. A layer
+      Llama's blocks (pre_attention and post_attention Llama's), else LoRA refused on the family as a whole. A layer
       with adapters on its MLP runs the post-attention part as Llama's, in PyTorch ops (codagen.lora): a family
       whose post-attention math is another's refuses those projections here.
     """
@@ -106,16 +105,16 @@ class HfMapping:
     read: tuple
     fused: dict
     feeds: dict
+    norm_stats: Callable
+    pre_attention: Callable
+    post_attention: Callable
+    lm_head_loss: Callable
     check_config: Callable | None = None
     attention_modules: tuple = ()
     layer_types: Callable | None = None
-    pre_attention: Callable | None = None
-    post_attention: Callable | None = None
     activation: tuple = ("hidden_act", "silu", "SwiGLU with silu")
     layer_norms: tuple = ()
-    norm_stats: Callable | None = None
     attention_args: dict = field(default_factory=dict)
-    lm_head_loss: Callable | None = None
     final_logits: Callable | None = None
     refused: dict = field(default_factory=dict)
     lora_refused: dict | None = None

@@ -21,6 +21,37 @@ from . import Family, HfMapping, generated_blocks
 # mlp_bias. A Llama also runs the blocks no family lists (codagen.models.runs_block).
 BLOCKS = ("norm_stats", "pre_attention", "post_attention", "post_attention_mlp_bias", "lm_head_loss")
 
+def hf_norm_stats(blocks, x, wn, dim, eps):
+    """The first layer's input-norm statistics (every later norm's come from the epilogue before it)."""
+    return blocks.NormStatsFunction.apply(x, wn, dim, eps)
+
+
+def hf_pre_attention(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast):
+    """PreAttention: the input norm (from its statistics), the fused q/k/v projection and RoPE."""
+    return blocks.PreAttentionFunction.apply(x, h, rstd, positions, freqs, wn, w_qkv, x.shape[1], w_qkv.shape[0])
+
+
+def hf_post_attention(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast):
+    """PostAttention: o_proj and the residual, the MLP's norm, SwiGLU MLP and residual, the next norm's statistics.
+    With mlp_bias, PostAttentionMlpBias adds the gate/up bias in the block; down_proj's bias is added to its output
+    here, so the next norm's statistics are taken again, of the sum."""
+    mlp, dim, ffn_dim = layer.mlp, x.shape[1], w_down.shape[1]
+    if mlp.gate_up_proj.bias is None:
+        return blocks.PostAttentionFunction.apply(y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, dim, ffn_dim, eps)
+    x, _, _ = blocks.PostAttentionMlpBiasFunction.apply(y, x, wn_next, w_o, wn_mlp, w_gate_up,
+                                                        cast(mlp.gate_up_proj.bias), w_down, dim, ffn_dim, eps)
+    x = x + cast(mlp.down_proj.bias)
+    h, rstd = blocks.NormStatsFunction.apply(x, wn_next, dim, eps)
+    return x, h, rstd
+
+
+def hf_lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduction, chunk_rows):
+    """The final norm, the LM head and the cross-entropy, in row chunks (NaN where every label is ignored, as
+    PyTorch's mean; the logits' dtype the hidden states')."""
+    return blocks.lm_head_loss.lm_head_loss(x, target, wn, w_vocab, w_vocab.shape[1], w_vocab.shape[0],
+                                            config.rms_norm_eps, ignore_index, reduction, chunk_rows, "nan", "same")
+
+
 HF = HfMapping(
     model_class="LlamaForCausalLM",
     modeling="transformers.models.llama.modeling_llama",
@@ -45,6 +76,10 @@ HF = HfMapping(
                                     "mlp.up_proj.bias", "mlp.down_proj.weight", "next.input_layernorm.weight"),
         "lm_head_loss": ("model.norm.weight", "lm_head.weight"),
     },
+    norm_stats=hf_norm_stats,
+    pre_attention=hf_pre_attention,
+    post_attention=hf_post_attention,
+    lm_head_loss=hf_lm_head_loss,
 )
 
 

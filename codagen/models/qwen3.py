@@ -91,8 +91,10 @@ HF = HfMapping(
     # sliding-window layers as Qwen2's (use_sliding_window, max_window_layers): the attention after the block is
     # transformers' own, with its sliding-window mask and window
     layer_types=listed_layer_types,
+    norm_stats=LLAMA_HF.norm_stats,
     pre_attention=hf_pre_attention,
     post_attention=hf_post_attention,
+    lm_head_loss=LLAMA_HF.lm_head_loss,
     lora_refused={name: "QK-norm, between the projection and RoPE, is not linear: the adapter's product cannot be "
                         "added after the Qwen3PreAttention block (v_proj, o_proj and the MLP's take LoRA)"
                   for name in ("self_attn.q_proj", "self_attn.k_proj")},
