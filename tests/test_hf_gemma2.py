@@ -200,6 +200,11 @@ def test_gemma3_text_model_is_refused_naming_what_does_not_fit(tmp_path, monkeyp
     monkeypatch.setattr(transformers.Gemma3ForCausalLM, "from_pretrained", load)
     with pytest.raises(TypeError, match=why):  # before loading its weights
         AutoCodagenForCausalLM.from_pretrained(tmp_path)
+    # its text decoder and the classifier over it: the same reason, not the list of supported classes
+    for name in ("Gemma3TextModel", "Gemma3TextForSequenceClassification"):
+        with pytest.raises(TypeError, match=f"^apply_codagen: a transformers {name} is not supported: its layers do "
+                                            "not fit the Gemma-2 blocks"):
+            apply_codagen(getattr(transformers, name)(config))
 
 
 def test_gemma2_mapping_names_transformers_modules_and_weights():

@@ -236,11 +236,12 @@ HF = HfMapping(
     attention_args={"softcap": "attn_logit_softcapping"},
     lm_head_loss=hf_lm_head_loss,
     final_logits=hf_final_logits,
-    refused={"Gemma3ForCausalLM": (
+    # Gemma-3's text model and the heads over it, as its causal LM
+    refused=dict.fromkeys(("Gemma3ForCausalLM", "Gemma3TextModel", "Gemma3TextForSequenceClassification"), (
         "its layers do not fit the Gemma-2 blocks: its attention normalizes each q and k head (self_attn.q_norm, "
         "self_attn.k_norm) before RoPE, which Gemma2PreAttention does not; its sliding layers rotate with their "
         "own RoPE frequencies (rope_parameters['sliding_attention']), where the patched decoder takes one table; "
-        "and its logits are not softcapped (final_logit_softcapping None), which gemma2_lm_head_loss always does")},
+        "and its logits are not softcapped (final_logit_softcapping None), which gemma2_lm_head_loss always does")),
 )
 
 
