@@ -243,6 +243,9 @@ def test_question_answering_matches_transformers(family):
     assert all(isinstance(layer, CodagenDecoderLayer) for layer in decoder.layers)
     compare(reference, patched, padded_batch(8, "span"), fields=("start_logits", "end_logits"),
             zero_grads=("qa_outputs.bias",))
+    # as Trainer calls a model whose forward takes loss keywords: num_items_in_batch reaches the patched decoder
+    counted = {**padded_batch(9, "span"), "num_items_in_batch": torch.tensor(2 * BATCH, device=DEVICE)}
+    compare(reference, patched, counted, fields=("start_logits", "end_logits"), zero_grads=("qa_outputs.bias",))
 
 
 @pytest.mark.parametrize("auto, family, head, labels", [
