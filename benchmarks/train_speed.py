@@ -466,7 +466,7 @@ def plot(report: dict, path: Path) -> bool:
     axis.set_xticks(range(len(cases)), cases, rotation=30, ha="right")
     axis.set_ylabel("tokens/s")
     axis.set_title(f"Llama training step, {report['gpu']}")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over them
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
