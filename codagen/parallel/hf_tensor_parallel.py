@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.llama import HF as LLAMA  # Llama's blocks: its pre-attention has a tensor-parallel form of its own
 from .hf_families import FAMILIES
 from .tensor_parallel import TensorParallelPreAttentionFunction, layer_shards
 from .vocab_parallel import process_group, vocab_parallel_lm_head_loss, vocab_range
@@ -164,14 +165,10 @@ def _decoder_layer_class():
             x = hidden_states.reshape(batch * seq, dim)
             wn = cast(self.input_layernorm.weight)
             mapping = self.hf_mapping
-            if norm_stats is not None:
-                h, rstd = norm_stats
-            elif mapping.norm_stats is not None:  # the family's own (Gemma-2's (1 + w) scale), replicated
-                h, rstd = mapping.norm_stats(blocks, x, wn, dim, eps)
-            else:
-                h, rstd = blocks.NormStatsFunction.apply(x, wn, dim, eps)
+            # the family's (Gemma-2's (1 + w) scale), replicated
+            h, rstd = norm_stats if norm_stats is not None else mapping.norm_stats(blocks, x, wn, dim, eps)
             freqs = rope_freqs[self.qkv_pairs]  # the RoPE frequencies of the rank's qkv columns
-            if mapping.pre_attention is None:
+            if mapping.pre_attention is LLAMA.pre_attention:
                 x, qkv = TensorParallelPreAttentionFunction.apply(x, h, rstd, positions, freqs, wn,
                                                                   cast(attn.qkv_proj.weight), dim, group)
             else:
