@@ -25,6 +25,7 @@ import triton, were imported first.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -474,6 +475,20 @@ class CodagenDecoderLayer(nn.Module):
         # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
         return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
+    def codagen_fp8_weights(self, weight: nn.Parameter):
+        """The FP8 copy of one of this layer's weights (apply_codagen(fp8=True): the FP8 blocks' block-quantized
+        weights), made again only after the weight changes (codagen.runtime.fp8.BlockQuantized)."""
+        from .runtime.fp8 import BlockQuantized
+
+        copies = self.__dict__.setdefault("_codagen_fp8_copies", [])  # not a buffer: never in a state dict
+        for copy in copies:
+            if copy.weight is weight:
+                return copy
+        parameters = set(map(id, self.parameters()))  # a replaced parameter's copy goes
+        copies[:] = [copy for copy in copies if id(copy.weight) in parameters]
+        copies.append(BlockQuantized(weight))
+        return copies[-1]
+
     def attend(self, qkv: torch.Tensor, attention, attention_mask, position_ids, score_scale: float, cache,
                attentions: list | None, attention_kwargs: dict) -> torch.Tensor:
         """Hugging Face's attention function on qkv [batch, seq, qkv_dim] (the PreAttention block's output, the
@@ -901,7 +916,7 @@ def _logits_wanted(return_logits, training: bool) -> bool:
 
 # ---- entry points ----
 
-def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval"):
+def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = "eval", fp8: bool = False):
     """Patch a transformers LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM or
     Gemma2ForCausalLM in place to run codagen's generated blocks (its family's: its mapping in
     codagen.models.<family>), and return it. A family's <Family>ForSequenceClassification,
@@ -920,8 +935,20 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
 
     A PEFT model (get_peft_model, PeftModel.from_pretrained) is patched inside, its LoRA adapters kept and added
     (codagen.lora), and returned; make it, and add or load every adapter, before patching.
+
+    fp8=True runs the q/k/v and down projections' forward in FP8 (docs/fp8.md, "FP8 in apply_codagen"): the
+    normalized inputs and SwiGLU's output quantized in the epilogues that make them (float8_e4m3fn, 1 x 128 scales),
+    the weights block-quantized (128 x 128) once after each change; the backward in bfloat16 from the master weights.
+    The model runs in bfloat16 (bf16 parameters, or fp32 ones under torch.autocast(bfloat16)) on a GPU with FP8
+    matrix instructions (sm_89 and later) or on the CPU. Refused for families without FP8 blocks (Qwen3, Gemma-2),
+    mlp_bias, and LoRA adapters.
     """
+    if fp8 is not True and fp8 is not False:
+        raise ValueError(f"apply_codagen: fp8 must be True or False, got {fp8!r}")
     if lora.is_peft(model) and hasattr(model, "get_base_model"):  # a PeftModel: LoRA's layers are in its base model
+        if fp8:
+            raise TypeError("apply_codagen(fp8=True): a PEFT (LoRA) model is not supported: the FP8 blocks take no "
+                            "adapters; patch it without fp8")
         apply_codagen(model.get_base_model(), chunk_rows=chunk_rows, return_logits=return_logits)
         return model
     mapping, kind = _mapping_of(model)
@@ -954,8 +981,9 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
         raise ValueError(f"apply_codagen: chunk_rows must be a positive int, got {chunk_rows!r}")
     if not (return_logits is True or return_logits is False or return_logits == "eval"):
         raise ValueError(f"apply_codagen: return_logits must be 'eval', True or False, got {return_logits!r}")
+    layer_mapping = _fp8_mapping(mapping, model.config, llama) if fp8 else mapping
     for i, layer in enumerate(llama.layers):
-        llama.layers[i] = CodagenDecoderLayer(layer, model.config, mapping)
+        llama.layers[i] = CodagenDecoderLayer(layer, model.config, layer_mapping)
     llama.codagen_patch = CodagenPatch(mapping)
     llama.forward = types.MethodType(_model_forward, llama)
     if not causal_lm:
@@ -969,6 +997,30 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     llama.codagen_patch.check(llama, model)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
+
+
+FP8_GROUP = 128  # the FP8 blocks' group of columns (specs/fp8/blocks: `group: 128`)
+
+
+def _fp8_mapping(mapping: HfMapping, config, llama: nn.Module) -> HfMapping:
+    """The family's mapping with its FP8 blocks in place of norm_stats, pre_attention and post_attention; refused
+    where there are none, or where the model has what they do not compute."""
+    if mapping.fp8 is None:
+        fp8_families = [m.model_class for m in _mappings() if m.fp8 is not None]
+        raise TypeError(f"apply_codagen(fp8=True): codagen has no FP8 blocks for {mapping.model_class} yet (it has "
+                        f"them for {', '.join(fp8_families)}); patch it without fp8")
+    if getattr(config, "mlp_bias", False):
+        _refuse("mlp_bias", config.mlp_bias, "the FP8 MLP block (post_attention_fp8) adds no bias; patch the model "
+                                             "without fp8")
+    for field in ("hidden_size", "intermediate_size"):  # the K of an FP8 GEMM, in groups of 128 columns
+        if getattr(config, field) % FP8_GROUP:
+            _refuse(field, getattr(config, field), f"the FP8 blocks quantize in groups of {FP8_GROUP} columns, and "
+                                                   f"{field} must be a multiple of {FP8_GROUP}; patch the model "
+                                                   "without fp8")
+    if any(lora.is_peft(m) for m in llama.modules()):
+        raise TypeError("apply_codagen(fp8=True): LoRA adapters are not supported: the FP8 blocks take no adapters; "
+                        "patch the model without fp8")
+    return dataclasses.replace(mapping, **mapping.fp8)
 
 
 def from_pretrained(name_or_path, *args, chunk_rows: int = 2048, return_logits: bool | str = "eval", **kwargs):

@@ -507,7 +507,7 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
     import peft
     import transformers
 
-    from codagen.hf import CodagenDecoderLayer
+    from codagen.hf import CodagenDecoderLayer, apply_codagen
     from codagen.parallel import TensorParallelError, apply_tensor_parallel
     from codagen.parallel.hf_families import FAMILIES
 
@@ -524,6 +524,8 @@ def hf_tensor_parallel_refusals(seed: int) -> dict:
         "peft": lambda: peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["q_proj"])),
         "classifier": lambda: transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**small)),
         "twice": lambda: apply_tensor_parallel(llama()),
+        # patched before, with FP8 blocks (which take hidden and intermediate sizes in groups of 128)
+        "fp8": lambda: apply_codagen(llama(hidden_size=128, intermediate_size=128), fp8=True),
     }
     refusals = {}
     for name, make in made.items():

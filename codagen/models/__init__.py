@@ -91,6 +91,9 @@ class HfMapping:
       not the LM head's output (Gemma-2 softcaps them); None: the LM head's.
     refused: transformers classes that look like the family's but that its blocks do not compute -> why, said by
       apply_codagen's TypeError (and by from_pretrained, before loading, for a checkpoint of that class).
+    fp8: the functions that run the family's FP8 blocks in place of norm_stats, pre_attention and post_attention
+      (their names -> functions of the same signatures, h then a pair (values, scales)), for apply_codagen(fp8=True);
+      None: the family has none.
     lora_refused: the projections (layer_modules names) on which codagen.lora refuses a LoRA adapter -> why (the
       family's block takes their output non-linearly: Qwen3's QK-norm). None: none refused where the family runs
       Llama's blocks (pre_attention and post_attention Llama's), else LoRA refused on the family as a whole. A layer
@@ -118,6 +121,7 @@ class HfMapping:
     final_logits: Callable | None = None
     refused: dict = field(default_factory=dict)
     lora_refused: dict | None = None
+    fp8: dict | None = None
 
 
 def family(name: str) -> Family:

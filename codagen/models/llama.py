@@ -52,6 +52,46 @@ def hf_lm_head_loss(config, blocks, x, target, wn, w_vocab, ignore_index, reduct
                                             config.rms_norm_eps, ignore_index, reduction, chunk_rows, "nan", "same")
 
 
+def hf_norm_stats_fp8(blocks, x, wn, dim, eps):
+    """NormStatsFp8: the first layer's normalized input in float8_e4m3fn with 1 x 128 scales, and its rstd."""
+    _check_fp8(x)
+    h, h_scale, rstd = blocks.NormStatsFp8Function.apply(x, wn, dim, eps)
+    return (h, h_scale), rstd
+
+
+def hf_pre_attention_fp8(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv, eps, cast):
+    """PreAttentionFp8: the q/k/v projection of the FP8 h (with its scales) by the FP8 copy of qkv_proj's weight,
+    block-quantized again only after the weight changes (an optimizer step); the backward in bfloat16 from the master
+    weight."""
+    (h, h_scale), w = h, layer.self_attn.qkv_proj.weight
+    w_fp8, w_scale = layer.codagen_fp8_weights(w).get()
+    return blocks.PreAttentionFp8Function.apply(x, h, h_scale, rstd, positions, freqs, w_fp8, w_scale, wn, w_qkv,
+                                                x.shape[1], w_qkv.shape[0])
+
+
+def hf_post_attention_fp8(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast):
+    """PostAttentionFp8: SwiGLU's output in FP8 from its epilogue, the down projection by the FP8 copy of down_proj's
+    weight, and the next layer's normalized input in FP8 (the last layer's goes unused: the LM head normalizes
+    itself)."""
+    w_fp8, w_scale = layer.codagen_fp8_weights(layer.mlp.down_proj.weight).get()
+    x, h, h_scale, rstd = blocks.PostAttentionFp8Function.apply(y, x, wn_next, w_fp8, w_scale, w_o, wn_mlp, w_gate_up,
+                                                                w_down, x.shape[1], w_down.shape[1], eps)
+    return x, (h, h_scale), rstd
+
+
+def _check_fp8(x: torch.Tensor) -> None:
+    """The FP8 blocks run bfloat16 activations, and FP8 matrix products (Triton's FP8 tl.dot: sm_89 and later; on
+    the CPU, Triton's interpreter)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"apply_codagen(fp8=True): the FP8 blocks run in bfloat16, and the hidden states are "
+                        f"{x.dtype}; use bfloat16 parameters, or call the model under "
+                        "torch.autocast('cuda', torch.bfloat16)")
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+        name = torch.cuda.get_device_name(x.device)
+        raise RuntimeError(f"apply_codagen(fp8=True): {name} has no FP8 matrix instructions (sm_89 and later: "
+                           "Ada, Hopper); patch the model without fp8")
+
+
 HF = HfMapping(
     model_class="LlamaForCausalLM",
     modeling="transformers.models.llama.modeling_llama",
@@ -80,6 +120,7 @@ HF = HfMapping(
     pre_attention=hf_pre_attention,
     post_attention=hf_post_attention,
     lm_head_loss=hf_lm_head_loss,
+    fp8=dict(norm_stats=hf_norm_stats_fp8, pre_attention=hf_pre_attention_fp8, post_attention=hf_post_attention_fp8),
 )
 
 
