@@ -941,7 +941,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     the weights block-quantized (128 x 128) once after each change; the backward in bfloat16 from the master weights.
     The model runs in bfloat16 (bf16 parameters, or fp32 ones under torch.autocast(bfloat16)) on a GPU with FP8
     matrix instructions (sm_89 and later) or on the CPU. Refused for families without FP8 blocks (Qwen3, Gemma-2),
-    mlp_bias, and LoRA adapters.
+    mlp_bias, hidden or intermediate sizes not multiples of 128, and LoRA adapters.
     """
     if fp8 is not True and fp8 is not False:
         raise ValueError(f"apply_codagen: fp8 must be True or False, got {fp8!r}")

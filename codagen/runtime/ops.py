@@ -5,8 +5,8 @@ name in one process-wide namespace, whatever package its module belongs to: two 
 share `torch.ops.codagen.<kernel>`. So the first module to register a name creates the op; a later module
 whose kernel has the same FINGERPRINT (the same computation, arguments and op schema: the same kernel built
 into another package, or imported under another module name) is given that op, with the first module's
-implementation, fake and backward; a later module whose kernel has the same name but computes something else
-is refused at import, since one of the two would otherwise run the other's kernel.
+implementation and fake; a later module whose kernel has the same name but computes something else is refused at
+import, since one of the two would otherwise run the other's kernel.
 
 Serving the later module with the first module's implementation runs the same computation; only its launch
 configurations can differ, since each package reads its own tuning tables (`TUNING`): a call through the op
