@@ -31,6 +31,16 @@ def fp8_llama(**overrides):
     return random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**{**BASE, **FP8_SHAPE, **overrides}))
 
 
+def fp8_model(family: str):
+    """Llama; Qwen2 (q/k/v biases, added after the FP8 projection); Mistral (a sliding window shorter than the
+    sequence): the families whose layers run Llama's blocks."""
+    if family == "Llama":
+        return fp8_llama()
+    config = getattr(transformers, f"{family}Config")(**{**BASE, **FP8_SHAPE},
+                                                     **({"sliding_window": SEQ - 4} if family == "Mistral" else {}))
+    return random_model(getattr(transformers, f"{family}ForCausalLM"), config)
+
+
 def grads_against(reference, model, ids, labels, autocast=False):
     """model's loss and gradients (Hugging Face names) against reference's (fp32): their relative errors."""
     reference.zero_grad(set_to_none=True)
@@ -43,11 +53,12 @@ def grads_against(reference, model, ids, labels, autocast=False):
     return rel(loss, want), {n: rel(got[n], p.grad) for n, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "amp"])
-def test_fp8_llama_matches_transformers_within_fp8_error(precision):
+@pytest.mark.parametrize("family, precision", [("Llama", "bf16"), ("Llama", "amp"), ("Qwen2", "bf16"),
+                                               ("Mistral", "bf16")])
+def test_fp8_model_matches_transformers_within_fp8_error(family, precision):
     """bf16 parameters, and fp32 ones under torch.autocast(bfloat16) (the FP8 copies made from the fp32 master
     weights): the loss and every gradient against the fp32 unpatched model; the FP8 blocks are the ones that ran."""
-    reference = fp8_llama()
+    reference = fp8_model(family)
     ids, labels = labelled_tokens(VOCAB, BATCH, SEQ)
     model = copy.deepcopy(reference)
     model = apply_codagen(model.to(BF16) if precision == "bf16" else model, fp8=True)
