@@ -475,19 +475,24 @@ class CodagenDecoderLayer(nn.Module):
         # layer's output drops its pre-backward hook. No copy: the same storage, as view() would share it.
         return torch.ops.aten._unsafe_view(x, (batch, seq, dim)), (h, rstd)
 
-    def codagen_fp8_weights(self, weight: nn.Parameter):
-        """The FP8 copy of one of this layer's weights (apply_codagen(fp8=True): the FP8 blocks' block-quantized
-        weights), made again only after the weight changes (codagen.runtime.fp8.BlockQuantized)."""
-        from .runtime.fp8 import BlockQuantized
+    def codagen_fp8_weight(self, weight: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 copy of one of this layer's weights, (values, scales) (apply_codagen(fp8=True): the FP8 blocks'
+        block-quantized weights), made again only after the weight changes (codagen.runtime.fp8.BlockQuantized).
+        While torch.compile traces, the quantization itself is traced, once per forward: the copy's check of the
+        weight's storage and version would break the graph."""
+        from .runtime import fp8
 
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                return fp8.quantize_blocks(weight.detach())
         copies = self.__dict__.setdefault("_codagen_fp8_copies", [])  # not a buffer: never in a state dict
         for copy in copies:
             if copy.weight is weight:
-                return copy
+                return copy.get()
         parameters = set(map(id, self.parameters()))  # a replaced parameter's copy goes
         copies[:] = [copy for copy in copies if id(copy.weight) in parameters]
-        copies.append(BlockQuantized(weight))
-        return copies[-1]
+        copies.append(fp8.BlockQuantized(weight))
+        return copies[-1].get()
 
     def attend(self, qkv: torch.Tensor, attention, attention_mask, position_ids, score_scale: float, cache,
                attentions: list | None, attention_kwargs: dict) -> torch.Tensor:

@@ -128,3 +128,26 @@ def test_fp8_refuses_lora():
         apply_codagen(model, fp8=True)
     with pytest.raises(TypeError, match=r"^apply_codagen\(fp8=True\): LoRA adapters are not supported"):
         apply_codagen(model.get_base_model(), fp8=True)
+
+
+def test_compiled_fp8_model_is_one_graph_with_the_eager_loss_and_gradients():
+    """torch.compile over an FP8-patched model: one graph with no break (the weights' FP8 copies are quantized in
+    the graph, once per forward, instead of looked up in the copies kept outside it), the loss and the gradients of
+    the model run eagerly. On the CPU the backend is aot_eager."""
+    eager = apply_codagen(fp8_llama().to(BF16), fp8=True)
+    compiled = copy.deepcopy(eager)
+    ids, labels = labelled_tokens(VOCAB, BATCH, SEQ)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(compiled)(input_ids=ids, labels=labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    step = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    losses = []
+    for model in (eager, step):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    torch._dynamo.reset()
+    assert losses[0] == losses[1]
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -64,7 +64,7 @@ def hf_pre_attention_fp8(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv,
     block-quantized again only after the weight changes (an optimizer step); the backward in bfloat16 from the master
     weight."""
     (h, h_scale), w = h, layer.self_attn.qkv_proj.weight
-    w_fp8, w_scale = layer.codagen_fp8_weights(w).get()
+    w_fp8, w_scale = layer.codagen_fp8_weight(w)
     return blocks.PreAttentionFp8Function.apply(x, h, h_scale, rstd, positions, freqs, w_fp8, w_scale, wn, w_qkv,
                                                 x.shape[1], w_qkv.shape[0])
 
@@ -73,7 +73,7 @@ def hf_post_attention_fp8(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, 
     """PostAttentionFp8: SwiGLU's output in FP8 from its epilogue, the down projection by the FP8 copy of down_proj's
     weight, and the next layer's normalized input in FP8 (the last layer's goes unused: the LM head normalizes
     itself)."""
-    w_fp8, w_scale = layer.codagen_fp8_weights(layer.mlp.down_proj.weight).get()
+    w_fp8, w_scale = layer.codagen_fp8_weight(layer.mlp.down_proj.weight)
     x, h, h_scale, rstd = blocks.PostAttentionFp8Function.apply(y, x, wn_next, w_fp8, w_scale, w_o, wn_mlp, w_gate_up,
                                                                 w_down, x.shape[1], w_down.shape[1], eps)
     return x, (h, h_scale), rstd
