@@ -58,8 +58,8 @@ def test_new_codagen_rows_check_against_the_reference_on_the_cpu():
                              "--patterns", "oproj_swiglu.fwdbwd", "lm_ce", "--passes", "1", "--rep", "1",
                              "--warmup", "1", "--min-iters", "1"])
     preset = cases.PRESETS["tiny"]
-    variants = runners.builtin_variants(args) + codagen_variants.codagen_variants(preset, 128, torch.float32)
-    rows = run_case(preset, 128, args, variants, [])
+    variants = runners.builtin_variants(args) + codagen_variants.codagen_variants(preset, 64, torch.float32)
+    rows = run_case(preset, 64, args, variants, [])
     checked = {(r.pattern, r.variant): r for r in rows if r.variant.startswith("codagen")}
     assert set(checked) == {("oproj_swiglu.fwdbwd", "codagen"), ("lm_ce.fwd", "codagen"),
                             ("lm_ce.fwdbwd", "codagen"), ("lm_ce.fwdbwd", codagen_variants.FP32_SUM),
