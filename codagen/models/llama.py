@@ -21,6 +21,9 @@ from . import Family, HfMapping, generated_blocks
 # mlp_bias. A Llama also runs the blocks no family lists (codagen.models.runs_block).
 BLOCKS = ("norm_stats", "pre_attention", "post_attention", "post_attention_mlp_bias", "lm_head_loss")
 
+
+# ---- how codagen.hf runs the blocks in a patched transformers Llama (HF below), and with fp8=True ----
+
 def hf_norm_stats(blocks, x, wn, dim, eps):
     """The first layer's input-norm statistics (every later norm's come from the epilogue before it)."""
     return blocks.NormStatsFunction.apply(x, wn, dim, eps)
