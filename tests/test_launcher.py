@@ -173,3 +173,14 @@ def test_real_kernel_alternating_kinds_equals_torch():
     finally:
         del affine.run
     assert len(calls) == 4  # each kind once through Triton, then direct
+
+
+def test_the_inline_key_is_each_argument_s_key():
+    """_arguments_key, with the usual kinds inline, keys a call as _argument_key does each argument: a tensor by
+    dtype and alignment (a Parameter too), an int, bool, str or None by type and value, a float by type alone."""
+    x = torch.randn(65)
+    args = (x, x[1:], torch.nn.Parameter(torch.randn(4)), x.double(), 3, True, 1, None, "s", 0.5, 2.5)
+    assert L._arguments_key(args) == tuple(map(L._argument_key, args))
+    assert L._arguments_key((True,)) != L._arguments_key((1,))
+    with pytest.raises(TypeError):
+        L._arguments_key(([8],))
