@@ -1,6 +1,7 @@
 """Training speed of a transformers LlamaForCausalLM: Hugging Face as it is, compiled and with Liger-Kernel, against
-the same model patched by codagen (as it is, compiled, and compiled with CUDA graphs), each variant from the same
-initial weights on the same random token batches, in one process.
+the same model patched by codagen (as it is, compiled, and compiled with CUDA graphs; and with its FP8 blocks,
+apply_codagen(fp8=True), compared apart), each variant from the same initial weights on the same random token
+batches, in one process.
 
     python3 benchmarks/train_speed.py --out $OUT                                  # every GPU case
     python3 benchmarks/train_speed.py --cases 1b-4x1024-bf16,1b-4x1024-amp --out $OUT
@@ -111,12 +112,12 @@ def codagen_cudagraphs(model):
     return torch.compile(codagen.hf.apply_codagen(model), backend="cudagraphs")
 
 
-def codagen_reduce_overhead(model):
+def codagen_reduce_overhead(model, **options):
     """torch.compile's mode="reduce-overhead" over the patched model: Inductor fuses the glue between codagen's ops,
     and the compiled graphs replay as CUDA graphs."""
     if not torch.cuda.is_available():
         raise Skipped("CUDA graphs need a GPU: skipped on the CPU")
-    return torch.compile(codagen.hf.apply_codagen(model), mode="reduce-overhead")
+    return torch.compile(codagen.hf.apply_codagen(model, **options), mode="reduce-overhead")
 
 
 # variant -> how it makes its model out of a fresh Hugging Face one
@@ -128,8 +129,13 @@ VARIANTS = {
     "codagen+compile": lambda model: torch.compile(codagen.hf.apply_codagen(model)),
     "codagen+cudagraphs": codagen_cudagraphs,
     "codagen+reduce-overhead": codagen_reduce_overhead,
+    # the q/k/v and down projections in FP8 (apply_codagen(fp8=True)): compared apart from the bf16 variants
+    "codagen-fp8": lambda model: codagen.hf.apply_codagen(model, fp8=True),
+    "codagen-fp8+reduce-overhead": lambda model: codagen_reduce_overhead(model, fp8=True),
 }
-CUDA_GRAPHS = ("codagen+cudagraphs", "codagen+reduce-overhead")  # a step's outputs are overwritten at the next replay
+FP8_VARIANTS = ("codagen-fp8", "codagen-fp8+reduce-overhead")
+# a step's outputs are overwritten at the next replay
+CUDA_GRAPHS = ("codagen+cudagraphs", "codagen+reduce-overhead", "codagen-fp8+reduce-overhead")
 
 
 def device() -> torch.device:
@@ -414,18 +420,21 @@ def case_table(rows: list[dict], limit: float | None) -> list[str]:
 
 
 def summary_table(by_case: dict[str, list[dict]]) -> list[str]:
+    """Per case: the best peer, the best bf16 codagen variant against it, and the best FP8 one (FP8_VARIANTS)."""
     lines = ["| case | best peer | tokens/s | best codagen | tokens/s | codagen / peer | "
-             "reserved memory codagen / peer |",
-             "|---|---|---:|---|---:|---:|---:|"]
+             "reserved memory codagen / peer | best codagen FP8 / peer |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
     for name, rows in by_case.items():
         peer = best(rows, PEERS)
-        ours = best(rows, [v for v in VARIANTS if v.startswith("codagen")])
+        ours = best(rows, [v for v in VARIANTS if v.startswith("codagen") and v not in FP8_VARIANTS])
+        fp8 = best(rows, FP8_VARIANTS)
         speed = ours["tokens_per_s"] / peer["tokens_per_s"] if peer and ours else None
+        fp8_speed = fp8["tokens_per_s"] / peer["tokens_per_s"] if peer and fp8 else None
         # reserved, not allocated: CUDA graphs' pool counts there only
         memory = ours["reserved_mib"] / peer["reserved_mib"] if peer and ours and peer["reserved_mib"] else None
         lines.append(f"| {name} | {peer['variant'] if peer else '-'} | {fmt(peer and peer['tokens_per_s'], ',.0f')} "
                      f"| {ours['variant'] if ours else '-'} | {fmt(ours and ours['tokens_per_s'], ',.0f')} | "
-                     f"{fmt(speed, '.2f')} | {fmt(memory, '.2f')} |")
+                     f"{fmt(speed, '.2f')} | {fmt(memory, '.2f')} | {fmt(fp8_speed, '.2f')} |")
     return lines
 
 
