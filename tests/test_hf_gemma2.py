@@ -241,3 +241,22 @@ def test_gemma2_mapping_names_transformers_modules_and_weights():
                 assert name.removeprefix("next.") in layer, (block, name)
                 fed.add(name.removeprefix("next."))
     assert fed == set(layer)  # every weight of a layer feeds a block
+
+
+def test_gradient_checkpointing_gives_the_unpatched_gradients(monkeypatch):
+    """gradient_checkpointing_enable(): each patched layer's call checkpointed (recomputed in the backward), the loss
+    and every gradient the unpatched model's under checkpointing."""
+    checkpointed = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda fn, *args, **kwargs: checkpointed.append(fn) or checkpoint(fn, *args, **kwargs))
+    torch.manual_seed(9)
+    reference = tiny_gemma2()
+    patched = apply_codagen(copy.deepcopy(reference))
+    for model in (reference, patched):
+        model.gradient_checkpointing_enable()
+        model.train()
+    assert patched.model.gradient_checkpointing
+    ids, labels = tokens_and_labels(9)
+    compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
+    assert checkpointed[-len(patched.model.layers):] == list(patched.model.layers)
