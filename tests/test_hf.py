@@ -149,24 +149,29 @@ def test_packed_sequences_with_position_ids():
     compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
 
 
-def test_gradient_checkpointing(monkeypatch):
+def compare_checkpointed(reference, ids, labels, monkeypatch):
+    """reference and its patched copy with gradient checkpointing on, in training: the loss and every gradient alike
+    (compare), and each patched layer's call checkpointed (hooks included, as Hugging Face's
+    GradientCheckpointingLayer does). The families' tests call it with their own models."""
     checkpointed = []
     checkpoint = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
                         lambda fn, *args, **kwargs: checkpointed.append(fn) or checkpoint(fn, *args, **kwargs))
-    torch.manual_seed(8)
-    reference = tiny_llama(attention_dropout=0.2, attn_implementation="eager")
     patched = apply_codagen(copy.deepcopy(reference))
     for model in (reference, patched):
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
         model.train()
     assert patched.model.gradient_checkpointing
-    ids, labels = tokens_and_labels(8)
-    # the recomputation replays the same dropout masks (checkpoint restores the RNG state)
     compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
-    # each layer module's call is checkpointed (hooks included, as Hugging Face's GradientCheckpointingLayer does)
     assert checkpointed == list(patched.model.layers)
+
+
+def test_gradient_checkpointing(monkeypatch):
+    # dropout: the recomputation replays the same masks (checkpoint restores the RNG state)
+    torch.manual_seed(8)
+    compare_checkpointed(tiny_llama(attention_dropout=0.2, attn_implementation="eager"), *tokens_and_labels(8),
+                         monkeypatch)
 
 
 def test_num_items_in_batch_sums_the_loss_as_transformers_does():

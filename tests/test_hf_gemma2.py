@@ -16,7 +16,7 @@ if not hasattr(transformers, "Gemma2ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
+from test_hf import compare, compare_checkpointed, labelled_tokens, random_model, rel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ, WINDOW = 97, 2, 12, 4
@@ -243,20 +243,7 @@ def test_gemma2_mapping_names_transformers_modules_and_weights():
     assert fed == set(layer)  # every weight of a layer feeds a block
 
 
+
 def test_gradient_checkpointing_gives_the_unpatched_gradients(monkeypatch):
-    """gradient_checkpointing_enable(): each patched layer's call checkpointed (recomputed in the backward), the loss
-    and every gradient the unpatched model's under checkpointing."""
-    checkpointed = []
-    checkpoint = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
-                        lambda fn, *args, **kwargs: checkpointed.append(fn) or checkpoint(fn, *args, **kwargs))
     torch.manual_seed(9)
-    reference = tiny_gemma2()
-    patched = apply_codagen(copy.deepcopy(reference))
-    for model in (reference, patched):
-        model.gradient_checkpointing_enable()
-        model.train()
-    assert patched.model.gradient_checkpointing
-    ids, labels = tokens_and_labels(9)
-    compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
-    assert checkpointed[-len(patched.model.layers):] == list(patched.model.layers)
+    compare_checkpointed(tiny_gemma2(), *tokens_and_labels(9), monkeypatch)

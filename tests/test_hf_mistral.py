@@ -15,7 +15,7 @@ if not hasattr(transformers, "MistralForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, labelled_tokens, random_model, rel  # noqa: E402
+from test_hf import compare, compare_checkpointed, labelled_tokens, random_model, rel  # noqa: E402
 from test_hf_qwen2 import (  # noqa: E402
     assert_mapping_names_transformers_modules_and_weights, compare_with_logits, recording_attention)
 
@@ -80,17 +80,10 @@ def test_packed_sequences_with_the_sliding_window():
     compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
 
 
-def test_gradient_checkpointing_with_the_sliding_window():
+def test_gradient_checkpointing_with_the_sliding_window(monkeypatch):
     """Each checkpointed layer's recomputation gets its layer's mask again."""
     torch.manual_seed(7)
-    reference = tiny_mistral()
-    patched = apply_codagen(copy.deepcopy(reference))
-    for model in (reference, patched):
-        model.gradient_checkpointing_enable()
-        model.train()
-    assert patched.model.gradient_checkpointing
-    ids, labels = tokens_and_labels(7)
-    compare(reference, patched, input_ids=ids, labels=labels, use_cache=False)
+    compare_checkpointed(tiny_mistral(), *tokens_and_labels(7), monkeypatch)
 
 
 @pytest.mark.parametrize("window", [WINDOW, None])
