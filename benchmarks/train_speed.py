@@ -18,8 +18,8 @@ bfloat16 parameters; amp: fp32 parameters, the forward under torch.autocast(bflo
 Writes <gpu>-train-speed.json, .md and .png (the chart: when matplotlib is installed) into --out after every
 variant, so a run cut off by a time limit keeps the variants it finished; --variant-limit ends a variant that runs
 longer (a compilation that never finishes) with an error in its row and goes on; --traces and --host-profile
-write the profiled steps' Chrome traces (with a table of their kernels by name) and a cProfile of the host's time per variant; --merge joins the JSONs of
-several runs on one GPU.
+write the profiled steps' Chrome traces (with a table of their kernels by name) and a cProfile of the host's time
+per variant; --merge joins the JSONs of several runs on one GPU.
 """
 from __future__ import annotations
 

@@ -252,7 +252,8 @@ def _check(model, world: int):
                 "the whole model before any other wrapping")
     if any(p.is_meta for p in model.parameters()):
         _refuse("the model's weights are on the meta device; load them first (each rank then keeps its part)")
-    if any(getattr(layer, "hf_mapping", mapping).norm_stats is not mapping.norm_stats for layer in model.model.layers):
+    fp8_blocks = (mapping.fp8 or {}).values()
+    if any(getattr(layer, "hf_mapping", mapping).pre_attention in fp8_blocks for layer in model.model.layers):
         _refuse("a model patched with apply_codagen(fp8=True) is not supported: its FP8 blocks have no "
                 "tensor-parallel form yet; patch it without fp8")
     return mapping
