@@ -51,12 +51,23 @@ PACKAGE = "cg_test_generated"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def fp8_mma_rounding(k: int) -> float:
-    """The part of an FP8 GEMM's error bound, relative to sum_k |A_ik||B_jk|, beyond fp32 accumulation's, on this
-    device: Hopper's FP8 MMAs (wgmma) add each K step of 32 products with fewer bits than fp32 (DeepSeek-V3's
-    report, arXiv 2412.19437, section 3.3.2, measured about 14 kept), up to 2^-13 per step as truncation to 14 bits
-    would; the interpreter adds in fp32 (docs/fp8.md, "Accumulation on Hopper")."""
-    return -(-k // 32) * 2.0**-13 if DEVICE.type == "cuda" else 0.0
+def fp8_mma_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The part of the error bound of the FP8 GEMM a @ b^T beyond fp32 accumulation's, per element (float64, on the
+    CPU; a and b as the MMAs read them, or dequantized by scales constant over each K group of 128). On a GPU,
+    Hopper's FP8 MMAs (wgmma) add each K step of 32 products to the running sum with about 14 bits (DeepSeek-V3's
+    report, arXiv 2412.19437, section 3.3.2): aligned to the largest of those 33 terms and truncated, each term loses
+    less than 2^-13 of that largest one, which is at most the step's largest |a_ik b_jk| or the |a||b| sum before
+    the step. The interpreter adds in fp32: 0 (docs/fp8.md, "Accumulation on Hopper")."""
+    a, b = a.detach().cpu().double().abs(), b.detach().cpu().double().abs()
+    bound = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
+    if DEVICE.type != "cuda":
+        return bound
+    before = torch.zeros_like(bound)
+    for k0 in range(0, a.shape[1], 32):
+        products = a[:, None, k0:k0 + 32] * b[None, :, k0:k0 + 32]
+        bound += (products.shape[-1] + 1) * 2.0**-13 * torch.maximum(products.amax(-1), before)
+        before += products.sum(-1)
+    return bound
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from codagen.runtime import Config
-from conftest import DEVICE, fp8_mma_rounding, kernel_model, kernel_types
+from conftest import DEVICE, fp8_mma_error, kernel_model, kernel_types
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = 2.0**-24  # fp32's unit roundoff
@@ -49,9 +49,10 @@ def test_e4m3_by_row_and_column_scales(test_kernels, shape):
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     test_kernels("t_fp8_gemm").launch(a, b, a_scale, b_scale, product=product, y=y, config=config)
     want, magnitude = _product(a, b)
-    assert ((product.cpu().double() - want).abs() <= (k * U + fp8_mma_rounding(k)) * magnitude).all()
+    mma = fp8_mma_error(a, b)
+    assert ((product.cpu().double() - want).abs() <= k * U * magnitude + mma).all()
     scales = a_scale.cpu().double()[:, None] * b_scale.cpu().double()[None, :]
-    want_y, bound_y = want * scales, ((k + 2) * U + fp8_mma_rounding(k)) * magnitude * scales
+    want_y, bound_y = want * scales, ((k + 2) * U * magnitude + mma) * scales
     # bf16: within an ulp (the interpreter's conversion from fp32 truncates, the GPU's rounds to nearest)
     assert ((y.cpu().double() - want_y).abs() <= 2.0**-7 * want_y.abs() + 2 * bound_y).all()
 
@@ -66,7 +67,7 @@ def test_e5m2_by_e4m3_with_tensor_scales(test_kernels, shape):
     test_kernels("t_fp8_gemm_e5m2").launch(dy, w, dy_scale, w_scale, dx=dx, config=config)
     want, magnitude = _product(dy, w)
     scale = 3.0e-3 * -0.75
-    bound = ((k + 3) * U + fp8_mma_rounding(k)) * magnitude * abs(scale)
+    bound = ((k + 3) * U * magnitude + fp8_mma_error(dy, w)) * abs(scale)
     assert ((dx.cpu().double() - want * scale).abs() <= bound).all()
 
 
