@@ -1,6 +1,8 @@
 """Worker of tests/test_parallel.py, run by torch.distributed.run in 2 or 4 CPU processes over gloo:
-`python parallel_worker.py CASE OUT SEED`. Every rank draws the same data from SEED; rank 0 writes what it measured
-as JSON to OUT. Sizes are tiny: the kernels run through Triton's interpreter.
+`python parallel_worker.py CASE[,CASE...] OUT_DIR SEED` runs the cases one after the other in the same processes
+(a start costs more than most cases: each process imports torch, transformers and codagen). Every rank draws the
+same data from SEED; rank 0 writes what a case measured as JSON to OUT_DIR/CASE.json, or the traceback of what it
+raised, and goes on with the next case. Sizes are tiny: the kernels run through Triton's interpreter.
 
 - vocab_parallel: codagen.parallel's VocabParallelLmHeadLoss (each rank a slice of a vocabulary that the world
   size does not divide) against F.cross_entropy of the final RMSNorm and LM head in float64, and against the
@@ -40,6 +42,8 @@ import copy
 import functools
 import json
 import sys
+import traceback
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -567,40 +571,38 @@ def ddp(kind: str, seed: int) -> dict:
                 max_rel_grad=grads_against(model.module, reference))
 
 
-def main(case: str, out: str, seed: int) -> None:
+CASES = {"vocab_parallel": vocab_parallel,
+         "vocab_parallel_variants": vocab_parallel_variants,
+         "llama_vocab_parallel": llama_vocab_parallel,
+         "tensor_parallel": tensor_parallel,
+         "ddp_codagen": functools.partial(ddp, "codagen"),
+         "ddp_hf": functools.partial(ddp, "hf"),
+         "hf_tensor_parallel_llama": functools.partial(hf_tensor_parallel, "llama", False),
+         "hf_tensor_parallel_llama_tied": functools.partial(hf_tensor_parallel, "llama", True),
+         "hf_tensor_parallel_qwen2": functools.partial(hf_tensor_parallel, "qwen2", False),
+         "hf_tensor_parallel_llama_checkpointing": functools.partial(hf_tensor_parallel, "llama", False,
+                                                                     checkpointing=True),
+         "hf_tensor_parallel_mistral": functools.partial(hf_tensor_parallel, "mistral", False),
+         "hf_tensor_parallel_qwen3": functools.partial(hf_tensor_parallel, "qwen3", False),
+         "hf_tensor_parallel_gemma2": functools.partial(hf_tensor_parallel, "gemma2", True),
+         "hf_tensor_parallel_llama_biases": functools.partial(hf_tensor_parallel, "llama", False, mlp_bias=True,
+                                                              attention_bias=True),
+         "hf_tensor_parallel_autocast_llama": functools.partial(hf_tensor_parallel_autocast, "llama", mlp_bias=True,
+                                                                attention_bias=True),
+         "hf_tensor_parallel_autocast_gemma2": functools.partial(hf_tensor_parallel_autocast, "gemma2"),
+         "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals}
+
+
+def main(cases: str, out_dir: str, seed: int) -> None:
     dist.init_process_group("gloo")
-    result = dict(world=dist.get_world_size(), **{"vocab_parallel": vocab_parallel,
-                                                  "vocab_parallel_variants": vocab_parallel_variants,
-                                                  "llama_vocab_parallel": llama_vocab_parallel,
-                                                  "tensor_parallel": tensor_parallel,
-                                                  "ddp_codagen": functools.partial(ddp, "codagen"),
-                                                  "hf_tensor_parallel_llama": functools.partial(
-                                                      hf_tensor_parallel, "llama", False),
-                                                  "hf_tensor_parallel_llama_tied": functools.partial(
-                                                      hf_tensor_parallel, "llama", True),
-                                                  "hf_tensor_parallel_qwen2": functools.partial(
-                                                      hf_tensor_parallel, "qwen2", False),
-                                                  "hf_tensor_parallel_llama_checkpointing": functools.partial(
-                                                      hf_tensor_parallel, "llama", False, checkpointing=True),
-                                                  "hf_tensor_parallel_mistral": functools.partial(
-                                                      hf_tensor_parallel, "mistral", False),
-                                                  "hf_tensor_parallel_qwen3": functools.partial(
-                                                      hf_tensor_parallel, "qwen3", False),
-                                                  "hf_tensor_parallel_gemma2": functools.partial(
-                                                      hf_tensor_parallel, "gemma2", True),
-                                                  "hf_tensor_parallel_llama_biases": functools.partial(
-                                                      hf_tensor_parallel, "llama", False, mlp_bias=True,
-                                                      attention_bias=True),
-                                                  "hf_tensor_parallel_autocast_llama": functools.partial(
-                                                      hf_tensor_parallel_autocast, "llama", mlp_bias=True,
-                                                      attention_bias=True),
-                                                  "hf_tensor_parallel_autocast_gemma2": functools.partial(
-                                                      hf_tensor_parallel_autocast, "gemma2"),
-                                                  "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
-                                                  "ddp_hf": functools.partial(ddp, "hf")}[case](seed))
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
+    for case in cases.split(","):
+        try:
+            result = dict(world=dist.get_world_size(), **CASES[case](seed))
+        except Exception:  # the next cases still run; the test of this one shows the traceback
+            result = dict(error=traceback.format_exc())
+        if dist.get_rank() == 0:
+            with open(Path(out_dir) / f"{case}.json", "w") as f:
+                json.dump(result, f)
     leave()
 
 

@@ -3,7 +3,9 @@ in 2 or 4 CPU processes over gloo (kernels through Triton's interpreter), on dat
 every failure). What each case compares is in the worker's docstring."""
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
 import re
 import sys
@@ -35,19 +37,52 @@ def torchrun(nproc: int, *script_args: str) -> None:
     assert code == 0, f"{' '.join(cmd)} failed ({code}):\n{log[-6000:]}"
 
 
-def run_worker(tmp_path, case: str, nproc: int) -> dict:
-    seed = random.SystemRandom().randrange(2**31)
-    out = tmp_path / f"{case}.json"
-    torchrun(nproc, str(WORKER), case, str(out), str(seed))
-    result = json.loads(out.read_text())
-    assert result["world"] == nproc
-    result["seed"] = seed
-    return result
+# The worker's cases by world size: one torchrun each runs them all (a start costs more than most cases), once per
+# pytest run, for every pytest-xdist worker.
+BATCHES = {2: ("vocab_parallel", "vocab_parallel_variants", "llama_vocab_parallel", "tensor_parallel", "ddp_codagen",
+               "ddp_hf", "hf_tensor_parallel_llama", "hf_tensor_parallel_llama_tied",
+               "hf_tensor_parallel_llama_checkpointing", "hf_tensor_parallel_llama_biases", "hf_tensor_parallel_qwen2",
+               "hf_tensor_parallel_mistral", "hf_tensor_parallel_qwen3", "hf_tensor_parallel_gemma2",
+               "hf_tensor_parallel_autocast_llama", "hf_tensor_parallel_autocast_gemma2",
+               "hf_tensor_parallel_refusals"),
+           4: ("vocab_parallel", "tensor_parallel", "hf_tensor_parallel_llama_tied", "hf_tensor_parallel_gemma2")}
+
+
+@pytest.fixture(scope="session")
+def run_worker(tmp_path_factory):
+    """run_worker(case, nproc): what the worker's case measured at that world size, its seed added. The first call
+    at a world size, in any pytest-xdist worker, runs every case of its batch; the others wait for it and read."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, above each xdist worker's own
+
+    def run(case: str, nproc: int) -> dict:
+        out = shared / f"gloo{nproc}"
+        with open(shared / f"gloo{nproc}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "batch.json").exists():
+                out.mkdir(exist_ok=True)
+                seed = random.SystemRandom().randrange(2**31)
+                try:
+                    torchrun(nproc, str(WORKER), ",".join(BATCHES[nproc]), str(out), str(seed))
+                    failure = None
+                except AssertionError as e:  # every case of the batch reports it
+                    failure = str(e)
+                (out / "batch.json").write_text(json.dumps(dict(seed=seed, failure=failure)))
+        batch = json.loads((out / "batch.json").read_text())
+        assert batch["failure"] is None, batch["failure"]
+        result = json.loads((out / f"{case}.json").read_text())
+        assert "error" not in result, f"seed {batch['seed']}:\n{result.get('error')}"
+        assert result["world"] == nproc
+        result["seed"] = batch["seed"]
+        return result
+
+    return run
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
-    result = run_worker(tmp_path, "vocab_parallel", nproc)
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(run_worker, nproc):
+    result = run_worker("vocab_parallel", nproc)
     assert [c["reduction"] for c in result["cases"]] == ["mean", "sum"]
     for case in result["cases"]:
         assert case["ignored"] > 0 and case["slices_with_target"] == nproc, (result["seed"], case)
@@ -57,13 +92,13 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tmp_path, nproc):
             assert case[f"{key}_vs_block"] < TOL_F64, (result["seed"], key, case)
 
 
-def test_vocab_parallel_cross_entropy_variants(tmp_path):
+def test_vocab_parallel_cross_entropy_variants(run_worker):
     """z-loss, label smoothing, softcapping, token weights (mean and sum), reduction "none" (plain and z-loss), and
     Gemma-2's head (its final norm's 1 + w scale, softcapped logits), over the vocabulary split across the ranks:
     against F.cross_entropy in float64 and the single-process block (but z-loss with "none", which no block
     declares). At 2 processes: the variants combine their ranks' partials as the plain loss does, which
     test_vocab_parallel_cross_entropy_matches_f_cross_entropy checks at 4 too."""
-    result = run_worker(tmp_path, "vocab_parallel_variants", 2)
+    result = run_worker("vocab_parallel_variants", 2)
     assert [(c["variant"], c["reduction"]) for c in result["cases"]] == [
         ("z_loss", "mean"), ("z_loss", "sum"), ("smoothing", "mean"), ("smoothing", "sum"), ("softcap", "mean"),
         ("token_weights", "mean"), ("token_weights", "sum"), ("plain", "none"), ("z_loss", "none"), ("gemma2", "mean")]
@@ -76,26 +111,26 @@ def test_vocab_parallel_cross_entropy_variants(tmp_path):
             assert case[key] < TOL_F64, (result["seed"], key, case)
 
 
-def test_llama_with_a_vocab_parallel_head_matches_one_process(tmp_path):
-    result = run_worker(tmp_path, "llama_vocab_parallel", 2)
+def test_llama_with_a_vocab_parallel_head_matches_one_process(run_worker):
+    result = run_worker("llama_vocab_parallel", 2)
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
     assert result["max_rel_grad"] < TOL, result
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_tensor_parallel_llama_matches_one_process(tmp_path, nproc):
-    result = run_worker(tmp_path, "tensor_parallel", nproc)
+def test_tensor_parallel_llama_matches_one_process(run_worker, nproc):
+    result = run_worker("tensor_parallel", nproc)
     assert result["same_params"], result
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
     assert result["max_rel_grad"] < TOL, result
 
 
-# every case at 2 processes; at 4, the two whose sharding differs most (each 4-process case takes 20-30 s of a 2-core
-# machine): Llama with its embedding tied to the head, and Gemma-2, whose layers all-reduce before their post-norms
+# every case at 2 processes; at 4, the two whose sharding differs most (4 processes share 2 cores in CI): Llama with
+# its embedding tied to the head, and Gemma-2, whose layers all-reduce before their post-norms
 @pytest.mark.parametrize("case, nproc", [("llama", 2), ("llama_tied", 2), ("llama_tied", 4), ("llama_checkpointing", 2),
                                          ("llama_biases", 2), ("qwen2", 2), ("mistral", 2), ("qwen3", 2),
                                          ("gemma2", 2), ("gemma2", 4)])
-def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc):
+def test_hf_tensor_parallel_matches_unpatched_transformers(run_worker, case, nproc):
     """codagen.parallel.apply_tensor_parallel over a transformers causal LM (tied embeddings: one vocab-parallel
     parameter; gradient checkpointing; Llama's mlp_bias and attention_bias: the biases of every projection, the
     row-parallel ones added once; Qwen2: a qkv bias; Mistral: a sliding window; Qwen3: QK-norm, its own block before
@@ -103,11 +138,13 @@ def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc
     and every gradient against the unpatched model in one process, and the whole weights gathered (full_state_dict)
     after them; the gradients of a loss of the gathered logits; the logits in evaluation and greedy generate()."""
     pytest.importorskip("transformers")
-    result = run_worker(tmp_path, f"hf_tensor_parallel_{case}", nproc)
+    result = run_worker(f"hf_tensor_parallel_{case}", nproc)
     assert result["embed_is_head"] == result["tied"] == (case in ("llama_tied", "gemma2")), result
-    for step in result["steps"]:
+    for i, step in enumerate(result["steps"]):
         assert abs(step["loss"] - step["ref_loss"]) <= TOL * abs(step["ref_loss"]), (result["seed"], result)
-        assert step["max_rel_grad"] < TOL, (result["seed"], result)
+        # after the first AdamW step the two models' weights differ by their rounding (~5e-8), which the next
+        # gradients can amplify: Gemma-2 at 4 processes, seed 1713879383, 1.1e-5 at the third step (2e-6 typical)
+        assert step["max_rel_grad"] < (TOL if i == 0 else 4 * TOL), (result["seed"], result)
     assert result["max_rel_param"] < TOL, (result["seed"], result)
     full = result["full_state"]
     assert full["same_keys"] and full["same_shapes"] and full["max_rel"] < TOL, (result["seed"], result)
@@ -117,14 +154,14 @@ def test_hf_tensor_parallel_matches_unpatched_transformers(tmp_path, case, nproc
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_hf_tensor_parallel_under_autocast(tmp_path, family):
+def test_hf_tensor_parallel_under_autocast(run_worker, family):
     """apply_tensor_parallel under torch.autocast (bf16, fp32 weights; Llama with every projection's bias): against
     the codagen.hf-patched model in one process under the same autocast, to bf16's precision (the same kernels; the
     ranks' partial products rounded to bf16 before their sum), and against the unpatched transformers model under
     it no further than twice the one-process patched model is, give or take one bf16 rounding (2^-8); the
     gradients come back in the weights' fp32."""
     pytest.importorskip("transformers")
-    r = run_worker(tmp_path, f"hf_tensor_parallel_autocast_{family}", 2)
+    r = run_worker(f"hf_tensor_parallel_autocast_{family}", 2)
     bf16 = 2.0**-8
 
     def rel(a, b):
@@ -136,11 +173,11 @@ def test_hf_tensor_parallel_under_autocast(tmp_path, family):
     assert r["grads_vs_ref"] <= 2 * r["patched_grads_vs_ref"] + bf16, r
 
 
-def test_hf_tensor_parallel_refusals(tmp_path):
+def test_hf_tensor_parallel_refusals(run_worker):
     """What apply_tensor_parallel refuses, by name, before it changes the model."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    refusals = run_worker(tmp_path, "hf_tensor_parallel_refusals", 2)["refusals"]
+    refusals = run_worker("hf_tensor_parallel_refusals", 2)["refusals"]
     expected = {"kv_heads": r"config.num_key_value_heads = 1 is not divisible by the world size 2",
                 "family": r"Qwen2ForCausalLM is not supported: its layers have no tensor-parallel form yet",
                 "peft": r"PEFT \(LoRA\) model", "classifier": r"got LlamaForSequenceClassification",
@@ -152,11 +189,11 @@ def test_hf_tensor_parallel_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["codagen", "hf"])
-def test_ddp_matches_one_process(tmp_path, kind):
+def test_ddp_matches_one_process(run_worker, kind):
     """DDP over codagen's Llama assembly, and over a codagen.hf-patched transformers Llama."""
     if kind == "hf":
         pytest.importorskip("transformers")
-    result = run_worker(tmp_path, f"ddp_{kind}", 2)
+    result = run_worker(f"ddp_{kind}", 2)
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
     assert result["max_rel_grad"] < TOL, result
 
