@@ -6,6 +6,8 @@ applied in the epilogue; what is refused (K not whole groups, a scale of the wro
 groups, the Hopper backend); and the kernel compiled for sm_90, where its mainloop is FP8 MMAs."""
 from __future__ import annotations
 
+import dataclasses
+
 import zlib
 
 import pytest
@@ -271,6 +273,21 @@ def test_defaults_and_candidates_keep_within_the_group():
     pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), configs.gpu_default(), False, None, 1,
                                 None, False, 128)
     assert len(pool) > 1 and all(128 % c.block_k == 0 for c in pool)
+    # FP8 operands: BK 128 first (a stage of bf16's BK 64 in bytes), then BK 64; a group of 64 keeps BK 64 only
+    assert {c.block_k for c in pool} == {64, 128} and pool[0].block_k == 128
+    pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), configs.gpu_default(), False, None, 1,
+                                None, False, 64)
+    assert {c.block_k for c in pool} == {64}
+
+
+def test_tune_candidates_of_fp8_operands():
+    """`codagen tune` times an FP8 GEMM at BK 128 first, then at bf16's BK 64, never with the cuBLAS mainloop."""
+    from codagen.tune.candidates import GEMM_CANDIDATES, candidates
+
+    pool = candidates(kernel_model("t_fp8_kgroup"))
+    assert pool[:len(GEMM_CANDIDATES)] == tuple(dataclasses.replace(c, block_k=128) for c in GEMM_CANDIDATES)
+    assert pool[len(GEMM_CANDIDATES):] == GEMM_CANDIDATES
+    assert all(c.mainloop != "cublas" for c in pool)
 
 
 def test_hopper_backend_keeps_the_tl_kernel():

@@ -1,4 +1,4 @@
-"""The tile configurations `codagen tune` tries: for Hopper GPUs (H100/H200) and bf16 operands."""
+"""The tile configurations `codagen tune` tries: for Hopper GPUs (H100/H200), bf16 operands and FP8 ones."""
 from __future__ import annotations
 
 import dataclasses
@@ -165,8 +165,15 @@ GLUON_GROUP_CANDIDATES = (_h(64, 128, 64, 8, 6),)
 
 def tl_candidates(kernel: Kernel) -> tuple[Config, ...]:
     """The tl kernel's candidates: for a kernel with a GEMM, its own mainloop's, then the cuBLAS mainloop's (timed
-    only at the shapes where they pay: TlConfig.pays); for one without, the elementwise ones."""
-    return GEMM_CANDIDATES + CUBLAS_CANDIDATES if kernel.gemm else ELEMENTWISE_CANDIDATES
+    only at the shapes where they pay: TlConfig.pays); for one without, the elementwise ones. FP8 operands, a byte
+    an element, fill a stage of BK 128 as bf16's fill one of BK 64 (the same shared memory, rows of 128 bytes): those
+    first, then BK 64 (fewer bytes a stage, more stages); with K-group scales of 128 columns, BK 128 scales each
+    step's product once per group rather than twice. torch.mm takes no FP8: no cuBLAS mainloop."""
+    if not kernel.gemm:
+        return ELEMENTWISE_CANDIDATES
+    if kernel.fp8_gemm:
+        return tuple(dataclasses.replace(c, block_k=2 * c.block_k) for c in GEMM_CANDIDATES) + GEMM_CANDIDATES
+    return GEMM_CANDIDATES + CUBLAS_CANDIDATES
 
 
 def gluon_candidates(kernel: Kernel) -> tuple[HopperConfig, ...]:
