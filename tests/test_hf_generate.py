@@ -1,6 +1,6 @@
 """generate() on a patched model with transformers' KV cache: greedy tokens and every step's logits equal the unpatched
-model's (fp32, tiny, several layers, a batch with left padding), for Llama, Qwen2 and Qwen3 (sliding-window layers
-over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the prompt runs
+model's (fp32, tiny, several layers, a batch with left padding), for Llama, Qwen2, Mistral and Qwen3 (sliding-window
+layers over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the prompt runs
 the new token only (the cache holds the rest), with a static cache too, and with PEFT's LoRA adapters; and a cache
 that the patched model cannot fill exactly is refused."""
 import copy
@@ -14,6 +14,7 @@ from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where ther
 from codagen.hf import apply_codagen  # noqa: E402
 from test_hf import DEVICE, rel, tiny_llama  # noqa: E402
 from test_hf_gemma2 import tiny_gemma2  # noqa: E402
+from test_hf_mistral import tiny_mistral  # noqa: E402
 from test_hf_qwen2 import SLIDING, tiny_qwen2  # noqa: E402
 from test_hf_qwen3 import tiny_qwen3  # noqa: E402
 
@@ -49,6 +50,8 @@ def layer_rows(model):
     pytest.param(lambda: tiny_llama(num_hidden_layers=3, attention_bias=True, pad_token_id=0), id="llama"),
     # layer 0 full, layers 1 and 2 over the last 4 positions: prompt and new tokens are 12
     pytest.param(lambda: tiny_qwen2(pad_token_id=0, **SLIDING), id="qwen2-sliding"),
+    # every layer over the last 4 positions
+    pytest.param(lambda: tiny_mistral(pad_token_id=0), id="mistral-sliding"),
     pytest.param(lambda: tiny_gemma2(), id="gemma2"),
     # Qwen3PreAttention (QK-norm); layer 1 over the last 4 positions
     pytest.param(lambda: tiny_qwen3(pad_token_id=0, vocab_size=VOCAB, use_sliding_window=True, sliding_window=4,
