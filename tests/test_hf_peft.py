@@ -252,6 +252,19 @@ def test_adapters_save_and_load(tmp_path):
         assert rel(loaded(**inputs).loss, expected) < TOL and rel(other(**inputs).loss, expected) < TOL
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_lora_on_every_projection_of_the_families_on_llama_s_blocks(family):
+    """Qwen2 (q/k/v biases, a sliding window on its upper layers) and Mistral (a sliding window on every layer,
+    sequences longer than it) run Llama's blocks: LoRA on all seven projections against PEFT on transformers."""
+    from test_hf_mistral import tiny_mistral
+    from test_hf_qwen2 import SLIDING, tiny_qwen2
+
+    torch.manual_seed(9)
+    base = tiny_qwen2(**SLIDING) if family == "qwen2" else tiny_mistral()
+    reference = peft_llama(ATTENTION + MLP, base.to(DEVICE))
+    compare(reference, apply_codagen(copy.deepcopy(reference)), seed=4)
+
+
 def test_qwen3_lora_on_v_o_and_mlp_and_refused_on_q_k():
     config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
