@@ -1,10 +1,11 @@
 """Worker of tests/test_hf_fsdp2.py, run by torch.distributed.run in 2 CPU processes over gloo: a tiny random
-transformers LlamaForCausalLM patched by codagen.hf, fully_shard on each decoder layer and on the root, against the same
-patched model unwrapped in one process on the whole batch. Rank r feeds row r of the batch (no ignored labels, so
-every rank has as many tokens and FSDP2's average of the ranks' gradients is the gradient of the whole batch's mean).
-Writes {"rank", "runs": [{"checkpointing", "loss", "ref_loss", "max_rel_grad", "layer_calls"}]} as JSON to argv[1]
-on rank 0; asserts that every layer's forward saw plain tensors only (parameters and arguments), and that FSDP2 did
-not warn of a layer output that is a view."""
+transformers causal LM of each family codagen.hf patches (Llama; Qwen2 and Mistral with sliding windows shorter than
+the sequences; Qwen3; Gemma-2), patched by codagen.hf, fully_shard on each decoder layer and on the root, against the
+same patched model unwrapped in one process on the whole batch. Rank r feeds row r of the batch (no ignored labels,
+so every rank has as many tokens and FSDP2's average of the ranks' gradients is the gradient of the whole batch's
+mean). Writes {"world", "runs": [{"family", "checkpointing", "loss", "ref_loss", "max_rel_grad", "layer_calls",
+"params"}]} as JSON to argv[1] on rank 0; asserts that every layer's forward saw plain tensors only (parameters and
+arguments), and that FSDP2 did not warn of a layer output that is a view."""
 from __future__ import annotations
 
 import copy
@@ -27,19 +28,35 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="sdpa")
 
 
-def random_llama(model_class=transformers.LlamaForCausalLM, **overrides) -> torch.nn.Module:
-    """The same random Llama (of a Llama class: the causal LM, a head) on every rank: norm weights random too (not
-    ones); `overrides` of the config's fields."""
+# each family's model and config classes, and its fields beyond CONFIG
+FAMILIES = {"llama": ("LlamaForCausalLM", "LlamaConfig", {}),
+            "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, sliding_window=4,
+                                                              max_window_layers=1)),
+            "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=4)),
+            "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=128)),  # QK-norm's 128-column heads
+            # eager attention: SDPA leaves out the score softcap
+            "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16,
+                                                                 sliding_window=4, attn_implementation="eager"))}
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """The same random weights on every rank: norm weights random too (not ones)."""
     torch.manual_seed(0)
-    model = model_class(transformers.LlamaConfig(**{**CONFIG, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.08)
     return model
 
 
-def tiny_model() -> torch.nn.Module:
-    return apply_codagen(random_llama())
+def random_llama(model_class=transformers.LlamaForCausalLM, **overrides) -> torch.nn.Module:
+    """A random Llama (of a Llama class: the causal LM, a head); `overrides` of the config's fields."""
+    return randomized(model_class(transformers.LlamaConfig(**{**CONFIG, **overrides})))
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    model_class, config_class, fields = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**CONFIG, **fields})
+    return apply_codagen(randomized(getattr(transformers, model_class)(config)))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,8 +98,8 @@ def main(out: str) -> None:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     runs = []
-    for checkpointing in (False, True):
-        reference = tiny_model()
+    for family, checkpointing in ((f, c) for f in FAMILIES for c in (False, True)):
+        reference = tiny_model(family)
         model = copy.deepcopy(reference)
         calls = [0]
 
@@ -121,7 +138,7 @@ def main(out: str) -> None:
         worst = 0.0
         for name, p in model.named_parameters():
             worst = max(worst, rel(full(p.grad), ref_grads[name].grad))
-        runs.append(dict(checkpointing=checkpointing, loss=mean_loss.item(), ref_loss=ref_loss.item(),
+        runs.append(dict(family=family, checkpointing=checkpointing, loss=mean_loss.item(), ref_loss=ref_loss.item(),
                          max_rel_grad=worst, layer_calls=calls[0],
                          params=sorted(n for n, _ in model.named_parameters()) == sorted(ref_grads)))
     finish(out, runs)

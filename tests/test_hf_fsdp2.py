@@ -1,7 +1,7 @@
 """codagen.hf under FSDP2 per-layer wrapping: tests/hf_fsdp2_worker.py in 2 CPU processes over gloo
-(torch.distributed.run) runs a patched tiny transformers Llama with fully_shard on each decoder layer and on the root,
-and compares loss and every gradient with the same model unwrapped in one process, without and with gradient
-checkpointing. Each layer's forward reads its own (gathered) parameters, and the next norm's weight, which the
+(torch.distributed.run) runs a patched tiny transformers causal LM of each family (Llama, Qwen2, Mistral, Qwen3,
+Gemma-2) with fully_shard on each decoder layer and on the root, and compares loss and every gradient with the same
+model unwrapped in one process, without and with gradient checkpointing. Each layer's forward reads its own (gathered) parameters, and the next norm's weight, which the
 layer's last epilogue applies, is gathered whole by the decoder loop (codagen.hf._next_norm_weight). And
 tests/hf_fsdp2_lora_worker.py: a PEFT LoRA model patched and wrapped alike, three AdamW steps on its adapters against
 the unpatched PEFT model in one process. And tests/hf_fsdp2_head_worker.py: a patched sequence classifier wrapped
@@ -41,7 +41,8 @@ def run_worker(worker, out):
 def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
     result = run_worker(WORKER, tmp_path / "fsdp2.json")
     assert result["world"] == 2
-    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    assert [(r["family"], r["checkpointing"]) for r in result["runs"]] == [
+        (f, c) for f in ("llama", "qwen2", "mistral", "qwen3", "gemma2") for c in (False, True)]
     for run in result["runs"]:
         assert run["params"], run
         assert abs(run["loss"] - run["ref_loss"]) <= TOL * abs(run["ref_loss"]), run
