@@ -107,7 +107,8 @@ def test_post_attention_fp8_feeds_pre_attention_fp8():
         for p in (post.wn_mlp, pre.wn):
             p.copy_(1 + 0.1 * torch.randn(dim))
         y, x = torch.randn(m, dim, device=DEVICE).to(BF16), torch.randn(m, dim, device=DEVICE).to(BF16)
-        x_out, h, h_scale, rstd = post(y, x, pre.wn.detach(), *BlockQuantized(post.w_down).get())
+        x_out, h, h_scale, rstd = post(y, x, pre.wn.detach(), *BlockQuantized(post.w_gate_up).get(),
+                                       *BlockQuantized(post.w_down).get())
         positions, freqs = torch.randint(0, 50, (m,), device=DEVICE), _freqs(heads).to(DEVICE)
         w_fp8, w_scale = BlockQuantized(pre.w_qkv).get()
         _, qkv = pre(x_out, h, h_scale, rstd, positions, freqs, w_fp8, w_scale)

@@ -1,5 +1,5 @@
-"""apply_codagen(model, fp8=True) (docs/fp8.md, "FP8 in apply_codagen"): a transformers Llama whose q/k/v and down
-projections run the FP8 blocks (pre_attention_fp8, post_attention_fp8, norm_stats_fp8), against the unpatched model
+"""apply_codagen(model, fp8=True) (docs/fp8.md, "FP8 in apply_codagen"): a transformers Llama whose q/k/v, gate/up and
+down projections run the FP8 blocks (pre_attention_fp8, post_attention_fp8, norm_stats_fp8), against the unpatched model
 in fp32 within FP8's error; the weights' FP8 copies made again after an optimizer step, and only then; what is
 refused, before anything is patched."""
 from __future__ import annotations
@@ -21,10 +21,11 @@ BF16 = torch.bfloat16
 # the FP8 blocks quantize in groups of 128 columns: hidden 128, 4 heads of 32, intermediate 256
 FP8_SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 VOCAB, BATCH, SEQ = BASE["vocab_size"], 2, 12
-# measured on eight draws of these models: the loss within 5.5e-3 (relative) of fp32's, the gradients within 0.174
-# (q_proj's and k_proj's of the second layer, whose input has passed two FP8 GEMMs); e4m3 keeps 2^-4 of each value,
-# which the forward carries into every gradient. Twice and more that, as bounds: a misplaced scale is off by O(1)
-LOSS_TOL, GRAD_TOL = 2e-2, 0.35
+# measured on eight draws of these models (Llama and Mistral, the MLP's three projections in FP8): the loss within
+# 5.0e-3 (relative) of fp32's, the gradients within 0.219 (q_proj's and k_proj's of the second layer, whose input
+# has passed four FP8 GEMMs); e4m3 keeps 2^-4 of each value, which the forward carries into every gradient. Twice
+# that and more, as bounds: a misplaced scale is off by O(1)
+LOSS_TOL, GRAD_TOL = 2e-2, 0.45
 
 
 def fp8_llama(**overrides):
@@ -65,9 +66,10 @@ def test_fp8_model_matches_transformers_within_fp8_error(family, precision):
     loss_err, grad_errs = grads_against(reference, model, ids, labels, autocast=precision == "amp")
     assert loss_err < LOSS_TOL
     assert max(grad_errs.values()) < GRAD_TOL, grad_errs
-    for layer in model.model.layers:  # each layer's qkv_proj and down_proj weights, quantized once
+    for layer in model.model.layers:  # each layer's qkv_proj, gate_up_proj and down_proj weights, quantized once
         copies = layer.__dict__["_codagen_fp8_copies"]
-        assert [c.weight for c in copies] == [layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight]
+        assert [c.weight for c in copies] == [layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight,
+                                              layer.mlp.down_proj.weight]
     # the same model patched without fp8 computes another loss: the FP8 blocks ran
     plain = apply_codagen(copy.deepcopy(reference).to(BF16))
     if precision == "bf16":
@@ -86,12 +88,12 @@ def test_fp8_weights_are_quantized_again_after_a_step_and_only_then(monkeypatch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(input_ids=ids, labels=labels).loss.backward()
     layers = len(model.model.layers)
-    assert len(calls) == 2 * layers
+    assert len(calls) == 3 * layers
     model(input_ids=ids, labels=labels)
-    assert len(calls) == 2 * layers
+    assert len(calls) == 3 * layers
     optimizer.step()
     loss = model(input_ids=ids, labels=labels).loss
-    assert len(calls) == 4 * layers
+    assert len(calls) == 6 * layers
     fresh = apply_codagen(fp8_llama().to(BF16), fp8=True)
     fresh.load_state_dict(model.state_dict())
     assert fresh(input_ids=ids, labels=labels).loss.item() == loss.item()

@@ -73,12 +73,15 @@ def hf_pre_attention_fp8(layer, blocks, x, h, rstd, positions, freqs, wn, w_qkv,
 
 
 def hf_post_attention_fp8(layer, blocks, y, x, wn_next, w_o, wn_mlp, w_gate_up, w_down, eps, cast):
-    """PostAttentionFp8: SwiGLU's output in FP8 from its epilogue, the down projection by the FP8 copy of down_proj's
-    weight, and the next layer's normalized input in FP8 (the last layer's goes unused: the LM head normalizes
-    itself)."""
-    w_fp8, w_scale = layer.codagen_fp8_weight(layer.mlp.down_proj.weight)
-    x, h, h_scale, rstd = blocks.PostAttentionFp8Function.apply(y, x, wn_next, w_fp8, w_scale, w_o, wn_mlp, w_gate_up,
-                                                                w_down, x.shape[1], w_down.shape[1], eps)
+    """PostAttentionFp8: the MLP's normalized input in FP8 from the out-projection's epilogue, the gate/up projection
+    by the FP8 copy of gate_up_proj's weight, SwiGLU's output in FP8 from its epilogue, the down projection by the FP8
+    copy of down_proj's weight, and the next layer's normalized input in FP8 (the last layer's goes unused: the LM
+    head normalizes itself)."""
+    gate_up_fp8, gate_up_scale = layer.codagen_fp8_weight(layer.mlp.gate_up_proj.weight)
+    down_fp8, down_scale = layer.codagen_fp8_weight(layer.mlp.down_proj.weight)
+    x, h, h_scale, rstd = blocks.PostAttentionFp8Function.apply(y, x, wn_next, gate_up_fp8, gate_up_scale, down_fp8,
+                                                                down_scale, w_o, wn_mlp, w_gate_up, w_down, x.shape[1],
+                                                                w_down.shape[1], eps)
     return x, (h, h_scale), rstd
 
 

@@ -30,8 +30,8 @@
   of post_attention.
 - PostAttention (specs/blocks/post_attention.yaml): The non-attention rest of a Llama layer, from the attention output
   to the next layer's normalized input.
-- PostAttentionFp8 (specs/fp8/blocks/post_attention_fp8.yaml): The non-attention rest of a Llama layer with an FP8
-  (block-scaled) MLP down projection, in bfloat16.
+- PostAttentionFp8 (specs/fp8/blocks/post_attention_fp8.yaml): The non-attention rest of a Llama layer with FP8
+  (block-scaled) MLP projections, in bfloat16.
 - PostAttentionMlpBias (specs/blocks/post_attention_mlp_bias.yaml): post_attention with the gate/up projection's column
   bias; the down projection's bias is added by the caller.
 - PreAttention (specs/blocks/pre_attention.yaml): RMSNorm, QKV projection and RoPE of a Llama layer, forward and

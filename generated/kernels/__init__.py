@@ -10,8 +10,8 @@
   (tanh-approximated GELU) on interleaved (gate, up) columns.
 - gate_up_swiglu (specs/gate_up_swiglu.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU on
   interleaved (gate, up) columns.
-- gate_up_swiglu_fp8 (specs/fp8/gate_up_swiglu_fp8.yaml): MLP gate/up projection with the RMSNorm row scale and SwiGLU,
-  y stored in float8_e4m3fn with 1 x 128 scales.
+- gate_up_swiglu_fp8 (specs/fp8/gate_up_swiglu_fp8.yaml): Gate/up projection of FP8 h by FP8 w_gate_up (block-wise
+  scales), RMSNorm row scale, SwiGLU, y in FP8.
 - geglu_dgrad (specs/gemma2/backward/geglu_dgrad.yaml): Data gradient of the MLP down projection with GeGLU's backward
   and the recomputed GeGLU output.
 - gemma_norm_dgrad (specs/gemma2/backward/gemma_norm_dgrad.yaml): Data gradient through a projection and Gemma's RMSNorm
@@ -58,6 +58,8 @@
   before it, plus the residual gradient.
 - out_proj_residual_norm (specs/out_proj_residual_norm.yaml): Attention out-projection with the residual add, the
   RMSNorm statistics and the norm-weight scale.
+- out_proj_residual_norm_fp8 (specs/fp8/out_proj_residual_norm_fp8.yaml): Attention out-projection with the residual
+  add, the RMSNorm statistics, and the norm-weight-scaled h in FP8.
 - qk_norm_rope_bwd (specs/qwen3/backward/qk_norm_rope_bwd.yaml): Backward of RoPE and of the per-head RMSNorm of q and
   k, with the row partials of z . dz and the head-norm weight partials.
 - qkv_norm_rope (specs/qkv_norm_rope.yaml): QKV projection with the RMSNorm row scale and rotary position embedding on
@@ -108,6 +110,7 @@ from . import matmul_accumulate
 from . import norm_dgrad
 from . import norm_dgrad_residual
 from . import out_proj_residual_norm
+from . import out_proj_residual_norm_fp8
 from . import qk_norm_rope_bwd
 from . import qkv_norm_rope
 from . import qkv_norm_rope_fp8
@@ -125,6 +128,6 @@ __all__ = ["down_residual_norm_fp8", "gate_up_bias_swiglu", "gate_up_geglu", "ga
            "lm_head_ce_dz", "lm_head_ce_dz_scaled", "lm_head_ce_dz_shifted", "lm_head_ce_dz_softcap",
            "lm_head_ce_dz_weighted", "lm_head_logits", "lm_head_logits_softcap", "lm_head_logits_zsum",
            "lm_head_logsumexp", "lm_head_logsumexp_softcap", "lm_head_logsumexp_zsum", "matmul", "matmul_accumulate",
-           "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "qk_norm_rope_bwd", "qkv_norm_rope",
-           "qkv_norm_rope_fp8", "qkv_qk_norm_rope", "rmsnorm_stats", "rmsnorm_stats_fp8", "rope_bwd_rowdot",
-           "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad"]
+           "norm_dgrad", "norm_dgrad_residual", "out_proj_residual_norm", "out_proj_residual_norm_fp8",
+           "qk_norm_rope_bwd", "qkv_norm_rope", "qkv_norm_rope_fp8", "qkv_qk_norm_rope", "rmsnorm_stats",
+           "rmsnorm_stats_fp8", "rope_bwd_rowdot", "swiglu_bias_dgrad", "swiglu_bwd_rowdot", "swiglu_dgrad"]
