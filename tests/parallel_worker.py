@@ -27,7 +27,8 @@ raised, and goes on with the next case. Sizes are tiny: the kernels run through 
   logits in evaluation, and greedy generate().
 - hf_tensor_parallel_autocast_{llama,gemma2}: apply_tensor_parallel under torch.autocast (bf16) over Llama (with
   mlp_bias and attention_bias) and Gemma-2, against the codagen.hf-patched model in one process and the unpatched
-  transformers model under the same autocast: the losses, every gradient, and the gradients' dtype.
+  transformers model under the same autocast: the losses, every gradient, and the gradients' dtype;
+  hf_tensor_parallel_bf16_llama: the same over the Llama's weights in bf16, without autocast.
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
   model: the message of each, and whether the model was left unpatched. A family that codagen.hf patches and
   apply_tensor_parallel does not is Qwen2's with its entry taken out of codagen.parallel.hf_families.FAMILIES (every
@@ -475,16 +476,18 @@ def by_hf_names(patched, tensors: dict) -> dict:
     return out
 
 
-def hf_tensor_parallel_autocast(family: str, seed: int, **fields) -> dict:
-    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights, as Trainer's bf16=True runs), against the
-    codagen.hf-patched model in one process under the same autocast (the same kernels in bf16) and against the
-    unpatched transformers model under it: the loss and every gradient, and the gradients' dtype."""
+def hf_tensor_parallel_autocast(family: str, seed: int, bf16_params: bool = False, **fields) -> dict:
+    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights, as Trainer's bf16=True runs), or over bf16
+    weights (bf16_params), against the codagen.hf-patched model in one process alike (the same kernels in bf16) and
+    against the unpatched transformers model alike: the loss and every gradient, and the gradients' dtype."""
     from codagen.hf import apply_codagen
     from codagen.parallel import apply_tensor_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     reference = hf_reference(family, False, world, **fields)
+    if bf16_params:
+        reference = reference.to(torch.bfloat16)
     patched = apply_codagen(copy.deepcopy(reference))
     model = apply_tensor_parallel(copy.deepcopy(reference))
     tokens = torch.randint(0, 37, (2, 9))
@@ -492,7 +495,7 @@ def hf_tensor_parallel_autocast(family: str, seed: int, **fields) -> dict:
     labels[1, :3] = -100
     losses = []
     for m in (model, patched, reference):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_params):
             loss = m(input_ids=tokens, labels=labels).loss
         loss.backward()
         losses.append(loss.item())
@@ -504,7 +507,7 @@ def hf_tensor_parallel_autocast(family: str, seed: int, **fields) -> dict:
                 grads_vs_patched=worst_against(model, patched_grads, grads),
                 grads_vs_ref=worst_against(model, ref_grads, grads),
                 patched_grads_vs_ref=worst_against(model, ref_grads, patched_grads),
-                fp32_grads=all(g.dtype == torch.float32 for g in grads.values()))
+                grads_dtype=sorted({str(g.dtype) for g in grads.values()}))
 
 
 def hf_tensor_parallel_refusals(seed: int) -> dict:
@@ -590,6 +593,8 @@ CASES = {"vocab_parallel": vocab_parallel,
          "hf_tensor_parallel_autocast_llama": functools.partial(hf_tensor_parallel_autocast, "llama", mlp_bias=True,
                                                                 attention_bias=True),
          "hf_tensor_parallel_autocast_gemma2": functools.partial(hf_tensor_parallel_autocast, "gemma2"),
+         "hf_tensor_parallel_bf16_llama": functools.partial(hf_tensor_parallel_autocast, "llama", bf16_params=True,
+                                                            mlp_bias=True, attention_bias=True),
          "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals}
 
 

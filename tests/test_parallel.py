@@ -44,8 +44,9 @@ BATCHES = {2: ("vocab_parallel", "vocab_parallel_variants", "llama_vocab_paralle
                "hf_tensor_parallel_llama_checkpointing", "hf_tensor_parallel_llama_biases", "hf_tensor_parallel_qwen2",
                "hf_tensor_parallel_mistral", "hf_tensor_parallel_qwen3", "hf_tensor_parallel_gemma2",
                "hf_tensor_parallel_autocast_llama", "hf_tensor_parallel_autocast_gemma2",
-               "hf_tensor_parallel_refusals"),
-           4: ("vocab_parallel", "tensor_parallel", "hf_tensor_parallel_llama_tied", "hf_tensor_parallel_gemma2")}
+               "hf_tensor_parallel_bf16_llama", "hf_tensor_parallel_refusals"),
+           4: ("vocab_parallel", "tensor_parallel", "hf_tensor_parallel_llama_tied", "hf_tensor_parallel_gemma2",
+               "hf_tensor_parallel_autocast_llama")}
 
 
 @pytest.fixture(scope="session")
@@ -153,21 +154,22 @@ def test_hf_tensor_parallel_matches_unpatched_transformers(run_worker, case, npr
     assert result["same_generate"], (result["seed"], result)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_hf_tensor_parallel_under_autocast(run_worker, family):
-    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights; Llama with every projection's bias): against
-    the codagen.hf-patched model in one process under the same autocast, to bf16's precision (the same kernels; the
-    ranks' partial products rounded to bf16 before their sum), and against the unpatched transformers model under
-    it no further than twice the one-process patched model is, give or take one bf16 rounding (2^-8); the
-    gradients come back in the weights' fp32."""
+@pytest.mark.parametrize("case, nproc", [("autocast_llama", 2), ("autocast_gemma2", 2), ("autocast_llama", 4),
+                                         ("bf16_llama", 2)])
+def test_hf_tensor_parallel_in_bf16(run_worker, case, nproc):
+    """apply_tensor_parallel under torch.autocast (bf16, fp32 weights; Llama with every projection's bias), and over
+    bf16 weights: against the codagen.hf-patched model in one process alike, to bf16's precision (the same kernels;
+    the ranks' partial products rounded to bf16 before their sum), and against the unpatched transformers model
+    alike no further than twice the one-process patched model is, give or take one bf16 rounding (2^-8); the
+    gradients come back in the weights' dtype."""
     pytest.importorskip("transformers")
-    r = run_worker(f"hf_tensor_parallel_autocast_{family}", 2)
+    r = run_worker(f"hf_tensor_parallel_{case}", nproc)
     bf16 = 2.0**-8
 
     def rel(a, b):
         return abs(a - b) / abs(b)
 
-    assert r["fp32_grads"], r
+    assert r["grads_dtype"] == (["torch.bfloat16"] if case.startswith("bf16") else ["torch.float32"]), r
     assert rel(r["loss"], r["patched_loss"]) < bf16 and r["grads_vs_patched"] < 0.1, r
     assert rel(r["loss"], r["ref_loss"]) <= 2 * rel(r["patched_loss"], r["ref_loss"]) + bf16, r
     assert r["grads_vs_ref"] <= 2 * r["patched_grads_vs_ref"] + bf16, r
