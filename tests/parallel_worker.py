@@ -29,6 +29,9 @@ raised, and goes on with the next case. Sizes are tiny: the kernels run through 
   mlp_bias and attention_bias) and Gemma-2, against the codagen.hf-patched model in one process and the unpatched
   transformers model under the same autocast: the losses, every gradient, and the gradients' dtype;
   hf_tensor_parallel_bf16_llama: the same over the Llama's weights in bf16, without autocast.
+- hf_tensor_parallel_2d (4 processes): apply_tensor_parallel over pairs of ranks and DistributedDataParallel across
+  the pairs (a 2 x 2 DeviceMesh), each pair on its row of the batch, against the unpatched transformers Llama on the
+  whole batch in one process: loss and every gradient.
 - hf_tensor_parallel_refusals: what apply_tensor_parallel refuses (TensorParallelError), each before it changes the
   model: the message of each, and whether the model was left unpatched. A family that codagen.hf patches and
   apply_tensor_parallel does not is Qwen2's with its entry taken out of codagen.parallel.hf_families.FAMILIES (every
@@ -510,6 +513,35 @@ def hf_tensor_parallel_autocast(family: str, seed: int, bf16_params: bool = Fals
                 grads_dtype=sorted({str(g.dtype) for g in grads.values()}))
 
 
+def hf_tensor_parallel_2d(seed: int) -> dict:
+    """A 2-D mesh: apply_tensor_parallel over each pair of ranks (the mesh's "tp" dimension) and DDP across the pairs
+    ("dp"), each pair on its row of the batch (no ignored labels: every row has as many tokens, and DDP's average of
+    the rows' mean losses' gradients is the whole batch's), against the unpatched transformers Llama on the whole
+    batch in one process: the loss and every gradient (each rank's part of the sharded ones)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from codagen.parallel import apply_tensor_parallel
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank, dp_rank, dp_group = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    torch.manual_seed(seed)
+    reference = hf_reference("llama", False, 2)
+    model = DistributedDataParallel(apply_tensor_parallel(copy.deepcopy(reference), mesh["tp"]), process_group=dp_group)
+    tokens = torch.randint(0, 37, (world // 2, 9))
+    mine = tokens[dp_rank: dp_rank + 1]
+    loss = model(input_ids=mine, labels=mine).loss
+    loss.backward()
+    ref_loss = reference(input_ids=tokens, labels=tokens).loss
+    ref_loss.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, group=dp_group)
+    tp_model = model.module
+    ref_grads = in_rank_layout(reference, tp_model, {n: p.grad for n, p in reference.named_parameters()}, tp_rank, 2)
+    return dict(loss=mean_loss.item() / (world // 2), ref_loss=ref_loss.item(),
+                max_rel_grad=worst_against(tp_model, ref_grads, {n: p.grad for n, p in tp_model.named_parameters()}))
+
+
 def hf_tensor_parallel_refusals(seed: int) -> dict:
     import peft
     import transformers
@@ -595,7 +627,8 @@ CASES = {"vocab_parallel": vocab_parallel,
          "hf_tensor_parallel_autocast_gemma2": functools.partial(hf_tensor_parallel_autocast, "gemma2"),
          "hf_tensor_parallel_bf16_llama": functools.partial(hf_tensor_parallel_autocast, "llama", bf16_params=True,
                                                             mlp_bias=True, attention_bias=True),
-         "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals}
+         "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
+         "hf_tensor_parallel_2d": hf_tensor_parallel_2d}
 
 
 def main(cases: str, out_dir: str, seed: int) -> None:
