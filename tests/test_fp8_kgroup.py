@@ -7,7 +7,6 @@ groups, the Hopper backend); and the kernel compiled for sm_90, where its mainlo
 from __future__ import annotations
 
 import dataclasses
-
 import zlib
 
 import pytest
