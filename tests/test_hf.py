@@ -280,24 +280,28 @@ def test_all_ignored_labels_give_nan_as_in_transformers():
         assert torch.isnan(model(input_ids=ids, labels=ignored).loss)
 
 
-def test_autocast_runs_the_blocks_in_its_dtype():
-    """Under torch.autocast (as Trainer's bf16=True runs an fp32 model) the blocks run in bf16, residual stream
-    included, where Hugging Face keeps the residual in fp32: loss and gradients agree to bf16's precision, and the
-    gradients come back to the fp32 weights."""
-    torch.manual_seed(7)
-    reference = tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+def compare_under_autocast(reference, ids, labels):
+    """reference and its patched copy under torch.autocast (as Trainer's bf16=True runs an fp32 model): the blocks
+    run in bf16, residual stream included, where Hugging Face keeps the residual in fp32: loss and gradients agree to
+    bf16's precision, and the gradients come back to the fp32 weights. The families' tests call it with their own
+    models."""
     patched = apply_codagen(copy.deepcopy(reference))
-    ids, labels = tokens_and_labels(7)
     losses = []
     for model in (reference, patched):
         with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         losses.append(loss)
-    assert rel(losses[1], losses[0]) < 2e-3
+    assert rel(losses[1], losses[0]) < 2.0**-8  # a bfloat16 step (Qwen3 measured 2.1e-3, Llama under 2e-3)
     got = hf_layout_grads(patched)
     for name, p in reference.named_parameters():
         assert got[name].dtype == torch.float32 and rel(got[name], p.grad) < 1e-1, (name, rel(got[name], p.grad))
+
+
+def test_autocast_runs_the_blocks_in_its_dtype():
+    torch.manual_seed(7)
+    compare_under_autocast(tiny_llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+                           *tokens_and_labels(7))
 
 
 def test_modified_modules_are_refused():

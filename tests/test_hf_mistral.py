@@ -15,7 +15,8 @@ if not hasattr(transformers, "MistralForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, compare_checkpointed, labelled_tokens, random_model, rel  # noqa: E402
+from test_hf import (  # noqa: E402
+    compare, compare_checkpointed, compare_under_autocast, labelled_tokens, random_model, rel)
 from test_hf_qwen2 import (  # noqa: E402
     assert_mapping_names_transformers_modules_and_weights, compare_with_logits, recording_attention)
 
@@ -78,6 +79,11 @@ def test_packed_sequences_with_the_sliding_window():
     position_ids = torch.tensor([list(range(7)) + list(range(5)), list(range(3)) + list(range(9))], device=DEVICE)
     labels[position_ids == 0] = -100
     compare(reference, patched, input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False)
+
+
+def test_autocast_runs_the_blocks_in_its_dtype():
+    torch.manual_seed(7)
+    compare_under_autocast(tiny_mistral(), *tokens_and_labels(7))
 
 
 def test_gradient_checkpointing_with_the_sliding_window(monkeypatch):

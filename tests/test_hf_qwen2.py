@@ -14,7 +14,8 @@ if not hasattr(transformers, "Qwen2ForCausalLM"):
 
 from codagen import runtime  # noqa: E402,F401  (Triton's interpreter where there is no GPU)
 from codagen.hf import AutoCodagenForCausalLM, CodagenConfigError, apply_codagen  # noqa: E402
-from test_hf import compare, compare_checkpointed, labelled_tokens, random_model, rel  # noqa: E402
+from test_hf import (  # noqa: E402
+    compare, compare_checkpointed, compare_under_autocast, labelled_tokens, random_model, rel)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ = 97, 2, 12
@@ -236,6 +237,11 @@ def test_qwen2_mapping_names_transformers_modules_and_weights():
         llama.hf_alike[0], tiny_qwen2(), llama.blocks,
         unfed={f"self_attn.{p}_proj.bias" for p in "qkv"})
 
+
+
+def test_autocast_runs_the_blocks_in_its_dtype():
+    torch.manual_seed(7)
+    compare_under_autocast(tiny_qwen2(), *tokens_and_labels(7))
 
 
 def test_gradient_checkpointing_gives_the_unpatched_gradients(monkeypatch):
