@@ -1,8 +1,9 @@
 """codagen.hf under FSDP2 per-layer wrapping: tests/hf_fsdp2_worker.py in 2 CPU processes over gloo
 (torch.distributed.run) runs a patched tiny transformers causal LM of each family (Llama, Qwen2, Mistral, Qwen3,
 Gemma-2) with fully_shard on each decoder layer and on the root, and compares loss and every gradient with the same
-model unwrapped in one process, without and with gradient checkpointing. Each layer's forward reads its own (gathered) parameters, and the next norm's weight, which the
-layer's last epilogue applies, is gathered whole by the decoder loop (codagen.hf._next_norm_weight). And
+model unwrapped in one process, without and with gradient checkpointing. Each layer's forward reads its own
+(gathered) parameters, and the next norm's weight, which the layer's last epilogue applies, is gathered whole by the
+decoder loop (codagen.hf._next_norm_weight). And
 tests/hf_fsdp2_lora_worker.py: a PEFT LoRA model patched and wrapped alike, three AdamW steps on its adapters against
 the unpatched PEFT model in one process. And tests/hf_fsdp2_head_worker.py: a patched sequence classifier wrapped
 alike, three AdamW steps on padded batches against the same model in one process."""

@@ -1,8 +1,8 @@
 """generate() on a patched model with transformers' KV cache: greedy tokens and every step's logits equal the unpatched
 model's (fp32, tiny, several layers, a batch with left padding), for Llama, Qwen2, Mistral and Qwen3 (sliding-window
-layers over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the prompt runs
-the new token only (the cache holds the rest), with a static cache too, and with PEFT's LoRA adapters; and a cache
-that the patched model cannot fill exactly is refused."""
+layers over more positions than the window) and Gemma-2 (sliding and full layers, softcaps); each step after the
+prompt runs the new token only (the cache holds the rest), with a static cache too, and with PEFT's LoRA adapters;
+and a cache that the patched model cannot fill exactly is refused."""
 import copy
 
 import pytest
