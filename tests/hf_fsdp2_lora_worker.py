@@ -1,11 +1,12 @@
 """Worker of tests/test_hf_fsdp2.py's LoRA test, run by torch.distributed.run in 2 CPU processes over gloo: a tiny
-random transformers LlamaForCausalLM wrapped by PEFT's get_peft_model (LoRA on every projection, adapters random),
+random transformers causal LM (Llama; Qwen2 and Mistral, with their sliding windows) wrapped by PEFT's get_peft_model
+(LoRA on every projection, adapters random),
 patched by codagen.hf, fully_shard on each decoder layer and on the root (the frozen base weights and the trainable
 adapters in the same groups), trained three AdamW steps on the adapters; against the same PEFT model unpatched and
 unwrapped in one process on the whole batch. Rank r feeds row r of each batch (no ignored labels: FSDP2's average
 of the ranks' gradients is the gradient of the whole batch's mean). Writes {"world", "runs": [{"checkpointing",
-"losses", "ref_losses", "max_rel_grad", "max_rel_weight", "trainable", "frozen_grads", "layer_calls"}]} as JSON to
-argv[1] on rank 0."""
+"losses", "ref_losses", "max_rel_grad", "max_rel_weight", "trainable", "frozen_grads", "layer_calls", "family"}]} as
+JSON to argv[1] on rank 0."""
 from __future__ import annotations
 
 import copy
@@ -19,15 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from codagen.hf import CodagenDecoderLayer, apply_codagen
 # tests/, the worker's folder, is on sys.path
-from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_llama, rel, shard_layers, start
+from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_causal_lm, rel, shard_layers, start
 
 STEPS = 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def peft_model() -> torch.nn.Module:
+def peft_model(family: str) -> torch.nn.Module:
     """The same random PEFT model on every rank (and for the reference): norm weights and lora_B random too."""
-    model = peft.get_peft_model(random_llama(), peft.LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8))
+    model = peft.get_peft_model(random_causal_lm(family), peft.LoraConfig(target_modules=TARGETS, r=4, lora_alpha=8))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -40,8 +41,8 @@ def main(out: str) -> None:
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
     runs = []
-    for checkpointing in (False, True):
-        reference = peft_model()  # unpatched, unwrapped, one process, the whole batch
+    for family, checkpointing in ((f, c) for f in ("llama", "qwen2", "mistral") for c in (False, True)):
+        reference = peft_model(family)  # unpatched, unwrapped, one process, the whole batch
         model = apply_codagen(copy.deepcopy(reference))
         decoder = model.get_base_model().model
         assert all(isinstance(layer, CodagenDecoderLayer) for layer in decoder.layers)
@@ -76,7 +77,7 @@ def main(out: str) -> None:
         weights = {n: p for n, p in reference.named_parameters() if p.requires_grad}
         worst_weight = max(rel(full(p.detach()), weights[n].detach())
                            for n, p in model.named_parameters() if p.requires_grad)
-        runs.append(dict(checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
+        runs.append(dict(family=family, checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
                          max_rel_weight=worst_weight, trainable=len(weights), frozen_grads=frozen_grads,
                          layer_calls=calls[0]))
     finish(out, runs)

@@ -53,10 +53,15 @@ def random_llama(model_class=transformers.LlamaForCausalLM, **overrides) -> torc
     return randomized(model_class(transformers.LlamaConfig(**{**CONFIG, **overrides})))
 
 
-def tiny_model(family: str) -> torch.nn.Module:
+def random_causal_lm(family: str) -> torch.nn.Module:
+    """A random causal LM of one of FAMILIES, unpatched."""
     model_class, config_class, fields = FAMILIES[family]
     config = getattr(transformers, config_class)(**{**CONFIG, **fields})
-    return apply_codagen(randomized(getattr(transformers, model_class)(config)))
+    return randomized(getattr(transformers, model_class)(config))
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    return apply_codagen(random_causal_lm(family))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -53,14 +53,15 @@ def test_fsdp2_per_layer_fully_shard_matches_one_process(tmp_path):
 
 
 def test_fsdp2_lora_training_matches_unpatched_peft_in_one_process(tmp_path):
-    """A PEFT LoRA model (adapters on every projection) patched by codagen, fully_shard on each layer and the root:
-    three AdamW steps on the adapters, with and without gradient checkpointing, give the losses, the adapters'
-    gradients and then their weights of the unpatched PEFT model trained in one process on the whole batches; the
-    frozen base weights get no gradient."""
+    """A PEFT LoRA model (Llama, Qwen2, Mistral; adapters on every projection) patched by codagen, fully_shard on each
+    layer and the root: three AdamW steps on the adapters, with and without gradient checkpointing, give the losses,
+    the adapters' gradients and then their weights of the unpatched PEFT model trained in one process on the whole
+    batches; the frozen base weights get no gradient."""
     pytest.importorskip("peft")
     result = run_worker(LORA_WORKER, tmp_path / "fsdp2_lora.json")
     assert result["world"] == 2
-    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    assert [(r["family"], r["checkpointing"]) for r in result["runs"]] == [
+        (f, c) for f in ("llama", "qwen2", "mistral") for c in (False, True)]
     for run in result["runs"]:
         assert run["trainable"] == 3 * 7 * 2, run  # lora_A and lora_B of 7 projections in each of 3 layers
         for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
