@@ -129,7 +129,7 @@ VARIANTS = {
     "codagen+compile": lambda model: torch.compile(codagen.hf.apply_codagen(model)),
     "codagen+cudagraphs": codagen_cudagraphs,
     "codagen+reduce-overhead": codagen_reduce_overhead,
-    # the q/k/v and down projections in FP8 (apply_codagen(fp8=True)): compared apart from the bf16 variants
+    # the q/k/v, gate/up and down projections in FP8 (apply_codagen(fp8=True)): compared apart from the bf16 variants
     "codagen-fp8": lambda model: codagen.hf.apply_codagen(model, fp8=True),
     "codagen-fp8+reduce-overhead": lambda model: codagen_reduce_overhead(model, fp8=True),
 }

@@ -941,7 +941,7 @@ def apply_codagen(model, *, chunk_rows: int = 2048, return_logits: bool | str = 
     A PEFT model (get_peft_model, PeftModel.from_pretrained) is patched inside, its LoRA adapters kept and added
     (codagen.lora), and returned; make it, and add or load every adapter, before patching.
 
-    fp8=True runs the q/k/v and down projections' forward in FP8 (docs/fp8.md, "FP8 in apply_codagen"): the
+    fp8=True runs the q/k/v, gate/up and down projections' forward in FP8 (docs/fp8.md, "FP8 in apply_codagen"): the
     normalized inputs and SwiGLU's output quantized in the epilogues that make them (float8_e4m3fn, 1 x 128 scales),
     the weights block-quantized (128 x 128) once after each change; the backward in bfloat16 from the master weights.
     The model runs in bfloat16 (bf16 parameters, or fp32 ones under torch.autocast(bfloat16)) on a GPU with FP8
