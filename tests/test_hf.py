@@ -463,6 +463,30 @@ def test_compiled_model_is_one_graph_without_recompiles():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "gemma2"])
+def test_compiled_model_of_each_family_is_one_graph_without_recompiles(family):
+    """As the Llama test above, for the other families (tests/hf_fsdp2_worker.py's tiny configurations: Qwen2's and
+    Mistral's sliding windows, Qwen3's QK-norm, Gemma-2's softcaps and eager attention): one graph without breaks,
+    no recompile in the second step, and the uncompiled model's gradients."""
+    from hf_fsdp2_worker import random_causal_lm
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    base = random_causal_lm(family).to(DEVICE)
+    eager, compiled = apply_codagen(copy.deepcopy(base)), apply_codagen(copy.deepcopy(base))
+    ids, labels = labelled_tokens(base.config.vocab_size, BATCH, SEQ)
+    counter = CompileCounterWithBackend("aot_eager")  # fullgraph=True: a graph break is an error
+    step = torch.compile(compiled, backend=counter, fullgraph=True)
+    for _ in range(2):
+        for model in (eager, step):
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=labels).loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    assert counter.frame_count == 1  # one graph, traced once
+    torch._dynamo.reset()
+
+
 def _compiled_sdpa_calls(model, **inputs) -> list[dict]:
     """The SDPA calls of the graph torch.compile traces of model(**inputs): each one's attn_mask (None, or "tensor")
     and is_causal."""
