@@ -382,6 +382,28 @@ def test_kernel_and_cublas_timed_in_turn():
     assert order == ["kernel", "cuBLAS"] * harness.CUBLAS_ROUNDS
 
 
+def test_fp8_kernels_are_timed_against_a_plain_fp8_gemm(monkeypatch):
+    """An FP8 kernel's yardstick is torch._scaled_mm on its own FP8 operands with one scale per tensor (torch.matmul
+    takes no FP8), its product of the shape as the kernel's GEMM computes it."""
+    c = checked("gate_up_swiglu_fp8")
+    mod = module("gate_up_swiglu_fp8")
+    inputs = harness.make_inputs(c.kernel, mod, shapes.Shape(48, 256, 256), CPU, torch.float32)
+    a, b = inputs[c.kernel.gemm.a], inputs[c.kernel.gemm.b]
+    assert a.dtype == b.dtype == torch.float8_e4m3fn
+    products, scaled_mm = [], torch._scaled_mm
+
+    def recorded(*args, **kwargs):
+        products.append(scaled_mm(*args, **kwargs))
+        return products[-1]
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    timed = harness.time_against_cublas(c.kernel, lambda: None, inputs, lambda fn: fn() or 1.0)
+    assert timed == (1.0, 1.0) and len(products) == harness.CUBLAS_ROUNDS
+    want = a.double() @ b.double().T
+    assert products[0].dtype == torch.bfloat16
+    torch.testing.assert_close(products[0].double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
 def _k(kernel) -> int:
     """A K for the kernel: 24, ragged against the tiles; two K groups for K-group scales (whole groups of K)."""
     return 2 * kernel.k_group if kernel.k_group else 24 if kernel.gemm else 0

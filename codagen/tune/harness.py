@@ -306,17 +306,26 @@ CUBLAS_ROUNDS = 3
 
 
 def time_against_cublas(kernel: Kernel, fn: Callable[[], None], inputs: dict, timer) -> tuple[float, float] | None:
-    """(the kernel's ms, the ms of its plain GEMM through torch.matmul (cuBLAS on a GPU): the speed of light),
-    each the median of CUBLAS_ROUNDS timings taken in turn, the kernel's then cuBLAS's: a GPU's clocks move
-    with its power and temperature, and two yardsticks timed minutes apart differed by 4-6% (an H200, the same
-    GEMM in two tuning runs); None where torch.matmul fails."""
+    """(the kernel's ms, the ms of its plain GEMM through cuBLAS: the speed of light), each the median of
+    CUBLAS_ROUNDS timings taken in turn, the kernel's then cuBLAS's: a GPU's clocks move with its power and
+    temperature, and two yardsticks timed minutes apart differed by 4-6% (an H200, the same GEMM in two tuning
+    runs). The plain GEMM is torch.matmul, or for FP8 operands torch._scaled_mm with one scale per tensor (cuBLAS's
+    FP8 GEMM without K-group scales: the cheapest FP8 product of that shape). None where it fails."""
     a, b = inputs[kernel.gemm.a], inputs[kernel.gemm.b]
     b = b.T if kernel.gemm.b_layout is BLayout.NK else b
+    if a.dtype.is_floating_point and a.dtype.itemsize == 1:
+        one = torch.ones((), device=a.device)
+
+        def plain():
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        def plain():
+            torch.matmul(a, b)
     ours, theirs = [], []
     try:
         for _ in range(CUBLAS_ROUNDS):
             ours.append(timer(fn))
-            theirs.append(timer(lambda: torch.matmul(a, b)))
+            theirs.append(timer(plain))
     except Exception:  # noqa: BLE001 - the yardstick is optional
         return None
     return statistics.median(ours), statistics.median(theirs)
