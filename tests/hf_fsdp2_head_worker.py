@@ -1,10 +1,10 @@
 """Worker of tests/test_hf_fsdp2.py's classification-head test, run by torch.distributed.run in 2 CPU processes over
-gloo: a tiny random transformers LlamaForSequenceClassification patched by codagen.hf, fully_shard on each decoder
-layer and on the root (which holds the score head), trained three AdamW steps on padded batches (one row
+gloo: a tiny random transformers <Family>ForSequenceClassification of each family patched by codagen.hf (Llama with
+and without gradient checkpointing, Gemma-2 with), fully_shard on each decoder layer and on the root (which holds the score head), trained three AdamW steps on padded batches (one row
 right-padded, one left-padded: the head pools each row's last token that is not padding); against the same patched
 model unwrapped in one process on the whole batches. Rank r feeds row r of each batch (one label per row: FSDP2's
 average of the ranks' gradients is the gradient of the whole batch's mean loss). Writes {"world", "runs":
-[{"checkpointing", "losses", "ref_losses", "max_rel_grad", "max_rel_weight", "params", "layer_calls"}]} as JSON to
+[{"family", "checkpointing", "losses", "ref_losses", "max_rel_grad", "max_rel_weight", "params", "layer_calls"}]} as JSON to
 argv[1] on rank 0."""
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codagen.hf import CodagenDecoderLayer, apply_codagen
 # tests/, the worker's folder, is on sys.path
-from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_llama, rel, shard_layers, start
+from hf_fsdp2_worker import BATCH, SEQ, VOCAB, finish, full, random_causal_lm, rel, shard_layers, start
 
 STEPS, PAD, LABELS = 3, 0, 3
+RUNS = (("llama", False), ("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", False), ("gemma2", True))
 
 
 def padded_batch(g: torch.Generator) -> dict:
@@ -40,9 +40,9 @@ def main(out: str) -> None:
     g = torch.Generator().manual_seed(1)
     batches = [padded_batch(g) for _ in range(STEPS)]
     runs = []
-    for checkpointing in (False, True):
-        reference = apply_codagen(random_llama(transformers.LlamaForSequenceClassification, pad_token_id=PAD,
-                                               num_labels=LABELS))
+    for family, checkpointing in RUNS:
+        reference = apply_codagen(random_causal_lm(family, "ForSequenceClassification", pad_token_id=PAD,
+                                                   num_labels=LABELS))
         model = copy.deepcopy(reference)
         assert all(isinstance(layer, CodagenDecoderLayer) for layer in model.model.layers)
         calls = shard_layers(model.model.layers, mesh)
@@ -71,7 +71,7 @@ def main(out: str) -> None:
                 optimizer.zero_grad(set_to_none=True)
         weights = dict(reference.named_parameters())
         worst_weight = max(rel(full(p.detach()), weights[n].detach()) for n, p in model.named_parameters())
-        runs.append(dict(checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
+        runs.append(dict(family=family, checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
                          max_rel_weight=worst_weight, layer_calls=calls[0],
                          params=sorted(n for n, _ in model.named_parameters()) == sorted(weights)))
     finish(out, runs)

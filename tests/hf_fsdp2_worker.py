@@ -48,16 +48,12 @@ def randomized(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def random_llama(model_class=transformers.LlamaForCausalLM, **overrides) -> torch.nn.Module:
-    """A random Llama (of a Llama class: the causal LM, a head); `overrides` of the config's fields."""
-    return randomized(model_class(transformers.LlamaConfig(**{**CONFIG, **overrides})))
-
-
-def random_causal_lm(family: str) -> torch.nn.Module:
-    """A random causal LM of one of FAMILIES, unpatched."""
+def random_causal_lm(family: str, head: str = "ForCausalLM", **overrides) -> torch.nn.Module:
+    """A random model of one of FAMILIES, unpatched: its causal LM, or its class with another `head`
+    ("ForSequenceClassification", ...); `overrides` of the config's fields."""
     model_class, config_class, fields = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**CONFIG, **fields})
-    return randomized(getattr(transformers, model_class)(config))
+    config = getattr(transformers, config_class)(**{**CONFIG, **fields, **overrides})
+    return randomized(getattr(transformers, model_class.replace("ForCausalLM", head))(config))
 
 
 def tiny_model(family: str) -> torch.nn.Module:

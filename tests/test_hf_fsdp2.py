@@ -74,12 +74,13 @@ def test_fsdp2_lora_training_matches_unpatched_peft_in_one_process(tmp_path):
 
 
 def test_fsdp2_sequence_classifier_trains_as_in_one_process(tmp_path):
-    """A patched LlamaForSequenceClassification, fully_shard on each layer and on the root (the score head's group):
-    three AdamW steps on padded batches, with and without gradient checkpointing, give the losses, every gradient and
-    then every weight of the same model trained in one process on the whole batches."""
+    """A patched sequence classifier of each family, fully_shard on each layer and on the root (the score head's
+    group): three AdamW steps on padded batches (Llama's with and without gradient checkpointing, Gemma-2's with) give
+    the losses, every gradient and then every weight of the same model trained in one process on the whole batches."""
     result = run_worker(HEAD_WORKER, tmp_path / "fsdp2_head.json")
     assert result["world"] == 2
-    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    assert [(r["family"], r["checkpointing"]) for r in result["runs"]] == [
+        ("llama", False), ("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", False), ("gemma2", True)]
     for run in result["runs"]:
         assert run["params"], run
         for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
