@@ -81,6 +81,23 @@ def test_block_quantized_once_per_optimizer_step():
     assert cache.get() is not second
 
 
+def test_block_quantized_again_after_any_optimizer_step_when_the_weight_keeps_its_version():
+    """FSDP2's all-gather writes each step's weights into the same unsharded parameter without bumping its version:
+    the copy is made again after an optimizer step anywhere (here of the sharded weight, another tensor), and only
+    then."""
+    w = torch.nn.Parameter(torch.randn(150, 256).to(BF16))
+    shard = torch.nn.Parameter(w.detach()[:75].clone())
+    cache = BlockQuantized(w)
+    first = cache.get()
+    shard.grad = torch.randn_like(shard)
+    torch.optim.SGD([shard], lr=0.5).step()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w[:75] = shard  # the all-gather's copy into the same memory
+    second = cache.get()
+    assert second is not first and cache.get() is second
+    assert torch.equal(second[0].view(torch.uint8), quantize_blocks(w.detach())[0].view(torch.uint8))
+
+
 def _full(scales, w):
     """A weight's 128 x 128 block scales, each over its block's elements."""
     return scales.double().repeat_interleave(G, 0).repeat_interleave(G, 1)[:w.shape[0], :w.shape[1]]

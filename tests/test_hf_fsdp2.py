@@ -24,6 +24,7 @@ from test_distributed import REPO, _free_port, _run  # noqa: E402
 WORKER = REPO / "tests" / "hf_fsdp2_worker.py"
 LORA_WORKER = REPO / "tests" / "hf_fsdp2_lora_worker.py"
 HEAD_WORKER = REPO / "tests" / "hf_fsdp2_head_worker.py"
+FP8_WORKER = REPO / "tests" / "hf_fsdp2_fp8_worker.py"
 TOL = 1e-5
 
 
@@ -88,6 +89,26 @@ def test_fsdp2_sequence_classifier_trains_as_in_one_process(tmp_path):
         assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
         assert run["max_rel_grad"] < TOL and run["max_rel_weight"] < TOL, run
         # 3 layers, 3 steps; with checkpointing each layer's call runs again in the backward
+        assert run["layer_calls"] == (18 if run["checkpointing"] else 9), run
+
+
+def test_fsdp2_fp8_model_quantizes_each_step_s_gathered_weights(tmp_path):
+    """A Llama patched with fp8=True (fp32 master weights, bf16 autocast), fully_shard on each layer and the root:
+    every FP8 weight copy a forward reads is the quantization of the weight FSDP2 has just gathered (none stale),
+    made once per step and layer weight (9 a step; with checkpointing again in the recomputation, where FSDP2 gathers
+    again), and three SGD steps give the losses of the same model in one process within FP8's and bf16's error (the
+    first step's within the order in which bf16 gradients are summed)."""
+    result = run_worker(FP8_WORKER, tmp_path / "fsdp2_fp8.json")
+    assert result["world"] == 2
+    assert [r["checkpointing"] for r in result["runs"]] == [False, True]
+    for run in result["runs"]:
+        assert run["stale"] == 0, run
+        assert run["ref_quantized"] == 27 and run["quantized"] >= 27, run
+        assert run["checkpointing"] or run["quantized"] == 27, run
+        assert run["losses"][0] == run["ref_losses"][0] and run["max_rel_grads"][0] < 1e-2, run
+        for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
+            assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), run
+        assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
         assert run["layer_calls"] == (18 if run["checkpointing"] else 9), run
 
 

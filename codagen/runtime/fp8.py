@@ -1,10 +1,11 @@
 """FP8 weights for the K-group GEMMs (docs/fp8.md, "An FP8 Llama MLP"): a bfloat16 master weight quantized to
 float8_e4m3fn with one scale per 128 x 128 block (DeepSeek-V3's recipe), the `b` and `gemm.scales.b` of a kernel
-such as down_residual_norm_fp8, and `BlockQuantized`, which makes them once per change of the weight (once per
-optimizer step), not once per call."""
+such as down_residual_norm_fp8, and `BlockQuantized`, which makes them once per optimizer step (or other change of
+the weight), not once per call."""
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -34,20 +35,37 @@ def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     return quotient.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+_optimizer_steps = 0  # optimizer steps taken in this process, by any optimizer, once BlockQuantized is first made
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
 class BlockQuantized:
-    """The FP8 copy of a weight, made again only when the weight has changed since (an optimizer step updates it
-    in place, which bumps the tensor's version counter; a new tensor assigned to the parameter has another
-    storage): `get()` returns (values, scales) of quantize_blocks. The copy is made under no_grad: the gradient
-    goes to the master weight through the block's backward, which reads the weight itself."""
+    """The FP8 copy of a weight, made again only when the weight may have changed since: after any optimizer step
+    (a global post-step hook of torch.optim counts them), or when the tensor's version counter or storage differs
+    (an update in place outside an optimizer, a new tensor assigned to the parameter). The steps are counted
+    because the version and the storage alone miss FSDP2: its all-gather writes each step's weights into the
+    same unsharded parameter without bumping its version, often at the same address. `get()` returns (values,
+    scales) of quantize_blocks. The copy is made under no_grad: the gradient goes to the master weight through
+    the block's backward, which reads the weight itself."""
+
+    _counting = False  # whether the optimizer-step hook is registered (once per process)
 
     def __init__(self, weight: torch.Tensor, block: int = 128):
+        if not BlockQuantized._counting:
+            register_optimizer_step_post_hook(_count_optimizer_step)
+            BlockQuantized._counting = True
         self.weight, self.block = weight, block
         self._key: tuple | None = None
         self._copy: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.weight
-        key = (w.untyped_storage().data_ptr(), w.storage_offset(), w._version, w.shape, w.stride(), w.dtype, w.device)
+        key = (_optimizer_steps, w.untyped_storage().data_ptr(), w.storage_offset(), w._version, w.shape, w.stride(),
+               w.dtype, w.device)
         if key != self._key:
             with torch.no_grad():
                 self._copy = quantize_blocks(w.detach(), self.block)
