@@ -26,12 +26,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from codagen.runtime.configs import Config  # noqa: E402
-from codagen.tune.candidates import ELEMENTWISE_CANDIDATES, GEMM_CANDIDATES  # noqa: E402
+from codagen import api  # noqa: E402
+from codagen.runtime.configs import Config, fits_group  # noqa: E402
+from codagen.tune.candidates import tl_candidates  # noqa: E402
 from codagen.tune.command import load_module  # noqa: E402
 from codagen.tune.harness import scalar_names  # noqa: E402
 
-POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
+# Triton's names of the tensors' element types ("T": the launch's type, bf16 here)
+ELEMENT = {"T": "bf16", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "index": "i64",
+           "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
 
 
 def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict]:
@@ -43,9 +46,9 @@ def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict
     Returns (constexprs, attrs) keyed as ASTSource takes them; `sig` gets the unit strides as constexprs."""
     strides: dict[str, list[str]] = {}
     for p in params:
-        if p.startswith("stride_"):
+        if p.startswith("_stride_"):
             tensor = max((name for name in [*(d.name for d in module.DECLS), "acc"]  # acc: the cuBLAS mainloop's product
-                          if p.startswith(f"stride_{name}_")), key=len)
+                          if p.startswith(f"_stride_{name}_")), key=len)
             strides.setdefault(tensor, []).append(p)
     unit = {names[-1] for names in strides.values()}
     constexprs, attrs = {}, {}
@@ -59,7 +62,8 @@ def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict
 
 
 def signature(module, config: Config) -> tuple[dict, dict]:
-    """Triton types of the kernel's parameters for bf16 tensors, and its constexprs for `config`."""
+    """Triton types of the kernel's parameters for bf16 tensors (`T`; others in their own types), and its
+    constexprs for `config`. The generated parameters are the spec's names with `_` before them."""
     kernel = getattr(module, f"{module.NAME}_kernel")
     params = list(inspect.signature(kernel.fn).parameters)
     decls = {d.name: d for d in module.DECLS}
@@ -67,18 +71,19 @@ def signature(module, config: Config) -> tuple[dict, dict]:
     descs = [p for p in params if p.endswith("_desc")]
     sig = {}
     for p in params:
-        if p == "acc_ptr":  # the fp32 product of mainloop "cublas"; None (a constexpr) for the others
+        if p == "_acc_ptr":  # the fp32 product of mainloop "cublas"; None (a constexpr) for the others
             sig[p] = "*fp32" if config.mainloop == "cublas" else "constexpr"
         elif p.endswith("_ptr"):
-            sig[p] = POINTER[decls[p[:-4]].dtype]
+            sig[p] = "*" + ELEMENT[decls[p[1:-4]].dtype]
         elif p in descs:  # the GEMM's a, then b, as the launcher builds them
+            decl = decls[p[1:-5]]
             if p == descs[0]:
                 block = [config.block_m, config.block_k]
-            elif decls[p[:-5]].dims == ("N", "K"):
+            elif decl.dims == ("N", "K"):
                 block = [config.block_n, config.block_k]
             else:
                 block = [config.block_k, config.block_n]
-            sig[p] = f"tensordesc<bf16{block}>"
+            sig[p] = f"tensordesc<{ELEMENT[decl.dtype]}{block}>"
         elif p in scalars:
             sig[p] = "fp32"
         elif p.isupper() and p not in ("M", "N", "K", "NUM_PROGRAMS"):
@@ -90,7 +95,7 @@ def signature(module, config: Config) -> tuple[dict, dict]:
               "TMA": config.tma, "FLATTEN": config.flatten, "WARP_SPECIALIZE": config.warp_specialize,
               "EPILOGUE_SPLIT": config.epilogue_split, "INT64": False, "ACC_IN": config.mainloop == "cublas"}
     if config.mainloop != "cublas":
-        consts["acc_ptr"] = None
+        consts["_acc_ptr"] = None
     return sig, {k: v for k, v in consts.items() if k in params}
 
 
@@ -124,18 +129,19 @@ def main() -> None:
         p.stem for p in (ROOT / "generated" / "kernels").glob("*.py") if p.stem != "__init__")
     lines = [f"# Registers and spills for sm_{args.arch}, compiled without a GPU", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; triton "
-             f"{triton.__version__}; bf16 tensors; command: `python benchmarks/spills.py`",
+             f"{triton.__version__}; bf16 tensors (FP8 operands as the specs declare them); command: "
+             "`python benchmarks/spills.py`",
              "- REG: registers per thread (255 is the most there are); STACK: bytes of stack per thread, mostly "
              "spilled registers (0: no spill). Each kernel in each candidate of `codagen tune`, compiled as the JIT "
              "compiles a launch on contiguous tensors at a model's shapes (jit_specialization).",
              "- `ws` rows: whether this compile warp-specializes for sm_90 is not established (in the first "
              "run, on triton 3.9, every `ws` row equalled its twin without `ws`).", ""]
+    kernels = {c.kernel.name: c.kernel for c in api.load([ROOT / "specs"]) if isinstance(c, api.Checked)}
     for name in names:
         module = load_module(ROOT / "generated", name)
-        has_gemm = any(p.endswith("_desc") for p in inspect.signature(
-            getattr(module, f"{name}_kernel").fn).parameters)
         lines += [f"## {name}", "", "| configuration | REG | STACK |", "|---|---|---|"]
-        for config in (GEMM_CANDIDATES if has_gemm else ELEMENTWISE_CANDIDATES):
+        kernel = kernels[name]
+        for config in (c for c in tl_candidates(kernel) if fits_group(c, kernel.column_group)):
             u = usage(module, config, args.arch)
             row = f"| {config.label()} | " + (f"{u['REG']} | {u['STACK']} |" if isinstance(u, dict) else f"{u} | |")
             print(f"{name}: {row}", flush=True)

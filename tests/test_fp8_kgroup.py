@@ -269,23 +269,25 @@ def test_defaults_and_candidates_keep_within_the_group():
     assert default.block_k == 32
     pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), default, False, None, 1, None, False, 32)
     assert pool == [default]
-    pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), configs.gpu_default(), False, None, 1,
-                                None, False, 128)
+    default = configs.gpu_k_group_default(configs.gpu_default(), 128)
+    pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), default, False, None, 1, None, False, 128)
     assert len(pool) > 1 and all(128 % c.block_k == 0 for c in pool)
-    # FP8 operands: BK 128 first (a stage of bf16's BK 64 in bytes), then BK 64; a group of 64 keeps BK 64 only
-    assert {c.block_k for c in pool} == {64, 128} and pool[0].block_k == 128
-    pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), configs.gpu_default(), False, None, 1,
-                                None, False, 64)
+    # FP8 operands: BK 128 first (a stage of bf16's BK 64 in bytes, the default's), then BK 64; a group of 64 keeps
+    # BK 64 only
+    assert {c.block_k for c in pool} == {64, 128} and pool[0] == default and default.block_k == 128
+    default = configs.gpu_k_group_default(configs.gpu_default(), 64)
+    pool = autotune._candidates("k", 4096, 4096, 4096, torch.device("cpu"), default, False, None, 1, None, False, 64)
     assert {c.block_k for c in pool} == {64}
 
 
 def test_tune_candidates_of_fp8_operands():
-    """`codagen tune` times an FP8 GEMM at BK 128 first, then at bf16's BK 64, never with the cuBLAS mainloop."""
-    from codagen.tune.candidates import GEMM_CANDIDATES, candidates
+    """`codagen tune` times an FP8 GEMM at BK 128 first, then at bf16's BK 64, never with the cuBLAS mainloop; with
+    K-group scales, the 64-row tiles that hold the mainloop's two tiles unspilled join."""
+    from codagen.tune.candidates import FP8_K_GROUP_CANDIDATES, GEMM_CANDIDATES, candidates
 
     pool = candidates(kernel_model("t_fp8_kgroup"))
-    assert pool[:len(GEMM_CANDIDATES)] == tuple(dataclasses.replace(c, block_k=128) for c in GEMM_CANDIDATES)
-    assert pool[len(GEMM_CANDIDATES):] == GEMM_CANDIDATES
+    own = GEMM_CANDIDATES + FP8_K_GROUP_CANDIDATES
+    assert pool == tuple(dataclasses.replace(c, block_k=128) for c in own) + own
     assert all(c.mainloop != "cublas" for c in pool)
 
 
@@ -363,3 +365,28 @@ def test_tuning_table_entry_crossing_groups_is_refused_at_its_place(tmp_path):
         in error.located()
     used = runtime_tables.entries(str(path), fingerprint(kernel), triton.__version__, None, True, False, 128)
     assert list(used) == ["4096x4096x4096"]
+
+
+def test_gpu_default_of_a_k_group_gemm_holds_two_tiles_without_spilling():
+    """A K-group mainloop keeps the accumulator and each step's product: the GPU default keeps both at 64 fp32
+    values a thread or fewer (128 x 256 on 8 warps, as 256-wide column groups widen GPU_DEFAULT to, spilled 488
+    bytes a thread compiled for sm_90; 64 x 256 none), its K steps one group of up to 128 (FP8 operands: a stage of
+    bf16's BK 64 in bytes, one scaling per group); without K-group scales the default is unchanged."""
+    from codagen.runtime import autotune
+    from codagen.runtime.configs import gpu_default, gpu_k_group_default
+
+    wide = gpu_default(256, 28672)
+    assert (wide.block_m, wide.block_n, wide.num_warps) == (128, 256, 8)
+    for group, k_group, want in ((256, 128, (64, 256, 128)), (None, 128, (128, 128, 128)), (None, 32, (128, 128, 32)),
+                                 (None, 256, (128, 128, 128)), (256, None, (128, 256, 64))):
+        config = gpu_k_group_default(gpu_default(group, 28672), k_group)
+        assert (config.block_m, config.block_n, config.block_k) == want, (group, k_group)
+        if k_group:
+            assert config.block_m * config.block_n <= 64 * 32 * config.num_warps
+    # run-time tuning of an untuned shape tries that default first, and no candidate crossing the groups
+    default = gpu_k_group_default(gpu_default(256, 28672), 128)
+    for tile_dependent in (False, True):
+        pool = autotune._candidates("gate_up_swiglu_fp8", 8192, 28672, 4096, torch.device("cuda"), default,
+                                    tile_dependent, 256, 1, None, cublas=False, k_group=128)
+        assert pool[0] == default and all(128 % c.block_k == 0 and c.block_n % 256 == 0 for c in pool)
+        assert not tile_dependent or {(c.block_m, c.block_n) for c in pool} == {(64, 256)}

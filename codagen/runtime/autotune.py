@@ -19,8 +19,8 @@ import torch
 
 from .. import dims
 from . import backends, tables, tuning_cache
-from .configs import (INTERPRETER_DEFAULT, TileConfig, fits_k_group, gpu_default, runtime_candidates, widened,
-                      with_k_group)
+from .configs import (INTERPRETER_DEFAULT, TileConfig, fits_k_group, gpu_default, gpu_k_group_default,
+                      runtime_candidates, widened, with_k_group)
 
 log = logging.getLogger("codagen.tune")
 
@@ -132,7 +132,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     if not _on_gpu(device):
         return with_k_group(widened(INTERPRETER_DEFAULT, group, n), k_group)
     if os.environ.get("CODAGEN_NO_TUNE") == "1":
-        return with_k_group(gpu_default(group, n, split), k_group)
+        return gpu_k_group_default(gpu_default(group, n, split), k_group)
     # a launch's arguments decide its configuration once the table or tuning has it: the look-ups below cost
     # hundreds of microseconds of host time, on every launch of a training step
     launch = (kernel, fingerprint, tuning_dir, int(m), int(n), int(k), device, group, split, decls is None, k_group)
@@ -148,7 +148,7 @@ def pick_config(kernel: str, fingerprint: str, tuning_dir: Path, m, n, k, device
     if hit is not None:
         _picked[launch] = hit
         return hit
-    default = with_k_group(gpu_default(group, n, split), k_group)
+    default = gpu_k_group_default(gpu_default(group, n, split), k_group)
     bucket = tables.shape_bucket(m, n, k)
     key = (kernel, fingerprint, gpu, bucket)
     pool = functools.partial(_candidates, kernel, m, n, k, device, default, tile_dependent, group, split, package,
@@ -190,6 +190,11 @@ def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, defau
     if k and not cublas:  # FP8 operands, a byte an element: BK 128 fills a stage as bf16's BK 64 does
         pool = [dataclasses.replace(c, block_k=2 * c.block_k) for c in pool] + pool
     pool = [c for c in pool if fits_k_group(c, k_group)] or [default]
+    if k_group:  # the K-group default (gpu_k_group_default) first, so that ties keep it; tile-dependent: its tile
+        if tile_dependent:
+            pool = [dataclasses.replace(c, block_m=default.block_m, block_n=default.block_n,
+                                        epilogue_split=default.epilogue_split) for c in pool]
+        pool = list(dict.fromkeys([default, *pool]))
     if k and cublas and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
         pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,
                                         warp_specialize=False))

@@ -61,6 +61,29 @@ def with_k_group(config: TileConfig, k_group: int | None) -> TileConfig:
     return config if fits_k_group(config, k_group) else dataclasses.replace(config, block_k=k_group)
 
 
+def gpu_k_group_default(config: Config, k_group: int | None) -> Config:
+    """The GPU's default tl config for a GEMM with K-group scales (k_group columns of K per scale; None: none):
+    one group of up to 128 a K step (FP8 operands, a byte an element: a stage of bf16's BK 64 in bytes, one
+    scaling per group), and at most 64 fp32 values of a tile per thread. The mainloop holds two tiles, the
+    accumulator and each step's product, which it scales before adding: compiled for sm_90, 128 x 256 on 8 warps
+    spilled 488 bytes a thread in the gate/up projection (whose column groups of 256 make every tile 256 wide),
+    64 x 256 nothing."""
+    if not k_group:
+        return config
+    config = dataclasses.replace(config, block_k=min(k_group, 128))
+    while config.block_m > 64 and config.block_m * config.block_n > 64 * 32 * config.num_warps:
+        config = dataclasses.replace(config, block_m=config.block_m // 2)
+    return config
+    if isinstance(config, Config):  # FP8 operands: BK 128 fills a stage as bf16's BK 64, and scales once a group
+        config = dataclasses.replace(config, block_k=min(k_group, 128))
+    elif not fits_k_group(config, k_group):
+        config = dataclasses.replace(config, block_k=k_group)
+    if isinstance(config, Config):
+        while config.block_m > 64 and config.block_m * config.block_n > 64 * 32 * config.num_warps:
+            config = dataclasses.replace(config, block_m=config.block_m // 2)
+    return config
+
+
 def k_group_problem(config: TileConfig, k_group: int) -> str | None:
     """Why a config cannot run a GEMM with K-group scales of k_group columns, or None."""
     if fits_k_group(config, k_group):

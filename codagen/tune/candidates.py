@@ -163,16 +163,27 @@ CUBLAS_CANDIDATES = tuple(
 GLUON_GROUP_CANDIDATES = (_h(64, 128, 64, 8, 6),)
 
 
+# A K-group mainloop holds two fp32 tiles (the accumulator and each K step's product, scaled before it is added):
+# 64-row tiles on 8 warps keep 256-wide ones (a gate/up projection's column groups of 256) without spilling,
+# compiled for sm_90 (128 x 256: 488 bytes of stack a thread, 64 x 256: none)
+FP8_K_GROUP_CANDIDATES = (
+    Config(64, 256, 64, 8, 8, 4, tma=True),
+    Config(64, 256, 64, 8, 8, 3, persistent=True, tma=True),
+)
+
+
 def tl_candidates(kernel: Kernel) -> tuple[Config, ...]:
     """The tl kernel's candidates: for a kernel with a GEMM, its own mainloop's, then the cuBLAS mainloop's (timed
     only at the shapes where they pay: TlConfig.pays); for one without, the elementwise ones. FP8 operands, a byte
     an element, fill a stage of BK 128 as bf16's fill one of BK 64 (the same shared memory, rows of 128 bytes): those
     first, then BK 64 (fewer bytes a stage, more stages); with K-group scales of 128 columns, BK 128 scales each
-    step's product once per group rather than twice. torch.mm takes no FP8: no cuBLAS mainloop."""
+    step's product once per group rather than twice, and FP8_K_GROUP_CANDIDATES join. torch.mm takes no FP8: no
+    cuBLAS mainloop."""
     if not kernel.gemm:
         return ELEMENTWISE_CANDIDATES
     if kernel.fp8_gemm:
-        return tuple(dataclasses.replace(c, block_k=2 * c.block_k) for c in GEMM_CANDIDATES) + GEMM_CANDIDATES
+        pool = GEMM_CANDIDATES + (FP8_K_GROUP_CANDIDATES if kernel.gemm.scales else ())
+        return tuple(dataclasses.replace(c, block_k=2 * c.block_k) for c in pool) + pool
     return GEMM_CANDIDATES + CUBLAS_CANDIDATES
 
 
