@@ -74,14 +74,6 @@ def gpu_k_group_default(config: Config, k_group: int | None) -> Config:
     while config.block_m > 64 and config.block_m * config.block_n > 64 * 32 * config.num_warps:
         config = dataclasses.replace(config, block_m=config.block_m // 2)
     return config
-    if isinstance(config, Config):  # FP8 operands: BK 128 fills a stage as bf16's BK 64, and scales once a group
-        config = dataclasses.replace(config, block_k=min(k_group, 128))
-    elif not fits_k_group(config, k_group):
-        config = dataclasses.replace(config, block_k=k_group)
-    if isinstance(config, Config):
-        while config.block_m > 64 and config.block_m * config.block_n > 64 * 32 * config.num_warps:
-            config = dataclasses.replace(config, block_m=config.block_m // 2)
-    return config
 
 
 def k_group_problem(config: TileConfig, k_group: int) -> str | None:
