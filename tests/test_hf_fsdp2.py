@@ -97,7 +97,7 @@ def test_fsdp2_fp8_model_quantizes_each_step_s_gathered_weights(tmp_path):
     every FP8 weight copy a forward reads is the quantization of the weight FSDP2 has just gathered (none stale),
     made once per step and layer weight (9 a step; with checkpointing again in the recomputation, where FSDP2 gathers
     again), and three SGD steps give the losses of the same model in one process within FP8's and bf16's error (the
-    first step's within the order in which bf16 gradients are summed)."""
+    first step's loss within fp32's, its gradients within the order in which bf16 gradients are summed)."""
     result = run_worker(FP8_WORKER, tmp_path / "fsdp2_fp8.json")
     assert result["world"] == 2
     assert [r["checkpointing"] for r in result["runs"]] == [False, True]
@@ -105,7 +105,8 @@ def test_fsdp2_fp8_model_quantizes_each_step_s_gathered_weights(tmp_path):
         assert run["stale"] == 0, run
         assert run["ref_quantized"] == 27 and run["quantized"] >= 27, run
         assert run["checkpointing"] or run["quantized"] == 27, run
-        assert run["losses"][0] == run["ref_losses"][0] and run["max_rel_grads"][0] < 1e-2, run
+        assert abs(run["losses"][0] - run["ref_losses"][0]) <= 1e-6 * abs(run["ref_losses"][0]), run
+        assert run["max_rel_grads"][0] < 1e-2, run
         for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
             assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), run
         assert run["ref_losses"][0] != run["ref_losses"][-1], run  # the steps trained
