@@ -14,6 +14,8 @@
 #   benchmarks/gpu_run.sh clocks SECONDS KERNEL SHAPE...     # clocks.py beside cuBLAS: $OUT/clocks-KERNEL.md
 #   benchmarks/gpu_run.sh train SECONDS [train_speed.py args] # training speed: $OUT/<gpu>-train-speed.*, its log
 #                                   # to $OUT/train-speed-N.log (N counting the call's runs)
+#   benchmarks/gpu_run.sh fsdp SECONDS [fsdp_speed.py args]   # FSDP2 training speed on every GPU of the machine:
+#                                   # $OUT/<gpu>-fsdp-<GPUs>.*, its log to $OUT/fsdp-<GPUs>.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/run}
@@ -83,4 +85,10 @@ case $what in
     echo "train_speed exit: $?"
     # the variants' one-line results and any error (the log also holds the libraries' warnings)
     grep -E -e '^[a-z0-9]+-[0-9]+x[0-9]+-(bf16|amp) ' -e '^wrote ' -e 'Error' "$OUT/train-speed-$n.log" | tail -n 40 ;;
+  fsdp)  # one torchrun over the machine's GPUs; each variant's row as a JSON line
+    n=$(nvidia-smi -L | wc -l)
+    timeout "$limit" python3 -m torch.distributed.run --nproc-per-node "$n" benchmarks/fsdp_speed.py --out "$OUT" "$@" \
+      > "$OUT/fsdp-$n.log" 2>&1
+    echo "fsdp_speed exit: $?"
+    grep -e '^{' -e 'Error' "$OUT/fsdp-$n.log" | tail -n 20 ;;
 esac

@@ -223,6 +223,22 @@ def test_train_fsdp_example_runs(tmp_path):
     assert all(0 < r["loss"] < 10 for r in records), records  # ln(128) = 4.85 at the start
 
 
+def test_fsdp_speed_benchmark_runs_and_codagen_trains_as_hf(tmp_path):
+    """benchmarks/fsdp_speed.py on the CPU: 2 gloo processes, a tiny Llama under FSDP2 per layer, Hugging Face's
+    and codagen's variants from the same weights on the same tokens: both rows timed, the same final loss (fp32),
+    and the report written."""
+    pytest.importorskip("transformers")
+    torchrun(2, str(REPO / "benchmarks" / "fsdp_speed.py"), "--tiny", "--layers", "2", "--seq", "32", "--warmup", "1",
+             "--steps", "2", "--variants", "hf,codagen", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "cpu-fsdp-2.json").read_text())
+    hf, ours = report["rows"]
+    assert (hf["variant"], ours["variant"], hf["world"]) == ("hf", "codagen", 2)
+    for row in (hf, ours):
+        assert row["error"] is None and row["tokens_per_s_per_gpu"] > 0 and row["peak_mib"] is None, row
+    assert abs(ours["loss_final"] - hf["loss_final"]) <= TOL * hf["loss_final"], (hf, ours)
+    assert "| codagen |" in (tmp_path / "cpu-fsdp-2.md").read_text()
+
+
 def test_train_tensor_parallel_example_runs(tmp_path):
     """examples/train_tensor_parallel.py on the CPU: 2 gloo processes, tied embeddings, 2 steps."""
     pytest.importorskip("transformers")
