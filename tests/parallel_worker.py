@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from codagen.models import generated_blocks
 from codagen.parallel import TensorParallelLlama, VocabParallelLmHeadLoss, layer_shards, vocab_range
@@ -513,11 +514,13 @@ def hf_tensor_parallel_autocast(family: str, seed: int, bf16_params: bool = Fals
                 grads_dtype=sorted({str(g.dtype) for g in grads.values()}))
 
 
-def hf_tensor_parallel_2d(seed: int) -> dict:
-    """A 2-D mesh: apply_tensor_parallel over each pair of ranks (the mesh's "tp" dimension) and DDP across the pairs
-    ("dp"), each pair on its row of the batch (no ignored labels: every row has as many tokens, and DDP's average of
-    the rows' mean losses' gradients is the whole batch's), against the unpatched transformers Llama on the whole
-    batch in one process: the loss and every gradient (each rank's part of the sharded ones)."""
+def hf_tensor_parallel_2d(data_parallel: str, seed: int) -> dict:
+    """A 2-D mesh: apply_tensor_parallel over each pair of ranks (the mesh's "tp" dimension) and, across the pairs
+    ("dp"), DDP or FSDP2 (`data_parallel` "ddp" or "fsdp2": fully_shard on each decoder layer and the root over "dp"),
+    each pair on its row of the batch (no ignored labels: every row has as many tokens, and the average of the rows'
+    mean losses' gradients is the whole batch's), against the unpatched transformers Llama on the whole batch in one
+    process: the loss and every gradient (each rank's part of the tensor-parallel ones, gathered over "dp")."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from codagen.parallel import apply_tensor_parallel
@@ -527,7 +530,13 @@ def hf_tensor_parallel_2d(seed: int) -> dict:
     tp_rank, dp_rank, dp_group = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].get_group()
     torch.manual_seed(seed)
     reference = hf_reference("llama", False, 2)
-    model = DistributedDataParallel(apply_tensor_parallel(copy.deepcopy(reference), mesh["tp"]), process_group=dp_group)
+    model = apply_tensor_parallel(copy.deepcopy(reference), mesh["tp"])
+    if data_parallel == "ddp":
+        model = DistributedDataParallel(model, process_group=dp_group)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     tokens = torch.randint(0, 37, (world // 2, 9))
     mine = tokens[dp_rank: dp_rank + 1]
     loss = model(input_ids=mine, labels=mine).loss
@@ -536,10 +545,11 @@ def hf_tensor_parallel_2d(seed: int) -> dict:
     ref_loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss, group=dp_group)
-    tp_model = model.module
+    tp_model = model.module if data_parallel == "ddp" else model
     ref_grads = in_rank_layout(reference, tp_model, {n: p.grad for n, p in reference.named_parameters()}, tp_rank, 2)
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in tp_model.named_parameters()}
     return dict(loss=mean_loss.item() / (world // 2), ref_loss=ref_loss.item(),
-                max_rel_grad=worst_against(tp_model, ref_grads, {n: p.grad for n, p in tp_model.named_parameters()}))
+                max_rel_grad=worst_against(tp_model, ref_grads, grads))
 
 
 def hf_tensor_parallel_refusals(seed: int) -> dict:
@@ -628,7 +638,8 @@ CASES = {"vocab_parallel": vocab_parallel,
          "hf_tensor_parallel_bf16_llama": functools.partial(hf_tensor_parallel_autocast, "llama", bf16_params=True,
                                                             mlp_bias=True, attention_bias=True),
          "hf_tensor_parallel_refusals": hf_tensor_parallel_refusals,
-         "hf_tensor_parallel_2d": hf_tensor_parallel_2d}
+         "hf_tensor_parallel_2d": functools.partial(hf_tensor_parallel_2d, "ddp"),
+         "hf_tensor_parallel_2d_fsdp2": functools.partial(hf_tensor_parallel_2d, "fsdp2")}
 
 
 def main(cases: str, out_dir: str, seed: int) -> None:

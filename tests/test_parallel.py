@@ -49,7 +49,7 @@ BATCHES = {2: ("vocab_parallel", "vocab_parallel_variants", "llama_vocab_paralle
                "hf_tensor_parallel_autocast_llama", "hf_tensor_parallel_autocast_gemma2",
                "hf_tensor_parallel_bf16_llama", "hf_tensor_parallel_refusals"),
            4: ("vocab_parallel", "tensor_parallel", "hf_tensor_parallel_llama_tied", "hf_tensor_parallel_gemma2",
-               "hf_tensor_parallel_autocast_llama", "hf_tensor_parallel_2d")}
+               "hf_tensor_parallel_autocast_llama", "hf_tensor_parallel_2d", "hf_tensor_parallel_2d_fsdp2")}
 
 
 @pytest.fixture(scope="session")
@@ -178,11 +178,13 @@ def test_hf_tensor_parallel_in_bf16(run_worker, case, nproc):
     assert r["grads_vs_ref"] <= 2 * r["patched_grads_vs_ref"] + bf16, r
 
 
-def test_tensor_parallel_within_pairs_and_ddp_across_them(run_worker):
-    """A 2 x 2 DeviceMesh: apply_tensor_parallel over its "tp" dimension, DistributedDataParallel over its "dp" one,
-    against the unpatched transformers Llama on the whole batch in one process."""
+@pytest.mark.parametrize("case", ["hf_tensor_parallel_2d", "hf_tensor_parallel_2d_fsdp2"])
+def test_tensor_parallel_within_pairs_and_data_parallel_across_them(run_worker, case):
+    """A 2 x 2 DeviceMesh: apply_tensor_parallel over its "tp" dimension, DistributedDataParallel or FSDP2 (fully_shard
+    on each decoder layer and the root) over its "dp" one, against the unpatched transformers Llama on the whole batch
+    in one process."""
     pytest.importorskip("transformers")
-    result = run_worker("hf_tensor_parallel_2d", 4)
+    result = run_worker(case, 4)
     assert abs(result["loss"] - result["ref_loss"]) <= TOL * abs(result["ref_loss"]), result
     assert result["max_rel_grad"] < TOL, result
 
