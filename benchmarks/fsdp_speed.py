@@ -3,14 +3,15 @@ with fully_shard on each decoder layer and on the root, in each variant, from th
 random tokens; tokens/s and peak memory per GPU, and the final loss. Launch it with torchrun, once per GPU count:
 
     torchrun --nproc-per-node 8 benchmarks/fsdp_speed.py --out $OUT      # GPUs: nccl, bf16 params, fp32 reduce
-    torchrun --nproc-per-node 2 benchmarks/fsdp_speed.py --tiny --variants hf,codagen --out /tmp/x   # CPU: gloo
+    torchrun --nproc-per-node 2 benchmarks/fsdp_speed.py --tiny --seq 32 --variants hf,codagen --out /tmp/x  # CPU
 
 Variants: `hf` (Hugging Face's own), `hf+compile` and `codagen+compile` (torch.compile of each decoder layer after
 fully_shard, as torchtitan compiles its blocks), `hf+liger` (Liger-Kernel's apply_liger_kernel_to_llama defaults),
 `codagen` (codagen.hf.apply_codagen). A step is training.train_step: forward with labels, backward (FSDP2
 reduce-scatters the gradients in fp32), AdamW, zero_grad; each rank feeds its own --batch sequences. Rank 0 writes
 `<gpu>-fsdp-<world>.json` (`rows`: {variant, world, tokens_per_s_per_gpu, ms_per_step, peak_mib, loss_final, error})
-and a markdown table beside it. NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the GPU machines require.
+and a markdown table beside it, and prints each row as a JSON line as it finishes (a variant that raises stops the
+run: the ranks would fall out of step). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the GPU machines require.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # read when the first communicat
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -156,6 +158,7 @@ def main(argv=None) -> dict | None:
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
+        gc.collect()  # the variant's model and optimizer, before the next one's
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report = None
