@@ -123,7 +123,8 @@ def markdown(report: dict) -> str:
     lines = [f"# FSDP2 training speed: {report['gpu']}, {report['world']} processes", "",
              f"{report['date']}; {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.", "",
              f"`{report['command']}`", "",
-             "| variant | tokens/s per GPU | ms/step | peak MiB per GPU | final loss | error |", "|---|---:|---:|---:|---:|---|"]
+             "| variant | tokens/s per GPU | ms/step | peak MiB per GPU | final loss | error |",
+             "|---|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         if r["error"]:
             lines.append(f"| {r['variant']} | - | - | - | - | {r['error']} |")

@@ -1,11 +1,11 @@
 """Worker of tests/test_hf_fsdp2.py's classification-head test, run by torch.distributed.run in 2 CPU processes over
 gloo: a tiny random transformers <Family>ForSequenceClassification of each family patched by codagen.hf (Llama with
-and without gradient checkpointing, Gemma-2 with), fully_shard on each decoder layer and on the root (which holds the score head), trained three AdamW steps on padded batches (one row
-right-padded, one left-padded: the head pools each row's last token that is not padding); against the same patched
-model unwrapped in one process on the whole batches. Rank r feeds row r of each batch (one label per row: FSDP2's
-average of the ranks' gradients is the gradient of the whole batch's mean loss). Writes {"world", "runs":
-[{"family", "checkpointing", "losses", "ref_losses", "max_rel_grad", "max_rel_weight", "params", "layer_calls"}]} as JSON to
-argv[1] on rank 0."""
+and without gradient checkpointing, Gemma-2 with), fully_shard on each decoder layer and on the root (which holds
+the score head), trained three AdamW steps on padded batches (one row right-padded, one left-padded: the head pools
+each row's last token that is not padding); against the same patched model unwrapped in one process on the whole
+batches. Rank r feeds row r of each batch (one label per row: FSDP2's average of the ranks' gradients is the
+gradient of the whole batch's mean loss). Writes {"world", "runs": [{"family", "checkpointing", "losses",
+"ref_losses", "max_rel_grad", "max_rel_weight", "params", "layer_calls"}]} as JSON to argv[1] on rank 0."""
 from __future__ import annotations
 
 import copy
@@ -71,8 +71,8 @@ def main(out: str) -> None:
                 optimizer.zero_grad(set_to_none=True)
         weights = dict(reference.named_parameters())
         worst_weight = max(rel(full(p.detach()), weights[n].detach()) for n, p in model.named_parameters())
-        runs.append(dict(family=family, checkpointing=checkpointing, losses=losses, ref_losses=ref_losses, max_rel_grad=worst_grad,
-                         max_rel_weight=worst_weight, layer_calls=calls[0],
+        runs.append(dict(family=family, checkpointing=checkpointing, losses=losses, ref_losses=ref_losses,
+                         max_rel_grad=worst_grad, max_rel_weight=worst_weight, layer_calls=calls[0],
                          params=sorted(n for n, _ in model.named_parameters()) == sorted(weights)))
     finish(out, runs)
 
