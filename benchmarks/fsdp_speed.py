@@ -171,10 +171,9 @@ def main(argv=None) -> dict | None:
         stem = args.out / f"{report['gpu']}-fsdp-{world}"
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         stem.with_suffix(".md").write_text(markdown(report))
-    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
-    dist.destroy_process_group()
     return report
 
 
 if __name__ == "__main__":
     main()
+    training.leave_process_group()  # gloo may abort a rank in the interpreter's exit-time teardown

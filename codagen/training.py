@@ -142,6 +142,23 @@ def train_step(model, optimizer, tokens: torch.Tensor, amp: bool = False, cudagr
     return loss.detach().clone()  # a copy: CUDA graphs write their outputs over at the next replay
 
 
+def leave_process_group() -> None:
+    """End a process of a torch.distributed run (torchrun): every rank done, the process group torn down, then the
+    process leaves without the interpreter's exit-time teardown. With gloo that teardown can abort a rank after its
+    work is done ('terminate called without an active exception': a joinable thread destroyed), and torchrun then
+    reports the run failed; a barrier before destroy_process_group alone did not prevent it (CI, several times)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

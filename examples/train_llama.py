@@ -68,6 +68,7 @@ import torch.distributed as dist  # noqa: E402
 
 from codagen import runtime  # noqa: E402,F401  (before triton: the interpreter where there is no GPU)
 from codagen.convert import LlamaShape, from_hf  # noqa: E402
+from codagen import training  # noqa: E402
 from codagen.presets import PRESETS  # noqa: E402
 from codagen.models.llama import CodagenLlama, PlainLlama  # noqa: E402
 from generated.blocks import LmHeadLoss, NormStats, PostAttention, PreAttention  # noqa: E402
@@ -363,19 +364,10 @@ def main(argv=None) -> dict:
         print(f"median step {summary['median_step_time_s'] * 1e3:.1f} ms over {len(timed)} steps, "
               f"{summary['tokens_per_s']:.0f} tokens/s; loss {summary['first_loss']:.4f} -> "
               f"{summary['last_loss']:.4f}", file=sys.stderr)
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
     return summary
 
 
 if __name__ == "__main__":
     main()
     if "WORLD_SIZE" in os.environ:
-        # DDP and FSDP2 keep the gloo process group alive in C++ after destroy_process_group, worker threads
-        # included; tearing those down during interpreter finalization now and then aborts the process
-        # ("terminate called without an active exception", seen once in CI). Everything is written and the
-        # group destroyed by now, so skip finalization.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        training.leave_process_group()  # gloo may abort a rank in the interpreter's exit-time teardown

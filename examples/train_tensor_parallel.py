@@ -112,10 +112,9 @@ def main(argv=None) -> list[dict]:
                 log.flush()
     if log:
         log.close()
-    dist.barrier()  # every rank done before any tears its connections down (gloo aborts otherwise)
-    dist.destroy_process_group()
     return records
 
 
 if __name__ == "__main__":
     main()
+    training.leave_process_group()  # gloo may abort a rank in the interpreter's exit-time teardown

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from codagen.hf import apply_codagen
-from gloo_exit import leave  # tests/, the worker's folder, is on sys.path
+from codagen.training import leave_process_group
 
 VOCAB, BATCH, SEQ = 97, 2, 12
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
@@ -87,11 +87,11 @@ def shard_layers(layers, mesh) -> list[int]:
 
 
 def finish(out: str, runs: list[dict]) -> None:
-    """{"world", "runs"} as JSON to `out` on rank 0, then every rank leaves (gloo_exit.leave)."""
+    """{"world", "runs"} as JSON to `out` on rank 0, then every rank leaves (codagen.training.leave_process_group)."""
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"world": dist.get_world_size(), "runs": runs}, f)
-    leave()
+    leave_process_group()
 
 
 def main(out: str) -> None:

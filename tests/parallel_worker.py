@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from codagen.models import generated_blocks
 from codagen.parallel import TensorParallelLlama, VocabParallelLmHeadLoss, layer_shards, vocab_range
-from gloo_exit import leave  # tests/, the worker's folder, is on sys.path
+from codagen.training import leave_process_group
 
 EPS = 1e-5
 
@@ -652,7 +652,7 @@ def main(cases: str, out_dir: str, seed: int) -> None:
         if dist.get_rank() == 0:
             with open(Path(out_dir) / f"{case}.json", "w") as f:
                 json.dump(result, f)
-    leave()
+    leave_process_group()
 
 
 if __name__ == "__main__":
