@@ -186,14 +186,11 @@ def _candidates(kernel: str, m: int, n: int, k: int, device: torch.device, defau
                 tile_dependent: bool, group, split: int, package: str | None, cublas: bool = True,
                 k_group: int | None = None) -> list[TileConfig]:
     """What run-time tuning times at this launch (see pick_config for the arguments)."""
-    pool = runtime_candidates(bool(k), tile_dependent, group, n, split)
+    pool = runtime_candidates(bool(k), tile_dependent, group, n, split, default)
     if k and not cublas:  # FP8 operands, a byte an element: BK 128 fills a stage as bf16's BK 64 does
         pool = [dataclasses.replace(c, block_k=2 * c.block_k) for c in pool] + pool
     pool = [c for c in pool if fits_k_group(c, k_group)] or [default]
-    if k_group:  # the K-group default (gpu_k_group_default) first, so that ties keep it; tile-dependent: its tile
-        if tile_dependent:
-            pool = [dataclasses.replace(c, block_m=default.block_m, block_n=default.block_n,
-                                        epilogue_split=default.epilogue_split) for c in pool]
+    if k_group:  # the K-group default (gpu_k_group_default) first, so that ties keep it
         pool = list(dict.fromkeys([default, *pool]))
     if k and cublas and backends.cublas_pays(m, n, k):  # the default's tile, its epilogue after cuBLAS's product
         pool.append(dataclasses.replace(default, mainloop="cublas", persistent=False, tma=False, flatten=False,

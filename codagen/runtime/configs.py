@@ -123,9 +123,11 @@ def gpu_default(group: int | str | None = None, n: int | None = None, split: int
 
 
 def runtime_candidates(has_gemm: bool, tile_dependent: bool, group: int | str | None = None,
-                       n: int | None = None, split: int = 1) -> list[Config]:
+                       n: int | None = None, split: int = 1, default: Config | None = None) -> list[Config]:
+    """`default`: the launch's default config (gpu_default's unless given: a K-group GEMM's, gpu_k_group_default),
+    whose tile a tile-dependent kernel's candidates keep."""
     pool = RUNTIME_GEMM_CANDIDATES if has_gemm else RUNTIME_ELEMENTWISE_CANDIDATES
-    default = gpu_default(group, n, split)
+    default = default or gpu_default(group, n, split)
     if split != 1:
         pool = [dataclasses.replace(c, epilogue_split=split) for c in pool]
     if tile_dependent:
