@@ -13,6 +13,10 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from interpreter import quicken  # noqa: E402
+
+quicken()
+
 import importlib  # noqa: E402
 import inspect  # noqa: E402
 import re  # noqa: E402
