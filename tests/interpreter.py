@@ -34,9 +34,13 @@ def quicken() -> None:
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
     patched = set()  # the sets of language modules patched during the current launch
+    modules = {}  # a function's set of language modules (the ones the interpreter patches for it)
 
     def patch_once(fn):
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        langs = modules.get(fn)
+        if langs is None:
+            langs = modules[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                            if inspect.ismodule(v) and v in (tl, tl.core))
         if langs in patched:
             return None  # only a helper's call ignores the result; a launch's first call always patches
         patched.add(langs)

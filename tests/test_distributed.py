@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import quickened
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_llama.py"
@@ -32,7 +33,7 @@ def _env() -> dict:
     # unreachable, so keep it on the loopback interface
     if "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
+    return quickened(env)
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, quickened
 
 pytest.importorskip("transformers")  # the test extra installs it; the package never needs it
 
@@ -29,7 +29,7 @@ def convergence(out: Path, env: dict | None = None) -> tuple[dict, str]:
     """The script's summary (losses.json) and its stderr, for a short run of the tiny model into out."""
     run = subprocess.run([sys.executable, str(CONVERGENCE), "--preset", "tiny", "--steps", str(STEPS), "--device",
                           DEVICE, "--out", str(out)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **(env or {})})
+                         env=quickened({**os.environ, **(env or {})}))
     assert run.returncode == 0, run.stderr
     return json.loads((out / "losses.json").read_text())["summary"], run.stderr
 
