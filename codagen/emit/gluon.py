@@ -119,7 +119,7 @@ HOPPER_NAMES = frozenset("""
     tl triton torch runtime tile gluon gl hopper mbarrier fence_async_shared tma acc pid_m pid_n rows cols
     cols_half cols_even cols_odd cols_double row_mask col_mask col_mask_half tile_mask tile_mask_half
     tile_mask_double cols_group col_mask_group group_mask config device out tensors key plan values sizes
-    t_dtype a_ring b_ring ready empty turn buffers epilogue_buffers inputs_ready slice_n acc_slice first_buffer
+    t_dtype mainloop ready buffers epilogue_buffers inputs_ready slice_n acc_slice first_buffer
     slot k_steps step tile_count tile_id i step_start in_step early_part part first_row num_pid_m num_pid_n
     launch check_launch
 """.split())
@@ -445,12 +445,11 @@ class HopperKernel:
 
     @property
     def consumer_args(self) -> list[str]:
-        """What the kernel passes each consumer, its index and CONSUMERS aside."""
-        return ["a_ring", "b_ring", "ready", "empty", "turn", *(["epilogue_buffers"] if self.buffers else []),
-                "inputs_ready", *self.consumer_descs, *(p.ptr for p in self.all_pointers), *self.sig.scalars,
-                "M", "N", "K", *self.strides, "NUM_PROGRAMS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "STAGES",
+        """What the kernel passes each consumer, its index aside."""
+        return ["mainloop", *(["epilogue_buffers"] if self.buffers else []), "inputs_ready", *self.consumer_descs,
+                *(p.ptr for p in self.all_pointers), *self.sig.scalars, "M", "N", "K", *self.strides, "NUM_PROGRAMS",
                 "EPILOGUE_SPLIT", "EPILOGUE_STAGES", "SLICE_LOOP", "SLICE_UNROLL",
-                *(["DIRECT_STORES"] if self.buffers else []), "A_KM"]
+                *(["DIRECT_STORES"] if self.buffers else [])]
 
     @property
     def blocks(self) -> dict[str, str]:

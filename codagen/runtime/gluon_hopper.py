@@ -12,7 +12,6 @@ keeps each consumer's waits on the ring in ring order, which mbarrier phases nee
 stage two fills ahead would take the older fill's phase for its own.
 
 Import this module only where Gluon kernels can run (a Hopper GPU with Triton's Gluon): nothing else does."""
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -24,6 +23,7 @@ from . import sm_count  # first: codagen.runtime decides whether Triton interpre
 from . import tile
 from .checks import Aliasing
 from .configs import CONSUMER_REGS, PRODUCER_REGS, REGISTERS, HopperConfig  # noqa: F401 (re-exported)
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -38,6 +38,9 @@ if hasattr(tma, "async_load"):
     tma_load, tma_store = tma.async_load, tma.async_store
 else:
     tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+# Gluon's aggregate (device values passed as one argument), by its Triton 3.6 name or its public one (3.7 on).
+# It checks values against its fields' annotations, hence this module's annotations are not postponed (PEP 563).
+aggregate = getattr(gluon, "aggregate", None) or triton.language.core._aggregate
 
 
 @dataclass(frozen=True)
@@ -203,10 +206,57 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
+@aggregate
+class Mainloop:
+    """The GEMM of a kernel, passed as one argument to its producer and its consumers (as the Gluon
+    warp-specialization tutorial passes its partitions' arguments): the operands' TMA descriptors, their ring of
+    STAGES shared-memory stages with its `ready` and `empty` barriers, the consumers' `turn` barriers, and the
+    tile settings. A_KM: a is M-contiguous, a_desc its transpose's (descriptor_a); B_KN: b is [K, N]."""
+
+    a_desc: tma.tensor_descriptor
+    b_desc: tma.tensor_descriptor
+    a_ring: gl.shared_memory_descriptor
+    b_ring: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    turn: gl.shared_memory_descriptor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_K: gl.constexpr
+    GROUP_M: gl.constexpr
+    STAGES: gl.constexpr
+    CONSUMERS: gl.constexpr
+    B_KN: gl.constexpr
+    A_KM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, a_desc, b_desc, a_ring, b_ring, ready, empty, turn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                 STAGES, CONSUMERS, B_KN, A_KM):
+        self.a_desc, self.b_desc = a_desc, b_desc
+        self.a_ring, self.b_ring = a_ring, b_ring
+        self.ready, self.empty, self.turn = ready, empty, turn
+        self.BLOCK_M, self.BLOCK_N, self.BLOCK_K = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(BLOCK_K)
+        self.GROUP_M, self.STAGES, self.CONSUMERS = gl.constexpr(GROUP_M), gl.constexpr(STAGES), gl.constexpr(CONSUMERS)
+        self.B_KN, self.A_KM = gl.constexpr(B_KN), gl.constexpr(A_KM)
+
+
 @gluon.jit
-def allocate_ring(desc, STAGES: gl.constexpr):
-    """STAGES shared-memory tiles of a TMA descriptor's block, in its layout."""
-    return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+def allocate_mainloop(a_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_KN: gl.constexpr,
+                      A_KM: gl.constexpr):
+    """A kernel's Mainloop: the ring's stages in the layouts of the operands' TMA blocks, and its barriers."""
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(i), count=1)
+    return Mainloop(a_desc, b_desc, a_ring, b_ring, ready, empty, turn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    CONSUMERS, B_KN, A_KM)
 
 
 @gluon.jit
@@ -222,59 +272,62 @@ def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def load_operands(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, NUM_PROGRAMS,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, B_KN: gl.constexpr, A_KM: gl.constexpr):
+def load_operands(mainloop, M, N, K, NUM_PROGRAMS):
     """The producer: every K step of every tile of this program, in order, into the ring. A stage is
     refilled once its `empty` barrier says the MMAs that read it are done; barriers start with their phase
     1 complete, hence the first wait on each stage passes. Edges read zeros (TMA's out-of-bounds fill)."""
+    BLOCK_M: gl.constexpr = mainloop.BLOCK_M
+    BLOCK_N: gl.constexpr = mainloop.BLOCK_N
+    BLOCK_K: gl.constexpr = mainloop.BLOCK_K
+    STAGES: gl.constexpr = mainloop.STAGES
+    a_desc, b_desc = mainloop.a_desc, mainloop.b_desc
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     step = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, mainloop.GROUP_M)
         for k in range(k_steps):
             stage = step % STAGES
-            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            if A_KM:  # a's [K, M] transpose (mn_major)
-                tma_load(a_desc, [k * BLOCK_K, pid_m * BLOCK_M], ready.index(stage), a_ring.index(stage))
+            mbarrier.wait(mainloop.empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            ready = mainloop.ready.index(stage)
+            mbarrier.expect(ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if mainloop.A_KM:  # a's [K, M] transpose (mn_major)
+                tma_load(a_desc, [k * BLOCK_K, pid_m * BLOCK_M], ready, mainloop.a_ring.index(stage))
             else:
-                tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(stage), a_ring.index(stage))
-            if B_KN:
-                tma_load(b_desc, [k * BLOCK_K, pid_n * BLOCK_N], ready.index(stage), b_ring.index(stage))
+                tma_load(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready, mainloop.a_ring.index(stage))
+            if mainloop.B_KN:
+                tma_load(b_desc, [k * BLOCK_K, pid_n * BLOCK_N], ready, mainloop.b_ring.index(stage))
             else:
-                tma_load(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(stage), b_ring.index(stage))
+                tma_load(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready, mainloop.b_ring.index(stage))
             step += 1
 
 
 @gluon.jit
-def mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-             ACC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, B_KN: gl.constexpr, A_KM: gl.constexpr):
+def mma_tile(mainloop, step, k_steps, tile_count, ACC: gl.constexpr, CONSUMER: gl.constexpr):
     """One tile's mainloop on ring steps [step, step + k_steps), once the consumer before this one (in turn,
     of CONSUMERS) has run its mainloop (the `turn` barriers); this consumer's `tile_count`-th tile. One wgmma
     stays in flight: a stage is released as soon as the wgmma after it is issued. Returns the fp32
     accumulator. Consumer 0's first wait passes at once (a barrier starts with its phase 1 complete)."""
-    mbarrier.wait(turn.index(CONSUMER), (tile_count & 1) ^ (1 if CONSUMER == 0 else 0))
-    acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, ACC)
+    STAGES: gl.constexpr = mainloop.STAGES
+    mbarrier.wait(mainloop.turn.index(CONSUMER), (tile_count & 1) ^ (1 if CONSUMER == 0 else 0))
+    acc = gl.zeros((mainloop.BLOCK_M, mainloop.BLOCK_N), gl.float32, ACC)
     for k in range(k_steps):
         stage = (step + k) % STAGES
-        mbarrier.wait(ready.index(stage), ((step + k) // STAGES) & 1)
-        a = a_ring.index(stage)
-        if A_KM:
+        mbarrier.wait(mainloop.ready.index(stage), ((step + k) // STAGES) & 1)
+        a = mainloop.a_ring.index(stage)
+        if mainloop.A_KM:
             a = a.permute((1, 0))
-        b = b_ring.index(stage)
-        if B_KN:
+        b = mainloop.b_ring.index(stage)
+        if mainloop.B_KN:
             acc = warpgroup_mma(a, b, acc, is_async=True)
         else:
             acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
         acc, a, b = warpgroup_mma_wait(1, deps=(acc, a, b))
-        mbarrier.arrive(empty.index((step + k + STAGES - 1) % STAGES), pred=k > 0)
-    mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
+        mbarrier.arrive(mainloop.empty.index((step + k + STAGES - 1) % STAGES), pred=k > 0)
+    mbarrier.arrive(mainloop.turn.index((CONSUMER + 1) % mainloop.CONSUMERS))
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + k_steps + STAGES - 1) % STAGES))
+    mbarrier.arrive(mainloop.empty.index((step + k_steps + STAGES - 1) % STAGES))
     return acc
 
 

@@ -94,8 +94,9 @@ def geglu_dgrad_load_inputs(z_desc, buffers, ready, first_row, slice_n, SLICE_N:
 
 @gluon.jit
 def geglu_dgrad_consumer(
-    # the ring of operand stages and its barriers; this kernel's epilogue buffers and their barriers
-    a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready,
+    # the GEMM (hopper.Mainloop: operands, ring of stages, barriers, tile settings); this kernel's epilogue buffers
+    # and their barriers
+    mainloop, epilogue_buffers, inputs_ready,
     # TMA descriptors of the tile inputs and outputs (and of the GEMM's a: its type is T)
     z_desc, dz_desc, y_desc, grad_y_desc,
     # pointers
@@ -103,10 +104,8 @@ def geglu_dgrad_consumer(
     M, N, K,
     stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
     NUM_PROGRAMS,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr,
-    SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, A_KM: gl.constexpr, CONSUMER: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    EPILOGUE_SPLIT: gl.constexpr, EPILOGUE_STAGES: gl.constexpr, SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr,
+    DIRECT_STORES: gl.constexpr, CONSUMER: gl.constexpr,
 ):
     """Consumer CONSUMER (of CONSUMERS): every CONSUMERS-th tile of this program, from the CONSUMER-th, through its
     mainloop and its epilogue, which runs on EPILOGUE_SPLIT column slices of the tile in turn, slice `part` in
@@ -114,17 +113,20 @@ def geglu_dgrad_consumer(
     of SLICE_UNROLL slices a step, whose copies of the epilogue's code select their slices of the accumulator at
     run time: the consumers' unrolled copies of a long epilogue miss the instruction cache (measured on the
     H200)."""
+    BLOCK_M: gl.constexpr = mainloop.BLOCK_M
+    BLOCK_N: gl.constexpr = mainloop.BLOCK_N
+    CONSUMERS: gl.constexpr = mainloop.CONSUMERS
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SLICE_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
     SLICE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SLICE_N, 16])
     LOADS: gl.constexpr = EPILOGUE_SPLIT // EPILOGUE_STAGES  # per tile, into each stage's buffers
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    k_steps = gl.cdiv(K, mainloop.BLOCK_K)
     step = CONSUMER * k_steps  # ring position of this consumer's next K step
     tile_count = 0
     for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_pid_m * num_pid_n, CONSUMERS * NUM_PROGRAMS):
-        pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = hopper.tile_coords(tile_id, num_pid_m, num_pid_n, mainloop.GROUP_M)
         # the tile's inputs by TMA, once the last tile's stores have read the buffers: the first EPILOGUE_STAGES
         # slices' while the mainloop runs, each later slice's once the slice before it in its buffers is done
         if not DIRECT_STORES:
@@ -135,8 +137,7 @@ def geglu_dgrad_consumer(
             geglu_dgrad_load_inputs(z_desc, buffers, inputs_ready.index(slot), pid_m * BLOCK_M,
                                     pid_n * EPILOGUE_SPLIT + early_part, SLICE_N)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, SLICE))
-        acc = hopper.mma_tile(a_ring, b_ring, ready, empty, turn, step, k_steps, tile_count,
-                              ACC, BLOCK_M, BLOCK_N, STAGES, CONSUMER, CONSUMERS, True, A_KM)
+        acc = hopper.mma_tile(mainloop, step, k_steps, tile_count, ACC, CONSUMER)
         step += CONSUMERS * k_steps
         for step_start in (range if SLICE_LOOP else gl.static_range)(0, EPILOGUE_SPLIT, SLICE_UNROLL):
             for in_step in gl.static_range(SLICE_UNROLL):
@@ -189,69 +190,54 @@ def geglu_dgrad_gluon_kernel(
     SLICE_LOOP: gl.constexpr, SLICE_UNROLL: gl.constexpr, DIRECT_STORES: gl.constexpr, CONSUMERS: gl.constexpr,
     A_KM: gl.constexpr,
 ):
-    a_ring = hopper.allocate_ring(grad_y_desc, STAGES)
-    b_ring = hopper.allocate_ring(w_down_desc, STAGES)
+    mainloop = hopper.allocate_mainloop(grad_y_desc, w_down_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                                        CONSUMERS, True, A_KM)
     # per consumer and epilogue stage, EPILOGUE.buffers slices of type T, 2 slices wide (slices of pairs), in
     # the layout of the epilogue's TMA descriptors of that width
     epilogue_buffers = gl.allocate_shared_memory(
         grad_y_desc.dtype, [CONSUMERS * EPILOGUE_STAGES, BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)],
         gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * (BLOCK_N // EPILOGUE_SPLIT)], grad_y_desc.dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     inputs_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * EPILOGUE_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(CONSUMERS * EPILOGUE_STAGES):
         mbarrier.init(inputs_ready.index(i), count=1)
     # consumer 0 in the kernel's own 4 warps, each other consumer in 4 more, the producer in one
     if CONSUMERS == 2:
         gl.warp_specialize([
             (geglu_dgrad_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-                grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
-                stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
-                0, CONSUMERS,
+                mainloop, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc, grad_y_desc, dz_ptr, zdz_part_ptr,
+                y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                NUM_PROGRAMS, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                0,
             )),
             (geglu_dgrad_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-                grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
-                stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
-                1, CONSUMERS,
+                mainloop, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc, grad_y_desc, dz_ptr, zdz_part_ptr,
+                y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                NUM_PROGRAMS, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                1,
             )),
-            (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
+            (hopper.load_operands, (mainloop, M, N, K, NUM_PROGRAMS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:  # CONSUMERS == 3
         gl.warp_specialize([
             (geglu_dgrad_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-                grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
-                stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
-                0, CONSUMERS,
+                mainloop, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc, grad_y_desc, dz_ptr, zdz_part_ptr,
+                y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                NUM_PROGRAMS, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                0,
             )),
             (geglu_dgrad_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-                grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
-                stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
-                1, CONSUMERS,
+                mainloop, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc, grad_y_desc, dz_ptr, zdz_part_ptr,
+                y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                NUM_PROGRAMS, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                1,
             )),
             (geglu_dgrad_consumer, (
-                a_ring, b_ring, ready, empty, turn, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc,
-                grad_y_desc, dz_ptr, zdz_part_ptr, y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m,
-                stride_zdz_part_t, stride_y_m, stride_y_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES, A_KM,
-                2, CONSUMERS,
+                mainloop, epilogue_buffers, inputs_ready, z_desc, dz_desc, y_desc, grad_y_desc, dz_ptr, zdz_part_ptr,
+                y_ptr, M, N, K, stride_dz_m, stride_dz_n, stride_zdz_part_m, stride_zdz_part_t, stride_y_m, stride_y_n,
+                NUM_PROGRAMS, EPILOGUE_SPLIT, EPILOGUE_STAGES, SLICE_LOOP, SLICE_UNROLL, DIRECT_STORES,
+                2,
             )),
-            (hopper.load_operands, (grad_y_desc, w_down_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                    NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, True, A_KM)),
+            (hopper.load_operands, (mainloop, M, N, K, NUM_PROGRAMS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
