@@ -18,7 +18,7 @@ demo: $(BIN)/codagen
 	$(BIN)/codagen build specs/
 	$(BIN)/python -m examples.demo
 
-# on every core (pytest-xdist); about 11 minutes on a 2-core machine without a GPU
+# on every core (pytest-xdist); about 9 minutes on a 2-core machine without a GPU
 test: $(BIN)/codagen
 	$(BIN)/python -m pytest -q -n auto
 

@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from codagen.hf import apply_codagen
 from codagen.training import leave_process_group
-from interpreter import quicken  # tests/, the worker's folder, is on sys.path
 
 VOCAB, BATCH, SEQ = 97, 2, 12
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
@@ -67,7 +66,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def start() -> tuple[int, int, object]:
     """The gloo process group of this worker's processes, one per row of the batch: (rank, world, its 1-d mesh)."""
-    quicken()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == BATCH

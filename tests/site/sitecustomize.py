@@ -1,6 +1,7 @@
-"""Imported by Python at the start of every process that the distributed and example tests launch (their
-environments put this folder first on PYTHONPATH): Triton's interpreter made quicker there too
-(tests/interpreter.py), so scripts such as examples/train_llama.py run as they are."""
+"""Imported by Python at the start of every process that the distributed and example tests launch
+(conftest.quickened puts this folder first on their PYTHONPATH): Triton's interpreter made quicker there as in
+the tests' own processes (tests/interpreter.py), in the test workers and in scripts such as
+examples/train_llama.py, which run unchanged."""
 import importlib.util
 from pathlib import Path
 
