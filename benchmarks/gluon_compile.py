@@ -27,9 +27,8 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from codagen.runtime.gluon_hopper import CONSUMER_REGS, HopperConfig, default_config  # noqa: E402
-from spills import jit_specialization  # noqa: E402
+from spills import ELEMENT, jit_specialization  # noqa: E402
 
-POINTER = {"T": "*bf16", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "index": "*i64"}
 # after each kernel's default (default_config)
 CONFIGS = (HopperConfig(stages=4), HopperConfig(stages=2), HopperConfig(block_m=64, block_n=256, stages=4),
            HopperConfig(block_k=32, stages=10), HopperConfig(stages=3, epilogue_split=4),
@@ -79,7 +78,7 @@ def source(module, config: HopperConfig, t: str = "bf16", a_km: bool = False) ->
             sig[p] = f"tensordesc<{t}{block},{layout!r}>"
         elif p.endswith("_ptr"):
             dtype = decls[p[:-4]].dtype
-            sig[p] = f"*{t}" if dtype == "T" else POINTER[dtype]
+            sig[p] = f"*{t}" if dtype == "T" else "*" + ELEMENT[dtype]
         elif p in meta:
             sig[p] = "constexpr"
         elif p in decls or p in ("M", "N", "K", "NUM_PROGRAMS") or p.startswith("stride_"):

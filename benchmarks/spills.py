@@ -46,9 +46,10 @@ def jit_specialization(module, params: list[str], sig: dict) -> tuple[dict, dict
     Returns (constexprs, attrs) keyed as ASTSource takes them; `sig` gets the unit strides as constexprs."""
     strides: dict[str, list[str]] = {}
     for p in params:
-        if p.startswith("_stride_"):
+        stride = p.removeprefix("_")  # the tl kernels' parameters start with '_', the Hopper modules' do not
+        if stride.startswith("stride_"):
             tensor = max((name for name in [*(d.name for d in module.DECLS), "acc"]  # acc: the cuBLAS mainloop's product
-                          if p.startswith(f"_stride_{name}_")), key=len)
+                          if stride.startswith(f"stride_{name}_")), key=len)
             strides.setdefault(tensor, []).append(p)
     unit = {names[-1] for names in strides.values()}
     constexprs, attrs = {}, {}
