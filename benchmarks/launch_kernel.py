@@ -41,8 +41,11 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
             raise SystemExit(f"--config: no candidate labelled {config_label!r}; the candidates: " + "; ".join(pool))
         config = pool[config_label]
     else:
+        # the kernel's column and K groups, as its launcher passes them: a table's entries are kept for these
         config = autotune.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
-                                      torch.device(device), decls=module.DECLS, split=module.DEFAULT_SPLIT)
+                                      torch.device(device), getattr(module, "COLUMN_GROUP", None),
+                                      decls=module.DECLS, split=module.DEFAULT_SPLIT,
+                                      k_group=getattr(module, "K_GROUP", None))
     dev = torch.device(device)
     inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)
