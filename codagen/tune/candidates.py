@@ -129,8 +129,9 @@ GLUON_CANDIDATES = (
     # for sm_90 after the epilogue changes of 2026-12-04 night; 736 and 24 bytes before)
     _h(128, 128, 64, 8, 6, epilogue_split=8, epilogue_stages=2, slice_loop=True),
     # ... with 4 epilogue stages: each slice's inputs load 3 slices ahead, not 1. ncu on swiglu_dgrad with 2
-    # stages found its consumers waiting for their slices' inputs (inputs_ready) about as long as for their
-    # operands; with 4, swiglu_dgrad ran 6% faster at 1B and 20% at 8B, 32k tokens (H100, 2026-12-08)
+    # stages (and each reload a slice later than here, a variant that lost) found its consumers waiting for their
+    # slices' inputs about as long as for their operands; with 4, swiglu_dgrad ran 6% faster at 1B and 20% at 8B,
+    # 32k tokens (H100, 2026-12-08)
     _h(128, 128, 64, 8, 5, epilogue_split=8, epilogue_stages=4, slice_loop=True),
     _h(128, 128, 64, 8, 5, epilogue_split=4, slice_loop=True),
     _h(128, 128, 64, 8, 5, epilogue_split=4, direct_stores=True, slice_loop=True),
