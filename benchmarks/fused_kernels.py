@@ -92,9 +92,9 @@ def _measure(row: KernelRow, c: api.Checked, module, shape: Shape, device, dtype
     """Check and time the kernel with `config`, else its launcher's choice; whether that was the default."""
     kernel = c.kernel
     picked = config is None
-    config = config or runtime.pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n,
-                                           shape.k, device, kernel.column_group, split=module.DEFAULT_SPLIT)
-    default = picked and config == runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT)
+    config = config or harness.launch_choice(kernel, module, shape, device)
+    default = picked and config == runtime.configs.gpu_k_group_default(
+        runtime.configs.gpu_default(kernel.column_group, shape.n, module.DEFAULT_SPLIT), kernel.k_group)
     row.config = config.label()
     inputs = harness.make_inputs(kernel, module, shape, device, dtype)
     why = harness.Checker(c, module, inputs, min(harness.CHECK_ROWS, shape.m), device, dtype)(config, shape)

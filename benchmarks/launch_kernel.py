@@ -23,10 +23,9 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
     launches it once)."""
     import torch
 
-    from codagen.runtime import autotune
     from codagen.tune.candidates import candidates
     from codagen.tune.command import load_module
-    from codagen.tune.harness import inplace_names, make_inputs, new_outputs
+    from codagen.tune.harness import inplace_names, launch_choice, make_inputs, new_outputs
     from codagen.tune.shapes import Shape
 
     m, n, k = (int(x) for x in shape.split("x"))
@@ -41,11 +40,7 @@ def prepare(kernel_name: str, shape: str, config_label: str | None = None, devic
             raise SystemExit(f"--config: no candidate labelled {config_label!r}; the candidates: " + "; ".join(pool))
         config = pool[config_label]
     else:
-        # the kernel's column and K groups, as its launcher passes them: a table's entries are kept for these
-        config = autotune.pick_config(module.NAME, module.FINGERPRINT, ROOT / "generated" / "tuning", m, n, k,
-                                      torch.device(device), getattr(module, "COLUMN_GROUP", None),
-                                      decls=module.DECLS, split=module.DEFAULT_SPLIT,
-                                      k_group=getattr(module, "K_GROUP", None))
+        config = launch_choice(kernel, module, Shape(m, n, k), torch.device(device))
     dev = torch.device(device)
     inputs = make_inputs(kernel, module, Shape(m, n, k), dev)
     inplace = inplace_names(kernel)

@@ -19,6 +19,7 @@ from ..api import Checked
 from ..errors import SpecError, ValidationFailed
 from ..model import BLayout, Kernel
 from ..runtime import backends, configs
+from ..runtime.autotune import pick_config
 from ..runtime.checks import FLOATS
 from ..runtime.configs import Config, fits_k_group, k_group_problem
 from . import TuneError
@@ -289,6 +290,15 @@ def _try(checked: Checked, module, config: Config, shape: Shape, inputs: dict, c
     if unwritten:
         return f"{', '.join(unwritten)} left NaN at the full shape {shape}", None
     return None, timer(fn)
+
+
+def launch_choice(kernel: Kernel, module, shape: Shape, device: torch.device):
+    """The config the kernel's launch takes at `shape` when given none and not tuning at run time: its table's entry,
+    else the GPU's default, looked up with the kernel's column and K groups as its launcher looks it up (a lookup
+    without them finds no entry of a kernel with column groups, and misses the K-group default)."""
+    return pick_config(module.NAME, module.FINGERPRINT, module.TUNING, shape.m, shape.n, shape.k, device,
+                       kernel.column_group, decls=module.DECLS, split=module.DEFAULT_SPLIT,
+                       cublas=not kernel.fp8_gemm, k_group=kernel.k_group)
 
 
 def launcher(checked: Checked, module, config: Config, shape: Shape, inputs: dict, device, dtype):
